@@ -1,0 +1,29 @@
+// fsdp/compat.h — every difference between the LibTorch versions fsdp-cpp builds
+// against lives here, and nowhere else.
+//
+// Supported: LibTorch 1.13 (Debian 12's libtorch-dev; its torch/version.h says 1.13.0)
+// and LibTorch 2.x (e.g. the one inside a PyTorch 2.11 install, with or without CUDA).
+// Code elsewhere uses the macros below instead of testing versions itself.
+#pragma once
+
+#include <torch/version.h>
+
+// True when the LibTorch being compiled against is at least major.minor.
+// Gate on major and minor only: Debian's 1.13.1 reports patch level 0.
+#define FSDP_TORCH_VERSION_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||               \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#if !FSDP_TORCH_VERSION_AT_LEAST(1, 13)
+#error "fsdp-cpp needs LibTorch 1.13 or newer"
+#endif
+
+// c10::Allocator: 1.13 has `DataPtr allocate(size_t) const` and no copy_data;
+// newer releases have a non-const allocate and a pure virtual copy_data.
+#if FSDP_TORCH_VERSION_AT_LEAST(2, 3)
+#define FSDP_ALLOCATOR_CONST
+#define FSDP_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define FSDP_ALLOCATOR_CONST const
+#define FSDP_ALLOCATOR_HAS_COPY_DATA 0
+#endif

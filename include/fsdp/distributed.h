@@ -1,0 +1,81 @@
+// fsdp/distributed.h — joining the job: rendezvous from the launcher's environment, the
+// world process group, and sub-groups.
+//
+//   // under `fsdprun --nproc-per-node 2 ./train` (or torchrun, mpirun, srun):
+//   fsdp::init_process_group();                 // reads RANK, WORLD_SIZE, MASTER_ADDR, ...
+//   auto world = fsdp::world();                 // the group of all ranks
+//   ...
+//   fsdp::destroy_process_group();              // optional; also done at exit
+//
+// The environment contract is torchrun's: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT (and TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE when
+// a launcher hosts the store). When RANK is absent, OpenMPI's OMPI_COMM_WORLD_* or Slurm's
+// SLURM_* variables are used instead; MASTER_ADDR / MASTER_PORT still name the store (Slurm:
+// defaults are SLURM_LAUNCH_NODE_IPADDR and a port derived from SLURM_JOB_ID).
+#pragma once
+
+#include <fsdp/process_group.h>
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+// Where this process sits in the job, as read from the environment.
+struct RendezvousInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int restart_count = 0;         // TORCHELASTIC_RESTART_COUNT
+  bool use_agent_store = false;  // the launcher hosts the store; every rank is a client
+  std::string source;            // "torchrun", "openmpi", "slurm" or "default"
+};
+
+// Parses the environment (see the file comment). Throws c10::Error naming the variable when one
+// is present but malformed or inconsistent (e.g. RANK >= WORLD_SIZE). Without any launcher
+// variables it describes a single process (rank 0 of 1). Does not communicate.
+RendezvousInfo rendezvous_info_from_env();
+
+struct InitOptions {
+  // Timeout of every collective of the groups created from this runtime, and of the
+  // rendezvous itself. FSDP_COLLECTIVE_TIMEOUT_MS in the environment overrides the default.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  // Address this rank's transport binds to; empty = derived (loopback when the store is on
+  // loopback, else this host's name). GLOO_SOCKET_IFNAME / FSDP_SOCKET_IFNAME select an
+  // interface instead.
+  TORCH_ARG(std::string, transport_host) = "";
+};
+
+// Joins the job described by the environment: connects to (or, on rank 0 without a launcher
+// store, hosts) the TCPStore at MASTER_ADDR:MASTER_PORT and builds the world group.
+// Collective over all ranks; blocks until all have arrived or the timeout expires. Throws if
+// already initialised.
+void init_process_group(InitOptions options = InitOptions());
+// The same from an explicit description (used by tests and by programs with their own launch).
+void init_process_group(const RendezvousInfo& info, InitOptions options = InitOptions());
+
+bool is_initialized();
+// Tears down every group of this process. Not collective, but peers blocked in a collective
+// with this process will see an error. Safe to call when not initialised.
+void destroy_process_group();
+
+// The group of all ranks. Throws unless initialised.
+std::shared_ptr<ProcessGroup> world();
+int get_rank();
+int get_world_size();
+const RendezvousInfo& rendezvous_info();
+
+// A group of the given world ranks (sorted, distinct). Collective over the MEMBERS only: each
+// member must call it with the same ranks, in the same order relative to its other new_group
+// calls; non-members need not call it. Blocks until all members have connected. The group
+// rank of a member is its position in `ranks`. Throws if this rank is not in `ranks`.
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+
+}  // namespace fsdp

@@ -1,0 +1,188 @@
+// fsdp/process_group.h — fsdp-cpp's own process-group layer: the collectives FSDP needs,
+// asynchronous, with timeouts and per-group counters.
+//
+// FSDP code talks only to this interface, never to c10d, so c10d's version differences and
+// its Gloo gaps (no all-gather into one flat tensor, no real reduce-scatter in 1.13) stay
+// out of it. The CPU implementation runs its own algorithms on Gloo's transport; a CUDA
+// build can add an NCCL implementation of the same interface.
+//
+// Example (every rank of the group runs the same lines, in the same order):
+//
+//   auto pg = fsdp::world();                       // after fsdp::init_process_group()
+//   at::Tensor shard = at::ones({4});
+//   at::Tensor full = at::empty({4 * pg->size()});
+//   auto work = pg->all_gather_into(full, shard);  // returns at once
+//   ...                                            // overlap compute here
+//   work->wait();                                  // full is ready; rethrows any error
+//
+// Collective contract, true of every collective method below:
+//  - It is collective: every member of the group must call it, with matching sizes and dtype,
+//    in the same order relative to the group's other collectives.
+//  - It does not block: it queues the operation on the group's communication thread and
+//    returns a Work. The caller must not touch the output (or modify the input) until
+//    wait() returns. The Work keeps the tensors alive until the operation is done.
+//  - Tensors must be contiguous CPU tensors (for this CPU backend). Outputs are written in
+//    place through their data pointers, so autograd version counters are not bumped.
+//  - Each operation is bounded by the group's timeout. When it expires the Work fails with a
+//    CollectiveError naming the op, its sequence number, the group and the ranks that did not
+//    arrive; the group is then unusable (every later operation fails at once).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+// How reductions combine values. kAvg divides the sum by the group size (floating types only).
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+const char* to_string(ReduceOp op);
+
+// The kinds of collective, used to index the per-group counters.
+enum class CollectiveKind : int { kAllGather = 0, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
+constexpr int kNumCollectiveKinds = 5;
+const char* to_string(CollectiveKind kind);
+
+// What one group did for one kind of collective, as seen by this rank.
+struct CollectiveCounters {
+  int64_t calls = 0;           // operations issued
+  int64_t bytes_sent = 0;      // payload bytes this rank put on the wire
+  int64_t bytes_received = 0;  // payload bytes this rank took off the wire
+};
+
+// A snapshot of a group's counters. Indexed by kind: stats[CollectiveKind::kAllGather].calls.
+struct CollectiveStats {
+  std::array<CollectiveCounters, kNumCollectiveKinds> by_kind{};
+  const CollectiveCounters& operator[](CollectiveKind k) const { return by_kind[static_cast<int>(k)]; }
+  CollectiveCounters& operator[](CollectiveKind k) { return by_kind[static_cast<int>(k)]; }
+  int64_t total_calls() const;
+};
+
+// The error a failed collective reports (timeout, a peer that went away, a group made
+// unusable by an earlier failure).
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Handle of one queued collective. Thread-safe. Shared by the caller and the group's
+// communication thread.
+class Work {
+ public:
+  Work(CollectiveKind kind, int64_t seq) : kind_(kind), seq_(seq) {}
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  // Blocks until the operation finished. Rethrows its error (a CollectiveError) if it failed.
+  // Calling it again after completion returns (or rethrows) at once.
+  void wait();
+  // True once the operation finished, successfully or not. Never blocks.
+  bool is_completed() const;
+
+  CollectiveKind kind() const { return kind_; }
+  // The group's sequence number of this operation (0 for the group's first collective).
+  int64_t seq() const { return seq_; }
+
+  // Used by implementations: record the outcome and wake waiters. Called once.
+  void finish(std::exception_ptr error = nullptr);
+  // Used by implementations: tensors that must outlive the operation.
+  void keep_alive(std::vector<at::Tensor> tensors) { tensors_ = std::move(tensors); }
+
+ private:
+  const CollectiveKind kind_;
+  const int64_t seq_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+  std::vector<at::Tensor> tensors_;
+};
+using WorkHandle = std::shared_ptr<Work>;
+
+// A group of ranks that communicate. Obtain one from fsdp::world(), fsdp::new_group() or a
+// DeviceMesh; never construct one directly. Methods are safe to call from any thread, but the
+// order in which collectives are issued must be the same on every member.
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  // This process's rank within the group, and the number of members.
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(global_ranks_.size()); }
+  // The members' ranks in the world group, in group-rank order.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  // A name unique among the groups of this program, used in errors and store keys.
+  const std::string& name() const { return name_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // output[i * n : (i + 1) * n] = input of group rank i, n = input.numel().
+  // Requires output.numel() == size() * input.numel(). Writes straight into `output`.
+  WorkHandle all_gather_into(const at::Tensor& output, const at::Tensor& input);
+  // The uneven form: rank i contributes counts[i] elements (input.numel() == counts[rank()]);
+  // output is their concatenation (numel == sum of counts). Counts may be zero.
+  WorkHandle all_gather_v(const at::Tensor& output, const at::Tensor& input,
+                          const std::vector<int64_t>& counts);
+  // A real reduce-scatter: rank i receives op over all ranks of input[i * n : (i + 1) * n],
+  // n = output.numel(); it receives only its own chunk. Requires
+  // input.numel() == size() * output.numel(). `input` is not modified.
+  WorkHandle reduce_scatter_into(const at::Tensor& output, const at::Tensor& input,
+                                 ReduceOp op = ReduceOp::kSum);
+  // The uneven form: rank i receives counts[i] elements (output.numel() == counts[rank()]),
+  // taken at offset counts[0] + ... + counts[i - 1] of input (numel == sum of counts).
+  WorkHandle reduce_scatter_v(const at::Tensor& output, const at::Tensor& input,
+                              const std::vector<int64_t>& counts, ReduceOp op = ReduceOp::kSum);
+  // In place: tensor = op over all ranks of tensor. The result is bitwise identical on all ranks.
+  WorkHandle all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // In place: tensor = tensor of group rank `root`.
+  WorkHandle broadcast(const at::Tensor& tensor, int root = 0);
+  // Completes on each rank once every member has called it.
+  WorkHandle barrier();
+
+  // The counters of this group as seen by this rank, and their reset. Counters move when an
+  // operation is issued (calls) and as bytes are transferred (bytes), so read them after wait().
+  CollectiveStats stats() const;
+  void reset_stats();
+
+ protected:
+  ProcessGroup(int rank, std::vector<int> global_ranks, std::string name,
+               std::chrono::milliseconds timeout);
+
+  // One queued operation, as handed to the implementation. Sizes are already validated.
+  struct Op {
+    CollectiveKind kind;
+    ReduceOp reduce = ReduceOp::kSum;
+    at::Tensor output;             // all-gather, reduce-scatter
+    at::Tensor input;              // all-gather, reduce-scatter; the tensor of all-reduce/broadcast
+    std::vector<int64_t> counts;   // per-rank element counts (gather/scatter forms)
+    int root = 0;                  // broadcast
+  };
+  // Queue `op` for execution in issue order and return its handle.
+  virtual WorkHandle enqueue(Op op) = 0;
+
+  // Implementations add bytes as they move them.
+  void count_bytes(CollectiveKind kind, int64_t sent, int64_t received);
+  // The sequence number the next enqueued operation gets; bumps the call counter.
+  int64_t next_seq(CollectiveKind kind);
+
+ private:
+  const int rank_;
+  const std::vector<int> global_ranks_;
+  const std::string name_;
+  const std::chrono::milliseconds timeout_;
+  mutable std::mutex stats_mu_;
+  CollectiveStats stats_;
+  int64_t next_seq_ = 0;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,92 @@
+// gloo_backend.h — the CPU implementation of fsdp::ProcessGroup on Gloo's TCP transport.
+//
+// Every collective of a group runs on that group's one communication thread, in issue order;
+// this is where data moves, and the only place that waits on the transport. The algorithms
+// are ours (Gloo 0.5 has neither an all-gather into a caller's buffer with uneven counts nor a
+// reduce-scatter that leaves the input alone): point-to-point sends and receives of byte ranges
+// through Gloo's unbound buffers.
+#pragma once
+
+#include <fsdp/process_group.h>
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace c10d {
+class Store;
+}
+namespace gloo {
+class Context;
+}
+
+namespace fsdp {
+namespace comm {
+
+class ProgressBoard;
+
+struct GlooGroupConfig {
+  int rank = 0;                          // this process's rank in the group
+  std::vector<int> global_ranks;         // members, in group-rank order
+  std::string name;                      // unique per program; scopes the store keys
+  std::chrono::milliseconds timeout{300000};
+  c10::intrusive_ptr<c10d::Store> store; // used to exchange transport addresses
+  std::string transport_host;            // address to bind, or empty when `transport_iface` is set
+  std::string transport_iface;           // network interface to bind (GLOO_SOCKET_IFNAME)
+  std::shared_ptr<ProgressBoard> board;  // for naming absent ranks on a timeout; may be null
+};
+
+class GlooProcessGroup final : public ProcessGroup {
+ public:
+  // Connects to every other member through the store (collective over the members; blocks
+  // until all have connected or the timeout expires) and starts the communication thread.
+  explicit GlooProcessGroup(GlooGroupConfig config);
+  ~GlooProcessGroup() override;
+
+ protected:
+  WorkHandle enqueue(Op op) override;
+
+ private:
+  struct Task {
+    Op op;
+    WorkHandle work;
+  };
+  void run_loop();
+  void execute(const Op& op, int64_t seq);
+  [[noreturn]] void fail(const Op& op, int64_t seq, const std::string& cause);
+
+  // The algorithms. Each returns when its data has fully arrived (or throws).
+  void all_gather(const Op& op, int64_t seq);
+  void reduce_scatter(const Op& op, int64_t seq);
+  void all_reduce(const Op& op, int64_t seq);
+  void broadcast(const Op& op, int64_t seq);
+  void barrier(int64_t seq);
+
+  // A scratch area of at least `nbytes`, kept for later operations (communication thread only).
+  char* scratch(size_t nbytes);
+
+  class Exchange;  // posts byte-range sends/receives and waits on them (gloo_backend.cpp)
+
+  GlooGroupConfig config_;
+  std::shared_ptr<gloo::Context> context_;  // null for a group of one
+  std::chrono::steady_clock::time_point deadline_;  // of the operation being executed
+  at::Tensor scratch_;                              // see scratch()
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  std::string broken_;  // why the group is unusable; empty while healthy
+  std::thread thread_;
+};
+
+}  // namespace comm
+}  // namespace fsdp

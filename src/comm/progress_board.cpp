@@ -1,0 +1,84 @@
+#include "comm/progress_board.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <string>
+
+namespace fsdp {
+namespace comm {
+
+ProgressBoard::ProgressBoard(c10::intrusive_ptr<c10d::Store> store, int global_rank)
+    : store_(std::move(store)), rank_(global_rank), thread_([this] { publish_loop(); }) {}
+
+ProgressBoard::~ProgressBoard() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void ProgressBoard::entered(const std::string& group, int64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = entries_[group];
+  e.seq = seq;
+  e.dirty = true;
+}
+
+std::string ProgressBoard::key(const std::string& group, int rank) const {
+  return "progress/" + group + "/" + std::to_string(rank);
+}
+
+void ProgressBoard::publish_dirty() {
+  std::vector<std::pair<std::string, int64_t>> todo;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : entries_) {
+      if (!kv.second.dirty) continue;
+      kv.second.dirty = false;
+      todo.emplace_back(kv.first, kv.second.seq);
+    }
+  }
+  std::lock_guard<std::mutex> lock(store_mu_);
+  for (const auto& item : todo) {
+    std::string v = std::to_string(item.second);
+    store_->set(key(item.first, rank_), std::vector<uint8_t>(v.begin(), v.end()));
+  }
+}
+
+void ProgressBoard::publish_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, kPeriod);
+    if (stopping_) break;
+    lock.unlock();
+    try {
+      publish_dirty();
+    } catch (const std::exception&) {
+      // The store went away (e.g. rank 0 died). Diagnosis will say so; keep the thread alive.
+    }
+    lock.lock();
+  }
+}
+
+std::vector<int64_t> ProgressBoard::last_entered(const std::string& group,
+                                                 const std::vector<int>& global_ranks) {
+  publish_dirty();
+  std::this_thread::sleep_for(3 * kPeriod);
+  std::vector<int64_t> result;
+  std::lock_guard<std::mutex> lock(store_mu_);
+  for (int r : global_ranks) {
+    const std::string k = key(group, r);
+    if (!store_->check({k})) {
+      result.push_back(-1);
+      continue;
+    }
+    std::vector<uint8_t> v = store_->get(k);
+    result.push_back(std::stoll(std::string(v.begin(), v.end())));
+  }
+  return result;
+}
+
+}  // namespace comm
+}  // namespace fsdp

@@ -1,0 +1,68 @@
+// progress_board.h — lets a rank whose collective timed out name the ranks that never
+// arrived.
+//
+// Each rank records, per group, the sequence number of the last collective it entered. A
+// background thread publishes changed values to the store every few milliseconds, off the
+// collectives' critical path (a store round trip per collective would cost more than a small
+// all-gather). On a timeout, the diagnosing rank reads every member's value: a member whose
+// last entered sequence number is below the failed one never arrived.
+#pragma once
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace c10d {
+class Store;
+}
+
+namespace fsdp {
+namespace comm {
+
+class ProgressBoard {
+ public:
+  // `store` should be a connection of its own: the publishing thread must not queue behind a
+  // long blocking wait of another thread on a shared connection.
+  ProgressBoard(c10::intrusive_ptr<c10d::Store> store, int global_rank);
+  ~ProgressBoard();
+  ProgressBoard(const ProgressBoard&) = delete;
+  ProgressBoard& operator=(const ProgressBoard&) = delete;
+
+  // Records that this rank entered collective `seq` of `group`. Cheap; never blocks on I/O.
+  void entered(const std::string& group, int64_t seq);
+
+  // The last sequence number each of `global_ranks` entered in `group` (-1: none yet).
+  // Publishes this rank's own value first and waits a few publishing periods so that the
+  // others' values are current. Blocks on the store; throws if the store is unreachable.
+  std::vector<int64_t> last_entered(const std::string& group, const std::vector<int>& global_ranks);
+
+  static constexpr std::chrono::milliseconds kPeriod{20};
+
+ private:
+  void publish_loop();
+  void publish_dirty();
+  std::string key(const std::string& group, int rank) const;
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  const int rank_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  struct Entry {
+    int64_t seq = -1;
+    bool dirty = false;
+  };
+  std::map<std::string, Entry> entries_;
+  std::mutex store_mu_;  // one store operation at a time from this object
+  std::thread thread_;
+};
+
+}  // namespace comm
+}  // namespace fsdp

@@ -1,0 +1,266 @@
+// Counting CPU allocator and /proc based RSS readers (see include/fsdp/memory.h).
+//
+// Design of the counting allocator
+// --------------------------------
+// CountingAllocator wraps the CPU allocator that was current when it was installed (c10's
+// default). allocate(n) asks the wrapped allocator for n + kHeader bytes and writes a small
+// header at the start of that block:
+//
+//   [ Header: n, wrapped deleter, wrapped context | padding ][ n bytes returned to the caller ]
+//   ^ wrapped DataPtr.get()                               ^ our DataPtr: data == context
+//
+// The returned DataPtr has data == context == the user pointer and a single static deleter.
+// The deleter steps back kHeader bytes, subtracts n from the counters and frees the block by
+// calling the wrapped DataPtr's own deleter with its own context, so the block always goes
+// back to the allocator that made it.
+//
+// Why a header and not a heap-allocated context object holding the wrapped DataPtr:
+//   - no extra malloc/free per tensor;
+//   - data == context keeps the DataPtr "simple", which LibTorch relies on: raw_allocate()
+//     asserts it, and 2.x copy-on-write (lazy clone) only wraps simple DataPtrs;
+//   - raw_deleter() can return the one static deleter;
+//   - every allocation carries its own wrapped deleter, so changing what we wrap later is safe.
+// The cost is kHeader (64) extra bytes per allocation; the counters report the requested n.
+// kHeader is a multiple of c10::gAlignment, so the returned pointer keeps the wrapped
+// allocator's alignment (64 bytes for c10's default).
+//
+// Installation runs from a static initializer in this file, i.e. when libfsdp is loaded
+// (after libc10, which it depends on, has registered its default allocator). The allocator
+// object is created with new and never destroyed, so tensors freed during static destruction
+// at exit still find it.
+#include <fsdp/compat.h>
+#include <fsdp/memory.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/alignment.h>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+namespace fsdp {
+namespace memory {
+namespace {
+
+// Priority passed to c10::SetCPUAllocator. c10 registers its default with 0 and replaces an
+// allocator only with one of equal or higher priority; 100 keeps ours in place against
+// default-priority registrations and still lets a user wrap ours with a higher priority.
+constexpr uint8_t kInstallPriority = 100;
+
+struct Header {
+  size_t nbytes;                 // what the caller asked for (what we count)
+  c10::DeleterFnPtr deleter;     // the wrapped DataPtr's deleter ...
+  void* context;                 // ... and its context
+};
+
+constexpr size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+constexpr size_t kHeader = round_up(sizeof(Header), c10::gAlignment);
+
+// Counters: plain globals of trivially destructible atomics, constant-initialised, so they are
+// usable before any constructor runs and after every destructor has run.
+std::atomic<int64_t> g_live{0};
+std::atomic<int64_t> g_peak{0};
+std::atomic<int64_t> g_count{0};
+std::atomic<int64_t> g_live_count{0};
+
+void note_alloc(int64_t n) {
+  const int64_t now = g_live.fetch_add(n, std::memory_order_relaxed) + n;
+  g_count.fetch_add(1, std::memory_order_relaxed);
+  g_live_count.fetch_add(1, std::memory_order_relaxed);
+  int64_t peak = g_peak.load(std::memory_order_relaxed);
+  while (now > peak &&
+         !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+void counting_delete(void* ptr) {
+  if (ptr == nullptr) return;
+  auto* h = reinterpret_cast<Header*>(static_cast<char*>(ptr) - kHeader);
+  const Header copy = *h;  // read before the block goes away
+  g_live.fetch_sub(static_cast<int64_t>(copy.nbytes), std::memory_order_relaxed);
+  g_live_count.fetch_sub(1, std::memory_order_relaxed);
+  if (copy.deleter != nullptr) copy.deleter(copy.context);
+}
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  // Version difference (fsdp/compat.h): allocate() is const in LibTorch 1.13 and non-const
+  // in 2.3 and later.
+  c10::DataPtr allocate(size_t n) FSDP_ALLOCATOR_CONST override {
+    c10::Allocator* inner = wrapped_.load(std::memory_order_acquire);
+    if (n == 0 || inner == nullptr) {
+      // Nothing to count. Keep one deleter for every DataPtr we return (raw_deleter()).
+      return {nullptr, nullptr, &counting_delete, c10::Device(c10::DeviceType::CPU)};
+    }
+    c10::DataPtr block = inner->allocate(n + kHeader);
+    char* base = static_cast<char*>(block.get());
+    const c10::Device device = block.device();
+    Header h{n, block.get_deleter(), nullptr};
+    h.context = block.release_context();  // we own the block from here on
+    std::memcpy(base, &h, sizeof h);
+    note_alloc(static_cast<int64_t>(n));
+    void* user = base + kHeader;
+    return {user, user, &counting_delete, device};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
+
+  // LibTorch 2.x has a pure virtual copy_data(). It is defined here in every version, without
+  // `override` where the macro says the base lacks it, so the class is concrete whatever the
+  // exact release that introduced it; in 1.13 it is an unused extra virtual.
+  void copy_data(void* dest, const void* src, std::size_t count) const
+#if FSDP_ALLOCATOR_HAS_COPY_DATA
+      override {
+    c10::Allocator* inner = wrapped_.load(std::memory_order_acquire);
+    if (inner != nullptr) {
+      inner->copy_data(dest, src, count);
+      return;
+    }
+    std::memcpy(dest, src, count);
+  }
+#else
+  {
+    std::memcpy(dest, src, count);
+  }
+#endif
+
+  // Sets the allocator to delegate to. Safe while others allocate: every block remembers the
+  // deleter of the allocator that made it.
+  void wrap(c10::Allocator* inner) { wrapped_.store(inner, std::memory_order_release); }
+  bool wraps_something() const { return wrapped_.load(std::memory_order_acquire) != nullptr; }
+
+ private:
+  std::atomic<c10::Allocator*> wrapped_{nullptr};
+};
+
+CountingAllocator& counting_allocator() {
+  static CountingAllocator* instance = new CountingAllocator();  // never destroyed
+  return *instance;
+}
+
+std::mutex& install_mutex() {
+  static std::mutex* m = new std::mutex();  // never destroyed
+  return *m;
+}
+
+// Installs when libfsdp is loaded.
+const bool g_installed_at_load = install_tracking_allocator();
+
+// Returns the value (in kB) of `key:` in /proc/self/status, or -1.
+int64_t status_kib(const char* key) {
+  std::ifstream f("/proc/self/status");
+  if (!f) return -1;
+  const size_t klen = std::strlen(key);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.compare(0, klen, key) == 0 && line.size() > klen && line[klen] == ':') {
+      long long kib = -1;
+      if (std::sscanf(line.c_str() + klen + 1, "%lld", &kib) == 1) return kib;
+      return -1;
+    }
+  }
+  return -1;
+}
+
+std::string mib(int64_t bytes, int digits) {
+  if (bytes < 0) return "n/a";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f MiB", digits, static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+}  // namespace
+
+bool install_tracking_allocator() {
+  std::lock_guard<std::mutex> lock(install_mutex());
+  CountingAllocator& counting = counting_allocator();
+  c10::Allocator* current = c10::GetCPUAllocator();
+  if (current == &counting) return true;
+  if (!counting.wraps_something()) {
+    counting.wrap(current);
+  }
+  // Later calls (someone replaced us) re-install with the allocator first wrapped; wrapping
+  // the new current one could make a cycle if it wraps us.
+  c10::SetCPUAllocator(&counting, kInstallPriority);
+  return c10::GetCPUAllocator() == &counting;
+}
+
+bool tracking_allocator_installed() {
+  return c10::GetCPUAllocator() == &counting_allocator();
+}
+
+int64_t allocated_bytes() { return g_live.load(std::memory_order_relaxed); }
+int64_t max_allocated_bytes() { return g_peak.load(std::memory_order_relaxed); }
+void reset_peak_allocated() {
+  g_peak.store(g_live.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+int64_t allocation_count() { return g_count.load(std::memory_order_relaxed); }
+int64_t live_allocation_count() { return g_live_count.load(std::memory_order_relaxed); }
+
+int64_t current_rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  long long size_pages = 0, resident_pages = -1;
+  if (!(f >> size_pages >> resident_pages) || resident_pages < 0) {
+    const int64_t kib = status_kib("VmRSS");
+    return kib < 0 ? -1 : kib * 1024;
+  }
+  return static_cast<int64_t>(resident_pages) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+int64_t peak_rss_bytes() {
+  const int64_t kib = status_kib("VmHWM");
+  return kib < 0 ? -1 : kib * 1024;
+}
+
+bool reset_peak_rss(std::string* error) {
+  FILE* f = std::fopen("/proc/self/clear_refs", "w");
+  if (f == nullptr) {
+    if (error != nullptr)
+      *error = std::string("cannot open /proc/self/clear_refs: ") + std::strerror(errno);
+    return false;
+  }
+  const bool wrote = std::fputs("5", f) >= 0;
+  const int write_errno = errno;
+  const bool closed = std::fclose(f) == 0;  // the kernel reports a rejected value here
+  if (!wrote || !closed) {
+    if (error != nullptr)
+      *error = std::string("writing 5 to /proc/self/clear_refs failed: ") +
+               std::strerror(wrote ? errno : write_errno);
+    return false;
+  }
+  return true;
+}
+
+std::string MemoryStats::to_string() const {
+  std::ostringstream s;
+  if (tracking) {
+    s << "tensors " << mib(allocated_bytes, 2) << " (peak " << mib(max_allocated_bytes, 2)
+      << ", " << live_allocation_count << " live / " << allocation_count << " allocs)";
+  } else {
+    s << "tensors: not tracked";
+  }
+  s << ", RSS " << mib(current_rss_bytes, 1) << " (peak " << mib(peak_rss_bytes, 1) << ")";
+  return s.str();
+}
+
+MemoryStats memory_stats() {
+  MemoryStats m;
+  m.tracking = tracking_allocator_installed();
+  m.allocated_bytes = allocated_bytes();
+  m.max_allocated_bytes = max_allocated_bytes();
+  m.allocation_count = allocation_count();
+  m.live_allocation_count = live_allocation_count();
+  m.current_rss_bytes = current_rss_bytes();
+  m.peak_rss_bytes = peak_rss_bytes();
+  return m;
+}
+
+}  // namespace memory
+}  // namespace fsdp

@@ -1,0 +1,273 @@
+// Joining the job: the launcher's environment, the store, the world group and sub-groups.
+// The process-wide state lives in one Runtime object behind a mutex.
+#include <fsdp/distributed.h>
+
+#include "comm/gloo_backend.h"
+#include "comm/progress_board.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+namespace fsdp {
+namespace {
+
+// ------------------------------------------------------------------------------ environment
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? v : nullptr;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = env(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  long parsed = std::strtol(v, &end, 10);
+  TORCH_CHECK(end && *end == '\0' && parsed >= 0 && parsed <= 1000000000L, "environment variable ",
+              name, "='", v, "' is not a non-negative integer");
+  return static_cast<int>(parsed);
+}
+
+bool env_true(const char* name) {
+  const char* v = env(name);
+  if (!v) return false;
+  std::string s(v);
+  return s == "1" || s == "True" || s == "true" || s == "TRUE" || s == "yes";
+}
+
+// Slurm's task count per node may look like "2(x3),1"; the first figure is this layout's.
+int slurm_tasks_per_node() {
+  const char* v = env("SLURM_TASKS_PER_NODE");
+  if (!v) v = env("SLURM_NTASKS_PER_NODE");
+  return v ? std::atoi(v) : 1;
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+// ------------------------------------------------------------------------------ runtime
+
+struct Runtime {
+  RendezvousInfo info;
+  InitOptions options;
+  c10::intrusive_ptr<c10d::Store> store;        // prefixed; shared by group creation
+  std::shared_ptr<comm::ProgressBoard> board;   // has its own store connection
+  std::shared_ptr<ProcessGroup> world;
+  std::map<std::vector<int>, int> groups_made;  // how many groups of each member set exist
+  std::string transport_host;
+  std::string transport_iface;
+};
+
+std::mutex g_mu;
+std::unique_ptr<Runtime> g_runtime;
+
+Runtime& runtime() {
+  TORCH_CHECK(g_runtime, "fsdp: the process group is not initialised; call fsdp::init_process_group() first");
+  return *g_runtime;
+}
+
+// A store connection under the launcher's or our own key prefix.
+c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousInfo& info, std::chrono::milliseconds timeout,
+                                              bool may_host) {
+  if (info.world_size == 1 && !info.use_agent_store) {
+    return c10::make_intrusive<c10d::HashStore>();  // alone: nothing to talk to
+  }
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(info.master_port);
+  opts.isServer = may_host && !info.use_agent_store && info.rank == 0;
+  opts.numWorkers = info.use_agent_store ? c10::nullopt : c10::optional<std::size_t>(info.world_size);
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> tcp;
+  try {
+    tcp = c10::make_intrusive<c10d::TCPStore>(info.master_addr, opts);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp: rank ", info.rank, " could not ", opts.isServer ? "host" : "reach",
+                " the rendezvous store at ", info.master_addr, ":", info.master_port, " (", e.what(),
+                "). Check MASTER_ADDR/MASTER_PORT, and that no other job uses that port.");
+  }
+  // torchrun's agent store scopes each restart attempt's keys like this; so do we.
+  const std::string prefix = info.use_agent_store
+                                 ? "/worker/attempt_" + std::to_string(info.restart_count)
+                                 : "fsdp";
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
+}
+
+std::string group_name(const std::vector<int>& ranks, int instance) {
+  std::ostringstream s;
+  s << "g" << instance << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s << (i ? "," : "") << ranks[i];
+  s << "]";
+  return s.str();
+}
+
+std::shared_ptr<ProcessGroup> make_group(Runtime& rt, const std::vector<int>& ranks, std::string name) {
+  comm::GlooGroupConfig cfg;
+  cfg.rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rt.info.rank) - ranks.begin());
+  cfg.global_ranks = ranks;
+  cfg.timeout = rt.options.timeout();
+  cfg.store = c10::make_intrusive<c10d::PrefixStore>("pg/" + name, rt.store);
+  cfg.name = std::move(name);
+  cfg.transport_host = rt.transport_host;
+  cfg.transport_iface = rt.transport_iface;
+  cfg.board = rt.board;
+  return std::make_shared<comm::GlooProcessGroup>(std::move(cfg));
+}
+
+// Waits until every rank has connected to the store, so that an absent rank is reported as
+// such instead of as a failed transport connection.
+void store_barrier(c10d::Store& store, const RendezvousInfo& info, std::chrono::milliseconds timeout) {
+  store.add("joined", 1);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const int64_t joined = store.add("joined", 0);
+    if (joined >= info.world_size) return;
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "fsdp: rendezvous timed out after ",
+                timeout.count(), " ms: only ", joined, " of ", info.world_size,
+                " ranks joined the store at ", info.master_addr, ":", info.master_port);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+}  // namespace
+
+RendezvousInfo rendezvous_info_from_env() {
+  RendezvousInfo info;
+  if (env("RANK")) {
+    info.source = "torchrun";
+    info.rank = env_int("RANK", 0);
+    info.world_size = env_int("WORLD_SIZE", 1);
+    info.local_rank = env_int("LOCAL_RANK", info.rank);
+    info.local_world_size = env_int("LOCAL_WORLD_SIZE", info.world_size);
+  } else if (env("OMPI_COMM_WORLD_RANK")) {
+    info.source = "openmpi";
+    info.rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+    info.world_size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+    info.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    info.local_world_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+  } else if (env("SLURM_PROCID")) {
+    info.source = "slurm";
+    info.rank = env_int("SLURM_PROCID", 0);
+    info.world_size = env_int("SLURM_NTASKS", 1);
+    info.local_rank = env_int("SLURM_LOCALID", 0);
+    info.local_world_size = slurm_tasks_per_node();
+    if (const char* addr = env("SLURM_LAUNCH_NODE_IPADDR")) info.master_addr = addr;
+    // A port every task derives alike from the job id, unless MASTER_PORT says otherwise.
+    if (env("SLURM_JOB_ID")) info.master_port = 20000 + env_int("SLURM_JOB_ID", 0) % 20000;
+  } else {
+    info.source = "default";
+  }
+  if (const char* addr = env("MASTER_ADDR")) info.master_addr = addr;
+  info.master_port = env_int("MASTER_PORT", info.master_port);
+  info.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", 0);
+  info.use_agent_store = env_true("TORCHELASTIC_USE_AGENT_STORE");
+
+  TORCH_CHECK(info.world_size >= 1, "fsdp: world size must be at least 1 (from ", info.source, ")");
+  TORCH_CHECK(info.rank < info.world_size, "fsdp: rank ", info.rank, " is not below world size ",
+              info.world_size, " (from ", info.source, " variables)");
+  TORCH_CHECK(info.local_rank < info.local_world_size, "fsdp: local rank ", info.local_rank,
+              " is not below local world size ", info.local_world_size, " (from ", info.source, " variables)");
+  TORCH_CHECK(info.master_port >= 1 && info.master_port <= 65535, "fsdp: MASTER_PORT ",
+              info.master_port, " is not a TCP port (1..65535)");
+  return info;
+}
+
+void init_process_group(InitOptions options) {
+  init_process_group(rendezvous_info_from_env(), std::move(options));
+}
+
+void init_process_group(const RendezvousInfo& info, InitOptions options) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  TORCH_CHECK(!g_runtime, "fsdp: init_process_group() was already called; call destroy_process_group() first");
+  if (const char* ms = env("FSDP_COLLECTIVE_TIMEOUT_MS")) {
+    options.timeout(std::chrono::milliseconds(env_int("FSDP_COLLECTIVE_TIMEOUT_MS", 0)));
+    TORCH_CHECK(options.timeout().count() > 0, "FSDP_COLLECTIVE_TIMEOUT_MS='", ms, "' must be positive");
+  }
+  auto rt = std::make_unique<Runtime>();
+  rt->info = info;
+  rt->options = options;
+  if (const char* iface = env("FSDP_SOCKET_IFNAME") ? env("FSDP_SOCKET_IFNAME") : env("GLOO_SOCKET_IFNAME")) {
+    rt->transport_iface = iface;
+  } else if (!options.transport_host().empty()) {
+    rt->transport_host = options.transport_host();
+  } else if (is_loopback(info.master_addr)) {
+    rt->transport_host = "127.0.0.1";
+  } else {
+    char host[256] = {0};
+    TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "fsdp: gethostname() failed");
+    rt->transport_host = host;
+  }
+  rt->store = connect_store(info, options.timeout(), /*may_host=*/true);
+  if (info.world_size > 1) {
+    store_barrier(*rt->store, info, options.timeout());
+    rt->board = std::make_shared<comm::ProgressBoard>(connect_store(info, options.timeout(), false), info.rank);
+  }
+  std::vector<int> all(info.world_size);
+  for (int i = 0; i < info.world_size; ++i) all[i] = i;
+  rt->world = make_group(*rt, all, "world");
+  g_runtime = std::move(rt);
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_runtime != nullptr;
+}
+
+void destroy_process_group() {
+  std::unique_ptr<Runtime> rt;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    rt.swap(g_runtime);
+  }
+  // Groups (and their threads) go first, then the board and the store connections.
+  if (!rt) return;
+  rt->world.reset();
+  rt->board.reset();
+}
+
+std::shared_ptr<ProcessGroup> world() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return runtime().world;
+}
+
+int get_rank() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return runtime().info.rank;
+}
+
+int get_world_size() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return runtime().info.world_size;
+}
+
+const RendezvousInfo& rendezvous_info() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return runtime().info;
+}
+
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  Runtime& rt = runtime();
+  TORCH_CHECK(!ranks.empty(), "fsdp::new_group: the rank list is empty");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK(ranks[i] >= 0 && ranks[i] < rt.info.world_size, "fsdp::new_group: rank ", ranks[i],
+                " is outside the world of ", rt.info.world_size);
+    TORCH_CHECK(i == 0 || ranks[i] > ranks[i - 1], "fsdp::new_group: ranks must be sorted and distinct");
+  }
+  TORCH_CHECK(std::find(ranks.begin(), ranks.end(), rt.info.rank) != ranks.end(), "fsdp::new_group: rank ",
+              rt.info.rank, " is not a member of the requested group; only members call new_group");
+  const int instance = rt.groups_made[ranks]++;
+  return make_group(rt, ranks, group_name(ranks, instance));
+}
+
+}  // namespace fsdp

@@ -1,0 +1,18 @@
+// Uses the installed headers and library: a one-process world, a mesh and a DTensor.
+#include <fsdp/distributed.h>
+#include <fsdp/dtensor.h>
+
+#include <ATen/ATen.h>
+
+#include <iostream>
+
+int main() {
+  fsdp::init_process_group();
+  auto mesh = fsdp::init_device_mesh("cpu", {1}, {"dp"});
+  at::Tensor full = at::arange(6, at::kFloat).view({3, 2});
+  auto d = fsdp::distribute_tensor(full, mesh, {fsdp::Shard(0)});
+  const bool ok = d.full_tensor().equal(full);
+  std::cout << "consumer: " << mesh.str() << " full_tensor " << (ok ? "matches" : "DIFFERS") << std::endl;
+  fsdp::destroy_process_group();
+  return ok ? 0 : 1;
+}

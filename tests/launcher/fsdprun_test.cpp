@@ -1,0 +1,352 @@
+// End-to-end tests of fsdprun: real fsdprun processes starting the test worker
+// (test_worker.cpp). Every test uses its own directory and free ports, so several
+// runs of the suite can share a machine.
+#include "harness.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <csignal>
+#include <filesystem>
+#include <set>
+
+namespace launcher_test {
+namespace {
+
+using Args = std::vector<std::string>;
+
+Args with_worker(Args args, const Args& worker_args) {
+  args.push_back(worker_path());
+  args.insert(args.end(), worker_args.begin(), worker_args.end());
+  return args;
+}
+
+std::string port_arg() { return std::to_string(free_port()); }
+
+bool contains(const std::string& text, const std::string& piece) {
+  return text.find(piece) != std::string::npos;
+}
+
+#define EXPECT_CONTAINS(text, piece) EXPECT_TRUE(contains(text, piece)) << "missing \"" << (piece) << "\" in:\n" << (text)
+
+std::string describe(const RunResult& r) {
+  return "exit " + std::to_string(r.exit_code) + (r.signaled ? " (signal)" : "") +
+         (r.timed_out ? " TIMED OUT" : "") + "\n--- stdout:\n" + r.out + "--- stderr:\n" + r.err;
+}
+
+// ---------------------------------------------------------------- (1) environment
+class EnvContract : public ::testing::TestWithParam<int> {};
+
+TEST_P(EnvContract, EachWorkerSeesTorchrunVariables) {
+  const int nproc = GetParam();
+  TempDir dir;
+  const std::string port = port_arg();
+  const auto r = run_fsdprun(
+      with_worker({"--nproc-per-node", std::to_string(nproc), "--master-port", port, "--run-id", "job7",
+                   "--max-restarts", "3"},
+                  {"env", dir.path()}),
+      {{"OMP_NUM_THREADS", ""}});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_CONTAINS(r.err, "OMP_NUM_THREADS");  // the one-time note
+  for (int rank = 0; rank < nproc; ++rank) {
+    auto env = read_env_file(dir / ("env_" + std::to_string(rank) + "_0"));
+    const std::string R = std::to_string(rank), N = std::to_string(nproc);
+    EXPECT_EQ(env["RANK"], R);
+    EXPECT_EQ(env["LOCAL_RANK"], R);
+    EXPECT_EQ(env["WORLD_SIZE"], N);
+    EXPECT_EQ(env["LOCAL_WORLD_SIZE"], N);
+    EXPECT_EQ(env["GROUP_RANK"], "0");
+    EXPECT_EQ(env["GROUP_WORLD_SIZE"], "1");
+    EXPECT_EQ(env["ROLE_RANK"], R);
+    EXPECT_EQ(env["ROLE_WORLD_SIZE"], N);
+    EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(env["MASTER_PORT"], port);
+    EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "3");
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "job7");
+    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "True");
+    EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+    EXPECT_EQ(env["STORE_REACHABLE"], "1");  // the agent store listens on MASTER_PORT
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Nproc, EnvContract, ::testing::Values(2, 3));
+
+TEST(EnvContractExtra, KeepsUserOmpNumThreads) {
+  TempDir dir;
+  const auto r = run_fsdprun(with_worker({"--standalone", "--nproc_per_node", "2"}, {"env", dir.path()}),
+                             {{"OMP_NUM_THREADS", "4"}});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_FALSE(contains(r.err, "OMP_NUM_THREADS")) << r.err;
+  EXPECT_EQ(read_env_file(dir / "env_1_0")["OMP_NUM_THREADS"], "4");
+  EXPECT_NE(read_env_file(dir / "env_1_0")["TORCHELASTIC_RUN_ID"], "none");  // random with --standalone
+}
+
+// ---------------------------------------------------------------- (2, 3) failures
+TEST(Failure, NonZeroExitStopsTheOthers) {
+  TempDir dir, logs;
+  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "3", "--master-port", port_arg(),
+                                          "--stop-grace-seconds", "1", "--log-dir", logs.path()},
+                                         {"fail", dir.path(), "1", "7"}));
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_LT(r.seconds, 10.0);
+  EXPECT_CONTAINS(r.err, "worker failed: rank 1 (local_rank 1, pid ");
+  EXPECT_CONTAINS(r.err, "exited with code 7");
+  EXPECT_CONTAINS(r.err, logs / "attempt_0/rank_1/stderr.log");
+  EXPECT_CONTAINS(read_file(logs / "attempt_0/rank_1/stderr.log"), "rank 1 is failing now");
+  const auto pids = worker_pids(dir.path());
+  EXPECT_EQ(pids.size(), 3u);
+  EXPECT_TRUE(wait_gone(pids).empty());
+}
+
+TEST(Failure, KilledBySignalStopsTheOthers) {
+  TempDir dir;
+  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "1"},
+                                         {"killself", dir.path(), "0"}));
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_LT(r.seconds, 10.0);
+  EXPECT_CONTAINS(r.err, "worker failed: rank 0 (local_rank 0, pid ");
+  EXPECT_CONTAINS(r.err, "was killed by signal SIGKILL (9)");
+  EXPECT_TRUE(wait_gone(worker_pids(dir.path())).empty());
+}
+
+TEST(Failure, WorkerIgnoringSigtermIsKilledAfterGrace) {
+  TempDir dir;
+  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "0.5"},
+                                         {"fail", dir.path(), "0", "3", "ignore-term"}));
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_LT(r.seconds, 10.0);
+  EXPECT_CONTAINS(r.err, "exited with code 3");
+  EXPECT_TRUE(wait_gone(worker_pids(dir.path())).empty());
+}
+
+TEST(Failure, ProgramNotFound) {
+  const auto r = run_fsdprun({"--standalone", "/nonexistent/program"});
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_CONTAINS(r.err, "cannot execute '/nonexistent/program'");
+}
+
+// ---------------------------------------------------------------- (4) restarts
+std::string attempts_seen(const std::string& dir, int rank) {
+  return read_file(dir + "/attempts_" + std::to_string(rank));
+}
+
+TEST(Restart, SucceedsOnThirdAttempt) {
+  TempDir dir;
+  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone", "--max-restarts", "2"},
+                                         {"restart", dir.path(), "0", "2"}));
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(attempts_seen(dir.path(), 0), "0\n1\n2\n");
+  EXPECT_EQ(attempts_seen(dir.path(), 1), "0\n1\n2\n");
+  EXPECT_CONTAINS(r.err, "restarting the worker group: restart 1 of 2 (TORCHELASTIC_RESTART_COUNT=1)");
+  EXPECT_CONTAINS(r.err, "restarting the worker group: restart 2 of 2 (TORCHELASTIC_RESTART_COUNT=2)");
+}
+
+TEST(Restart, GivesUpAfterMaxRestarts) {
+  TempDir dir;
+  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone", "--max-restarts", "2"},
+                                         {"restart", dir.path(), "1", "99"}));
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_EQ(attempts_seen(dir.path(), 1), "0\n1\n2\n");
+  EXPECT_CONTAINS(r.err, "giving up after 2 restart(s)");
+}
+
+// ---------------------------------------------------------------- (5) bad arguments
+struct BadArgs {
+  std::string name;
+  Args args;
+  std::string message;
+};
+
+void PrintTo(const BadArgs& b, std::ostream* os) { *os << b.name; }
+
+class BadArguments : public ::testing::TestWithParam<BadArgs> {};
+
+TEST_P(BadArguments, FailWithAMessageAndStartNothing) {
+  TempDir dir;
+  Args args = GetParam().args;
+  for (auto& a : args)
+    if (a == "WORKER") a = worker_path();
+  if (!args.empty() && args.back() == worker_path()) args.insert(args.end(), {"env", dir.path()});
+  const auto r = run_fsdprun(args);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_CONTAINS(r.err, GetParam().message);
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;  // one line
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, BadArguments,
+    ::testing::Values(BadArgs{"UnknownFlag", {"--bogus", "WORKER"}, "unknown option '--bogus'"},
+                      BadArgs{"NprocZero", {"--nproc-per-node", "0", "WORKER"}, "--nproc-per-node must be at least 1"},
+                      BadArgs{"PortOutOfRange", {"--master-port", "70000", "WORKER"}, "--master-port must be in 1..65535"},
+                      BadArgs{"PortNotANumber", {"--master-port", "abc", "WORKER"}, "--master-port"},
+                      BadArgs{"NodeRankTooLarge", {"--nnodes", "2", "--node-rank", "2", "WORKER"}, "--node-rank"},
+                      BadArgs{"StandaloneMultiNode", {"--standalone", "--nnodes", "2", "WORKER"}, "--standalone"},
+                      BadArgs{"MissingProgram", {"--nproc-per-node", "2"}, "missing the program"}),
+    [](const ::testing::TestParamInfo<BadArgs>& info) { return info.param.name; });
+
+// ---------------------------------------------------------------- (6) output
+TEST(Output, ConsoleLinesArePrefixedWithTheRank) {
+  TempDir dir;
+  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone"}, {"env", dir.path()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  for (std::string rank : {"0", "1"}) {
+    EXPECT_CONTAINS(r.out, "[rank" + rank + "]:hello from rank " + rank + "\n");
+    EXPECT_CONTAINS(r.out, "[rank" + rank + "]:tail " + rank + "\n");  // unterminated last line
+    EXPECT_CONTAINS(r.err, "[rank" + rank + "]:warning from rank " + rank + "\n");
+  }
+  EXPECT_FALSE(contains(r.out, "warning"));  // stderr lines stay on stderr
+}
+
+TEST(Output, NoPrefix) {
+  TempDir dir;
+  const auto r = run_fsdprun(with_worker({"--standalone", "--no-prefix"}, {"env", dir.path()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(r.out, "hello from rank 0\ntail 0\n");
+}
+
+TEST(Output, LogDirWritesPerRankFiles) {
+  TempDir dir, logs;
+  const auto r = run_fsdprun(
+      with_worker({"--nproc-per-node", "2", "--standalone", "--log-dir", logs.path()}, {"env", dir.path()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(r.out, "");  // without --tee nothing of the workers reaches the console
+  EXPECT_FALSE(contains(r.err, "warning from rank"));
+  for (std::string rank : {"0", "1"}) {
+    EXPECT_EQ(read_file(logs / ("attempt_0/rank_" + rank + "/stdout.log")),
+              "hello from rank " + rank + "\ntail " + rank);  // raw bytes, no prefix
+    EXPECT_EQ(read_file(logs / ("attempt_0/rank_" + rank + "/stderr.log")), "warning from rank " + rank + "\n");
+  }
+}
+
+TEST(Output, TeeAlsoEchoesToTheConsole) {
+  TempDir dir, logs;
+  const auto r = run_fsdprun(with_worker(
+      {"--nproc-per-node", "2", "--standalone", "--log-dir", logs.path(), "--tee"}, {"env", dir.path()}));
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_CONTAINS(r.out, "[rank1]:hello from rank 1\n");
+  EXPECT_CONTAINS(r.out, "[rank1]:tail 1\n");
+  EXPECT_CONTAINS(r.err, "[rank0]:warning from rank 0\n");
+  EXPECT_EQ(read_file(logs / "attempt_0/rank_1/stdout.log"), "hello from rank 1\ntail 1");
+}
+
+// ---------------------------------------------------------------- (7) signals
+void expect_signal_stops_everything(int signo, bool workers_ignore_term) {
+  TempDir dir;
+  Args worker = {"sleep", dir.path()};
+  if (workers_ignore_term) worker.push_back("ignore-term");
+  Fsdprun run(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "0.5"}, worker));
+  ASSERT_TRUE(wait_for_file(dir / "pid_0_0"));
+  ASSERT_TRUE(wait_for_file(dir / "pid_1_0"));
+  const auto pids = worker_pids(dir.path());
+  const double sent = now_seconds();
+  kill(run.pid(), signo);
+  const auto r = run.wait(30);
+  EXPECT_FALSE(r.timed_out) << describe(r);
+  EXPECT_FALSE(r.signaled) << describe(r);
+  EXPECT_EQ(r.exit_code, 128 + signo) << describe(r);
+  EXPECT_LT(now_seconds() - sent, 10.0);
+  EXPECT_EQ(pids.size(), 2u);
+  EXPECT_TRUE(wait_gone(pids, 2).empty()) << "orphaned workers remain";
+}
+
+TEST(Signals, SigtermStopsWorkersAndExits) { expect_signal_stops_everything(SIGTERM, false); }
+TEST(Signals, SigintStopsWorkersAndExits) { expect_signal_stops_everything(SIGINT, false); }
+TEST(Signals, SigtermEscalatesToSigkill) { expect_signal_stops_everything(SIGTERM, true); }
+
+// ---------------------------------------------------------------- (8) loopback store
+bool is_loopback(const std::string& hex) {
+  return hex == "0100007F" ||                           // 127.0.0.1
+         hex == "0000000000000000FFFF00000100007F" ||   // ::ffff:127.0.0.1
+         hex == "00000000000000000000000001000000";     // ::1
+}
+
+bool is_wildcard(const std::string& hex) { return hex.find_first_not_of('0') == std::string::npos; }
+
+TEST(AgentStore, StandaloneListensOnLoopbackOnly) {
+  TempDir dir;
+  Fsdprun run(with_worker({"--standalone"}, {"port", dir.path()}));
+  ASSERT_TRUE(wait_for_file(dir / "port"));
+  const int port = std::stoi(read_file(dir / "port"));
+  const auto addresses = listen_addresses(port);
+  ASSERT_FALSE(addresses.empty()) << "nothing listens on port " << port;
+  for (const auto& a : addresses) EXPECT_TRUE(is_loopback(a)) << "store listens on " << a;
+  EXPECT_TRUE(can_connect(port));
+  kill(run.pid(), SIGTERM);
+  EXPECT_EQ(run.wait(30).exit_code, 128 + SIGTERM);
+}
+
+// The control case: without --standalone the store must be reachable from other nodes,
+// and the check above does see a wildcard listener.
+TEST(AgentStore, MultiNodeCapableStoreListensOnAllAddresses) {
+  TempDir dir;
+  const int port = free_port();
+  Fsdprun run(with_worker({"--master-port", std::to_string(port)}, {"port", dir.path()}));
+  ASSERT_TRUE(wait_for_file(dir / "port"));
+  const auto addresses = listen_addresses(port);
+  ASSERT_FALSE(addresses.empty());
+  for (const auto& a : addresses) EXPECT_TRUE(is_wildcard(a)) << "store listens on " << a;
+  kill(run.pid(), SIGTERM);
+  EXPECT_EQ(run.wait(30).exit_code, 128 + SIGTERM);
+}
+
+// ---------------------------------------------------------------- (9) two nodes
+Args node_args(int node_rank, const std::string& port, Args extra = {}) {
+  Args args = {"--nnodes", "2", "--node-rank", std::to_string(node_rank), "--nproc-per-node", "2",
+               "--master-port", port, "--monitor-interval", "0.1", "--stop-grace-seconds", "1",
+               "--join-timeout", "20"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+TEST(TwoNodes, RanksZeroToThreeWithWorldSizeFour) {
+  TempDir dir;
+  const std::string port = port_arg();
+  Fsdprun node1(with_worker(node_args(1, port), {"env", dir.path()}));  // waits for node 0's store
+  Fsdprun node0(with_worker(node_args(0, port), {"env", dir.path()}));
+  const auto r0 = node0.wait(30), r1 = node1.wait(30);
+  ASSERT_EQ(r0.exit_code, 0) << describe(r0);
+  ASSERT_EQ(r1.exit_code, 0) << describe(r1);
+  for (int rank = 0; rank < 4; ++rank) {
+    auto env = read_env_file(dir / ("env_" + std::to_string(rank) + "_0"));
+    EXPECT_EQ(env["RANK"], std::to_string(rank));
+    EXPECT_EQ(env["LOCAL_RANK"], std::to_string(rank % 2));
+    EXPECT_EQ(env["GROUP_RANK"], std::to_string(rank / 2));
+    EXPECT_EQ(env["WORLD_SIZE"], "4");
+    EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "2");
+    EXPECT_EQ(env["MASTER_PORT"], port);
+    EXPECT_EQ(env["STORE_REACHABLE"], "1");
+  }
+  EXPECT_CONTAINS(r1.out, "[rank3]:hello from rank 3\n");
+}
+
+TEST(TwoNodes, FailureOnOneNodeStopsTheOther) {
+  TempDir dir;
+  const std::string port = port_arg();
+  Fsdprun node0(with_worker(node_args(0, port), {"fail", dir.path(), "3", "5"}));
+  Fsdprun node1(with_worker(node_args(1, port), {"fail", dir.path(), "3", "5"}));
+  const auto r0 = node0.wait(30), r1 = node1.wait(30);
+  EXPECT_EQ(r0.exit_code, 1) << describe(r0);
+  EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+  EXPECT_LT(r0.seconds, 10.0);
+  EXPECT_CONTAINS(r1.err, "worker failed: rank 3 (local_rank 1, pid ");
+  EXPECT_CONTAINS(r0.err, "failed on another node (node 1: rank 3");
+  EXPECT_EQ(worker_pids(dir.path()).size(), 4u);
+  EXPECT_TRUE(wait_gone(worker_pids(dir.path())).empty());
+}
+
+TEST(TwoNodes, RestartIsCoordinated) {
+  TempDir dir;
+  const std::string port = port_arg();
+  Fsdprun node0(with_worker(node_args(0, port, {"--max-restarts", "1"}), {"restart", dir.path(), "3", "1"}));
+  Fsdprun node1(with_worker(node_args(1, port, {"--max-restarts", "1"}), {"restart", dir.path(), "3", "1"}));
+  const auto r0 = node0.wait(30), r1 = node1.wait(30);
+  EXPECT_EQ(r0.exit_code, 0) << describe(r0);
+  EXPECT_EQ(r1.exit_code, 0) << describe(r1);
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(attempts_seen(dir.path(), rank), "0\n1\n") << "rank " << rank;
+}
+
+}  // namespace
+}  // namespace launcher_test

@@ -1,0 +1,193 @@
+#include "harness.h"
+
+#include <arpa/inet.h>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <netinet/in.h>
+#include <sstream>
+#include <stdexcept>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+namespace launcher_test {
+
+std::string fsdprun_path() { return FSDPRUN_BIN; }
+std::string worker_path() { return TEST_WORKER_BIN; }
+
+double now_seconds() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+TempDir::TempDir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base != nullptr ? base : "/tmp") + "/fsdprun_test_XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  path_ = tmpl;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw std::runtime_error("cannot find a free port");
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+Fsdprun::Fsdprun(const std::vector<std::string>& args, const std::map<std::string, std::string>& env) {
+  std::vector<std::string> argv = {fsdprun_path()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  const std::string out = capture_ / "out", err = capture_ / "err";
+  started_ = now_seconds();
+  pid_ = fork();
+  if (pid_ == 0) {  // the test process is single-threaded: setenv is fine here
+    for (const auto& [k, v] : env) v.empty() ? unsetenv(k.c_str()) : setenv(k.c_str(), v.c_str(), 1);
+    dup2(open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), 1);
+    dup2(open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), 2);
+    execv(cargv[0], cargv.data());
+    _exit(127);
+  }
+}
+
+Fsdprun::~Fsdprun() {
+  if (!done_ && pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+}
+
+RunResult Fsdprun::wait(double timeout_s) {
+  RunResult r;
+  int status = 0;
+  const double deadline = started_ + timeout_s;
+  while (waitpid(pid_, &status, WNOHANG) == 0) {
+    if (now_seconds() > deadline) {
+      r.timed_out = true;
+      kill(pid_, SIGKILL);
+      waitpid(pid_, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  done_ = true;
+  r.seconds = now_seconds() - started_;
+  r.signaled = WIFSIGNALED(status);
+  r.exit_code = r.signaled ? WTERMSIG(status) : WEXITSTATUS(status);
+  r.out = read_file(capture_ / "out");
+  r.err = read_file(capture_ / "err");
+  return r;
+}
+
+RunResult run_fsdprun(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+                      double timeout_s) {
+  return Fsdprun(args, env).wait(timeout_s);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+bool wait_for_file(const std::string& path, double timeout_s) {
+  const double deadline = now_seconds() + timeout_s;
+  while (!std::filesystem::exists(path)) {
+    if (now_seconds() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+std::map<std::string, std::string> read_env_file(const std::string& path) {
+  std::map<std::string, std::string> env;
+  std::istringstream in(read_file(path));
+  for (std::string line; std::getline(in, line);) {
+    const auto eq = line.find('=');
+    if (eq != std::string::npos) env[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return env;
+}
+
+std::vector<pid_t> worker_pids(const std::string& dir) {
+  std::vector<pid_t> pids;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename();
+    if (name.rfind("pid_", 0) == 0 && name.find(".tmp") == std::string::npos)
+      pids.push_back(std::atoi(read_file(entry.path()).c_str()));
+  }
+  return pids;
+}
+
+bool process_gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;
+  std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto paren = content.rfind(')');
+  return paren != std::string::npos && content.size() > paren + 2 && content[paren + 2] == 'Z';
+}
+
+std::vector<pid_t> wait_gone(const std::vector<pid_t>& pids, double timeout_s) {
+  const double deadline = now_seconds() + timeout_s;
+  for (;;) {
+    std::vector<pid_t> alive;
+    for (pid_t p : pids)
+      if (!process_gone(p)) alive.push_back(p);
+    if (alive.empty() || now_seconds() > deadline) return alive;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+std::vector<std::string> listen_addresses(int port) {
+  char port_hex[8];
+  std::snprintf(port_hex, sizeof port_hex, "%04X", port);
+  std::vector<std::string> found;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::istringstream in(read_file(table));
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const auto colon = local.rfind(':');
+      if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == port_hex)
+        found.push_back(local.substr(0, colon));
+    }
+  }
+  return found;
+}
+
+bool can_connect(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  close(fd);
+  return ok;
+}
+
+}  // namespace launcher_test

@@ -1,0 +1,261 @@
+// The process-group layer across real processes: every collective for W = 1..4, sizes that do
+// not divide W, byte counters, and the timeout error.
+#include "harness/multiprocess.h"
+
+#include <fsdp/distributed.h>
+#include <fsdp/placement.h>
+#include <fsdp/process_group.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+using fsdp::CollectiveKind;
+using fsdp::ReduceOp;
+using fsdp::testing::run_distributed;
+
+namespace {
+
+// torch.chunk's split of n into w pieces.
+std::vector<int64_t> chunk_counts(int64_t n, int w) {
+  std::vector<int64_t> counts;
+  for (int i = 0; i < w; ++i) counts.push_back(fsdp::chunk_bounds(n, w, i).length);
+  return counts;
+}
+
+// A recognisable, exactly representable value per (rank, index).
+at::Tensor rank_data(int rank, int64_t n, at::ScalarType dtype = at::kFloat) {
+  return (at::arange(n, at::kDouble) + 1000.0 * rank).to(dtype);
+}
+
+const std::vector<int> kWorlds = {1, 2, 3, 4};
+
+}  // namespace
+
+TEST(Collectives, AllGatherEvenAndUneven) {
+  for (int world : kWorlds) {
+    run_distributed(world, [] {
+      auto pg = fsdp::world();
+      const int W = pg->size(), r = pg->rank();
+      // Even: every rank gives 5 elements.
+      at::Tensor out = at::full({5 * W}, -1.0f);
+      pg->all_gather_into(out, rank_data(r, 5))->wait();
+      for (int p = 0; p < W; ++p) EXPECT_TRUE(out.slice(0, 5 * p, 5 * p + 5).equal(rank_data(p, 5))) << "piece " << p;
+
+      // Uneven, torch.chunk style, for sizes smaller than, equal to and not divisible by W.
+      for (int64_t n : {int64_t(W - 1), int64_t(W), int64_t(2 * W + 1), int64_t(1000003)}) {
+        const auto counts = chunk_counts(n, W);
+        at::Tensor full = at::empty({n}, at::kDouble);
+        int64_t off = 0;
+        for (int p = 0; p < W; ++p) {
+          full.slice(0, off, off + counts[p]).copy_(rank_data(p, counts[p], at::kDouble));
+          off += counts[p];
+        }
+        at::Tensor got = at::zeros({n}, at::kDouble);
+        pg->all_gather_v(got, rank_data(r, counts[r], at::kDouble), counts)->wait();
+        EXPECT_TRUE(got.equal(full)) << "n=" << n;
+      }
+    });
+  }
+}
+
+TEST(Collectives, AllGatherCountsOnlyThisRanksShare) {
+  for (int world : kWorlds) {
+    run_distributed(world, [] {
+      auto pg = fsdp::world();
+      const int W = pg->size(), r = pg->rank();
+      pg->reset_stats();
+      const int64_t n = 1 << 16;  // elements per rank
+      at::Tensor out = at::empty({n * W});
+      pg->all_gather_into(out, rank_data(r, n))->wait();
+      const auto s = pg->stats()[CollectiveKind::kAllGather];
+      EXPECT_EQ(s.calls, 1);
+      EXPECT_EQ(s.bytes_sent, (W - 1) * n * 4);      // its shard to each peer, nothing else
+      EXPECT_EQ(s.bytes_received, (W - 1) * n * 4);  // each peer's shard once
+      EXPECT_EQ(pg->stats().total_calls(), 1);
+    });
+  }
+}
+
+TEST(Collectives, ReduceScatterIsRealAndLeavesInputAlone) {
+  for (int world : kWorlds) {
+    run_distributed(world, [] {
+      auto pg = fsdp::world();
+      const int W = pg->size(), r = pg->rank();
+      const double ranks_sum = W * (W - 1) / 2.0;
+      for (int64_t n : {int64_t(W - 1), int64_t(W), int64_t(3 * W + 2), int64_t(2000003)}) {
+        const auto counts = chunk_counts(n, W);
+        int64_t off = 0;
+        for (int p = 0; p < r; ++p) off += counts[p];
+        at::Tensor input = rank_data(r, n);
+        at::Tensor before = input.clone();
+        at::Tensor out = at::full({counts[r]}, -7.0f);
+        pg->reduce_scatter_v(out, input, counts, ReduceOp::kSum)->wait();
+        // sum over p of (i + 1000 p) = W * i + 1000 * sum(p)
+        at::Tensor expect = (at::arange(off, off + counts[r], at::kDouble) * W + 1000.0 * ranks_sum).to(at::kFloat);
+        EXPECT_TRUE(out.equal(expect)) << "sum, n=" << n;
+        EXPECT_TRUE(input.equal(before)) << "input was modified, n=" << n;
+
+        pg->reduce_scatter_v(out, input, counts, ReduceOp::kMax)->wait();
+        EXPECT_TRUE(out.equal(rank_data(W - 1, n).slice(0, off, off + counts[r]))) << "max, n=" << n;
+
+        at::Tensor avg_out = at::empty({counts[r]}, at::kDouble);
+        pg->reduce_scatter_v(avg_out, input.to(at::kDouble), counts, ReduceOp::kAvg)->wait();
+        EXPECT_TRUE(avg_out.allclose(expect.to(at::kDouble) / W)) << "avg, n=" << n;
+      }
+    });
+  }
+}
+
+TEST(Collectives, ReduceScatterCountsOnlyThisRanksShare) {
+  for (int world : kWorlds) {
+    run_distributed(world, [] {
+      auto pg = fsdp::world();
+      const int W = pg->size(), r = pg->rank();
+      const int64_t n = 1 << 16;  // elements each rank receives
+      pg->reset_stats();
+      at::Tensor out = at::empty({n});
+      pg->reduce_scatter_into(out, rank_data(r, n * W))->wait();
+      const auto s = pg->stats()[CollectiveKind::kReduceScatter];
+      EXPECT_EQ(s.calls, 1);
+      // A ring moves W - 1 chunks each way per rank: (W - 1) / W of the input, never all of it.
+      EXPECT_EQ(s.bytes_sent, (W - 1) * n * 4);
+      EXPECT_EQ(s.bytes_received, (W - 1) * n * 4);
+      EXPECT_EQ(pg->stats()[CollectiveKind::kAllReduce].calls, 0);  // not an all-reduce in disguise
+    });
+  }
+}
+
+TEST(Collectives, AllReduceSmallAndLarge) {
+  for (int world : kWorlds) {
+    run_distributed(world, [] {
+      auto pg = fsdp::world();
+      const int W = pg->size(), r = pg->rank();
+      const double ranks_sum = W * (W - 1) / 2.0;
+      for (int64_t n : {int64_t(1), int64_t(W + 1), int64_t(100003)}) {  // 100003 floats > small limit
+        at::Tensor t = rank_data(r, n);
+        pg->all_reduce(t, ReduceOp::kSum)->wait();
+        EXPECT_TRUE(t.equal((at::arange(n, at::kDouble) * W + 1000.0 * ranks_sum).to(at::kFloat))) << "sum n=" << n;
+
+        at::Tensor m = rank_data(r, n);
+        pg->all_reduce(m, ReduceOp::kMax)->wait();
+        EXPECT_TRUE(m.equal(rank_data(W - 1, n))) << "max n=" << n;
+
+        at::Tensor lo = rank_data(r, n);
+        pg->all_reduce(lo, ReduceOp::kMin)->wait();
+        EXPECT_TRUE(lo.equal(rank_data(0, n))) << "min n=" << n;
+
+        at::Tensor a = rank_data(r, n, at::kDouble);
+        pg->all_reduce(a, ReduceOp::kAvg)->wait();
+        EXPECT_TRUE(a.allclose(at::arange(n, at::kDouble) + 1000.0 * ranks_sum / W)) << "avg n=" << n;
+      }
+      // Integer and bf16 payloads.
+      at::Tensor i = at::full({7}, static_cast<int64_t>(r + 1), at::kLong);
+      pg->all_reduce(i)->wait();
+      EXPECT_TRUE(i.equal(at::full({7}, static_cast<int64_t>(W * (W + 1) / 2), at::kLong)));
+      at::Tensor b = at::full({300000}, 1.0, at::kBFloat16);
+      pg->all_reduce(b)->wait();
+      EXPECT_TRUE(b.equal(at::full({300000}, static_cast<double>(W), at::kBFloat16)));
+      EXPECT_THROW(pg->all_reduce(i, ReduceOp::kAvg), c10::Error);  // avg of integers is refused
+    });
+  }
+}
+
+TEST(Collectives, BroadcastAndBarrier) {
+  for (int world : kWorlds) {
+    run_distributed(world, [] {
+      auto pg = fsdp::world();
+      const int W = pg->size(), r = pg->rank();
+      for (int root = 0; root < W; ++root) {
+        at::Tensor t = rank_data(r, 3 * W + 1);
+        pg->broadcast(t, root)->wait();
+        EXPECT_TRUE(t.equal(rank_data(root, 3 * W + 1))) << "root " << root;
+      }
+      // A barrier does not complete before the slowest rank arrives.
+      const auto start = std::chrono::steady_clock::now();
+      if (r == W - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      pg->barrier()->wait();
+      if (W > 1) EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(250));
+    });
+  }
+}
+
+TEST(Collectives, AsyncHandlesCompleteInIssueOrder) {
+  run_distributed(2, [] {
+    auto pg = fsdp::world();
+    const int r = pg->rank();
+    std::vector<at::Tensor> outs;
+    std::vector<fsdp::WorkHandle> works;
+    for (int k = 0; k < 8; ++k) {
+      outs.push_back(at::empty({2 * 1000}));
+      works.push_back(pg->all_gather_into(outs.back(), rank_data(r, 1000) + k));
+      EXPECT_EQ(works.back()->seq(), k);
+    }
+    for (int k = 7; k >= 0; --k) works[k]->wait();  // waiting out of order is fine
+    for (int k = 0; k < 8; ++k) {
+      EXPECT_TRUE(works[k]->is_completed());
+      EXPECT_TRUE(outs[k].slice(0, 1000, 2000).equal(rank_data(1, 1000) + k));
+    }
+  });
+}
+
+TEST(Collectives, BadArgumentsAreRejectedWithAMessage) {
+  run_distributed(1, [] {
+    auto pg = fsdp::world();
+    try {
+      pg->all_gather_into(at::empty({3}), at::empty({2}));
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("all_gather_v"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(pg->all_gather_into(at::empty({4}), at::empty({2, 2}).t()), c10::Error);  // not contiguous
+    EXPECT_THROW(pg->all_gather_into(at::empty({2}, at::kDouble), at::empty({2})), c10::Error);  // dtype
+    at::Tensor x = at::empty({4});
+    EXPECT_THROW(pg->reduce_scatter_into(x, x), c10::Error);  // aliasing
+    EXPECT_THROW(pg->broadcast(x, 3), c10::Error);            // no such root
+  });
+}
+
+TEST(Collectives, AMissingRankTimesOutWithANamedError) {
+  fsdp::testing::DistOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(1500);
+  for (int world : {2, 3}) {
+    run_distributed(world, [] {
+      auto pg = fsdp::world();
+      const int W = pg->size(), r = pg->rank();
+      pg->barrier()->wait();  // #0: everyone is here
+      if (r == W - 1) {
+        // Never joins #1; stays alive (an exit would close its connections and fail the
+        // others early with a different error).
+        std::this_thread::sleep_for(std::chrono::milliseconds(5000));
+        return;
+      }
+      at::Tensor out = at::empty({4 * W});
+      const auto start = std::chrono::steady_clock::now();
+      auto work = pg->all_gather_into(out, at::ones({4}));
+      try {
+        work->wait();
+        FAIL() << "expected a timeout";
+      } catch (const fsdp::CollectiveError& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("'world'"), std::string::npos) << msg;
+        // With W = 3 the other waiting rank may see the first one's connections close just
+        // before its own deadline; who did not arrive is reported either way.
+        if (W == 2) EXPECT_NE(msg.find("timed out after 1500 ms"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("ranks that did not arrive: [" + std::to_string(W - 1) + "]"), std::string::npos) << msg;
+      }
+      const auto elapsed = std::chrono::steady_clock::now() - start;
+      EXPECT_GE(elapsed, std::chrono::milliseconds(1400));
+      EXPECT_LT(elapsed, std::chrono::milliseconds(1500 + 5000));  // the timeout plus diagnosis, on a loaded box
+      // The group is now unusable, and says so at once.
+      try {
+        pg->barrier()->wait();
+        FAIL() << "expected the group to be unusable";
+      } catch (const fsdp::CollectiveError& e) {
+        EXPECT_NE(std::string(e.what()).find("unusable"), std::string::npos) << e.what();
+      }
+    }, opts);
+  }
+}

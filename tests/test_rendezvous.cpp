@@ -1,0 +1,128 @@
+// Reading the launcher's environment: torchrun, OpenMPI and Slurm variables, and bad values.
+#include <fsdp/distributed.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <map>
+#include <string>
+
+namespace {
+
+// Sets variables for one test and restores the previous environment afterwards.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const std::map<std::string, std::string>& vars) {
+    static const char* kAll[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                 "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+                                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                 "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                                 "SLURM_TASKS_PER_NODE", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_JOB_ID"};
+    for (const char* name : kAll) {
+      const char* v = std::getenv(name);
+      if (v) saved_[name] = v;
+      unsetenv(name);
+      touched_.push_back(name);
+    }
+    for (const auto& kv : vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    for (const auto& name : touched_) unsetenv(name.c_str());
+    for (const auto& kv : saved_) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+  }
+
+ private:
+  std::map<std::string, std::string> saved_;
+  std::vector<std::string> touched_;
+};
+
+}  // namespace
+
+TEST(Rendezvous, NoLauncherMeansOneProcess) {
+  ScopedEnv env({});
+  const auto info = fsdp::rendezvous_info_from_env();
+  EXPECT_EQ(info.source, "default");
+  EXPECT_EQ(info.rank, 0);
+  EXPECT_EQ(info.world_size, 1);
+}
+
+TEST(Rendezvous, TorchrunContract) {
+  ScopedEnv env({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                 {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "1234"}, {"TORCHELASTIC_RESTART_COUNT", "2"},
+                 {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+  const auto info = fsdp::rendezvous_info_from_env();
+  EXPECT_EQ(info.source, "torchrun");
+  EXPECT_EQ(info.rank, 3);
+  EXPECT_EQ(info.world_size, 4);
+  EXPECT_EQ(info.local_rank, 1);
+  EXPECT_EQ(info.local_world_size, 2);
+  EXPECT_EQ(info.master_addr, "10.1.2.3");
+  EXPECT_EQ(info.master_port, 1234);
+  EXPECT_EQ(info.restart_count, 2);
+  EXPECT_TRUE(info.use_agent_store);
+}
+
+TEST(Rendezvous, OpenMpiVariables) {
+  ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                 {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}, {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29400"}});
+  const auto info = fsdp::rendezvous_info_from_env();
+  EXPECT_EQ(info.source, "openmpi");
+  EXPECT_EQ(info.rank, 5);
+  EXPECT_EQ(info.world_size, 8);
+  EXPECT_EQ(info.local_rank, 1);
+  EXPECT_EQ(info.local_world_size, 4);
+  EXPECT_EQ(info.master_addr, "node0");
+  EXPECT_FALSE(info.use_agent_store);
+}
+
+TEST(Rendezvous, SlurmVariables) {
+  ScopedEnv env({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"},
+                 {"SLURM_TASKS_PER_NODE", "2(x2)"}, {"SLURM_LAUNCH_NODE_IPADDR", "192.0.2.7"}, {"SLURM_JOB_ID", "12345"}});
+  const auto info = fsdp::rendezvous_info_from_env();
+  EXPECT_EQ(info.source, "slurm");
+  EXPECT_EQ(info.rank, 2);
+  EXPECT_EQ(info.world_size, 4);
+  EXPECT_EQ(info.local_world_size, 2);
+  EXPECT_EQ(info.master_addr, "192.0.2.7");
+  EXPECT_EQ(info.master_port, 20000 + 12345 % 20000);
+}
+
+TEST(Rendezvous, BadValuesNameTheVariable) {
+  {
+    ScopedEnv env({{"RANK", "x"}, {"WORLD_SIZE", "2"}});
+    try {
+      fsdp::rendezvous_info_from_env();
+      FAIL();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("RANK='x'"), std::string::npos) << e.what();
+    }
+  }
+  {
+    ScopedEnv env({{"RANK", "2"}, {"WORLD_SIZE", "2"}});
+    EXPECT_THROW(fsdp::rendezvous_info_from_env(), c10::Error);
+  }
+  {
+    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}});
+    try {
+      fsdp::rendezvous_info_from_env();
+      FAIL();
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("MASTER_PORT"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Rendezvous, SingleProcessNeedsNoStoreOrPort) {
+  ScopedEnv env({});
+  fsdp::init_process_group();
+  EXPECT_TRUE(fsdp::is_initialized());
+  EXPECT_EQ(fsdp::get_world_size(), 1);
+  at::Tensor t = at::ones({3});
+  fsdp::world()->all_reduce(t)->wait();
+  EXPECT_TRUE(t.equal(at::ones({3})));
+  EXPECT_THROW(fsdp::init_process_group(), c10::Error);  // twice is an error
+  fsdp::destroy_process_group();
+  EXPECT_FALSE(fsdp::is_initialized());
+  EXPECT_THROW(fsdp::world(), c10::Error);
+}

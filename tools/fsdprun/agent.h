@@ -1,0 +1,51 @@
+// The agent: runs the local worker group, watches it, restarts it, and agrees with the
+// agents of the other nodes (through the store) on when to start, stop and give up.
+#pragma once
+
+#include "agent_store.h"
+#include "options.h"
+#include "worker_group.h"
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdprun {
+
+class Agent {
+ public:
+  explicit Agent(Options opt) : opt_(std::move(opt)) {}
+  // Runs to the end; returns fsdprun's exit status (0, 1, or 128+signal).
+  int run();
+
+ private:
+  enum class Outcome {
+    Succeeded,    // every worker of every node exited 0
+    Failed,       // a worker failed here or on another node: restart if allowed
+    Fatal,        // failed, and restarting cannot help (or another node gave up)
+    Interrupted,  // fsdprun got a stop signal
+  };
+
+  Outcome attempt(int k);
+  std::optional<Outcome> wait_for_agents(int k);  // nullopt: all agents joined
+  Outcome run_workers(int k);
+  Outcome wait_for_peers(int k);
+  GroupSpec group_spec(int k) const;
+  bool handle_signals(WorkerGroup& group);
+  void report_failures(const std::vector<WorkerFailure>& failures, int k) const;
+  void announce_stop(int k, const std::string& why);
+  void exit_barrier();
+  // Reads the self-pipe; returns true when a stop signal (SIGINT/TERM/HUP) is pending.
+  bool stop_requested();
+  // Sleeps up to ms, waking early on a signal.
+  void nap(int ms) const;
+
+  Options opt_;
+  std::unique_ptr<AgentStore> store_;
+  int stop_signal_ = 0;   // the first stop signal received, 0 if none
+  int stop_signals_ = 0;  // how many stop signals were received
+  std::string fatal_reason_;  // told to the other agents when this one stops for good
+};
+
+}  // namespace fsdprun

@@ -1,0 +1,195 @@
+#include "agent_store.h"
+
+#include "loopback_bind.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <arpa/inet.h>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <thread>
+#include <unistd.h>
+
+namespace fsdprun {
+namespace {
+
+using Ms = std::chrono::milliseconds;
+
+constexpr int kStandalonePortTries = 10;
+constexpr Ms kProbeTimeout{1000};  // one connection probe; signals are checked in between
+
+std::string key(int attempt, const char* name) {
+  return "/fsdprun/attempt_" + std::to_string(attempt) + "/" + name;
+}
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// LibTorch's c10::Error carries a C++ backtrace in what(); keep the message only.
+// (c10d's socket errors, e.g. timeouts, are plain std::runtime_error subclasses.)
+std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+template <typename F>
+auto guarded(const std::string& what, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    throw std::runtime_error(what + ": " + message_of(e));
+  }
+}
+
+Ms seconds(double s) { return Ms(static_cast<int64_t>(s * 1000)); }
+
+// A port that was free a moment ago: bind 127.0.0.1:0, read the port, close. Another
+// process may take it before the store binds it; the caller retries then.
+int free_loopback_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  close(fd);
+  if (!ok) throw std::runtime_error(std::string("cannot find a free port: ") + std::strerror(err));
+  return ntohs(addr.sin_port);
+}
+
+// True when a TCP connection to host:port succeeds within kProbeTimeout.
+bool accepts_connections(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return false;
+  bool ok = false;
+  for (const addrinfo* a = found; a != nullptr && !ok; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) continue;
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      ok = true;
+    } else if (errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      int err = 0;
+      socklen_t len = sizeof err;
+      ok = poll(&p, 1, static_cast<int>(kProbeTimeout.count())) == 1 &&
+           getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return ok;
+}
+
+c10d::TCPStoreOptions store_options(int port, bool server, Ms timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(port);
+  o.isServer = server;
+  o.numWorkers = c10::nullopt;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  return o;
+}
+
+}  // namespace
+
+AgentStore::AgentStore(const Options& opt, const std::function<bool()>& keep_waiting)
+    : nnodes_(opt.nnodes), host_(opt.node_rank == 0) {
+  if (host_) {
+    host(opt);
+  } else {
+    connect(opt, keep_waiting);
+  }
+}
+
+AgentStore::~AgentStore() = default;
+
+void AgentStore::host(const Options& opt) {
+  const Ms timeout = seconds(opt.join_timeout_s);
+  if (!opt.standalone) {
+    port_ = opt.master_port;
+    store_ = guarded("cannot host the agent store on port " + std::to_string(port_), [&] {
+      return std::make_unique<c10d::TCPStore>(opt.master_addr, store_options(port_, true, timeout));
+    });
+    return;
+  }
+  std::string last_error;
+  for (int i = 0; i < kStandalonePortTries && !store_; ++i) {
+    port_ = free_loopback_port();
+    try {
+      LoopbackOnlyBind loopback_only;  // the store's wildcard bind becomes 127.0.0.1
+      store_ = std::make_unique<c10d::TCPStore>("127.0.0.1", store_options(port_, true, timeout));
+    } catch (const std::exception& e) {
+      last_error = message_of(e);  // port taken in between: try another
+    }
+  }
+  if (!store_) throw std::runtime_error("cannot host the agent store on loopback: " + last_error);
+}
+
+// Waits for node 0's store with plain connection probes (which can be interrupted by
+// signals, and do not make LibTorch log a timeout error per try), then connects.
+void AgentStore::connect(const Options& opt, const std::function<bool()>& keep_waiting) {
+  port_ = opt.master_port;
+  const std::string where = opt.master_addr + ":" + std::to_string(port_);
+  const auto deadline = std::chrono::steady_clock::now() + seconds(opt.join_timeout_s);
+  std::string last_error;
+  for (;;) {
+    if (accepts_connections(opt.master_addr, port_)) {
+      try {
+        store_ = std::make_unique<c10d::TCPStore>(
+            opt.master_addr, store_options(port_, false, seconds(opt.join_timeout_s)));
+        return;
+      } catch (const std::exception& e) {
+        last_error = ": " + message_of(e);
+      }
+    }
+    if (std::chrono::steady_clock::now() >= deadline)
+      throw std::runtime_error("cannot reach the agent store of node 0 at " + where + " within --join-timeout" +
+                               last_error);
+    if (!keep_waiting()) throw Interrupted();
+    std::this_thread::sleep_for(Ms(100));
+  }
+}
+
+int64_t AgentStore::counter(const std::string& k, int64_t delta) {
+  return guarded("agent store", [&] { return store_->add(k, delta); });
+}
+
+std::optional<std::string> AgentStore::get_if_set(const std::string& k) {
+  return guarded("agent store", [&]() -> std::optional<std::string> {
+    if (!store_->check({k})) return std::nullopt;
+    const auto value = store_->get(k);
+    return std::string(value.begin(), value.end());
+  });
+}
+
+void AgentStore::join(int attempt) { counter(key(attempt, "joined"), 1); }
+bool AgentStore::all_joined(int attempt) { return counter(key(attempt, "joined"), 0) >= nnodes_; }
+
+void AgentStore::mark_failed(int attempt, const std::string& why) {
+  // The first failure is the interesting one: later ones are usually its consequences.
+  guarded("agent store", [&] { store_->compareSet(key(attempt, "failed"), {}, bytes(why)); });
+}
+std::optional<std::string> AgentStore::failure(int attempt) { return get_if_set(key(attempt, "failed")); }
+
+void AgentStore::mark_done(int attempt) { counter(key(attempt, "done"), 1); }
+bool AgentStore::all_done(int attempt) { return counter(key(attempt, "done"), 0) >= nnodes_; }
+
+void AgentStore::mark_shutdown(const std::string& why) {
+  guarded("agent store", [&] { store_->compareSet("/fsdprun/shutdown", {}, bytes(why)); });
+}
+std::optional<std::string> AgentStore::shutdown() { return get_if_set("/fsdprun/shutdown"); }
+
+void AgentStore::mark_exited() { counter("/fsdprun/exited", 1); }
+bool AgentStore::all_exited() { return counter("/fsdprun/exited", 0) >= nnodes_; }
+
+}  // namespace fsdprun

@@ -1,0 +1,47 @@
+// fsdprun: the C++ counterpart of torchrun. See README.md in this directory.
+#include "agent.h"
+#include "options.h"
+#include "output.h"
+#include "signals.h"
+#include "worker_env.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <string>
+
+namespace {
+
+// Leaves without running global destructors. fsdprun has nothing to clean up there
+// (the store, pipes and workers are gone by now), while the destructors of LibTorch's
+// ~280 dependent libraries take about half a second, on every run.
+[[noreturn]] void leave(int code) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  std::_Exit(code);
+}
+
+int run(int argc, char** argv) {
+  fsdprun::ParseResult parsed = fsdprun::parse_options(argc, argv);
+  if (!parsed.ok) return parsed.exit_code;
+  try {
+    fsdprun::SignalPipe::install();
+  } catch (const std::exception& e) {
+    const std::string line = std::string("fsdprun: error: ") + e.what() + "\n";
+    fsdprun::write_all(2, line.data(), line.size());
+    return 1;
+  }
+  if (fsdprun::sets_omp_num_threads(parsed.options)) {
+    const std::string note =
+        "fsdprun: note: OMP_NUM_THREADS is set to 1 for each worker to avoid oversubscribing the CPU; "
+        "set it yourself to tune\n";
+    fsdprun::write_all(2, note.data(), note.size());
+  }
+  return fsdprun::Agent(std::move(parsed.options)).run();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { leave(run(argc, argv)); }
