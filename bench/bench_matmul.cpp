@@ -20,6 +20,11 @@
 // is caught. Each timed row also checks 64 sampled entries of its N x N
 // result. The error is max|C - R| / max|R|. The program exits with status 1
 // if any check fails.
+//
+// Which BLAS: the "sgemm_ from" line names the library whose sgemm_ LibTorch
+// binds to (dladdr), and "mapped" lists BLAS/LAPACK/oneDNN files from
+// /proc/self/maps. To try another BLAS without changing the system setting:
+//   LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/blis-pthread bench_matmul
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 

@@ -153,39 +153,36 @@ TEST(Restart, GivesUpAfterMaxRestarts) {
 }
 
 // ---------------------------------------------------------------- (5) bad arguments
-struct BadArgs {
-  std::string name;
-  Args args;
-  std::string message;
-};
-
-void PrintTo(const BadArgs& b, std::ostream* os) { *os << b.name; }
-
-class BadArguments : public ::testing::TestWithParam<BadArgs> {};
-
-TEST_P(BadArguments, FailWithAMessageAndStartNothing) {
+// fsdprun must refuse with exit code 2 and one line naming the problem, starting nothing
+// (the worker would write files into dir).
+void expect_usage_error(Args args, const std::string& message, bool with_program = true) {
   TempDir dir;
-  Args args = GetParam().args;
-  for (auto& a : args)
-    if (a == "WORKER") a = worker_path();
-  if (!args.empty() && args.back() == worker_path()) args.insert(args.end(), {"env", dir.path()});
+  if (with_program) args = with_worker(args, {"env", dir.path()});
   const auto r = run_fsdprun(args);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_CONTAINS(r.err, GetParam().message);
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;  // one line
+  EXPECT_CONTAINS(r.err, "fsdprun: error: ");
+  EXPECT_CONTAINS(r.err, message);
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, BadArguments,
-    ::testing::Values(BadArgs{"UnknownFlag", {"--bogus", "WORKER"}, "unknown option '--bogus'"},
-                      BadArgs{"NprocZero", {"--nproc-per-node", "0", "WORKER"}, "--nproc-per-node must be at least 1"},
-                      BadArgs{"PortOutOfRange", {"--master-port", "70000", "WORKER"}, "--master-port must be in 1..65535"},
-                      BadArgs{"PortNotANumber", {"--master-port", "abc", "WORKER"}, "--master-port"},
-                      BadArgs{"NodeRankTooLarge", {"--nnodes", "2", "--node-rank", "2", "WORKER"}, "--node-rank"},
-                      BadArgs{"StandaloneMultiNode", {"--standalone", "--nnodes", "2", "WORKER"}, "--standalone"},
-                      BadArgs{"MissingProgram", {"--nproc-per-node", "2"}, "missing the program"}),
-    [](const ::testing::TestParamInfo<BadArgs>& info) { return info.param.name; });
+TEST(BadArguments, UnknownFlag) { expect_usage_error({"--bogus"}, "unknown option '--bogus'"); }
+TEST(BadArguments, NprocZero) {
+  expect_usage_error({"--nproc-per-node", "0"}, "--nproc-per-node must be at least 1 (got 0)");
+}
+TEST(BadArguments, PortOutOfRange) {
+  expect_usage_error({"--master-port", "70000"}, "--master-port must be in 1..65535 (got 70000)");
+}
+TEST(BadArguments, PortNotANumber) { expect_usage_error({"--master-port", "abc"}, "--master-port = abc"); }
+TEST(BadArguments, NodeRankNotBelowNnodes) {
+  expect_usage_error({"--node-rank", "2", "--nnodes", "2"}, "--node-rank must be in [0, --nnodes)");
+}
+TEST(BadArguments, StandaloneWithSeveralNodes) {
+  expect_usage_error({"--standalone", "--nnodes", "2"}, "--standalone");
+}
+TEST(BadArguments, MissingProgram) {
+  expect_usage_error({"--nproc-per-node", "2"}, "missing the program to run", false);
+}
 
 // ---------------------------------------------------------------- (6) output
 TEST(Output, ConsoleLinesArePrefixedWithTheRank) {

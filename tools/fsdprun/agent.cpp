@@ -46,21 +46,7 @@ int Agent::run() {
   try {
     store_ = std::make_unique<AgentStore>(opt_, [this] { return !stop_requested(); });
     for (int k = 0;; ++k) {
-      Outcome o = attempt(k);
-      if (o == Outcome::Interrupted || o == Outcome::Fatal) announce_stop(k, fatal_reason_);
-      if (o == Outcome::Interrupted) return 128 + stop_signal_;
-      if (o == Outcome::Failed && store_->shutdown()) o = Outcome::Fatal;
-      if (o == Outcome::Failed && k < opt_.max_restarts) {
-        say("restarting the worker group: restart " + std::to_string(k + 1) + " of " +
-            std::to_string(opt_.max_restarts) + " (TORCHELASTIC_RESTART_COUNT=" +
-            std::to_string(k + 1) + ")");
-        continue;
-      }
-      if (o == Outcome::Failed && opt_.max_restarts == 0) say("the worker group failed; exiting with code 1");
-      if (o == Outcome::Failed && opt_.max_restarts > 0)
-        say("giving up after " + std::to_string(opt_.max_restarts) + " restart(s); exiting with code 1");
-      exit_barrier();
-      return o == Outcome::Succeeded ? 0 : 1;
+      if (auto exit_code = conclude(k, attempt(k))) return *exit_code;
     }
   } catch (const Interrupted&) {
     return 128 + stop_signal_;
@@ -68,6 +54,31 @@ int Agent::run() {
     say(std::string("error: ") + e.what());
     return 1;
   }
+}
+
+// What to do after attempt k: restart (nullopt) or leave with an exit code.
+std::optional<int> Agent::conclude(int k, Outcome o) {
+  if (o == Outcome::Interrupted || o == Outcome::Fatal) announce_stop(k, fatal_reason_);
+  if (o == Outcome::Interrupted) {
+    leave_store(/*wait_for_others=*/false);
+    return 128 + stop_signal_;
+  }
+  if (o == Outcome::Failed) {
+    if (auto why = store_->shutdown()) {
+      say("not restarting: " + *why);
+      o = Outcome::Fatal;
+    }
+  }
+  if (o == Outcome::Failed && k < opt_.max_restarts) {
+    say("restarting the worker group: restart " + std::to_string(k + 1) + " of " +
+        std::to_string(opt_.max_restarts) + " (TORCHELASTIC_RESTART_COUNT=" + std::to_string(k + 1) + ")");
+    return std::nullopt;
+  }
+  if (o == Outcome::Failed && opt_.max_restarts == 0) say("the worker group failed; exiting with code 1");
+  if (o == Outcome::Failed && opt_.max_restarts > 0)
+    say("giving up after " + std::to_string(opt_.max_restarts) + " restart(s); exiting with code 1");
+  leave_store(/*wait_for_others=*/true);
+  return o == Outcome::Succeeded ? 0 : 1;
 }
 
 Agent::Outcome Agent::attempt(int k) {
@@ -128,8 +139,9 @@ Agent::Outcome Agent::run_workers(int k) {
       store_->mark_failed(k, "node " + std::to_string(opt_.node_rank) + ": " + failures.front().describe());
       group.stop(SIGTERM, opt_.stop_grace_s);
     }
-    if (!group.stopping() && Clock::now() >= next_poll) {
-      if (auto why = store_->failure(k)) {
+    if (Clock::now() >= next_poll) {
+      auto why = group.stopping() ? std::nullopt : store_->failure(k);
+      if (why) {
         outcome = Outcome::Failed;
         say("stopping the workers: the worker group failed on another node (" + *why + ")");
         group.stop(SIGTERM, opt_.stop_grace_s);
@@ -209,12 +221,12 @@ void Agent::announce_stop(int k, const std::string& why) {
   }
 }
 
-// Node 0 hosts the store: it waits (bounded) until every agent has seen the final
-// result, so that none of them loses the store in the middle of a poll.
-void Agent::exit_barrier() {
+// Node 0 hosts the store: before leaving it waits (bounded) until every agent has
+// seen the final result, so that none of them loses the store in the middle of a poll.
+void Agent::leave_store(bool wait_for_others) {
   try {
     store_->mark_exited();
-    if (!store_->is_host()) return;
+    if (!store_->is_host() || !wait_for_others) return;
     const auto deadline = Clock::now() + seconds(kExitBarrierS);
     while (!store_->all_exited() && Clock::now() < deadline) {
       nap(kBarrierPollMs);

@@ -28,6 +28,7 @@ class Agent {
   };
 
   Outcome attempt(int k);
+  std::optional<int> conclude(int k, Outcome o);
   std::optional<Outcome> wait_for_agents(int k);  // nullopt: all agents joined
   Outcome run_workers(int k);
   Outcome wait_for_peers(int k);
@@ -35,7 +36,7 @@ class Agent {
   bool handle_signals(WorkerGroup& group);
   void report_failures(const std::vector<WorkerFailure>& failures, int k) const;
   void announce_stop(int k, const std::string& why);
-  void exit_barrier();
+  void leave_store(bool wait_for_others);
   // Reads the self-pipe; returns true when a stop signal (SIGINT/TERM/HUP) is pending.
   bool stop_requested();
   // Sleeps up to ms, waking early on a signal.

@@ -21,6 +21,7 @@ namespace {
 using Ms = std::chrono::milliseconds;
 
 constexpr int kStandalonePortTries = 10;
+const char* const kLostStore = "lost the agent store (hosted by the fsdprun of node 0)";
 constexpr Ms kProbeTimeout{1000};  // one connection probe; signals are checked in between
 
 std::string key(int attempt, const char* name) {
@@ -161,11 +162,11 @@ void AgentStore::connect(const Options& opt, const std::function<bool()>& keep_w
 }
 
 int64_t AgentStore::counter(const std::string& k, int64_t delta) {
-  return guarded("agent store", [&] { return store_->add(k, delta); });
+  return guarded(kLostStore, [&] { return store_->add(k, delta); });
 }
 
 std::optional<std::string> AgentStore::get_if_set(const std::string& k) {
-  return guarded("agent store", [&]() -> std::optional<std::string> {
+  return guarded(kLostStore, [&]() -> std::optional<std::string> {
     if (!store_->check({k})) return std::nullopt;
     const auto value = store_->get(k);
     return std::string(value.begin(), value.end());
@@ -177,7 +178,7 @@ bool AgentStore::all_joined(int attempt) { return counter(key(attempt, "joined")
 
 void AgentStore::mark_failed(int attempt, const std::string& why) {
   // The first failure is the interesting one: later ones are usually its consequences.
-  guarded("agent store", [&] { store_->compareSet(key(attempt, "failed"), {}, bytes(why)); });
+  guarded(kLostStore, [&] { store_->compareSet(key(attempt, "failed"), {}, bytes(why)); });
 }
 std::optional<std::string> AgentStore::failure(int attempt) { return get_if_set(key(attempt, "failed")); }
 
@@ -185,7 +186,7 @@ void AgentStore::mark_done(int attempt) { counter(key(attempt, "done"), 1); }
 bool AgentStore::all_done(int attempt) { return counter(key(attempt, "done"), 0) >= nnodes_; }
 
 void AgentStore::mark_shutdown(const std::string& why) {
-  guarded("agent store", [&] { store_->compareSet("/fsdprun/shutdown", {}, bytes(why)); });
+  guarded(kLostStore, [&] { store_->compareSet("/fsdprun/shutdown", {}, bytes(why)); });
 }
 std::optional<std::string> AgentStore::shutdown() { return get_if_set("/fsdprun/shutdown"); }
 

@@ -68,7 +68,8 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw UsageError(message);
 }
 
-std::string got(const std::string& what, double value) {
+template <typename T>
+std::string got(const std::string& what, T value) {
   std::ostringstream s;
   s << what << " (got " << value << ")";
   return s.str();

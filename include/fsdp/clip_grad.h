@@ -1,0 +1,23 @@
+// fsdp/clip_grad.h — gradient clipping over sharded gradients.
+//
+//   double norm = fsdp::clip_grad_norm_(model->parameters(), /*max_norm=*/1.0);
+//
+// Like torch::nn::utils::clip_grad_norm_, but the norm is taken over the whole (global)
+// gradients: each rank reduces its shards locally and ONE all-reduce combines them (sum of
+// |g|^p, or max for the inf-norm) over the parameters' shard group. Collective: every rank of
+// that group calls it with its own shards. Returns the global norm; scales the local
+// gradients in place by max_norm / (norm + 1e-6) when that is below 1.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace fsdp {
+
+// norm_type: 2, 1, any p > 0, or INFINITY. Parameters without a grad are skipped. All sharded
+// parameters must share one shard group; parameters not sharded by fully_shard are only
+// accepted when none is sharded (then no communication happens).
+double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0);
+
+}  // namespace fsdp

@@ -1,0 +1,87 @@
+// fsdp/fully_shard.h — fully_shard(): shard a module's parameters over a device mesh, in place.
+//
+//   auto mesh = fsdp::init_device_mesh("cpu", {world});
+//   for (auto& block : model->blocks()) fsdp::fully_shard(block, fsdp::FullyShardOptions().mesh(mesh));
+//   fsdp::fully_shard(model, fsdp::FullyShardOptions().mesh(mesh));          // the root, last
+//   torch::optim::Adam opt(model->parameters(), 1e-3);                       // sharded parameters
+//   for (...) {
+//     opt.zero_grad();
+//     at::Tensor loss = loss_fn(fsdp::call(model, x), y);                    // see fsdp/call.h
+//     loss.backward();                                                        // reduce-scatters grads
+//     opt.step();
+//   }
+//
+// What it does: each parameter of the module not already owned by an earlier fully_shard call
+// (apply it bottom-up) is split along dim 0 over the mesh with torch.chunk's rule (padded
+// internally so every rank exchanges the same size; a dim 0 smaller than the world leaves the
+// last ranks empty). Afterwards module->parameters() / named_parameters() return this rank's
+// shards under the same names (FQNs), and fsdp::as_dtensor(param) gives the DTensor view
+// (Shard(0), global shape). All those parameters form one communication group: one all-gather
+// per unshard and one reduce-scatter per backward.
+//
+// Collective: every rank of the mesh calls fully_shard on the same modules in the same order.
+// Allocates this rank's shards and frees the full parameters (except on a mesh of one rank).
+// Only CPU parameters and 1-D meshes are supported by this release; other cases fail with a
+// message that says so.
+#pragma once
+
+#include <fsdp/device_mesh.h>
+#include <fsdp/dtensor.h>
+#include <fsdp/fsdp_module.h>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+// reshard_after_forward: unset (the default: true for non-root modules, false for the root),
+// true, false, or an int k: after forward keep 1/k of each parameter and all-gather among k ranks
+// in backward (k must divide the shard group size; k = world is true, k = 1 is false).
+class ReshardAfterForward {
+ public:
+  ReshardAfterForward() = default;
+  /* implicit */ ReshardAfterForward(bool reshard) : kind_(reshard ? kTrue : kFalse) {}
+  /* implicit */ ReshardAfterForward(int group_size) : kind_(kInt), group_size_(group_size) {}
+  bool is_unset() const { return kind_ == kUnset; }
+  bool is_bool() const { return kind_ == kTrue || kind_ == kFalse; }
+  bool as_bool() const { return kind_ == kTrue; }
+  bool is_int() const { return kind_ == kInt; }
+  int group_size() const { return group_size_; }
+
+ private:
+  enum Kind { kUnset, kTrue, kFalse, kInt } kind_ = kUnset;
+  int group_size_ = 0;
+};
+
+struct FullyShardOptions {
+  // The data-parallel mesh. Default: a 1-D "cpu" mesh over every rank of the world (made on
+  // first use; collective).
+  TORCH_ARG(DeviceMesh, mesh);
+  TORCH_ARG(ReshardAfterForward, reshard_after_forward);
+};
+
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
+                       const FullyShardOptions& options = FullyShardOptions());
+// One group for several modules (e.g. a final norm and the output head, or tied modules).
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                       const FullyShardOptions& options = FullyShardOptions());
+
+template <typename Impl>
+FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module,
+                       const FullyShardOptions& options = FullyShardOptions()) {
+  return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
+}
+
+// The DTensor view of a sharded parameter (as returned by parameters() after fully_shard): its
+// local shard, the mesh, placements {Shard(0)} and the global shape. Shares storage with the
+// parameter. Throws if `param` is not a parameter sharded by fully_shard.
+DTensor as_dtensor(const at::Tensor& param);
+// True if `param` is a parameter sharded by fully_shard.
+bool is_sharded_parameter(const at::Tensor& param);
+
+}  // namespace fsdp

@@ -1,0 +1,113 @@
+// fsdp/models/transformer.h — the Transformer of seed 001 (and of ../shared/bench/peer/model.py),
+// in LibTorch: same architecture, presets and parameter names, so that the two can be compared
+// and can exchange weights.
+//
+//   tokens -> tok_embeddings + pos_embeddings -> dropout -> n_layers x TransformerBlock
+//          -> norm (LayerNorm) -> output (Linear, no bias) -> float logits
+//   TransformerBlock(x): h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))
+//   Attention: wq, wk, wv, wo (Linear, no bias), causal softmax(QK^T / sqrt(head_dim)),
+//              dropout on the probabilities and on the output projection.
+//   FeedForward: w1 (Linear with bias) -> GELU -> w2 (Linear with bias) -> dropout.
+//
+// Submodules are called through fsdp::call, so any of them may be fully_shard()ed:
+//
+//   auto model = fsdp::models::Transformer(fsdp::models::ModelArgs::preset("small"));
+//   for (auto& block : model->blocks()) fsdp::fully_shard(block);
+//   fsdp::fully_shard(model);
+//   at::Tensor logits = fsdp::call(model, tokens);   // tokens: int64 [batch, seq]
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace models {
+
+struct ModelArgs {
+  int64_t n_layers = 2;
+  int64_t vocab_size = 8;
+  int64_t max_seq_len = 16;
+  int64_t dim = 16;
+  int64_t n_heads = 4;
+  double dropout_p = 0.1;
+
+  // "tiny" (the defaults above), "small" or "medium", as in the peer's model.py.
+  static ModelArgs preset(const std::string& name);
+  // The preset names, in size order.
+  static std::vector<std::string> preset_names();
+};
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const ModelArgs& args);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  torch::nn::Dropout resid_dropout{nullptr};
+
+ private:
+  int64_t n_heads_;
+  int64_t head_dim_;
+  double dropout_p_;
+};
+TORCH_MODULE(Attention);
+
+class FeedForwardImpl : public torch::nn::Module {
+ public:
+  FeedForwardImpl(int64_t dim, int64_t hidden_dim, double dropout_p);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear w1{nullptr}, w2{nullptr};
+  torch::nn::Dropout resid_dropout{nullptr};
+};
+TORCH_MODULE(FeedForward);
+
+class TransformerBlockImpl : public torch::nn::Module {
+ public:
+  explicit TransformerBlockImpl(const ModelArgs& args);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::LayerNorm attention_norm{nullptr};
+  Attention attention{nullptr};
+  torch::nn::LayerNorm ffn_norm{nullptr};
+  FeedForward feed_forward{nullptr};
+};
+TORCH_MODULE(TransformerBlock);
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  explicit TransformerImpl(const ModelArgs& args);
+  // tokens: int64 [batch, seq] with seq <= max_seq_len. Returns float32 logits [batch, seq, vocab].
+  at::Tensor forward(const at::Tensor& tokens);
+
+  const ModelArgs& args() const { return args_; }
+  // The blocks, typed (they are also registered as "layers.<i>").
+  std::vector<TransformerBlock>& blocks() { return blocks_; }
+
+  torch::nn::Embedding tok_embeddings{nullptr}, pos_embeddings{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear output{nullptr};
+
+ private:
+  ModelArgs args_;
+  std::vector<TransformerBlock> blocks_;
+};
+TORCH_MODULE(Transformer);
+
+// Number of elements of all parameters of `module` (as registered now: after fully_shard,
+// the local shards).
+int64_t count_parameters(const torch::nn::Module& module);
+
+}  // namespace models
+}  // namespace fsdp

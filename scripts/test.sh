@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# test.sh — install, build, and run every test (GoogleTest under ctest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+bash scripts/build.sh
+cd build
+ctest --output-on-failure -j "${FSDP_TEST_JOBS:-2}" --timeout 900

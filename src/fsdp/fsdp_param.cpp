@@ -1,0 +1,92 @@
+#include "fsdp/fsdp_param.h"
+
+#include <fsdp/placement.h>
+
+#include <ATen/ATen.h>
+#include <ATen/native/Resize.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+namespace fsdp {
+namespace detail {
+
+FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64_t rank)
+    : fqn_(std::move(fqn)), unsharded_(std::move(unsharded)), world_(world) {
+  const at::Tensor& u = unsharded_;
+  TORCH_CHECK(u.dim() >= 1, "fully_shard: parameter '", fqn_, "' is a scalar (0-dim); FSDP shards along dim 0 "
+              "and needs at least one dim. Make it shape [1], or keep it out of the FSDP module.");
+  TORCH_CHECK(u.device().is_cpu(), "fully_shard: parameter '", fqn_, "' is on ", u.device(),
+              "; this build of fsdp-cpp shards CPU parameters only");
+  TORCH_CHECK(u.is_contiguous() && u.storage_offset() == 0 &&
+                  u.storage().nbytes() == static_cast<size_t>(u.numel()) * u.element_size(),
+              "fully_shard: parameter '", fqn_, "' does not own a contiguous storage of its own (it is a view or "
+              "non-contiguous); FSDP frees and refills each parameter's storage, so give it its own (e.g. clone())");
+  global_shape_ = u.sizes().vec();
+  requires_grad_ = u.requires_grad();
+  unsharded_numel_ = u.numel();
+  row_numel_ = 1;
+  for (int64_t d = 1; d < u.dim(); ++d) row_numel_ *= u.size(d);
+  const int64_t rows = u.size(0);
+  const int64_t chunk_rows = (rows + world - 1) / world;
+  padded_shard_numel_ = chunk_rows * row_numel_;
+  const ChunkBounds b = chunk_bounds(rows, world, rank);
+  shard_rows_ = b.length;
+  shard_row_offset_ = b.offset;
+}
+
+void FSDPParam::copy_shard_to(char* dst) const {
+  const size_t es = unsharded_.element_size();
+  const size_t real = static_cast<size_t>(shard_rows_ * row_numel_) * es;
+  const char* src = static_cast<const char*>(unsharded_.data_ptr()) + shard_row_offset_ * row_numel_ * es;
+  if (real > 0) std::memcpy(dst, src, real);
+  std::memset(dst + real, 0, static_cast<size_t>(padded_shard_numel_) * es - real);
+}
+
+void FSDPParam::init_sharded(const at::Tensor& flat_shard, int64_t offset) {
+  std::vector<int64_t> shape = global_shape_;
+  shape[0] = shard_rows_;
+  at::Tensor s = at::empty({0}, flat_shard.options());
+  s.set_(flat_shard.storage(), flat_shard.storage_offset() + offset, shape, c10::contiguous_strides(shape));
+  s.set_requires_grad(requires_grad_);
+  sharded_ = std::move(s);
+}
+
+bool FSDPParam::is_unsharded_allocated() const { return aliases_shard_ || unsharded_.storage().nbytes() > 0; }
+
+void FSDPParam::alloc_unsharded() {
+  if (aliases_shard_) return;
+  at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(),
+                               static_cast<size_t>(padded_full_numel()) * unsharded_.element_size());
+}
+
+void FSDPParam::free_unsharded() {
+  if (aliases_shard_) return;
+  at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(), 0);
+}
+
+char* FSDPParam::unsharded_bytes() const { return static_cast<char*>(unsharded_.storage().data()); }
+
+void FSDPParam::alias_shard(const at::Tensor& flat_shard, int64_t offset) {
+  // Same TensorImpl (the module member keeps pointing at it), new storage: the shard's.
+  c10::TensorImpl* impl = unsharded_.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(flat_shard.storage());
+  impl->set_storage_offset(flat_shard.storage_offset() + offset);
+  aliases_shard_ = true;
+}
+
+void FSDPParam::clear_unsharded_grad() {
+  if (unsharded_.grad().defined()) unsharded_.mutable_grad().reset();
+}
+
+void FSDPParam::accumulate_sharded_grad(const at::Tensor& shard_grad) {
+  if (sharded_.grad().defined()) {
+    at::NoGradGuard no_grad;
+    sharded_.mutable_grad().add_(shard_grad);
+  } else {
+    sharded_.mutable_grad() = shard_grad;
+  }
+}
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,86 @@
+// fsdp_param.h — one parameter under FSDP: how it is chunked, and its two faces.
+//
+// The sharded face is a new leaf tensor (this rank's torch.chunk rows, a view into the group's
+// flat shard buffer) that replaces the parameter in its module's parameter registry, so that
+// parameters(), named_parameters() and every optimizer see only it. The unsharded face is the
+// original tensor, which the module's member (e.g. LinearImpl::weight) keeps pointing to and
+// autograd computes with; its storage is resized to zero bytes while sharded and refilled in
+// place when gathered, so views that autograd saved stay valid. It never moves.
+//
+// This file owns no communication: the group (param_group.h) moves the bytes and this record
+// says where they go.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace detail {
+
+class FSDPParam {
+ public:
+  // `unsharded` is the parameter as registered before sharding (contiguous, owning its storage).
+  // The data is not moved here: the group copies it into its flat shard buffer (copy_shard_to).
+  FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64_t rank);
+
+  const std::string& fqn() const { return fqn_; }
+  // The original (global) shape and dtype.
+  const std::vector<int64_t>& global_shape() const { return global_shape_; }
+  at::ScalarType dtype() const { return unsharded_.scalar_type(); }
+  bool requires_grad() const { return requires_grad_; }
+
+  // Chunking over `world` ranks along dim 0 (torch.chunk), each chunk padded to the same size.
+  int64_t padded_shard_numel() const { return padded_shard_numel_; }  // identical on every rank
+  int64_t shard_rows() const { return shard_rows_; }                  // this rank's real rows (may be 0)
+  int64_t shard_row_offset() const { return shard_row_offset_; }
+  int64_t unsharded_numel() const { return unsharded_numel_; }
+  int64_t row_numel() const { return row_numel_; }  // elements per dim-0 row
+
+  // Writes this rank's rows of the unsharded data, then zero padding, to `dst`
+  // (padded_shard_numel elements). Requires the unsharded data to be present.
+  void copy_shard_to(char* dst) const;
+  // Makes the sharded leaf a view of `flat_shard` at element `offset`, with this rank's rows.
+  void init_sharded(const at::Tensor& flat_shard, int64_t offset);
+
+  const at::Tensor& sharded() const { return sharded_; }
+  const at::Tensor& unsharded() const { return unsharded_; }
+
+  // The unsharded storage: allocated for `padded_full_numel()` elements (all ranks' padded
+  // chunks, rank-major, so the real data is the prefix), or zero bytes.
+  int64_t padded_full_numel() const { return padded_shard_numel_ * world_; }
+  bool is_unsharded_allocated() const;
+  void alloc_unsharded();
+  void free_unsharded();
+  char* unsharded_bytes() const;
+  // World size 1: the unsharded tensor aliases the shard (no copies, never freed).
+  bool aliases_shard() const { return aliases_shard_; }
+  void alias_shard(const at::Tensor& flat_shard, int64_t offset);
+
+  // Gradient of the unsharded tensor (full shape) from autograd, and its release.
+  at::Tensor unsharded_grad() const { return unsharded_.grad(); }
+  void clear_unsharded_grad();
+  // Adds (or sets) `shard_grad` (shard shape; may alias a reduce-scatter output) as the grad of
+  // the sharded leaf.
+  void accumulate_sharded_grad(const at::Tensor& shard_grad);
+
+ private:
+  std::string fqn_;
+  at::Tensor unsharded_;
+  at::Tensor sharded_;
+  std::vector<int64_t> global_shape_;
+  bool requires_grad_;
+  int64_t world_;
+  int64_t unsharded_numel_;
+  int64_t row_numel_;
+  int64_t padded_shard_numel_;
+  int64_t shard_rows_;
+  int64_t shard_row_offset_;
+  bool aliases_shard_ = false;
+};
+
+}  // namespace detail
+}  // namespace fsdp
