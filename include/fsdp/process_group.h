@@ -57,6 +57,9 @@ struct CollectiveCounters {
   int64_t calls = 0;           // operations issued
   int64_t bytes_sent = 0;      // payload bytes this rank put on the wire
   int64_t bytes_received = 0;  // payload bytes this rank took off the wire
+  int64_t busy_ns = 0;         // time the group's communication thread spent running them
+  int64_t blocked_ns = 0;      // time callers spent blocked in Work::wait() for them
+  // busy_ns - blocked_ns is the communication time hidden behind the callers' other work.
 };
 
 // A snapshot of a group's counters. Indexed by kind: stats[CollectiveKind::kAllGather].calls.
@@ -74,11 +77,16 @@ class CollectiveError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+namespace detail {
+struct StatsCell;  // a group's counters, shared with its Works (process_group.cpp)
+}
+
 // Handle of one queued collective. Thread-safe. Shared by the caller and the group's
 // communication thread.
 class Work {
  public:
-  Work(CollectiveKind kind, int64_t seq) : kind_(kind), seq_(seq) {}
+  Work(CollectiveKind kind, int64_t seq, std::shared_ptr<detail::StatsCell> stats = nullptr)
+      : kind_(kind), seq_(seq), stats_(std::move(stats)) {}
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
 
@@ -100,6 +108,7 @@ class Work {
  private:
   const CollectiveKind kind_;
   const int64_t seq_;
+  const std::shared_ptr<detail::StatsCell> stats_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -170,19 +179,19 @@ class ProcessGroup {
   // Queue `op` for execution in issue order and return its handle.
   virtual WorkHandle enqueue(Op op) = 0;
 
-  // Implementations add bytes as they move them.
+  // Implementations add bytes as they move them, and the time each operation ran.
   void count_bytes(CollectiveKind kind, int64_t sent, int64_t received);
-  // The sequence number the next enqueued operation gets; bumps the call counter.
-  int64_t next_seq(CollectiveKind kind);
+  void count_busy(CollectiveKind kind, int64_t nanoseconds);
+  // A new Work for the next enqueued operation: takes its sequence number, bumps the call counter.
+  WorkHandle make_work(CollectiveKind kind);
 
  private:
   const int rank_;
   const std::vector<int> global_ranks_;
   const std::string name_;
   const std::chrono::milliseconds timeout_;
-  mutable std::mutex stats_mu_;
-  CollectiveStats stats_;
-  int64_t next_seq_ = 0;
+  const std::shared_ptr<detail::StatsCell> stats_;
+  int64_t next_seq_ = 0;  // guarded by the StatsCell's mutex
 };
 
 }  // namespace fsdp

@@ -218,7 +218,7 @@ WorkHandle GlooProcessGroup::enqueue(Op op) {
   std::lock_guard<std::mutex> lock(queue_mu_);
   TORCH_CHECK(!stopping_, "process group '", name(), "' is being destroyed; no new collectives");
   // Sequence numbers are taken under the queue lock so that they follow queue order.
-  auto work = std::make_shared<Work>(op.kind, next_seq(op.kind));
+  WorkHandle work = make_work(op.kind);
   work->keep_alive({op.output, op.input});
   queue_.push_back(Task{std::move(op), work});
   queue_cv_.notify_one();
@@ -245,12 +245,14 @@ void GlooProcessGroup::run_loop() {
           " on process group '" + name() + "' was not run: the group is unusable after an earlier failure (" +
           broken_ + ")"));
     } else {
+      const auto start = std::chrono::steady_clock::now();
       try {
         execute(task.op, seq);
       } catch (const std::exception& e) {
         broken_ = std::string(to_string(task.op.kind)) + " #" + std::to_string(seq) + " failed";
         error = std::current_exception();
       }
+      count_busy(task.op.kind, std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
     }
     task.work->finish(error);
   }

@@ -35,12 +35,31 @@ int64_t CollectiveStats::total_calls() const {
   return n;
 }
 
+namespace detail {
+struct StatsCell {
+  std::mutex mu;
+  CollectiveStats stats;
+};
+}  // namespace detail
+
 // ------------------------------------------------------------------------------ Work
 
 void Work::wait() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return done_; });
-  if (error_) std::rethrow_exception(error_);
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!done_) {
+      const auto start = std::chrono::steady_clock::now();
+      cv_.wait(lock, [&] { return done_; });
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+      if (stats_) {
+        std::lock_guard<std::mutex> stats_lock(stats_->mu);
+        stats_->stats[kind_].blocked_ns += ns.count();
+      }
+    }
+    error = error_;
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 bool Work::is_completed() const {
@@ -63,7 +82,11 @@ void Work::finish(std::exception_ptr error) {
 
 ProcessGroup::ProcessGroup(int rank, std::vector<int> global_ranks, std::string name,
                            std::chrono::milliseconds timeout)
-    : rank_(rank), global_ranks_(std::move(global_ranks)), name_(std::move(name)), timeout_(timeout) {}
+    : rank_(rank),
+      global_ranks_(std::move(global_ranks)),
+      name_(std::move(name)),
+      timeout_(timeout),
+      stats_(std::make_shared<detail::StatsCell>()) {}
 
 namespace {
 
@@ -184,25 +207,30 @@ WorkHandle ProcessGroup::barrier() {
 }
 
 CollectiveStats ProcessGroup::stats() const {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  return stats_;
+  std::lock_guard<std::mutex> lock(stats_->mu);
+  return stats_->stats;
 }
 
 void ProcessGroup::reset_stats() {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  stats_ = CollectiveStats{};
+  std::lock_guard<std::mutex> lock(stats_->mu);
+  stats_->stats = CollectiveStats{};
 }
 
 void ProcessGroup::count_bytes(CollectiveKind kind, int64_t sent, int64_t received) {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  stats_[kind].bytes_sent += sent;
-  stats_[kind].bytes_received += received;
+  std::lock_guard<std::mutex> lock(stats_->mu);
+  stats_->stats[kind].bytes_sent += sent;
+  stats_->stats[kind].bytes_received += received;
 }
 
-int64_t ProcessGroup::next_seq(CollectiveKind kind) {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  stats_[kind].calls += 1;
-  return next_seq_++;
+void ProcessGroup::count_busy(CollectiveKind kind, int64_t nanoseconds) {
+  std::lock_guard<std::mutex> lock(stats_->mu);
+  stats_->stats[kind].busy_ns += nanoseconds;
+}
+
+WorkHandle ProcessGroup::make_work(CollectiveKind kind) {
+  std::lock_guard<std::mutex> lock(stats_->mu);
+  stats_->stats[kind].calls += 1;
+  return std::make_shared<Work>(kind, next_seq_++, stats_);
 }
 
 }  // namespace fsdp

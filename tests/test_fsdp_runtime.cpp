@@ -1,0 +1,266 @@
+// fully_shard's runtime behaviour across real processes: how many collectives a step issues,
+// what memory it holds when, clip_grad_norm_, the end-of-backward reduction, and what happens
+// when the hook point is skipped.
+#include "harness/multiprocess.h"
+
+#include <fsdp/call.h>
+#include <fsdp/clip_grad.h>
+#include <fsdp/distributed.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
+#include <fsdp/models/transformer.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adam.h>
+
+#include <cmath>
+
+using fsdp::CollectiveKind;
+using fsdp::testing::run_distributed;
+
+namespace {
+
+fsdp::models::ModelArgs tiny() {
+  fsdp::models::ModelArgs a;
+  a.dropout_p = 0.0;
+  return a;
+}
+
+fsdp::models::Transformer make_model() {
+  torch::manual_seed(0);
+  return fsdp::models::Transformer(tiny());
+}
+
+// Blocks, then the root; returns the handles (blocks first).
+std::vector<fsdp::FSDPModule> shard(fsdp::models::Transformer& model, const fsdp::DeviceMesh& mesh,
+                                    fsdp::ReshardAfterForward raf = {}) {
+  std::vector<fsdp::FSDPModule> handles;
+  auto opts = fsdp::FullyShardOptions().mesh(mesh).reshard_after_forward(raf);
+  for (auto& block : model->blocks()) handles.push_back(fsdp::fully_shard(block, opts));
+  handles.push_back(fsdp::fully_shard(model, opts));
+  return handles;
+}
+
+at::Tensor tokens(int64_t step, int64_t rows = 2) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + step + 1000 * fsdp::get_rank());
+  return at::randint(0, 8, {rows, 16}, gen);
+}
+
+at::Tensor loss_of(fsdp::models::Transformer& model, const at::Tensor& toks) {
+  at::Tensor logits = fsdp::call(model, toks);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, 8}), toks.roll(-1, 1).reshape({-1}));
+}
+
+// Bytes of every tensor an Adam optimizer keeps per parameter, plus the parameters and grads.
+int64_t training_state_bytes(torch::nn::Module& model, torch::optim::Adam& opt) {
+  int64_t n = 0;
+  for (const auto& p : model.parameters()) {
+    n += p.numel() * p.element_size();
+    if (p.grad().defined()) n += p.grad().numel() * p.grad().element_size();
+  }
+  for (const auto& kv : opt.state()) {
+    auto& s = static_cast<torch::optim::AdamParamState&>(*kv.second);
+    n += (s.exp_avg().numel() + s.exp_avg_sq().numel()) * 4;
+  }
+  return n;
+}
+
+}  // namespace
+
+TEST(FsdpRuntime, CollectiveCountsPerStep) {
+  for (int world : {1, 2, 3}) {
+    run_distributed(world, [] {
+      const int W = fsdp::get_world_size();
+      auto mesh = fsdp::init_device_mesh("cpu", {W});
+      auto pg = mesh.get_group(0);
+      auto model = make_model();
+      auto handles = shard(model, mesh);
+      const int64_t groups = static_cast<int64_t>(handles.size());        // 2 blocks + root
+      const int64_t resharded = groups - 1;                               // the root keeps its params
+      torch::optim::Adam opt(model->parameters(), 1e-3);
+      for (int step = 0; step < 3; ++step) {  // step 0 has no prefetch history, later ones prefetch
+        opt.zero_grad();
+        pg->reset_stats();
+        at::Tensor loss = loss_of(model, tokens(step));
+        auto fwd = pg->stats();
+        pg->reset_stats();
+        loss.backward();
+        auto bwd = pg->stats();
+        opt.step();
+        if (W == 1) {
+          EXPECT_EQ(fwd.total_calls() + bwd.total_calls(), 0) << "world size 1 issues no collectives";
+          continue;
+        }
+        EXPECT_EQ(fwd[CollectiveKind::kAllGather].calls, groups) << "step " << step;
+        EXPECT_EQ(fwd[CollectiveKind::kReduceScatter].calls, 0);
+        EXPECT_EQ(bwd[CollectiveKind::kReduceScatter].calls, groups) << "step " << step;
+        EXPECT_EQ(bwd[CollectiveKind::kAllGather].calls, resharded) << "step " << step;
+        EXPECT_EQ(fwd.total_calls() + bwd.total_calls(), 2 * groups + resharded);
+      }
+    });
+  }
+}
+
+TEST(FsdpRuntime, NoBackwardAllGatherWithoutReshardAfterForward) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    auto pg = mesh.get_group(0);
+    auto model = make_model();
+    shard(model, mesh, false);
+    at::Tensor loss = loss_of(model, tokens(0));
+    pg->reset_stats();
+    loss.backward();
+    EXPECT_EQ(pg->stats()[CollectiveKind::kAllGather].calls, 0);
+    EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 3);
+  });
+}
+
+TEST(FsdpRuntime, MemoryIsFreedAndShardedStateIsOneWth) {
+  for (int world : {2, 4}) {
+    run_distributed(world, [] {
+      const int W = fsdp::get_world_size();
+      auto mesh = fsdp::init_device_mesh("cpu", {W});
+      // The single-process figure: parameters + grads + Adam state of the whole model.
+      int64_t full_bytes = 0;
+      {
+        auto ref = make_model();
+        torch::optim::Adam ref_opt(ref->parameters(), 1e-3);
+        loss_of(ref, tokens(0)).backward();
+        ref_opt.step();
+        full_bytes = training_state_bytes(*ref, ref_opt);
+      }
+      const int64_t before = fsdp::memory::allocated_bytes();
+      auto model = make_model();
+      auto handles = shard(model, mesh);
+      torch::optim::Adam opt(model->parameters(), 1e-3);
+      {
+        at::Tensor loss = loss_of(model, tokens(0));
+        // After forward: the blocks (resharded) hold no gathered storage; the root keeps its own.
+        for (size_t i = 0; i + 1 < handles.size(); ++i) EXPECT_EQ(handles[i].unsharded_parameter_bytes(), 0);
+        EXPECT_GT(handles.back().unsharded_parameter_bytes(), 0);
+        loss.backward();
+      }
+      // After backward: nothing gathered, no unsharded gradient left on the module members.
+      for (auto& h : handles) EXPECT_EQ(h.unsharded_parameter_bytes(), 0);
+      auto& wq = model->blocks()[0]->attention->wq->weight;  // the member: the unsharded tensor
+      EXPECT_EQ(wq.storage().nbytes(), 0u);
+      EXPECT_FALSE(wq.grad().defined());
+      EXPECT_FALSE(model->output->weight.grad().defined());
+      opt.step();
+      const int64_t sharded = training_state_bytes(*model, opt);
+      // Every dim 0 of the tiny model divides 2 and 4, so there is no padding: exactly 1/W.
+      EXPECT_EQ(sharded * W, full_bytes);
+      // The allocator agrees: what this rank holds now is its shards, grads and Adam state
+      // (the shards and grads are views of the flat buffers they are counted in).
+      const int64_t live = fsdp::memory::allocated_bytes() - before;
+      EXPECT_GE(live, sharded);
+      EXPECT_LE(live, sharded + sharded / 5 + (64 << 10)) << "live " << live << " sharded " << sharded;
+    });
+  }
+}
+
+TEST(FsdpRuntime, ClipGradNormMatchesSingleProcess) {
+  for (int world : {2, 3}) {
+    run_distributed(world, [] {
+      const int W = fsdp::get_world_size(), r = fsdp::get_rank();
+      auto mesh = fsdp::init_device_mesh("cpu", {W});
+      auto ref = make_model();
+      auto model = make_model();
+      shard(model, mesh);
+      auto global = at::randint(0, 8, {2 * W, 16}, at::make_generator<at::CPUGeneratorImpl>(7));
+      for (double p : {2.0, 1.0, static_cast<double>(INFINITY)}) {
+        ref->zero_grad();
+        loss_of(ref, global).backward();
+        model->zero_grad();
+        loss_of(model, global.slice(0, 2 * r, 2 * r + 2)).backward();
+        const double expect = torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.05, p);
+        const double got = fsdp::clip_grad_norm_(model->parameters(), 0.05, p);
+        EXPECT_NEAR(got, expect, 1e-5 * std::max(1.0, expect)) << "norm " << p;
+        auto ref_params = ref->named_parameters();
+        for (const auto& item : model->named_parameters()) {
+          auto d = fsdp::as_dtensor(item.value());
+          at::Tensor full_grad =
+              fsdp::DTensor::from_local(item.value().grad(), d.device_mesh(), d.placements(), d.sizes()).full_tensor();
+          EXPECT_LT((full_grad - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6)
+              << item.key() << " norm " << p;
+        }
+      }
+    });
+  }
+}
+
+TEST(FsdpRuntime, RootAndNoGradInputGroupsAreReducedAtEndOfBackward) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    auto ref = make_model();
+    auto model = make_model();
+    shard(model, mesh);
+    auto global = at::randint(0, 8, {4, 16}, at::make_generator<at::CPUGeneratorImpl>(11));
+    loss_of(ref, global).backward();
+    // Token ids need no grad, so the root group's post-backward hook can never fire: only the
+    // end-of-backward pass can reduce the embeddings, the final norm and the output layer.
+    loss_of(model, global.slice(0, 2 * fsdp::get_rank(), 2 * fsdp::get_rank() + 2)).backward();
+    auto ref_params = ref->named_parameters();
+    for (const std::string name : {"tok_embeddings.weight", "pos_embeddings.weight", "norm.weight", "output.weight"}) {
+      const at::Tensor& p = model->named_parameters()[name];
+      ASSERT_TRUE(p.grad().defined()) << name;
+      auto d = fsdp::as_dtensor(p);
+      at::Tensor full = fsdp::DTensor::from_local(p.grad(), d.device_mesh(), d.placements(), d.sizes()).full_tensor();
+      EXPECT_LT((full - ref_params[name].grad()).abs().max().item<double>(), 1e-6) << name;
+    }
+  });
+}
+
+namespace {
+// Calls an FSDP submodule directly, skipping the hook point.
+struct SkipsHookImpl : torch::nn::Module {
+  SkipsHookImpl() {
+    inner = register_module("inner", torch::nn::Linear(4, 6));
+    outer = register_module("outer", torch::nn::Linear(6, 2));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fsdp::call(outer, inner->forward(x)); }
+  torch::nn::Linear inner{nullptr}, outer{nullptr};
+};
+TORCH_MODULE(SkipsHook);
+}  // namespace
+
+TEST(FsdpRuntime, SkippingTheHookPointIsANamedError) {
+  run_distributed(2, [] {
+    SkipsHook m;
+    fsdp::fully_shard(m->inner);
+    fsdp::fully_shard(m);
+    try {
+      fsdp::call(m, at::ones({3, 4}));
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("'inner'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("fsdp::call"), std::string::npos) << msg;
+    }
+  });
+}
+
+TEST(FsdpRuntime, ManualUnshardAndReshard) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    torch::manual_seed(0);
+    torch::nn::Linear plain(5, 3);
+    torch::manual_seed(0);
+    torch::nn::Linear lin(5, 3);
+    auto h = fsdp::fully_shard(lin, fsdp::FullyShardOptions().mesh(mesh));
+    EXPECT_EQ(h.unsharded_parameter_bytes(), 0);
+    EXPECT_TRUE(fsdp::get_fsdp_module(*lin) == h);
+    EXPECT_FALSE(fsdp::is_fsdp_module(*plain));
+    auto handle = h.unshard(/*async_op=*/true);
+    handle.wait();
+    EXPECT_GT(h.unsharded_parameter_bytes(), 0);
+    at::Tensor x = at::randn({4, 5});
+    EXPECT_TRUE(lin->forward(x).allclose(plain->forward(x)));  // usable directly once unsharded
+    h.reshard();
+    EXPECT_EQ(h.unsharded_parameter_bytes(), 0);
+    EXPECT_THROW(fsdp::get_fsdp_module(*plain), c10::Error);
+  });
+}
