@@ -44,6 +44,11 @@ std::vector<std::string> worker_environment(const Options& opt, int local_rank, 
   env["TORCHELASTIC_RUN_ID"] = opt.run_id;
   env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
   if (sets_omp_num_threads(opt)) env["OMP_NUM_THREADS"] = "1";
+  // Debian's LibTorch calls OpenBLAS through the plain BLAS interface, so OpenBLAS ignores
+  // at::set_num_threads and would start a thread per CPU in every worker: follow OMP's count.
+  if (env.count("OMP_NUM_THREADS") && !std::getenv("OPENBLAS_NUM_THREADS")) {
+    env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"];
+  }
 
   std::vector<std::string> out;
   for (const auto& [key, value] : env) out.push_back(key + "=" + value);
