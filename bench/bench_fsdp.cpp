@@ -1,8 +1,8 @@
 // bench_fsdp — training steps of the Transformer under fully_shard: what FSDP's hooks cost, and how
 // much of FSDP's communication the steps hide behind compute.
 //
-//   bench_fsdp overhead [--preset small] [--batch 4] [--seq 128] [--warmup 2] [--rounds 5]
-//                       [--steps 2] [--json]
+//   bench_fsdp overhead [--preset small] [--batch 4] [--seq 128] [--warmup 2] [--rounds 10]
+//                       [--steps 1] [--json]
 //     One process (world 1; no launcher needed). Times training steps (zero_grad, forward through
 //     fsdp::call, cross-entropy, backward, Adam step) of (A) the plain model and (B) the same model
 //     with fully_shard on every block and on the root, alternating A B A B ... for --rounds rounds
@@ -10,8 +10,8 @@
 //     ratio B / A. On one rank fully_shard communicates nothing, so the ratio is the cost of the
 //     hooks and of FSDP's bookkeeping.
 //
-//   fsdprun --standalone --nproc-per-node 2 bench_fsdp overlap [--preset small] [--batch 4]
-//                       [--seq 128] [--warmup 2] [--steps 5] [--explicit-prefetch] [--json]
+//   fsdprun --standalone --nproc-per-node 2 bench_fsdp overlap
+//       [--preset small] [--batch 4] [--seq 128] [--warmup 2] [--steps 5] [--explicit-prefetch] [--json]
 //     The sharded model on every rank (fully_shard on each block and the root, implicit prefetch
 //     unless --explicit-prefetch). For each timed step: the step time and, from the counters of
 //     the FSDP mesh's process group, per kind of collective:
@@ -19,6 +19,7 @@
 //       blocked = time the training thread spent blocked in Work::wait() for them,
 //       hidden  = max(busy - blocked, 0), the communication that overlapped with compute,
 //     and hidden / busy. --batch is per rank here (each rank trains on its own tokens).
+//     (fsdprun sets OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to 1 per rank unless already set.)
 //     Caveats: both counters are measured on this rank only. "busy" includes the time the
 //     communication thread waits for a slower peer, and operations run one at a time in issue
 //     order, so time blocked on an all-gather queued behind a reduce-scatter is charged to the
@@ -65,8 +66,8 @@ struct Options {
   int64_t batch = 4;
   int64_t seq = 128;
   int warmup = 2;
-  int rounds = 5;
-  int steps = 0;  // 0: 2 per round (overhead) or 5 (overlap)
+  int rounds = 10;
+  int steps = 0;  // 0: 1 per round (overhead) or 5 (overlap)
   bool explicit_prefetch = false;
   bool json = false;
 };
@@ -97,7 +98,7 @@ Options parse_args(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--json")) o.json = true;
     else usage();
   }
-  if (o.steps <= 0) o.steps = o.mode == "overhead" ? 2 : 5;
+  if (o.steps <= 0) o.steps = o.mode == "overhead" ? 1 : 5;
   return o;
 }
 
@@ -106,6 +107,19 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// OpenBLAS does the matmuls and ignores at::set_num_threads (docs/blas.md): report its setting.
+const char* blas_threads() {
+  const char* v = std::getenv("OPENBLAS_NUM_THREADS");
+  return v ? v : "unset";
+}
+
+template <typename... Args>
+std::string format(const char* fmt, Args... args) {
+  char buf[1024];
+  std::snprintf(buf, sizeof buf, fmt, args...);
+  return buf;
 }
 
 double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
@@ -189,9 +203,9 @@ int run_overhead(const Options& o) {
 
   const double a = median(variants[0].times), b = median(variants[1].times);
   std::printf("bench_fsdp overhead: preset %s (%d blocks, %lld parameters), batch %lld, seq %lld, dropout 0, "
-              "world 1, %d intra-op threads\n",
+              "world 1, %d intra-op threads, OPENBLAS_NUM_THREADS %s\n",
               o.preset.c_str(), static_cast<int>(args.n_layers), static_cast<long long>(n_params),
-              static_cast<long long>(o.batch), static_cast<long long>(o.seq), at::get_num_threads());
+              static_cast<long long>(o.batch), static_cast<long long>(o.seq), at::get_num_threads(), blas_threads());
   std::printf("  %d warm-up steps each, then %d rounds x %d steps per variant, alternating\n", o.warmup, o.rounds,
               o.steps);
   for (const auto& v : variants) {
@@ -199,15 +213,17 @@ int run_overhead(const Options& o) {
                 median(v.times), *std::min_element(v.times.begin(), v.times.end()),
                 *std::max_element(v.times.begin(), v.times.end()), mib(static_cast<double>(v.peak_delta)));
   }
-  std::printf("  ratio sharded / plain: %.4f\n", b / a);
+  const double amin = *std::min_element(variants[0].times.begin(), variants[0].times.end());
+  const double bmin = *std::min_element(variants[1].times.begin(), variants[1].times.end());
+  std::printf("  ratio sharded / plain: %.4f (medians), %.4f (minima)\n", b / a, bmin / amin);
   std::printf("  tensor bytes resident now (both models and their Adam states): %.1f MiB\n",
               mib(static_cast<double>(fsdp::memory::allocated_bytes())));
   if (o.json) {
     std::printf("{\"bench\":\"fsdp_overhead\",\"preset\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
-                "\"steps_per_variant\":%zu,\"plain_median_s\":%.6f,\"sharded_median_s\":%.6f,\"ratio\":%.6f,"
+                "\"steps_per_variant\":%zu,\"plain_median_s\":%.6f,\"sharded_median_s\":%.6f,\"ratio\":%.6f,\"ratio_min\":%.6f,"
                 "\"plain_step_peak_bytes\":%lld,\"sharded_step_peak_bytes\":%lld}\n",
                 o.preset.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.seq), at::get_num_threads(),
-                variants[0].times.size(), a, b, b / a, static_cast<long long>(variants[0].peak_delta),
+                variants[0].times.size(), a, b, b / a, bmin / amin, static_cast<long long>(variants[0].peak_delta),
                 static_cast<long long>(variants[1].peak_delta));
   }
   return 0;
@@ -281,11 +297,12 @@ int run_overlap(const Options& o) {
                        fsdp::memory::max_allocated_bytes()});
   }
 
+  std::vector<std::string> json_lines;  // printed after the tables
   if (rank == 0) {
     std::printf("bench_fsdp overlap: preset %s, batch %lld per rank, seq %lld, dropout 0, world %d, %s prefetch, "
-                "%d intra-op threads per rank\n",
+                "%d intra-op threads per rank, OPENBLAS_NUM_THREADS %s\n",
                 o.preset.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.seq), world,
-                o.explicit_prefetch ? "explicit" : "implicit", at::get_num_threads());
+                o.explicit_prefetch ? "explicit" : "implicit", at::get_num_threads(), blas_threads());
     std::printf("rank 0, per step (ms; hidden = busy - blocked):\n");
     std::printf("  step  time_ms | all-gather  n   busy blocked hidden | reduce-scatter n   busy blocked hidden | "
                 "total hidden\n");
@@ -297,11 +314,11 @@ int run_overlap(const Options& o) {
                   static_cast<long long>(r.rs.calls), r.rs.busy_ms, r.rs.blocked_ms, pct(r.rs.hidden_pct()).c_str(),
                   tot.hidden_ms(), pct(tot.hidden_pct()).c_str());
       if (o.json) {
-        std::printf("{\"bench\":\"fsdp_overlap\",\"rank\":0,\"step\":%zu,\"time_s\":%.6f,\"ag_calls\":%lld,"
+        json_lines.push_back(format("{\"bench\":\"fsdp_overlap\",\"rank\":0,\"step\":%zu,\"time_s\":%.6f,\"ag_calls\":%lld,"
                     "\"ag_busy_ms\":%.3f,\"ag_blocked_ms\":%.3f,\"rs_calls\":%lld,\"rs_busy_ms\":%.3f,"
-                    "\"rs_blocked_ms\":%.3f,\"hidden_pct\":%.2f}\n",
+                    "\"rs_blocked_ms\":%.3f,\"hidden_pct\":%.2f}",
                     i, r.time_s, static_cast<long long>(r.ag.calls), r.ag.busy_ms, r.ag.blocked_ms,
-                    static_cast<long long>(r.rs.calls), r.rs.busy_ms, r.rs.blocked_ms, tot.hidden_pct());
+                    static_cast<long long>(r.rs.calls), r.rs.busy_ms, r.rs.blocked_ms, tot.hidden_pct()));
       }
     }
   }
@@ -333,11 +350,11 @@ int run_overlap(const Options& o) {
                   ag.busy_ms, ag.blocked_ms, pct(ag.hidden_pct()).c_str(), rs.busy_ms, rs.blocked_ms,
                   pct(rs.hidden_pct()).c_str(), tot.hidden_ms(), pct(tot.hidden_pct()).c_str(), mib(v(5)), mib(v(6)));
       if (o.json) {
-        std::printf("{\"bench\":\"fsdp_overlap_summary\",\"rank\":%d,\"world\":%d,\"preset\":\"%s\",\"explicit_prefetch\":%s,"
+        json_lines.push_back(format("{\"bench\":\"fsdp_overlap_summary\",\"rank\":%d,\"world\":%d,\"preset\":\"%s\",\"explicit_prefetch\":%s,"
                     "\"median_step_s\":%.6f,\"ag_busy_ms\":%.3f,\"ag_blocked_ms\":%.3f,\"rs_busy_ms\":%.3f,"
-                    "\"rs_blocked_ms\":%.3f,\"hidden_pct\":%.2f,\"peak_allocated_bytes\":%.0f}\n",
+                    "\"rs_blocked_ms\":%.3f,\"hidden_pct\":%.2f,\"peak_allocated_bytes\":%.0f}",
                     r, world, o.preset.c_str(), o.explicit_prefetch ? "true" : "false", v(0), v(1), v(2), v(3), v(4),
-                    tot.hidden_pct(), v(5));
+                    tot.hidden_pct(), v(5)));
       }
     }
     if (std::thread::hardware_concurrency() < 2u * static_cast<unsigned>(world)) {
@@ -345,6 +362,7 @@ int run_overlap(const Options& o) {
                   "these overlap numbers are not meaningful\n",
                   std::thread::hardware_concurrency(), world);
     }
+    for (const auto& line : json_lines) std::printf("%s\n", line.c_str());
   }
   return 0;
 }

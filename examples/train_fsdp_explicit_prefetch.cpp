@@ -61,15 +61,15 @@ Options parse_args(int argc, char** argv) {
 }
 
 // This rank's part of step `step`'s global batch: (inputs, next-token targets), int64 [B/W, seq].
-// The sequences are "random" but learnable: a random start and stride per sequence, then
-// token[t + 1] = token[t] + stride (mod vocab). The generator is seeded with the step, so every
-// rank draws the same global batch and keeps its own rows of it.
+// The sequences are random but learnable: a random start and a random stride (1 or 2) per
+// sequence, then token[t + 1] = token[t] + stride (mod vocab). The generator is seeded with the
+// step, so every rank draws the same global batch and keeps its own rows of it.
 std::pair<at::Tensor, at::Tensor> get_batch(int step, int64_t global_batch, int64_t seq, int64_t vocab, int rank,
                                             int world) {
   at::Generator gen = at::detail::createCPUGenerator(/*seed_in=*/1000 + step);
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   at::Tensor start = at::randint(0, vocab, {global_batch, 1}, gen, i64);
-  at::Tensor stride = at::randint(1, vocab, {global_batch, 1}, gen, i64);
+  at::Tensor stride = at::randint(1, 3, {global_batch, 1}, gen, i64);
   at::Tensor tokens = (start + stride * at::arange(seq + 1, i64)).remainder(vocab);  // [B, seq + 1]
   const int64_t per_rank = global_batch / world;
   tokens = tokens.narrow(0, rank * per_rank, per_rank);
@@ -123,9 +123,9 @@ int main(int argc, char** argv) {
   int64_t n_params = 0;
   for (const at::Tensor& p : model->parameters()) {
     TORCH_CHECK(fsdp::is_sharded_parameter(p), "a parameter was not sharded by fully_shard");
-    const auto& placements = fsdp::as_dtensor(p).placements();
-    TORCH_CHECK(placements.size() == 1 && placements[0] == fsdp::Shard(0), "unexpected placement ",
-                placements[0].str());
+    const fsdp::DTensor d = fsdp::as_dtensor(p);  // a view of p: its shard, the mesh, the global shape
+    TORCH_CHECK(d.placements().size() == 1 && d.placements()[0] == fsdp::Shard(0), "unexpected placement ",
+                d.placements()[0].str());
     ++n_params;
   }
   if (rank == 0) {
