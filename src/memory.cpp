@@ -40,6 +40,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -150,8 +151,14 @@ std::mutex& install_mutex() {
   return *m;
 }
 
-// Installs when libfsdp is loaded.
-const bool g_installed_at_load = install_tracking_allocator();
+// Installs when libfsdp is loaded, unless FSDP_DISABLE_MEMORY_TRACKING is set to something
+// other than "" or "0".
+bool install_at_load() {
+  const char* off = std::getenv("FSDP_DISABLE_MEMORY_TRACKING");
+  if (off != nullptr && off[0] != '\0' && std::strcmp(off, "0") != 0) return false;
+  return install_tracking_allocator();
+}
+const bool g_installed_at_load = install_at_load();
 
 // Returns the value (in kB) of `key:` in /proc/self/status, or -1.
 int64_t status_kib(const char* key) {

@@ -254,6 +254,10 @@ TEST(FsdpRuntime, ManualUnshardAndReshard) {
     EXPECT_EQ(h.unsharded_parameter_bytes(), 0);
     EXPECT_TRUE(fsdp::get_fsdp_module(*lin) == h);
     EXPECT_FALSE(fsdp::is_fsdp_module(*plain));
+    // The module's member (the unsharded tensor) leads to the same DTensor as the registered shard.
+    EXPECT_EQ(fsdp::as_dtensor(lin->weight).sizes(), (std::vector<int64_t>{3, 5}));
+    EXPECT_TRUE(fsdp::as_dtensor(lin->weight).to_local().is_same(lin->named_parameters()["weight"]));
+    EXPECT_TRUE(h.mesh() == mesh);
     auto handle = h.unshard(/*async_op=*/true);
     handle.wait();
     EXPECT_GT(h.unsharded_parameter_bytes(), 0);

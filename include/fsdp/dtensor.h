@@ -37,10 +37,11 @@ class DTensor {
   bool defined() const { return local_.defined(); }
   // This rank's piece (shares storage with the DTensor).
   const at::Tensor& to_local() const { return local_; }
-  const DeviceMesh& device_mesh() const { return mesh_; }
-  const std::vector<Placement>& placements() const { return placements_; }
+  // Returned by value: a DTensor is often a temporary (fsdp::as_dtensor(p).placements()).
+  DeviceMesh device_mesh() const { return mesh_; }
+  std::vector<Placement> placements() const { return placements_; }
   // The global (logical) shape.
-  const std::vector<int64_t>& sizes() const { return global_shape_; }
+  std::vector<int64_t> sizes() const { return global_shape_; }
   int64_t size(int64_t dim) const { return global_shape_.at(dim); }
   int64_t dim() const { return static_cast<int64_t>(global_shape_.size()); }
   int64_t numel() const;

@@ -10,6 +10,8 @@
 // method is not collective and acts on this module only (not its FSDP submodules).
 #pragma once
 
+#include <fsdp/device_mesh.h>
+
 #include <torch/nn/module.h>
 
 #include <memory>
@@ -62,6 +64,9 @@ class FSDPModule {
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
   // Whether post-backward frees the gathered parameters (false: the next forward needs no all-gather).
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+
+  // The mesh this module's parameters are sharded over (its groups carry the collective counters).
+  DeviceMesh mesh() const;
 
   // Bytes of gathered (unsharded) parameter storage this module holds now; 0 when resharded.
   int64_t unsharded_parameter_bytes() const;

@@ -77,11 +77,12 @@ FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module,
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
 }
 
-// The DTensor view of a sharded parameter (as returned by parameters() after fully_shard): its
-// local shard, the mesh, placements {Shard(0)} and the global shape. Shares storage with the
-// parameter. Throws if `param` is not a parameter sharded by fully_shard.
+// The DTensor view of a sharded parameter: its local shard, the mesh, placements {Shard(0)} and
+// the global shape. Shares storage with the shard. `param` is either the registered shard (from
+// parameters() / named_parameters()) or the module's member tensor (e.g. linear->weight, which
+// stays the unsharded tensor autograd computes with). Throws if it is neither.
 DTensor as_dtensor(const at::Tensor& param);
-// True if `param` is a parameter sharded by fully_shard.
+// True if `param` is a parameter sharded by fully_shard (the registered shard).
 bool is_sharded_parameter(const at::Tensor& param);
 
 }  // namespace fsdp

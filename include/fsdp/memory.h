@@ -7,6 +7,8 @@
 //
 // Tensor bytes are counted by a wrapper around LibTorch's CPU allocator. Linking the fsdp
 // library installs it when the library is loaded, so nothing has to be called first.
+// Setting the environment variable FSDP_DISABLE_MEMORY_TRACKING=1 skips that automatic
+// installation (install_tracking_allocator() still works); the counters then stay at 0.
 //
 // What is counted: every CPU storage allocated through c10's CPU allocator after the wrapper
 // was installed (at::empty, at::randn, results of CPU ops, resizes of such storages). The

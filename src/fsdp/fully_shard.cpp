@@ -42,10 +42,16 @@ struct ParamIndex {
       for (auto it = map->begin(); it != map->end();) it = it->second.state.expired() ? map->erase(it) : std::next(it);
     }
   }
-  const Entry* find_sharded(const at::Tensor& t) const {
+  const Entry* find(const std::unordered_map<const c10::TensorImpl*, Entry>& map, const at::Tensor& t) const {
     if (!t.defined()) return nullptr;
-    auto it = by_sharded.find(t.unsafeGetTensorImpl());
-    return it == by_sharded.end() || it->second.state.expired() ? nullptr : &it->second;
+    auto it = map.find(t.unsafeGetTensorImpl());
+    return it == map.end() || it->second.state.expired() ? nullptr : &it->second;
+  }
+  const Entry* find_sharded(const at::Tensor& t) const { return find(by_sharded, t); }
+  // The shard's or the unsharded member's record.
+  const Entry* find_any(const at::Tensor& t) const {
+    const Entry* e = find(by_sharded, t);
+    return e ? e : find(by_unsharded, t);
   }
 };
 ParamIndex& param_index() {
@@ -160,10 +166,11 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
 DTensor as_dtensor(const at::Tensor& param) {
   auto& index = detail::param_index();
   std::lock_guard<std::mutex> lock(index.mu);
-  const auto* entry = index.find_sharded(param);
+  const auto* entry = index.find_any(param);
   auto state = entry ? entry->state.lock() : nullptr;
   TORCH_CHECK(state && state->group(), "fsdp::as_dtensor: this tensor is not a parameter sharded by fully_shard");
-  return DTensor::from_local(param, state->group()->mesh(), {Shard(0)}, entry->param->global_shape());
+  return DTensor::from_local(entry->param->sharded(), state->group()->mesh(), {Shard(0)},
+                             entry->param->global_shape());
 }
 
 bool is_sharded_parameter(const at::Tensor& param) {
@@ -253,6 +260,12 @@ void FSDPModule::set_reshard_after_backward(bool reshard_after_backward, bool re
   for (FSDPState* st : states(recurse)) {
     if (st->group()) st->group()->reshard_after_backward = reshard_after_backward;
   }
+}
+
+DeviceMesh FSDPModule::mesh() const {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  TORCH_CHECK(state_->group(), "fsdp::FSDPModule::mesh: this FSDP module manages no parameters");
+  return state_->group()->mesh();
 }
 
 int64_t FSDPModule::unsharded_parameter_bytes() const {
