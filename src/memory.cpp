@@ -43,6 +43,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <vector>
 #include <mutex>
 #include <sstream>
 
@@ -57,12 +59,79 @@ constexpr uint8_t kInstallPriority = 100;
 
 struct Header {
   size_t nbytes;                 // what the caller asked for (what we count)
+  size_t capacity;               // usable bytes after the header
   c10::DeleterFnPtr deleter;     // the wrapped DataPtr's deleter ...
   void* context;                 // ... and its context
 };
 
 constexpr size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 constexpr size_t kHeader = round_up(sizeof(Header), c10::gAlignment);
+
+// ------------------------------------------------------------------------------ block cache
+//
+// Freed blocks of at least kCacheMin bytes are kept and handed out again for requests of about
+// the same size (at most a quarter larger), as the CUDA caching allocator does for GPU memory.
+// Why: glibc gives large blocks back to the kernel (every block above 32 MiB is its own mmap),
+// and first-touching fresh pages can cost more than the work done on them (measured on the
+// 2-vCPU dev VM: ~100 ms to fault in 32 MiB). A training step allocates the same sizes every
+// iteration, so after the first step they come from here. Blocks are rounded up to kCacheRound
+// so that near-equal sizes share them.
+constexpr size_t kCacheMin = size_t{256} << 10;
+constexpr size_t kCacheRound = size_t{64} << 10;
+
+int64_t default_cache_limit() {
+  if (const char* mb = std::getenv("FSDP_CPU_CACHE_LIMIT_MB")) return std::atoll(mb) << 20;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page / 4 : int64_t{1} << 30;
+}
+
+bool caching_default() {
+  const char* v = std::getenv("FSDP_CPU_CACHING");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+struct BlockCache {
+  std::mutex mu;
+  std::multimap<size_t, char*> free;  // capacity -> block (header first)
+  std::atomic<int64_t> cached{0};
+  std::atomic<bool> enabled{caching_default()};
+  const int64_t limit = default_cache_limit();
+
+  char* take(size_t capacity) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = free.lower_bound(capacity);
+    if (it == free.end() || it->first > capacity + capacity / 4) return nullptr;
+    char* block = it->second;
+    cached.fetch_sub(static_cast<int64_t>(it->first), std::memory_order_relaxed);
+    free.erase(it);
+    return block;
+  }
+  bool put(char* block, size_t capacity) {
+    if (!enabled.load(std::memory_order_relaxed)) return false;
+    std::lock_guard<std::mutex> lock(mu);
+    if (cached.load(std::memory_order_relaxed) + static_cast<int64_t>(capacity) > limit) return false;
+    free.emplace(capacity, block);
+    cached.fetch_add(static_cast<int64_t>(capacity), std::memory_order_relaxed);
+    return true;
+  }
+  void release_all() {
+    std::vector<Header> blocks;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (const auto& kv : free) blocks.push_back(*reinterpret_cast<const Header*>(kv.second));
+      free.clear();
+      cached.store(0, std::memory_order_relaxed);
+    }
+    for (const Header& h : blocks) {
+      if (h.deleter != nullptr) h.deleter(h.context);
+    }
+  }
+};
+
+BlockCache& block_cache() {
+  static BlockCache* cache = new BlockCache();  // never destroyed, like the allocator
+  return *cache;
+}
 
 // Counters: plain globals of trivially destructible atomics, constant-initialised, so they are
 // usable before any constructor runs and after every destructor has run.
@@ -87,6 +156,7 @@ void counting_delete(void* ptr) {
   const Header copy = *h;  // read before the block goes away
   g_live.fetch_sub(static_cast<int64_t>(copy.nbytes), std::memory_order_relaxed);
   g_live_count.fetch_sub(1, std::memory_order_relaxed);
+  if (copy.capacity >= kCacheMin && block_cache().put(reinterpret_cast<char*>(h), copy.capacity)) return;
   if (copy.deleter != nullptr) copy.deleter(copy.context);
 }
 
@@ -100,10 +170,20 @@ class CountingAllocator final : public c10::Allocator {
       // Nothing to count. Keep one deleter for every DataPtr we return (raw_deleter()).
       return {nullptr, nullptr, &counting_delete, c10::Device(c10::DeviceType::CPU)};
     }
-    c10::DataPtr block = inner->allocate(n + kHeader);
+    size_t capacity = n;
+    if (n >= kCacheMin && block_cache().enabled.load(std::memory_order_relaxed)) {
+      capacity = round_up(n, kCacheRound);
+      if (char* cached = block_cache().take(capacity)) {
+        reinterpret_cast<Header*>(cached)->nbytes = n;
+        note_alloc(static_cast<int64_t>(n));
+        void* user = cached + kHeader;
+        return {user, user, &counting_delete, c10::Device(c10::DeviceType::CPU)};
+      }
+    }
+    c10::DataPtr block = inner->allocate(capacity + kHeader);
     char* base = static_cast<char*>(block.get());
     const c10::Device device = block.device();
-    Header h{n, block.get_deleter(), nullptr};
+    Header h{n, capacity, block.get_deleter(), nullptr};
     h.context = block.release_context();  // we own the block from here on
     std::memcpy(base, &h, sizeof h);
     note_alloc(static_cast<int64_t>(n));
@@ -209,6 +289,14 @@ void reset_peak_allocated() {
   g_peak.store(g_live.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 int64_t allocation_count() { return g_count.load(std::memory_order_relaxed); }
+int64_t cached_bytes() { return block_cache().cached.load(std::memory_order_relaxed); }
+int64_t reserved_bytes() { return allocated_bytes() + cached_bytes(); }
+void empty_cache() { block_cache().release_all(); }
+void set_caching_enabled(bool enabled) {
+  block_cache().enabled.store(enabled, std::memory_order_relaxed);
+  if (!enabled) empty_cache();
+}
+bool caching_enabled() { return block_cache().enabled.load(std::memory_order_relaxed); }
 int64_t live_allocation_count() { return g_live_count.load(std::memory_order_relaxed); }
 
 int64_t current_rss_bytes() {
@@ -253,6 +341,7 @@ std::string MemoryStats::to_string() const {
   } else {
     s << "tensors: not tracked";
   }
+  s << ", cached " << mib(cached_bytes, 2);
   s << ", RSS " << mib(current_rss_bytes, 1) << " (peak " << mib(peak_rss_bytes, 1) << ")";
   return s.str();
 }
@@ -264,6 +353,7 @@ MemoryStats memory_stats() {
   m.max_allocated_bytes = max_allocated_bytes();
   m.allocation_count = allocation_count();
   m.live_allocation_count = live_allocation_count();
+  m.cached_bytes = cached_bytes();
   m.current_rss_bytes = current_rss_bytes();
   m.peak_rss_bytes = peak_rss_bytes();
   return m;

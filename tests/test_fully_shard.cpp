@@ -233,6 +233,16 @@ TEST(FullyShard, TransformerParity) {
       root_only.name = "transformer root only";
       root_only.shard = [](std::shared_ptr<torch::nn::Module> m, int) { fsdp::fully_shard(m); };
       expect_parity(root_only);
+      // One group for two modules: the final norm and the output head.
+      Case grouped = transformer_case();
+      grouped.name = "transformer, norm + output in one group";
+      grouped.shard = [](std::shared_ptr<torch::nn::Module> m, int) {
+        auto t = std::dynamic_pointer_cast<fsdp::models::TransformerImpl>(m);
+        for (auto& block : t->blocks()) fsdp::fully_shard(block);
+        fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{t->norm.ptr(), t->output.ptr()});
+        fsdp::fully_shard(m);
+      };
+      expect_parity(grouped);
     });
   }
 }

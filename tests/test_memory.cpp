@@ -134,6 +134,7 @@ TEST(Memory, ZeroSizedAndRawAllocations) {
 }
 
 TEST(Memory, RssIsPositiveAndBelowItsPeak) {
+  fsdp::memory::empty_cache();  // a cached, already resident block would not raise RSS
   const int64_t rss = fsdp::memory::current_rss_bytes();
   const int64_t peak = fsdp::memory::peak_rss_bytes();
   ASSERT_GT(rss, 0);
@@ -147,6 +148,7 @@ TEST(Memory, RssIsPositiveAndBelowItsPeak) {
 }
 
 TEST(Memory, ResetPeakRss) {
+  fsdp::memory::empty_cache();
   {
     at::Tensor t = at::ones({k64MiB / 4});  // make sure the peak is above what follows
   }
@@ -175,4 +177,37 @@ TEST(Memory, StatsSnapshot) {
   const std::string text = s.to_string();
   EXPECT_NE(text.find("MiB"), std::string::npos) << text;
   EXPECT_NE(text.find("RSS"), std::string::npos) << text;
+}
+
+TEST(Memory, LargeFreedBlocksAreCachedAndReused) {
+  ASSERT_TRUE(fsdp::memory::caching_enabled());
+  fsdp::memory::empty_cache();
+  EXPECT_EQ(fsdp::memory::cached_bytes(), 0);
+  const int64_t live = fsdp::memory::allocated_bytes();
+  void* first = nullptr;
+  {
+    at::Tensor t = at::empty({4 * kMiB / 4});
+    first = t.data_ptr();
+  }
+  // Freed: not live any more, but kept (rounded up to 64 KiB).
+  EXPECT_EQ(fsdp::memory::allocated_bytes(), live);
+  EXPECT_GE(fsdp::memory::cached_bytes(), 4 * kMiB);
+  EXPECT_EQ(fsdp::memory::reserved_bytes(), live + fsdp::memory::cached_bytes());
+  {
+    at::Tensor again = at::empty({4 * kMiB / 4 - 1000});  // a little smaller: same block
+    EXPECT_EQ(again.data_ptr(), first);
+    EXPECT_EQ(fsdp::memory::cached_bytes(), 0);
+    EXPECT_EQ(fsdp::memory::allocated_bytes(), live + (4 * kMiB / 4 - 1000) * 4);
+    at::Tensor much_smaller = at::empty({kMiB / 4});  // too small to take a 4 MiB block
+    EXPECT_NE(much_smaller.data_ptr(), first);
+  }
+  fsdp::memory::empty_cache();
+  EXPECT_EQ(fsdp::memory::cached_bytes(), 0);
+  // Small blocks are never cached; with caching off nothing is.
+  { at::Tensor small = at::empty({1000}); }
+  EXPECT_EQ(fsdp::memory::cached_bytes(), 0);
+  fsdp::memory::set_caching_enabled(false);
+  { at::Tensor big = at::empty({4 * kMiB / 4}); }
+  EXPECT_EQ(fsdp::memory::cached_bytes(), 0);
+  fsdp::memory::set_caching_enabled(true);
 }

@@ -161,11 +161,11 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> inputs) {
   if (!ctx_->iter_forward_root) ctx_->iter_forward_root = this;
   const bool first_of_group = training_state_ != TrainingState::kForward;
   training_state_ = TrainingState::kForward;
-  if (!group_) return inputs;
-  if (first_of_group) {
-    group_->pre_forward();
-    prefetch_next_in_forward();
-  }
+  if (!group_ || !first_of_group) return inputs;
+  group_->pre_forward();
+  prefetch_next_in_forward();
+  // Only the first module of a group's forward hooks its inputs: its gradient arrives after the
+  // backward of every module of the group that ran after it.
   if (at::GradMode::is_enabled()) {
     std::vector<size_t> needs_grad;
     std::vector<at::Tensor> to_wrap;

@@ -1,0 +1,64 @@
+// fsdp/state_dict.h — model state dicts of a fully_shard()ed model: sharded (no communication)
+// and full (gathered), loading either back in place, and PyTorch's file format.
+//
+//   auto sharded = fsdp::sharded_state_dict(*model);           // FQN -> DTensor, shares storage
+//   auto full = fsdp::full_state_dict(*model);                 // FQN -> whole tensor (collective)
+//   fsdp::save_pytorch_state_dict(full, "model.pt");           // torch.load("model.pt") in Python
+//   fsdp::load_full_state_dict(*model, fsdp::load_pytorch_state_dict("model.pt"));
+//
+// Keys are the parameters' and buffers' fully qualified names, the same before and after
+// fully_shard. Loading checks every key, shape and dtype first and writes nothing unless all
+// of them are right; errors name the key.
+#pragma once
+
+#include <fsdp/dtensor.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/ordered_dict.h>
+
+#include <string>
+
+namespace fsdp {
+
+using ShardedStateDict = torch::OrderedDict<std::string, DTensor>;
+using TensorStateDict = torch::OrderedDict<std::string, at::Tensor>;
+
+// Every parameter and buffer of `model` as a DTensor, in named_parameters() then named_buffers()
+// order: parameters sharded by fully_shard as their Shard(0) DTensor, whose local tensor IS the
+// live shard (no copy); everything else (buffers, parameters fully_shard did not manage) as a
+// Replicate() DTensor over the same mesh, also sharing storage. No communication. Throws if the
+// model has no parameter sharded by fully_shard.
+ShardedStateDict sharded_state_dict(torch::nn::Module& model);
+
+// Writes `state_dict` into `model` in place. Each value may use any placements: a Shard(0)
+// DTensor over the parameter's own mesh is copied locally; other placements or meshes are
+// gathered first (collective over the value's mesh). With strict, the keys must match
+// exactly. Nothing is written unless every key, shape and dtype matches.
+void load_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state_dict, bool strict = true);
+
+// The same from whole (unsharded) tensors, e.g. read from a file: each rank takes its own
+// torch.chunk piece. Every rank passes the whole dict. No communication.
+void load_full_state_dict(torch::nn::Module& model, const TensorStateDict& state_dict, bool strict = true);
+
+struct FullStateDictOptions {
+  // Only rank 0 receives the tensors (the others get an empty dict but still take part).
+  TORCH_ARG(bool, rank0_only) = false;
+  // Copy every tensor to the CPU (a no-op for the CPU tensors of this build).
+  TORCH_ARG(bool, cpu_offload) = true;
+};
+
+// The whole model as plain tensors, gathered with DTensor::full_tensor(): one all-gather per
+// sharded parameter. Collective over the model's mesh. The tensors are new (not views of the
+// live model).
+TensorStateDict full_state_dict(torch::nn::Module& model, const FullStateDictOptions& options = FullStateDictOptions());
+
+// Writes a dict of name -> tensor in PyTorch's own file format: Python's torch.load returns it
+// as a dict of FQN -> tensor. Views are written as their own data only.
+void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::string& path);
+// Reads such a file (e.g. written by Python's torch.save(model.state_dict(), path)). Throws
+// naming the file if it is missing or is not a dict of tensors.
+TensorStateDict load_pytorch_state_dict(const std::string& path);
+
+}  // namespace fsdp

@@ -1,0 +1,205 @@
+// Model state dicts: which tensor each key refers to, the checks made before any write, and
+// PyTorch's file format (through LibTorch's pickler).
+#include <fsdp/state_dict.h>
+
+#include <fsdp/distributed.h>
+#include <fsdp/fully_shard.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <fstream>
+#include <iterator>
+#include <set>
+
+namespace fsdp {
+namespace {
+
+// One key of the model: the live tensor a load writes into (a shard or a whole tensor).
+struct Target {
+  std::string key;
+  at::Tensor live;
+  bool sharded = false;
+  std::vector<int64_t> global_shape;
+  DeviceMesh mesh;
+};
+
+DeviceMesh model_mesh(torch::nn::Module& model) {
+  for (const auto& p : model.parameters()) {
+    if (is_sharded_parameter(p)) return as_dtensor(p).device_mesh();
+  }
+  TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard; apply fsdp::fully_shard "
+              "first, or use the module's own named_parameters()/named_buffers()");
+}
+
+std::vector<Target> targets_of(torch::nn::Module& model) {
+  const DeviceMesh mesh = model_mesh(model);
+  std::vector<Target> out;
+  for (const auto& item : model.named_parameters()) {
+    Target t{item.key(), item.value(), is_sharded_parameter(item.value()), item.value().sizes().vec(), mesh};
+    if (t.sharded) {
+      DTensor d = as_dtensor(item.value());
+      t.global_shape = d.sizes();
+      t.mesh = d.device_mesh();
+    }
+    out.push_back(std::move(t));
+  }
+  for (const auto& item : model.named_buffers()) {
+    out.push_back(Target{item.key(), item.value(), false, item.value().sizes().vec(), mesh});
+  }
+  return out;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream o;
+  o << c10::IntArrayRef(s);
+  return o.str();
+}
+
+// Checks keys, shapes and dtypes of every entry before anything is written.
+template <typename Dict, typename ShapeOf, typename DtypeOf>
+void check_entries(const std::vector<Target>& targets, const Dict& dict, bool strict, const char* what,
+                   ShapeOf shape_of, DtypeOf dtype_of) {
+  std::set<std::string> known;
+  for (const auto& t : targets) {
+    known.insert(t.key);
+    const auto* value = dict.find(t.key);
+    TORCH_CHECK(value || !strict, what, ": missing key '", t.key, "' (the model has it, the state dict does not)");
+    if (!value) continue;
+    TORCH_CHECK(shape_of(*value) == t.global_shape, what, ": key '", t.key, "' has shape ", shape_str(shape_of(*value)),
+                " in the state dict but ", shape_str(t.global_shape), " in the model");
+    TORCH_CHECK(dtype_of(*value) == t.live.scalar_type(), what, ": key '", t.key, "' has dtype ", dtype_of(*value),
+                " in the state dict but ", t.live.scalar_type(), " in the model");
+  }
+  if (!strict) return;
+  for (const auto& item : dict) {
+    TORCH_CHECK(known.count(item.key()), what, ": unexpected key '", item.key(), "' (the model has no such parameter "
+                "or buffer)");
+  }
+}
+
+// This rank's piece of a whole tensor for `t`.
+at::Tensor piece_of(const Target& t, const at::Tensor& full) {
+  if (!t.sharded) return full;
+  const ChunkBounds b = chunk_bounds(full.size(0), t.mesh.size(0), t.mesh.get_local_rank(0));
+  return full.narrow(0, b.offset, b.length);
+}
+
+bool all_replicate(const std::vector<Placement>& placements) {
+  for (const auto& p : placements) {
+    if (!p.is_replicate()) return false;
+  }
+  return true;
+}
+
+void write_all(const std::vector<Target>& targets, const std::vector<at::Tensor>& pieces) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (pieces[i].defined()) targets[i].live.copy_(pieces[i]);
+  }
+}
+
+}  // namespace
+
+ShardedStateDict sharded_state_dict(torch::nn::Module& model) {
+  ShardedStateDict out;
+  for (const auto& t : targets_of(model)) {
+    out.insert(t.key, t.sharded ? as_dtensor(t.live)
+                                : DTensor::from_local(t.live, t.mesh, std::vector<Placement>(t.mesh.ndim(), Replicate())));
+  }
+  return out;
+}
+
+void load_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state_dict, bool strict) {
+  const std::vector<Target> targets = targets_of(model);
+  check_entries(targets, state_dict, strict, "fsdp::load_sharded_state_dict",
+                [](const DTensor& d) { return d.sizes(); }, [](const DTensor& d) { return d.scalar_type(); });
+  // Pieces first (gathering where layouts differ, in the same order on every rank), then writes.
+  std::vector<at::Tensor> pieces;
+  for (const auto& t : targets) {
+    const DTensor* d = state_dict.find(t.key);
+    if (!d) {
+      pieces.emplace_back();
+      continue;
+    }
+    const auto placements = d->placements();
+    if (t.sharded && d->device_mesh() == t.mesh && placements.size() == 1 && placements[0] == Shard(0)) {
+      pieces.push_back(d->to_local());
+    } else if (all_replicate(placements)) {
+      pieces.push_back(piece_of(t, d->to_local()));
+    } else {
+      pieces.push_back(piece_of(t, d->full_tensor()));
+    }
+    TORCH_CHECK(pieces.back().sizes() == t.live.sizes(), "fsdp::load_sharded_state_dict: key '", t.key,
+                "': this rank's piece has shape ", pieces.back().sizes(), " but its shard has ", t.live.sizes(),
+                " (the DTensor's local tensor does not match its placements)");
+  }
+  write_all(targets, pieces);
+}
+
+void load_full_state_dict(torch::nn::Module& model, const TensorStateDict& state_dict, bool strict) {
+  const std::vector<Target> targets = targets_of(model);
+  check_entries(targets, state_dict, strict, "fsdp::load_full_state_dict",
+                [](const at::Tensor& t) { return t.sizes().vec(); }, [](const at::Tensor& t) { return t.scalar_type(); });
+  std::vector<at::Tensor> pieces;
+  for (const auto& t : targets) {
+    const at::Tensor* v = state_dict.find(t.key);
+    pieces.push_back(v ? piece_of(t, *v) : at::Tensor());
+  }
+  write_all(targets, pieces);
+}
+
+TensorStateDict full_state_dict(torch::nn::Module& model, const FullStateDictOptions& options) {
+  const bool keep = !options.rank0_only() || get_rank() == 0;
+  TensorStateDict out;
+  for (const auto& item : sharded_state_dict(model)) {
+    const DTensor& d = item.value();
+    at::Tensor full = all_replicate(d.placements()) ? d.to_local().detach().clone() : d.full_tensor().detach();
+    if (options.cpu_offload()) full = full.cpu();
+    if (keep) out.insert(item.key(), std::move(full));
+  }
+  return out;
+}
+
+void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::string& path) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& item : state_dict) {
+    at::Tensor t = item.value().detach();
+    // The pickler writes a tensor's whole storage: give views a storage of their own.
+    if (!t.is_contiguous() || t.storage_offset() != 0 ||
+        t.storage().nbytes() != static_cast<size_t>(t.numel()) * t.element_size()) {
+      t = t.clone(at::MemoryFormat::Contiguous);
+    }
+    dict.insert(item.key(), t);
+  }
+  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(dict));
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  TORCH_CHECK(f, "fsdp::save_pytorch_state_dict: cannot open '", path, "' for writing");
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  f.close();
+  TORCH_CHECK(f, "fsdp::save_pytorch_state_dict: writing '", path, "' failed");
+}
+
+TensorStateDict load_pytorch_state_dict(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  TORCH_CHECK(f, "fsdp::load_pytorch_state_dict: cannot open '", path, "'");
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp::load_pytorch_state_dict: '", path, "' is not a PyTorch file LibTorch can read: ", e.what());
+  }
+  TORCH_CHECK(value.isGenericDict(), "fsdp::load_pytorch_state_dict: '", path, "' holds a ", value.tagKind(),
+              ", not a dict of name -> tensor");
+  TensorStateDict out;
+  for (const auto& entry : value.toGenericDict()) {
+    TORCH_CHECK(entry.key().isString() && entry.value().isTensor(), "fsdp::load_pytorch_state_dict: '", path,
+                "' is not a dict of name -> tensor");
+    out.insert(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  return out;
+}
+
+}  // namespace fsdp
