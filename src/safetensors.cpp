@@ -1,1 +1,338 @@
-// (being written)
+// The safetensors format: a per-rank writer for sharded state dicts (each tensor gathered to
+// its one owner and streamed into that rank's file), the Hugging Face index, and a reader that
+// validates every header field before trusting it.
+#include <fsdp/safetensors.h>
+
+#include <fsdp/distributed.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+// Tensors are written and read as raw memory; the format is little-endian.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "fsdp safetensors support assumes a little-endian host"
+#endif
+
+namespace fsdp {
+namespace {
+
+// ordered_json keeps the header in the order we write it (state-dict order) and the order of a
+// file read back.
+using Json = nlohmann::ordered_json;
+
+struct DtypeName {
+  at::ScalarType type;
+  const char* name;
+};
+constexpr DtypeName kDtypes[] = {
+    {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"}, {at::kLong, "I64"},
+    {at::kInt, "I32"},    {at::kShort, "I16"}, {at::kChar, "I8"},  {at::kByte, "U8"},       {at::kBool, "BOOL"}};
+
+const char* dtype_name(at::ScalarType type) {
+  for (const auto& d : kDtypes) {
+    if (d.type == type) return d.name;
+  }
+  return nullptr;
+}
+
+bool dtype_from_name(const std::string& name, at::ScalarType* type) {
+  for (const auto& d : kDtypes) {
+    if (name == d.name) return (*type = d.type), true;
+  }
+  return false;
+}
+
+int64_t nbytes_of(const DTensor& d) { return d.numel() * static_cast<int64_t>(c10::elementSize(d.scalar_type())); }
+
+bool fully_replicated(const DTensor& d) {
+  const auto p = d.placements();
+  return std::all_of(p.begin(), p.end(), [](const Placement& x) { return x.is_replicate(); });
+}
+
+std::string shard_file_name(const std::string& prefix, int rank, int world) {
+  char numbers[32];
+  std::snprintf(numbers, sizeof(numbers), "-%05d-of-%05d", rank + 1, world);
+  return prefix + numbers + ".safetensors";
+}
+
+using FilePtr = std::unique_ptr<std::FILE, int (*)(std::FILE*)>;
+
+// A file written as "<path>.tmp" and renamed to `path` by commit(); removed if never committed,
+// so that a failed save leaves no file that looks complete.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp"), f_(nullptr, std::fclose) {
+    f_.reset(std::fopen(tmp_.c_str(), "wb"));
+    TORCH_CHECK(f_, "fsdp::save_safetensors: cannot open '", tmp_, "' for writing: ", std::strerror(errno));
+  }
+  ~AtomicFile() {
+    if (f_) std::remove(tmp_.c_str());  // not committed
+  }
+  void write(const void* data, size_t n) {
+    TORCH_CHECK(n == 0 || std::fwrite(data, 1, n, f_.get()) == n, "fsdp::save_safetensors: writing '", tmp_,
+                "' failed: ", std::strerror(errno));
+    written_ += n;
+  }
+  void write_tensor(const at::Tensor& t) {
+    const at::Tensor c = t.cpu().contiguous();
+    write(c.data_ptr(), c.nbytes());
+  }
+  uint64_t written() const { return written_; }
+  void commit() {
+    const bool flushed = std::fflush(f_.get()) == 0;
+    const bool closed = std::fclose(f_.release()) == 0;
+    TORCH_CHECK(flushed && closed, "fsdp::save_safetensors: writing '", tmp_, "' failed: ", std::strerror(errno));
+    TORCH_CHECK(std::rename(tmp_.c_str(), path_.c_str()) == 0, "fsdp::save_safetensors: renaming '", tmp_, "' to '",
+                path_, "' failed: ", std::strerror(errno));
+  }
+
+ private:
+  std::string path_, tmp_;
+  FilePtr f_;
+  uint64_t written_ = 0;
+};
+
+// Everything that could make ranks disagree or fail half-way is checked before any collective.
+void check_entries(const ShardedStateDict& state_dict, int world) {
+  for (const auto& item : state_dict) {
+    const DTensor& d = item.value();
+    TORCH_CHECK(!item.key().empty() && item.key() != "__metadata__", "fsdp::save_safetensors: invalid tensor name '",
+                item.key(), "'");
+    TORCH_CHECK(d.defined(), "fsdp::save_safetensors: '", item.key(), "' is an undefined DTensor");
+    TORCH_CHECK(dtype_name(d.scalar_type()), "fsdp::save_safetensors: '", item.key(), "' has dtype ",
+                d.scalar_type(), ", which safetensors cannot hold here (F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
+    TORCH_CHECK(d.device_mesh().size() == world, "fsdp::save_safetensors: '", item.key(), "' lives on mesh ",
+                d.device_mesh().str(), ", which does not span the world of ", world, " ranks");
+  }
+}
+
+// Greedy balance by bytes, in state-dict order: each entry goes to the rank with the fewest bytes
+// so far (the lowest such rank). Depends only on shapes and dtypes, so every rank agrees.
+std::vector<int> assign_owners(const ShardedStateDict& state_dict, int world) {
+  std::vector<int64_t> load(world, 0);
+  std::vector<int> owner;
+  for (const auto& item : state_dict) {
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[r] += nbytes_of(item.value());
+    owner.push_back(r);
+  }
+  return owner;
+}
+
+// The JSON header of `rank`'s file, padded with spaces so that the data starts 8-byte aligned.
+// Offsets follow state-dict order, the order in which the tensors are then written.
+std::string make_header(const ShardedStateDict& state_dict, const std::vector<int>& owner, int rank,
+                        const SafetensorsOptions& options) {
+  Json header = Json::object();
+  header["__metadata__"] = Json{{"format", "pt"}};
+  for (const auto& kv : options.metadata()) header["__metadata__"][kv.first] = kv.second;
+  int64_t offset = 0;
+  size_t i = 0;
+  for (const auto& item : state_dict) {
+    if (owner[i++] != rank) continue;
+    const DTensor& d = item.value();
+    const int64_t end = offset + nbytes_of(d);
+    header[item.key()] = Json{{"dtype", dtype_name(d.scalar_type())}, {"shape", d.sizes()}, {"data_offsets", {offset, end}}};
+    offset = end;
+  }
+  std::string text = header.dump();
+  text.append((8 - (8 + text.size()) % 8) % 8, ' ');
+  return text;
+}
+
+void write_u64_le(AtomicFile& out, uint64_t v) {
+  unsigned char b[8];
+  for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+  out.write(b, 8);
+}
+
+// Writes this rank's file. Every rank walks the whole state dict because gathering a sharded
+// entry is collective; only the owner keeps (and writes) the result.
+void write_rank_file(const ShardedStateDict& state_dict, const std::vector<int>& owner, int rank,
+                     const std::string& path, const SafetensorsOptions& options) {
+  AtomicFile out(path);
+  const std::string header = make_header(state_dict, owner, rank, options);
+  write_u64_le(out, header.size());
+  out.write(header.data(), header.size());
+  uint64_t expected = 8 + header.size();
+  size_t i = 0;
+  for (const auto& item : state_dict) {
+    const bool mine = owner[i++] == rank;
+    const DTensor& d = item.value();
+    if (mine) expected += nbytes_of(d);
+    if (fully_replicated(d)) {
+      if (mine) out.write_tensor(d.to_local());
+      continue;
+    }
+    const at::Tensor full = d.full_tensor();  // collective; dropped at once by non-owners
+    if (mine) out.write_tensor(full);
+  }
+  TORCH_CHECK(out.written() == expected, "fsdp::save_safetensors: internal error: wrote ", out.written(),
+              " bytes to '", path, "' instead of ", expected);
+  out.commit();
+}
+
+void write_index(const ShardedStateDict& state_dict, const std::vector<int>& owner, int world,
+                 const std::string& dir, const SafetensorsOptions& options) {
+  int64_t total = 0;
+  Json weight_map = Json::object();
+  size_t i = 0;
+  for (const auto& item : state_dict) {
+    total += nbytes_of(item.value());
+    weight_map[item.key()] = shard_file_name(options.prefix(), owner[i++], world);
+  }
+  const Json index{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  const std::string text = index.dump(2) + "\n";
+  AtomicFile out(dir + "/" + options.prefix() + ".safetensors.index.json");
+  out.write(text.data(), text.size());
+  out.commit();
+}
+
+}  // namespace
+
+void save_safetensors(const ShardedStateDict& state_dict, const std::string& dir, const SafetensorsOptions& options) {
+  const int world = get_world_size();
+  const int rank = get_rank();
+  check_entries(state_dict, world);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);  // every rank: the ranks may not share a node
+  TORCH_CHECK(std::filesystem::is_directory(dir), "fsdp::save_safetensors: cannot create directory '", dir, "': ",
+              ec.message());
+  const std::vector<int> owner = assign_owners(state_dict, world);
+  write_rank_file(state_dict, owner, rank, dir + "/" + shard_file_name(options.prefix(), rank, world), options);
+  fsdp::world()->barrier()->wait();  // every rank's file is in place
+  if (rank == 0) write_index(state_dict, owner, world, dir, options);
+  fsdp::world()->barrier()->wait();  // so that no rank returns before the index exists
+}
+
+namespace {
+
+// One tensor of a file being read, after its header entry was checked.
+struct Entry {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin, end;  // relative to the start of the data
+};
+
+bool as_u64(const Json& v, uint64_t* out) {
+  if (!v.is_number_unsigned()) return false;
+  *out = v.get<uint64_t>();
+  return true;
+}
+
+// Checks one header entry against the data's size; errors say which file and which tensor.
+Entry parse_entry(const std::string& path, const std::string& name, const Json& v, uint64_t data_size) {
+  const std::string where = "fsdp::load_safetensors_file: '" + path + "': tensor '" + name + "': ";
+  TORCH_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"), where,
+              "expected an object with dtype, shape and data_offsets, got ", v.dump());
+  Entry e{name, at::kFloat, {}, 0, 0};
+  TORCH_CHECK(v["dtype"].is_string() && dtype_from_name(v["dtype"].get<std::string>(), &e.dtype), where,
+              "unknown dtype ", v["dtype"].dump());
+  const Json& shape = v["shape"];
+  const Json& offsets = v["data_offsets"];
+  TORCH_CHECK(shape.is_array(), where, "shape is not an array: ", shape.dump());
+  uint64_t nbytes = c10::elementSize(e.dtype);
+  for (const Json& s : shape) {
+    uint64_t dim = 0;
+    TORCH_CHECK(as_u64(s, &dim) && dim <= static_cast<uint64_t>(INT64_MAX), where, "bad shape ", shape.dump());
+    TORCH_CHECK(!__builtin_mul_overflow(nbytes, dim, &nbytes), where, "shape ", shape.dump(), " is too large");
+    e.shape.push_back(static_cast<int64_t>(dim));
+  }
+  TORCH_CHECK(offsets.is_array() && offsets.size() == 2 && as_u64(offsets[0], &e.begin) && as_u64(offsets[1], &e.end) &&
+                  e.begin <= e.end,
+              where, "bad data_offsets ", offsets.dump());
+  TORCH_CHECK(e.end <= data_size, where, "data_offsets ", offsets.dump(), " run past the end of the data (",
+              data_size, " bytes; truncated file?)");
+  TORCH_CHECK(e.end - e.begin == nbytes, where, "data_offsets ", offsets.dump(), " span ", e.end - e.begin,
+              " bytes but shape ", shape.dump(), " of ", v["dtype"].get<std::string>(), " needs ", nbytes);
+  return e;
+}
+
+// The format requires the entries to cover the data exactly: no overlaps (which would alias two
+// tensors) and no holes (which could hide other content). Sorts `entries` by offset.
+void check_tiling(const std::string& path, std::vector<Entry>& entries, uint64_t data_size) {
+  std::stable_sort(entries.begin(), entries.end(),
+                   [](const Entry& a, const Entry& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  uint64_t cursor = 0;
+  const std::string* previous = nullptr;
+  for (const Entry& e : entries) {
+    TORCH_CHECK(e.begin >= cursor, "fsdp::load_safetensors_file: '", path, "': the data of tensor '", e.name,
+                "' overlaps that of '", *previous, "'");
+    TORCH_CHECK(e.begin == cursor, "fsdp::load_safetensors_file: '", path, "': bytes [", cursor, ", ", e.begin,
+                ") before tensor '", e.name, "' belong to no tensor");
+    cursor = e.end;
+    previous = &e.name;
+  }
+  TORCH_CHECK(cursor == data_size, "fsdp::load_safetensors_file: '", path, "': the last ", data_size - cursor,
+              " bytes of the data belong to no tensor");
+}
+
+// Reads the 8-byte length and the JSON header; leaves `f` at the start of the data.
+Json read_header(const std::string& path, std::FILE* f, uint64_t file_size, uint64_t* data_size) {
+  const std::string where = "fsdp::load_safetensors_file: '" + path + "': ";
+  unsigned char b[8];
+  TORCH_CHECK(file_size >= 8 && std::fread(b, 1, 8, f) == 8, where, "the file is ", file_size,
+              " bytes long, too short for the 8-byte header length (truncated?)");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(b[i]) << (8 * i);
+  TORCH_CHECK(n <= file_size - 8, where, "the header length ", n, " exceeds the ", file_size - 8,
+              " bytes after it (truncated or not a safetensors file?)");
+  std::string text(n, '\0');
+  TORCH_CHECK(std::fread(&text[0], 1, n, f) == n, where, "reading the header failed");
+  *data_size = file_size - 8 - n;
+  Json header;
+  try {
+    header = Json::parse(text);
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, where, "the header is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(header.is_object(), where, "the header is not a JSON object");
+  return header;
+}
+
+}  // namespace
+
+TensorStateDict load_safetensors_file(const std::string& path) {
+  FilePtr f(std::fopen(path.c_str(), "rb"), std::fclose);
+  TORCH_CHECK(f, "fsdp::load_safetensors_file: cannot open '", path, "': ", std::strerror(errno));
+  TORCH_CHECK(std::fseek(f.get(), 0, SEEK_END) == 0, "fsdp::load_safetensors_file: cannot seek in '", path, "'");
+  const auto file_size = static_cast<uint64_t>(std::ftell(f.get()));
+  std::rewind(f.get());
+  uint64_t data_size = 0;
+  const Json header = read_header(path, f.get(), file_size, &data_size);
+
+  std::vector<Entry> entries;
+  for (const auto& item : header.items()) {
+    if (item.key() == "__metadata__") {
+      const Json& m = item.value();
+      TORCH_CHECK(m.is_object() && std::all_of(m.begin(), m.end(), [](const Json& v) { return v.is_string(); }),
+                  "fsdp::load_safetensors_file: '", path, "': __metadata__ is not an object of strings");
+      continue;
+    }
+    entries.push_back(parse_entry(path, item.key(), item.value(), data_size));
+  }
+  check_tiling(path, entries, data_size);
+
+  // The entries now tile the data in file order, so one sequential pass reads them all.
+  TensorStateDict out;
+  for (const Entry& e : entries) {
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    TORCH_CHECK(std::fread(t.data_ptr(), 1, t.nbytes(), f.get()) == t.nbytes(), "fsdp::load_safetensors_file: '",
+                path, "': reading tensor '", e.name, "' failed");
+    out.insert(e.name, std::move(t));
+  }
+  return out;
+}
+
+}  // namespace fsdp

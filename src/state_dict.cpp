@@ -2,6 +2,8 @@
 // PyTorch's file format (through LibTorch's pickler).
 #include <fsdp/state_dict.h>
 
+#include "state_dict_pieces.h"
+
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 
@@ -25,16 +27,8 @@ struct Target {
   DeviceMesh mesh;
 };
 
-DeviceMesh model_mesh(torch::nn::Module& model) {
-  for (const auto& p : model.parameters()) {
-    if (is_sharded_parameter(p)) return as_dtensor(p).device_mesh();
-  }
-  TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard; apply fsdp::fully_shard "
-              "first, or use the module's own named_parameters()/named_buffers()");
-}
-
 std::vector<Target> targets_of(torch::nn::Module& model) {
-  const DeviceMesh mesh = model_mesh(model);
+  const DeviceMesh mesh = detail::model_mesh(model);
   std::vector<Target> out;
   for (const auto& item : model.named_parameters()) {
     Target t{item.key(), item.value(), is_sharded_parameter(item.value()), item.value().sizes().vec(), mesh};
@@ -79,11 +73,8 @@ void check_entries(const std::vector<Target>& targets, const Dict& dict, bool st
   }
 }
 
-// This rank's piece of a whole tensor for `t`.
 at::Tensor piece_of(const Target& t, const at::Tensor& full) {
-  if (!t.sharded) return full;
-  const ChunkBounds b = chunk_bounds(full.size(0), t.mesh.size(0), t.mesh.get_local_rank(0));
-  return full.narrow(0, b.offset, b.length);
+  return detail::local_piece_of_full(full, t.sharded, t.mesh);
 }
 
 bool all_replicate(const std::vector<Placement>& placements) {
@@ -101,6 +92,33 @@ void write_all(const std::vector<Target>& targets, const std::vector<at::Tensor>
 }
 
 }  // namespace
+
+namespace detail {
+
+DeviceMesh model_mesh(torch::nn::Module& model) {
+  for (const auto& p : model.parameters()) {
+    if (is_sharded_parameter(p)) return as_dtensor(p).device_mesh();
+  }
+  TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard; apply fsdp::fully_shard "
+              "first, or use the module's own named_parameters()/named_buffers()");
+}
+
+at::Tensor local_piece_of_full(const at::Tensor& full, bool sharded, const DeviceMesh& mesh) {
+  if (!sharded) return full;
+  const ChunkBounds b = chunk_bounds(full.size(0), mesh.size(0), mesh.get_local_rank(0));
+  return full.narrow(0, b.offset, b.length);
+}
+
+at::Tensor local_piece(const DTensor& value, bool sharded, const DeviceMesh& mesh) {
+  const auto placements = value.placements();
+  if (sharded && value.device_mesh() == mesh && placements.size() == 1 && placements[0] == Shard(0)) {
+    return value.to_local();
+  }
+  if (all_replicate(placements)) return local_piece_of_full(value.to_local(), sharded, mesh);
+  return local_piece_of_full(value.full_tensor(), sharded, mesh);
+}
+
+}  // namespace detail
 
 ShardedStateDict sharded_state_dict(torch::nn::Module& model) {
   ShardedStateDict out;
@@ -123,14 +141,7 @@ void load_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& s
       pieces.emplace_back();
       continue;
     }
-    const auto placements = d->placements();
-    if (t.sharded && d->device_mesh() == t.mesh && placements.size() == 1 && placements[0] == Shard(0)) {
-      pieces.push_back(d->to_local());
-    } else if (all_replicate(placements)) {
-      pieces.push_back(piece_of(t, d->to_local()));
-    } else {
-      pieces.push_back(piece_of(t, d->full_tensor()));
-    }
+    pieces.push_back(detail::local_piece(*d, t.sharded, t.mesh));
     TORCH_CHECK(pieces.back().sizes() == t.live.sizes(), "fsdp::load_sharded_state_dict: key '", t.key,
                 "': this rank's piece has shape ", pieces.back().sizes(), " but its shard has ", t.live.sizes(),
                 " (the DTensor's local tensor does not match its placements)");

@@ -6,11 +6,15 @@
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/models/transformer.h>
+#include <fsdp/optim_state_dict.h>
 #include <fsdp/state_dict.h>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -183,5 +187,63 @@ TEST(StateDict, PyTorchFileFormatRoundTripsAndPythonReadsIt) {
     std::remove(path.c_str());
 
     EXPECT_THROW(fsdp::load_pytorch_state_dict(temp_path("does-not-exist.pt")), c10::Error);
+  });
+}
+
+namespace {
+
+at::Tensor train_step(WithBuffer& m, torch::optim::Optimizer& opt, int64_t step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(50 + step + 100 * fsdp::get_rank());
+  at::Tensor toks = at::randint(0, 8, {2, 16}, gen);
+  opt.zero_grad();
+  at::Tensor logits = fsdp::call(m, toks);
+  at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 8}), toks.roll(-1, 1).reshape({-1}));
+  loss.backward();
+  opt.step();
+  return loss.detach();
+}
+
+template <typename Opt, typename Options>
+void expect_resume_is_exact(Options options) {
+  auto a = make_sharded(1);
+  Opt opt_a(a->parameters(), options);
+  for (int s = 0; s < 3; ++s) train_step(a, opt_a, s);
+  // Capture, then load into a differently initialised model and a fresh optimizer.
+  auto b = make_sharded(7);
+  Opt opt_b(b->parameters(), Options(0.5));
+  fsdp::load_sharded_state_dict(*b, fsdp::sharded_state_dict(*a));
+  fsdp::load_sharded_optimizer_state_dict(*b, opt_b, fsdp::sharded_optimizer_state_dict(*a, opt_a));
+  for (int s = 3; s < 6; ++s) {
+    at::Tensor la = train_step(a, opt_a, s);
+    at::Tensor lb = train_step(b, opt_b, s);
+    EXPECT_TRUE(la.equal(lb)) << "step " << s << ": " << la.item<double>() << " vs " << lb.item<double>();
+  }
+  expect_equal_dicts(fsdp::full_state_dict(*a), fsdp::full_state_dict(*b));
+}
+
+}  // namespace
+
+TEST(StateDict, OptimizerStateResumesTrainingBitwise) {
+  run_distributed(2, [] {
+    expect_resume_is_exact<torch::optim::Adam>(torch::optim::AdamOptions(1e-2).amsgrad(true));
+    expect_resume_is_exact<torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    expect_resume_is_exact<torch::optim::SGD>(torch::optim::SGDOptions(1e-2).momentum(0.9));
+
+    auto m = make_sharded(1);
+    torch::optim::Adam opt(m->parameters(), 1e-2);
+    train_step(m, opt, 0);
+    auto osd = fsdp::sharded_optimizer_state_dict(*m, opt);
+    EXPECT_EQ(osd["state.net.output.weight.exp_avg"].placements()[0], fsdp::Shard(0));
+    EXPECT_EQ(osd["state.net.output.weight.exp_avg"].sizes(), (std::vector<int64_t>{8, 16}));
+    EXPECT_EQ(osd["state.net.output.weight.step"].to_local().item<int64_t>(), 1);
+    EXPECT_DOUBLE_EQ(osd["param_groups.net.output.weight.lr"].to_local().item<double>(), 1e-2);
+    auto bad = osd;
+    bad.insert("state.no.such.param.exp_avg", osd["state.net.output.weight.exp_avg"]);
+    try {
+      fsdp::load_sharded_optimizer_state_dict(*m, opt, bad);
+      ADD_FAILURE() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("unexpected key 'state.no.such.param.exp_avg'"), std::string::npos) << e.what();
+    }
   });
 }

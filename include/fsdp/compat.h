@@ -27,3 +27,27 @@
 #define FSDP_ALLOCATOR_CONST const
 #define FSDP_ALLOCATOR_HAS_COPY_DATA 0
 #endif
+
+#include <c10/core/TensorImpl.h>
+#include <c10/util/string_utils.h>
+
+#include <string>
+#include <type_traits>
+
+namespace fsdp {
+namespace compat {
+
+// torch::optim::Optimizer::state() is keyed by the parameter's TensorImpl address printed as a
+// string in 1.13, and by the TensorImpl pointer itself in later releases. Picks the right key
+// for whichever map type `state()` returns.
+template <typename StateMap>
+typename StateMap::key_type optimizer_state_key(const StateMap&, c10::TensorImpl* impl) {
+  if constexpr (std::is_same<typename StateMap::key_type, std::string>::value) {
+    return c10::guts::to_string(impl);
+  } else {
+    return impl;
+  }
+}
+
+}  // namespace compat
+}  // namespace fsdp
