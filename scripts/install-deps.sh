@@ -9,7 +9,8 @@ packages=(
   cmake ninja-build g++ make pkg-config
   libtorch-dev libgloo-dev          # LibTorch 1.13 (CPU) with c10d, and the gloo transport
   libgtest-dev libbenchmark-dev     # tests and benchmarks
-  libcli11-dev nlohmann-json3-dev libyaml-cpp-dev
+  libcli11-dev nlohmann-json3-dev libyaml-cpp-dev zlib1g-dev
+  python3-torch                     # tests: Python's torch.load reads our exports
   libopenblas0-pthread              # the BLAS LibTorch is pointed at (select-blas.sh)
 )
 

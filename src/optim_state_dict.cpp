@@ -234,4 +234,22 @@ void load_sharded_optimizer_state_dict(torch::nn::Module& model, torch::optim::O
   }
 }
 
+void init_optimizer_state(torch::optim::Optimizer& optimizer) {
+  kind_of(optimizer);  // rejects optimizers this file does not know
+  std::vector<double> lrs;
+  std::vector<at::Tensor> given_grad;
+  for (auto& g : optimizer.param_groups()) {
+    lrs.push_back(g.options().get_lr());
+    g.options().set_lr(0.0);
+    for (auto& p : g.params()) {
+      if (p.grad().defined()) continue;
+      p.mutable_grad() = at::zeros_like(p);
+      given_grad.push_back(p);
+    }
+  }
+  optimizer.step();
+  for (size_t i = 0; i < lrs.size(); ++i) optimizer.param_groups()[i].options().set_lr(lrs[i]);
+  for (auto& p : given_grad) p.mutable_grad().reset();
+}
+
 }  // namespace fsdp

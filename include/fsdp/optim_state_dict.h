@@ -33,4 +33,10 @@ ShardedStateDict sharded_optimizer_state_dict(torch::nn::Module& model, torch::o
 void load_sharded_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                        const ShardedStateDict& state_dict);
 
+// Creates the optimizer's per-parameter state (as one step would) without changing any parameter:
+// one step with learning rate 0, zero gradients standing in for missing ones. Call it on a fresh
+// optimizer before loading a checkpoint, so that sharded_optimizer_state_dict() lists the state
+// to load into. Not collective.
+void init_optimizer_state(torch::optim::Optimizer& optimizer);
+
 }  // namespace fsdp

@@ -21,13 +21,19 @@
 
 namespace fsdp {
 
+// String -> string entries, as the safetensors header's "__metadata__" allows.
+using SafetensorsMetadata = std::map<std::string, std::string>;
+
+// The "__metadata__" of a file: string -> string, as the format requires.
+using SafetensorsMetadata = std::map<std::string, std::string>;
+
 struct SafetensorsOptions {
   // Files are named <prefix>-<rank+1>-of-<world>.safetensors (5 digits each) and
   // <prefix>.safetensors.index.json.
   TORCH_ARG(std::string, prefix) = "model";
   // Extra "__metadata__" entries of every file, next to "format": "pt" (a "format" entry here
   // replaces it).
-  TORCH_ARG(std::map<std::string, std::string>, metadata) = {};
+  TORCH_ARG(SafetensorsMetadata, metadata) = {};
 };
 
 // Writes `state_dict` under `dir` (created if missing) as one safetensors file per rank and, on

@@ -25,6 +25,7 @@ namespace testing {
 namespace {
 
 constexpr const char* kChildCallVar = "FSDP_TEST_CHILD_CALL";
+constexpr const char* kParentPidVar = "FSDP_TEST_PARENT_PID";
 
 // run_distributed calls are numbered within each test, so a child can find "its" call.
 int next_call_index() {
@@ -80,6 +81,7 @@ Child spawn_child(int rank, int world, int port, int call, const DistOptions& op
   vars["OMP_NUM_THREADS"] = "1";
   vars["FSDP_COLLECTIVE_TIMEOUT_MS"] = std::to_string(options.collective_timeout.count());
   vars[kChildCallVar] = std::to_string(call);
+  vars[kParentPidVar] = std::to_string(::getpid());
   for (const auto& kv : options.env) vars[kv.first] = kv.second;
   std::vector<std::string> env_strings;
   for (const auto& kv : vars) env_strings.push_back(kv.first + "=" + kv.second);
@@ -155,6 +157,13 @@ void run_in_child(const std::function<void()>& body) {
 }  // namespace
 
 bool is_child() { return std::getenv(kChildCallVar) != nullptr; }
+
+std::string shared_temp_path(const std::string& name) {
+  const char* parent = std::getenv(kParentPidVar);
+  const char* tmp = std::getenv("TMPDIR");
+  return std::string(tmp && *tmp ? tmp : "/tmp") + "/fsdp_test_" +
+         (parent ? std::string(parent) : std::to_string(::getpid())) + "_" + name;
+}
 
 void exit_child(int code) {
   std::fflush(stdout);

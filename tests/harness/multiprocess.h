@@ -42,6 +42,12 @@ void run_distributed(int world, const std::function<void()>& body, const DistOpt
 // True in a child process started by run_distributed.
 bool is_child();
 
+// A path under $TMPDIR (or /tmp) that is the same in the test process and in all its children,
+// and different for every test process: for files that one run_distributed call leaves for the
+// next. The test body runs again in each child, so only the parent (!is_child()) should create
+// or remove such a directory.
+std::string shared_temp_path(const std::string& name);
+
 // Called by the test binary's main() after RUN_ALL_TESTS(): children leave without running
 // static destructors (LibTorch and Gloo threads can hang process teardown).
 [[noreturn]] void exit_child(int code);

@@ -1,0 +1,64 @@
+// fsdp/checkpoint.h — distributed checkpoints on disk: each rank writes only its own shards,
+// and a checkpoint loads at any world size (each rank reads only the byte ranges it needs).
+//
+//   fsdp::ShardedStateDict sd = fsdp::sharded_state_dict(*model);       // or a merged dict
+//   fsdp::save_checkpoint("ckpt/step_100", sd);                           // collective
+//   ...                                                                   // later, any world size:
+//   auto loaded = fsdp::load_checkpoint("ckpt/step_100", fsdp::sharded_state_dict(*model));
+//   fsdp::load_sharded_state_dict(*model, loaded);
+//
+// Layout of a checkpoint directory:
+//   rank_<r>.data   the bytes of the pieces rank r held (row-major), one after another
+//   metadata.json   written last, by rank 0, after every data file is complete and synced:
+//                   the format version and, for every key, dtype, global shape and its chunks
+//                   (global offsets and sizes, file, byte offset and length, CRC-32 of each
+//                   1 MiB block). A directory without metadata.json is an incomplete save and
+//                   is never loaded.
+// Replicated values are written once (by the mesh's first rank). Every file is written under a
+// temporary name, fsync'ed and renamed, so a process killed during a save leaves either the
+// previous complete checkpoint or nothing that looks complete.
+#pragma once
+
+#include <fsdp/state_dict.h>
+
+#include <optional>
+#include <string>
+
+namespace fsdp {
+
+// The on-disk format version this build writes; it reads this version and older ones.
+constexpr int kCheckpointFormatVersion = 1;
+
+// Writes `state_dict` to `dir` (created if needed; an earlier checkpoint there is replaced:
+// its metadata is removed first). Collective over the world: every rank calls it with its own
+// shards of the same keys. Blocks until the checkpoint is complete on disk.
+void save_checkpoint(const std::string& dir, const ShardedStateDict& state_dict);
+
+// Reads the checkpoint at `dir` into new tensors laid out like `like` (same keys, dtypes and
+// global shapes; any placements, e.g. those of a model sharded over another world size). Reads
+// only the chunks overlapping this rank's pieces and verifies their checksums. Throws, naming
+// the file and the key, on: a missing directory or metadata.json, a newer format version, a
+// missing or unexpected key, a dtype or shape mismatch, a truncated or corrupted data file.
+// Writes nothing anywhere; load the result with load_sharded_state_dict(). Not collective
+// (only file reads), but every rank normally calls it.
+ShardedStateDict load_checkpoint(const std::string& dir, const ShardedStateDict& like);
+
+// Keeps numbered checkpoints under a root directory: root/step_<N>, and root/latest naming the
+// newest complete one (replaced atomically after the checkpoint is complete). Keeps the
+// newest `keep` checkpoints (0 = all).
+class CheckpointManager {
+ public:
+  explicit CheckpointManager(std::string root, int keep = 0) : root_(std::move(root)), keep_(keep) {}
+  // Collective: saves root/step_<step>, then points `latest` at it and prunes old ones (rank 0).
+  std::string save(int64_t step, const ShardedStateDict& state_dict) const;
+  // The directory `latest` names, or nullopt when there is no complete checkpoint yet.
+  std::optional<std::string> latest() const;
+  // The step number of a directory written by save().
+  static int64_t step_of(const std::string& dir);
+
+ private:
+  std::string root_;
+  int keep_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,327 @@
+// Distributed checkpoints: the data files, the metadata (written last), and reading back only
+// the byte ranges this rank's pieces need.
+#include <fsdp/checkpoint.h>
+
+#include <fsdp/distributed.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+#include <zlib.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr const char* kMetadataFile = "metadata.json";
+constexpr const char* kFormatName = "fsdp-cpp distributed checkpoint";
+constexpr int64_t kBlockBytes = int64_t{1} << 20;  // checksum granularity
+
+std::string data_file_name(int rank) { return "rank_" + std::to_string(rank) + ".data"; }
+
+uint32_t crc_of(const char* data, int64_t n) {
+  return static_cast<uint32_t>(crc32(0L, reinterpret_cast<const Bytef*>(data), static_cast<uInt>(n)));
+}
+
+// Writes `bytes` to `path` durably: temporary name, fsync, rename.
+void write_file_durably(const fs::path& path, const char* bytes, size_t n) {
+  const fs::path tmp = path.string() + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "fsdp checkpoint: cannot create '", tmp.string(), "': ", std::strerror(errno));
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t w = ::write(fd, bytes + done, n - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      ::close(fd);
+      TORCH_CHECK(false, "fsdp checkpoint: writing '", tmp.string(), "' failed: ", std::strerror(errno));
+    }
+    done += static_cast<size_t>(w);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  TORCH_CHECK(synced, "fsdp checkpoint: fsync of '", tmp.string(), "' failed: ", std::strerror(errno));
+  fs::rename(tmp, path);
+}
+
+void fsync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+bool all_replicate(const std::vector<Placement>& placements) {
+  for (const auto& p : placements) {
+    if (!p.is_replicate()) return false;
+  }
+  return true;
+}
+
+// Everyone's bytes, in rank order (rank 0 uses them; every rank takes part).
+std::vector<std::string> gather_strings(const std::string& mine) {
+  auto world = fsdp::world();
+  at::Tensor sizes = at::empty({world->size()}, at::kLong);
+  world->all_gather_into(sizes, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong))->wait();
+  std::vector<int64_t> counts(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + world->size());
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  at::Tensor all = at::empty({total}, at::kByte);
+  at::Tensor in = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
+  std::memcpy(in.data_ptr(), mine.data(), mine.size());
+  world->all_gather_v(all, in, counts)->wait();
+  std::vector<std::string> out;
+  const char* p = static_cast<const char*>(all.data_ptr());
+  for (int64_t c : counts) {
+    out.emplace_back(p, c);
+    p += c;
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------ reading
+
+struct Chunk {
+  std::vector<int64_t> offsets, sizes;
+  std::string file;
+  int64_t byte_offset = 0, byte_length = 0;
+  std::vector<uint32_t> crc32;
+};
+
+json read_metadata(const fs::path& dir) {
+  TORCH_CHECK(fs::is_directory(dir), "fsdp::load_checkpoint: checkpoint directory '", dir.string(), "' does not exist");
+  const fs::path meta = dir / kMetadataFile;
+  TORCH_CHECK(fs::exists(meta), "fsdp::load_checkpoint: '", meta.string(), "' is missing: '", dir.string(),
+              "' is not a complete checkpoint (its save did not finish)");
+  std::ifstream f(meta);
+  json j;
+  try {
+    f >> j;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "fsdp::load_checkpoint: '", meta.string(), "' is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(j.value("format", "") == kFormatName, "fsdp::load_checkpoint: '", meta.string(),
+              "' is not an fsdp-cpp checkpoint metadata file");
+  const int version = j.value("version", 0);
+  TORCH_CHECK(version >= 1 && version <= kCheckpointFormatVersion, "fsdp::load_checkpoint: '", meta.string(),
+              "' has format version ", version, "; this build reads versions 1 to ", kCheckpointFormatVersion,
+              " (written by a newer fsdp-cpp?)");
+  return j;
+}
+
+// Reads rows [row_begin, row_end) of `chunk` (or all of it) and checks the CRC of every
+// 1 MiB block touched. Returns the chunk's bytes from the first block touched, and where the
+// requested range starts in them.
+std::string read_chunk_range(const fs::path& dir, const std::string& key, const Chunk& c, int64_t begin,
+                             int64_t end, int64_t* skip) {
+  const int64_t first_block = begin / kBlockBytes;
+  const int64_t last_block = (end + kBlockBytes - 1) / kBlockBytes;  // exclusive
+  const int64_t from = first_block * kBlockBytes;
+  const int64_t to = std::min(c.byte_length, last_block * kBlockBytes);
+  const fs::path path = dir / c.file;
+  std::ifstream f(path, std::ios::binary);
+  TORCH_CHECK(f, "fsdp::load_checkpoint: data file '", path.string(), "' (key '", key, "') cannot be opened");
+  std::string bytes(static_cast<size_t>(to - from), '\0');
+  f.seekg(c.byte_offset + from);
+  f.read(&bytes[0], to - from);
+  TORCH_CHECK(f.gcount() == to - from, "fsdp::load_checkpoint: data file '", path.string(), "' is truncated (key '",
+              key, "' needs bytes up to ", c.byte_offset + to, ")");
+  for (int64_t b = first_block; b < last_block; ++b) {
+    const int64_t lo = b * kBlockBytes - from, hi = std::min(to, (b + 1) * kBlockBytes) - from;
+    TORCH_CHECK(b < static_cast<int64_t>(c.crc32.size()) && crc_of(bytes.data() + lo, hi - lo) == c.crc32[b],
+                "fsdp::load_checkpoint: checksum mismatch in '", path.string(), "' (key '", key, "', block ", b,
+                "): the file is corrupted");
+  }
+  *skip = begin - from;
+  return bytes;
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir_name, const ShardedStateDict& state_dict) {
+  const fs::path dir(dir_name);
+  auto world = fsdp::world();
+  const int rank = world->rank();
+  if (rank == 0) {
+    fs::create_directories(dir);
+    fs::remove(dir / kMetadataFile);  // the old checkpoint there stops being loadable first
+  }
+  world->barrier()->wait();
+
+  // This rank's pieces, one after another in its data file.
+  std::string data;
+  json chunks = json::object();
+  for (const auto& item : state_dict) {
+    const DTensor& d = item.value();
+    const std::vector<int64_t> coord = d.device_mesh().coordinate();
+    const bool writer = !all_replicate(d.placements()) ||
+                        std::all_of(coord.begin(), coord.end(), [](int64_t c) { return c == 0; });
+    at::Tensor local = d.to_local().contiguous();
+    if (!writer || local.numel() == 0) continue;
+    const auto bounds = d.local_bounds();
+    json c = {{"offsets", json::array()}, {"sizes", json::array()}, {"crc32", json::array()}};
+    for (const auto& b : bounds) {
+      c["offsets"].push_back(b.offset);
+      c["sizes"].push_back(b.length);
+    }
+    const int64_t n = local.numel() * local.element_size();
+    c["file"] = data_file_name(rank);
+    c["byte_offset"] = static_cast<int64_t>(data.size());
+    c["byte_length"] = n;
+    const char* bytes = static_cast<const char*>(local.data_ptr());
+    for (int64_t at = 0; at < n; at += kBlockBytes) c["crc32"].push_back(crc_of(bytes + at, std::min(kBlockBytes, n - at)));
+    data.append(bytes, static_cast<size_t>(n));
+    chunks[item.key()] = c;
+  }
+  write_file_durably(dir / data_file_name(rank), data.data(), data.size());
+
+  // Rank 0 collects every rank's file size and chunk list and writes the metadata last.
+  const json report = {{"file_bytes", static_cast<int64_t>(data.size())}, {"chunks", chunks}};
+  const std::vector<std::string> all = gather_strings(report.dump());
+  if (rank == 0) {
+    json meta;
+    meta["format"] = kFormatName;
+    meta["version"] = kCheckpointFormatVersion;
+    meta["world_size"] = world->size();
+    meta["block_bytes"] = kBlockBytes;
+    json entries = json::object();
+    for (const auto& item : state_dict) {
+      json e;
+      e["dtype"] = std::string(c10::toString(item.value().scalar_type()));
+      e["shape"] = item.value().sizes();
+      e["chunks"] = json::array();
+      entries[item.key()] = e;
+    }
+    json files = json::object();
+    for (size_t r = 0; r < all.size(); ++r) {
+      const json rank_report = json::parse(all[r]);  // named: items() would dangle on a temporary
+      files[data_file_name(static_cast<int>(r))] = rank_report.at("file_bytes");
+      for (const auto& kv : rank_report.at("chunks").items()) entries[kv.key()]["chunks"].push_back(kv.value());
+    }
+    meta["files"] = files;  // name -> size: a truncated file is caught without reading it
+    meta["entries"] = entries;
+    const std::string out = meta.dump(1);
+    write_file_durably(dir / kMetadataFile, out.data(), out.size());
+    fsync_dir(dir);
+  }
+  world->barrier()->wait();
+}
+
+ShardedStateDict load_checkpoint(const std::string& dir_name, const ShardedStateDict& like) {
+  const fs::path dir(dir_name);
+  const json meta = read_metadata(dir);
+  const json& entries = meta.at("entries");
+  const std::string meta_path = (dir / kMetadataFile).string();
+  for (const auto& f : meta.at("files").items()) {
+    const fs::path path = dir / f.key();
+    TORCH_CHECK(fs::exists(path), "fsdp::load_checkpoint: data file '", path.string(), "' listed in '", meta_path,
+                "' is missing");
+    TORCH_CHECK(static_cast<int64_t>(fs::file_size(path)) == f.value().get<int64_t>(), "fsdp::load_checkpoint: data "
+                "file '", path.string(), "' is truncated or overwritten: ", fs::file_size(path), " bytes, '", meta_path,
+                "' says ", f.value().get<int64_t>());
+  }
+  for (const auto& item : like) {
+    TORCH_CHECK(entries.contains(item.key()), "fsdp::load_checkpoint: missing key '", item.key(), "' in '", meta_path, "'");
+    const json& e = entries.at(item.key());
+    TORCH_CHECK(e.at("shape").get<std::vector<int64_t>>() == item.value().sizes(), "fsdp::load_checkpoint: key '",
+                item.key(), "' has shape ", e.at("shape").dump(), " in '", meta_path, "' but ",
+                c10::IntArrayRef(item.value().sizes()), " here");
+    TORCH_CHECK(e.at("dtype").get<std::string>() == c10::toString(item.value().scalar_type()),
+                "fsdp::load_checkpoint: key '", item.key(), "' has dtype ", e.at("dtype").get<std::string>(), " in '",
+                meta_path, "' but ", item.value().scalar_type(), " here");
+  }
+  for (const auto& kv : entries.items()) {
+    TORCH_CHECK(like.find(kv.key()), "fsdp::load_checkpoint: unexpected key '", kv.key(), "' in '", meta_path,
+                "' (the state dict to load into has no such entry)");
+  }
+
+  ShardedStateDict out;
+  for (const auto& item : like) {
+    const DTensor& target = item.value();
+    const auto want = target.local_bounds();
+    at::Tensor local = at::empty(target.to_local().sizes(), target.to_local().options());
+    const int64_t row_bytes = local.dim() == 0 ? local.element_size()
+                                               : (local.size(0) > 0 ? local.numel() / local.size(0) : 0) * local.element_size();
+    for (const auto& cj : entries.at(item.key()).at("chunks")) {
+      Chunk c{cj.at("offsets").get<std::vector<int64_t>>(), cj.at("sizes").get<std::vector<int64_t>>(),
+              cj.at("file").get<std::string>(), cj.at("byte_offset").get<int64_t>(),
+              cj.at("byte_length").get<int64_t>(), cj.at("crc32").get<std::vector<uint32_t>>()};
+      if (local.dim() == 0) {  // a scalar: one chunk holds it
+        int64_t skip = 0;
+        const std::string bytes = read_chunk_range(dir, item.key(), c, 0, c.byte_length, &skip);
+        std::memcpy(local.data_ptr(), bytes.data() + skip, local.element_size());
+        continue;
+      }
+      // Chunks and pieces are split along dim 0 only and span every other dim whole.
+      for (size_t d = 1; d < want.size(); ++d) {
+        TORCH_CHECK(c.offsets[d] == 0 && c.sizes[d] == want[d].length && want[d].offset == 0, "fsdp::load_checkpoint: "
+                    "key '", item.key(), "' was saved split along a dim other than 0; not supported yet");
+      }
+      const int64_t lo = std::max(c.offsets[0], want[0].offset);
+      const int64_t hi = std::min(c.offsets[0] + c.sizes[0], want[0].offset + want[0].length);
+      if (lo >= hi) continue;
+      int64_t skip = 0;
+      const std::string bytes =
+          read_chunk_range(dir, item.key(), c, (lo - c.offsets[0]) * row_bytes, (hi - c.offsets[0]) * row_bytes, &skip);
+      std::memcpy(static_cast<char*>(local.data_ptr()) + (lo - want[0].offset) * row_bytes, bytes.data() + skip,
+                  static_cast<size_t>((hi - lo) * row_bytes));
+    }
+    out.insert(item.key(), DTensor::from_local(local, target.device_mesh(), target.placements(), target.sizes()));
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------ manager
+
+std::string CheckpointManager::save(int64_t step, const ShardedStateDict& state_dict) const {
+  const fs::path dir = fs::path(root_) / ("step_" + std::to_string(step));
+  save_checkpoint(dir.string(), state_dict);
+  if (fsdp::get_rank() == 0) {
+    const std::string name = dir.filename().string();
+    write_file_durably(fs::path(root_) / "latest", name.data(), name.size());
+    fsync_dir(root_);
+    if (keep_ > 0) {
+      std::vector<std::pair<int64_t, fs::path>> steps;
+      for (const auto& e : fs::directory_iterator(root_)) {
+        if (e.is_directory() && e.path().filename().string().rfind("step_", 0) == 0) {
+          steps.emplace_back(step_of(e.path().string()), e.path());
+        }
+      }
+      std::sort(steps.begin(), steps.end());
+      for (size_t i = 0; i + keep_ < steps.size(); ++i) {
+        if (steps[i].second != dir) fs::remove_all(steps[i].second);
+      }
+    }
+  }
+  fsdp::world()->barrier()->wait();
+  return dir.string();
+}
+
+std::optional<std::string> CheckpointManager::latest() const {
+  std::ifstream f(fs::path(root_) / "latest");
+  std::string name;
+  if (!f || !(f >> name)) return std::nullopt;
+  const fs::path dir = fs::path(root_) / name;
+  if (!fs::exists(dir / kMetadataFile)) return std::nullopt;
+  return dir.string();
+}
+
+int64_t CheckpointManager::step_of(const std::string& dir) {
+  const std::string name = fs::path(dir).filename().string();
+  TORCH_CHECK(name.rfind("step_", 0) == 0, "fsdp::CheckpointManager: '", dir, "' is not a step_<N> directory");
+  return std::stoll(name.substr(5));
+}
+
+}  // namespace fsdp

@@ -1,0 +1,219 @@
+// Distributed checkpoints across real processes: save at one world size, load at another; what
+// a damaged or incomplete checkpoint does; the latest pointer.
+#include "harness/multiprocess.h"
+
+#include <fsdp/call.h>
+#include <fsdp/checkpoint.h>
+#include <fsdp/distributed.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/models/transformer.h>
+#include <fsdp/optim_state_dict.h>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+using fsdp::testing::run_distributed;
+
+namespace {
+
+// The test body runs again in every child: only the test process itself sets up and cleans up.
+void remove_in_parent(const std::string& dir) {
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
+}
+
+struct Trainer {
+  fsdp::models::Transformer model{nullptr};
+  std::unique_ptr<torch::optim::Adam> opt;
+
+  explicit Trainer(uint64_t seed) {
+    torch::manual_seed(seed);
+    fsdp::models::ModelArgs args;
+    args.dropout_p = 0.0;
+    model = fsdp::models::Transformer(args);
+    for (auto& block : model->blocks()) fsdp::fully_shard(block);
+    fsdp::fully_shard(model);
+    opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
+  }
+  // The global batch of a step is the same at every world size; each rank takes its rows.
+  double step(int64_t s) {
+    const int W = fsdp::get_world_size(), r = fsdp::get_rank();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(900 + s);
+    at::Tensor global = at::randint(0, 8, {12, 16}, gen);  // 12 rows: divisible by 1, 2, 3, 4
+    at::Tensor toks = global.slice(0, r * (12 / W), (r + 1) * (12 / W));
+    opt->zero_grad();
+    at::Tensor logits = fsdp::call(model, toks);
+    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 8}), toks.roll(-1, 1).reshape({-1}));
+    loss.backward();
+    opt->step();
+    at::Tensor mean = loss.detach().reshape({1}).clone();
+    fsdp::world()->all_reduce(mean, fsdp::ReduceOp::kAvg)->wait();
+    return mean.item<double>();
+  }
+  fsdp::ShardedStateDict state() {
+    fsdp::ShardedStateDict sd;
+    for (const auto& item : fsdp::sharded_state_dict(*model)) sd.insert("model." + item.key(), item.value());
+    for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, *opt)) sd.insert("optim." + item.key(), item.value());
+    return sd;
+  }
+  void load(const fsdp::ShardedStateDict& sd) {
+    fsdp::ShardedStateDict model_part, optim_part;
+    for (const auto& item : sd) {
+      if (item.key().rfind("model.", 0) == 0) model_part.insert(item.key().substr(6), item.value());
+      else optim_part.insert(item.key().substr(6), item.value());
+    }
+    fsdp::load_sharded_state_dict(*model, model_part);
+    fsdp::load_sharded_optimizer_state_dict(*model, *opt, optim_part);
+  }
+};
+
+void write_losses(const std::string& path, const std::vector<double>& losses) {
+  std::ofstream f(path);
+  f.precision(17);
+  for (double l : losses) f << l << "\n";
+}
+std::vector<double> read_losses(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<double> out;
+  double l;
+  while (f >> l) out.push_back(l);
+  return out;
+}
+
+}  // namespace
+
+TEST(Checkpoint, SaveAtOneWorldSizeResumeAtAnother) {
+  const std::string root = fsdp::testing::shared_temp_path("ckpt_reshard");
+  remove_in_parent(root);
+  fsdp::testing::DistOptions opts;
+  // Reference: an uninterrupted run at each world size b: 3 steps, then 3 more. Then: 3 steps at
+  // a = 2, save; load at each b and run the 3 more steps.
+  for (int b : {1, 2, 3, 4}) {
+    run_distributed(b, [root] {
+      Trainer t(0);
+      for (int s = 0; s < 3; ++s) t.step(s);
+      std::vector<double> after;
+      for (int s = 3; s < 6; ++s) after.push_back(t.step(s));
+      if (fsdp::get_rank() == 0) {
+        fs::create_directories(root);
+        write_losses(root + "/uninterrupted_w" + std::to_string(fsdp::get_world_size()), after);
+      }
+    }, opts);
+  }
+  run_distributed(2, [root] {
+    Trainer t(0);
+    for (int s = 0; s < 3; ++s) t.step(s);
+    fsdp::save_checkpoint(root + "/ckpt", t.state());
+    std::vector<double> after;
+    for (int s = 3; s < 6; ++s) after.push_back(t.step(s));
+    // a == b: bitwise identical to the uninterrupted run at that size.
+    if (fsdp::get_rank() == 0) EXPECT_EQ(after, read_losses(root + "/uninterrupted_w2"));
+  }, opts);
+  for (int b : {1, 2, 3, 4}) {
+    run_distributed(b, [root] {
+      const int W = fsdp::get_world_size();
+      Trainer t(123);  // different weights: everything must come from the checkpoint
+      fsdp::init_optimizer_state(*t.opt);
+      t.load(fsdp::load_checkpoint(root + "/ckpt", t.state()));
+      std::vector<double> after;
+      for (int s = 3; s < 6; ++s) after.push_back(t.step(s));
+      const auto reference = read_losses(root + "/uninterrupted_w" + std::to_string(W));
+      ASSERT_EQ(reference.size(), after.size());
+      for (size_t i = 0; i < after.size(); ++i) {
+        if (W == 2) EXPECT_EQ(after[i], reference[i]) << "step " << i + 3;
+        else EXPECT_NEAR(after[i], reference[i], 1e-6) << "step " << i + 3 << " at W=" << W;
+      }
+    }, opts);
+  }
+  remove_in_parent(root);
+}
+
+TEST(Checkpoint, BadCheckpointsAreRejectedNamingFileAndKey) {
+  const std::string root = fsdp::testing::shared_temp_path("ckpt_bad");
+  remove_in_parent(root);
+  run_distributed(2, [root] {
+    Trainer t(0);
+    t.step(0);
+    const std::string good = root + "/good";
+    fsdp::save_checkpoint(good, t.state());
+    auto like = t.state();
+    auto expect_error = [&](const std::string& dir, const std::vector<std::string>& needles) {
+      try {
+        fsdp::load_checkpoint(dir, like);
+        ADD_FAILURE() << "expected an error for " << dir;
+      } catch (const c10::Error& e) {
+        for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+      }
+    };
+    if (fsdp::get_rank() == 0) {
+      auto copy = [&](const std::string& name) {
+        fs::copy(good, root + "/" + name, fs::copy_options::recursive);
+        return root + "/" + name;
+      };
+      expect_error(root + "/nowhere", {"does not exist"});
+      const std::string no_meta = copy("no_meta");
+      fs::remove(no_meta + "/metadata.json");
+      expect_error(no_meta, {"metadata.json", "not a complete checkpoint"});
+      const std::string newer = copy("newer");
+      {
+        std::ifstream in(newer + "/metadata.json");
+        std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        text.replace(text.find("\"version\": 1"), 12, "\"version\": 9");
+        std::ofstream(newer + "/metadata.json") << text;
+      }
+      expect_error(newer, {"format version 9"});
+      const std::string truncated = copy("truncated");
+      fs::resize_file(truncated + "/rank_1.data", fs::file_size(truncated + "/rank_1.data") / 2);
+      expect_error(truncated, {"rank_1.data", "truncated"});
+      const std::string corrupted = copy("corrupted");
+      {
+        std::fstream f(corrupted + "/rank_0.data", std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(100);
+        f.put('\x7f');
+      }
+      expect_error(corrupted, {"rank_0.data", "checksum mismatch", "key '"});
+      auto missing = like;
+      missing.insert("model.extra", like["model.norm.weight"]);
+      try {
+        fsdp::load_checkpoint(good, missing);
+        ADD_FAILURE();
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("missing key 'model.extra'"), std::string::npos) << e.what();
+      }
+      auto fewer = like;
+      fewer.erase("model.norm.weight");
+      try {
+        fsdp::load_checkpoint(good, fewer);
+        ADD_FAILURE();
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("unexpected key 'model.norm.weight'"), std::string::npos) << e.what();
+      }
+    }
+    fsdp::world()->barrier()->wait();
+  });
+  remove_in_parent(root);
+}
+
+TEST(Checkpoint, ManagerPointsAtTheLatestCompleteOneAndKeepsK) {
+  const std::string root = fsdp::testing::shared_temp_path("ckpt_mgr");
+  remove_in_parent(root);
+  run_distributed(2, [root] {
+    Trainer t(0);
+    fsdp::CheckpointManager manager(root, /*keep=*/2);
+    EXPECT_FALSE(manager.latest().has_value());
+    for (int64_t s = 1; s <= 3; ++s) {
+      t.step(s);
+      manager.save(s * 10, t.state());
+    }
+    ASSERT_TRUE(manager.latest().has_value());
+    EXPECT_EQ(fsdp::CheckpointManager::step_of(*manager.latest()), 30);
+    EXPECT_FALSE(fs::exists(root + "/step_10"));
+    EXPECT_TRUE(fs::exists(root + "/step_20/metadata.json"));
+  });
+  remove_in_parent(root);
+}
