@@ -149,7 +149,11 @@ TEST(Safetensors, ShardedModelIsWrittenOneFilePerRankAndReadsBackExactly) {
       DirGuard guard{test_dir("model_w" + std::to_string(world))};
       auto m = make_sharded(1);
       const auto options = fsdp::SafetensorsOptions().metadata({{"step", "7"}});
+      auto pg = fsdp::as_dtensor(m->net->output->weight).device_mesh().get_group(0);
+      pg->reset_stats();
       fsdp::save_safetensors(fsdp::sharded_state_dict(*m), guard.dir, options);
+      // One gather per sharded parameter (to its owner), none for the buffer.
+      EXPECT_EQ(pg->stats()[fsdp::CollectiveKind::kAllGather].calls, static_cast<int64_t>(m->parameters().size()));
       const auto full = fsdp::full_state_dict(*m);
       check_with_our_reader(guard.dir, "model", full);
       check_with_python(guard.dir, "model", full);
