@@ -15,6 +15,13 @@
 #include <torch/optim/adam.h>
 
 #include <filesystem>
+#include <random>
+#include <thread>
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <fstream>
 
 namespace fs = std::filesystem;
@@ -220,4 +227,72 @@ TEST(Checkpoint, ManagerPointsAtTheLatestCompleteOneAndKeepsK) {
     EXPECT_TRUE(fs::exists(root + "/step_20/metadata.json"));
   });
   remove_in_parent(root);
+}
+
+// Run only by KilledDuringSaveLeavesTheLastCompleteCheckpoint, in a process it SIGKILLs: saves
+// checkpoints back to back forever, printing a line after each.
+TEST(CheckpointVictim, DISABLED_SaveForever) {
+  const char* root = std::getenv("FSDP_VICTIM_ROOT");
+  ASSERT_NE(root, nullptr);
+  fsdp::init_process_group();
+  Trainer t(0);
+  t.step(0);
+  fsdp::CheckpointManager manager(root, /*keep=*/2);
+  for (int64_t step = 1;; ++step) {
+    manager.save(step, t.state());
+    std::printf("saved %lld\n", static_cast<long long>(step));
+    std::fflush(stdout);
+  }
+}
+
+TEST(Checkpoint, KilledDuringSaveLeavesTheLastCompleteCheckpoint) {
+  const std::string root = fsdp::testing::shared_temp_path("ckpt_kill");
+  fs::remove_all(root);
+  fsdp::init_process_group();  // one process: loads need a world
+  Trainer reader(5);
+  fsdp::init_optimizer_state(*reader.opt);
+  std::mt19937 rng(1234);
+  for (int trial = 0; trial < 20; ++trial) {
+    // The victim: this binary, running only the test above.
+    int out[2];
+    ASSERT_EQ(::pipe(out), 0);
+    const std::string exe = "/proc/self/exe", filter = "--gtest_filter=CheckpointVictim.DISABLED_SaveForever",
+                      also = "--gtest_also_run_disabled_tests", env_root = "FSDP_VICTIM_ROOT=" + root;
+    std::vector<char*> argv = {const_cast<char*>(exe.c_str()), const_cast<char*>(filter.c_str()),
+                               const_cast<char*>(also.c_str()), nullptr};
+    std::vector<char*> envp = {const_cast<char*>(env_root.c_str()), const_cast<char*>("OMP_NUM_THREADS=1"), nullptr};
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+    pid_t pid = -1;
+    ASSERT_EQ(posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), envp.data()), 0);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(out[1]);
+    // Wait for its first complete save, then kill it at a random moment of the following ones.
+    std::string seen;
+    char buf[256];
+    while (seen.find("saved") == std::string::npos) {
+      const ssize_t n = ::read(out[0], buf, sizeof buf);
+      ASSERT_GT(n, 0) << "the victim exited before its first save: " << seen;
+      seen.append(buf, n);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 300000)(rng)));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ::close(out[0]);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "trial " << trial;
+
+    // The newest complete checkpoint loads; a step directory left without metadata does not.
+    fsdp::CheckpointManager manager(root, 2);
+    ASSERT_TRUE(manager.latest().has_value()) << "trial " << trial;
+    EXPECT_NO_THROW(fsdp::load_checkpoint(*manager.latest(), reader.state())) << "trial " << trial;
+    for (const auto& e : fs::directory_iterator(root)) {
+      if (e.is_directory() && !fs::exists(e.path() / "metadata.json")) {
+        EXPECT_THROW(fsdp::load_checkpoint(e.path().string(), reader.state()), c10::Error);
+      }
+    }
+  }
+  fsdp::destroy_process_group();
+  fs::remove_all(root);
 }
