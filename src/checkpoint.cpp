@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 
 namespace fsdp {
 namespace {
@@ -71,8 +72,8 @@ bool all_replicate(const std::vector<Placement>& placements) {
 }
 
 // Everyone's bytes, in rank order (rank 0 uses them; every rank takes part).
-std::vector<std::string> gather_strings(const std::string& mine) {
-  auto world = fsdp::world();
+std::vector<std::string> gather_strings(ProcessGroup& group, const std::string& mine) {
+  ProcessGroup* world = &group;
   at::Tensor sizes = at::empty({world->size()}, at::kLong);
   world->all_gather_into(sizes, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong))->wait();
   std::vector<int64_t> counts(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + world->size());
@@ -150,9 +151,12 @@ std::string read_chunk_range(const fs::path& dir, const std::string& key, const 
 
 }  // namespace
 
-void save_checkpoint(const std::string& dir_name, const ShardedStateDict& state_dict) {
+namespace {
+
+// The save itself, over `world` (all ranks; the world group, or the background saver's own).
+void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state_dict,
+                      const std::shared_ptr<ProcessGroup>& world) {
   const fs::path dir(dir_name);
-  auto world = fsdp::world();
   const int rank = world->rank();
   if (rank == 0) {
     fs::create_directories(dir);
@@ -189,7 +193,7 @@ void save_checkpoint(const std::string& dir_name, const ShardedStateDict& state_
 
   // Rank 0 collects every rank's file size and chunk list and writes the metadata last.
   const json report = {{"file_bytes", static_cast<int64_t>(data.size())}, {"chunks", chunks}};
-  const std::vector<std::string> all = gather_strings(report.dump());
+  const std::vector<std::string> all = gather_strings(*world, report.dump());
   if (rank == 0) {
     json meta;
     meta["format"] = kFormatName;
@@ -217,6 +221,41 @@ void save_checkpoint(const std::string& dir_name, const ShardedStateDict& state_
     fsync_dir(dir);
   }
   world->barrier()->wait();
+}
+
+// Points root/latest at `dir` and keeps the newest `keep` step directories (rank 0 only).
+void commit_latest(const fs::path& root, const fs::path& dir, int keep) {
+  const std::string name = dir.filename().string();
+  write_file_durably(root / "latest", name.data(), name.size());
+  fsync_dir(root);
+  if (keep <= 0) return;
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  for (const auto& e : fs::directory_iterator(root)) {
+    if (e.is_directory() && e.path().filename().string().rfind("step_", 0) == 0) {
+      steps.emplace_back(CheckpointManager::step_of(e.path().string()), e.path());
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  for (size_t i = 0; i + keep < steps.size(); ++i) {
+    if (steps[i].second != dir) fs::remove_all(steps[i].second);
+  }
+}
+
+// A copy of every local piece in fresh memory, with the same layout.
+ShardedStateDict staged_copy(const ShardedStateDict& state_dict) {
+  ShardedStateDict out;
+  for (const auto& item : state_dict) {
+    const DTensor& d = item.value();
+    out.insert(item.key(), DTensor::from_local(d.to_local().detach().clone(at::MemoryFormat::Contiguous),
+                                               d.device_mesh(), d.placements(), d.sizes()));
+  }
+  return out;
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, const ShardedStateDict& state_dict) {
+  write_checkpoint(dir, state_dict, fsdp::world());
 }
 
 ShardedStateDict load_checkpoint(const std::string& dir_name, const ShardedStateDict& like) {
@@ -285,28 +324,54 @@ ShardedStateDict load_checkpoint(const std::string& dir_name, const ShardedState
 
 // ------------------------------------------------------------------------------ manager
 
-std::string CheckpointManager::save(int64_t step, const ShardedStateDict& state_dict) const {
+// The background saver: its own process group (so its collectives never interleave with the
+// training's), and the write in flight.
+struct CheckpointManager::Background {
+  std::shared_ptr<ProcessGroup> group;
+  std::future<void> pending;
+};
+
+CheckpointManager::CheckpointManager(std::string root, int keep)
+    : root_(std::move(root)), keep_(keep), background_(std::make_unique<Background>()) {}
+
+CheckpointManager::~CheckpointManager() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp::CheckpointManager: the background save under '%s' failed: %s\n", root_.c_str(), e.what());
+  }
+}
+
+void CheckpointManager::wait() {
+  if (background_->pending.valid()) background_->pending.get();  // rethrows the save's error
+}
+
+std::string CheckpointManager::save(int64_t step, const ShardedStateDict& state_dict) {
+  wait();
   const fs::path dir = fs::path(root_) / ("step_" + std::to_string(step));
   save_checkpoint(dir.string(), state_dict);
-  if (fsdp::get_rank() == 0) {
-    const std::string name = dir.filename().string();
-    write_file_durably(fs::path(root_) / "latest", name.data(), name.size());
-    fsync_dir(root_);
-    if (keep_ > 0) {
-      std::vector<std::pair<int64_t, fs::path>> steps;
-      for (const auto& e : fs::directory_iterator(root_)) {
-        if (e.is_directory() && e.path().filename().string().rfind("step_", 0) == 0) {
-          steps.emplace_back(step_of(e.path().string()), e.path());
-        }
-      }
-      std::sort(steps.begin(), steps.end());
-      for (size_t i = 0; i + keep_ < steps.size(); ++i) {
-        if (steps[i].second != dir) fs::remove_all(steps[i].second);
-      }
-    }
-  }
+  if (fsdp::get_rank() == 0) commit_latest(root_, dir, keep_);
   fsdp::world()->barrier()->wait();
   return dir.string();
+}
+
+void CheckpointManager::save_async(int64_t step, const ShardedStateDict& state_dict) {
+  wait();
+  if (!background_->group) {
+    std::vector<int> all(fsdp::get_world_size());
+    for (size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+    background_->group = fsdp::new_group(all);
+  }
+  ShardedStateDict staged = staged_copy(state_dict);
+  const fs::path dir = fs::path(root_) / ("step_" + std::to_string(step));
+  const fs::path root(root_);
+  const int keep = keep_;
+  auto group = background_->group;
+  background_->pending = std::async(std::launch::async, [dir, root, keep, group, staged = std::move(staged)] {
+    write_checkpoint(dir.string(), staged, group);
+    if (group->rank() == 0) commit_latest(root, dir, keep);
+    group->barrier()->wait();
+  });
 }
 
 std::optional<std::string> CheckpointManager::latest() const {

@@ -142,7 +142,8 @@ std::string make_header(const ShardedStateDict& state_dict, const std::vector<in
     if (owner[i++] != rank) continue;
     const DTensor& d = item.value();
     const int64_t end = offset + nbytes_of(d);
-    header[item.key()] = Json{{"dtype", dtype_name(d.scalar_type())}, {"shape", d.sizes()}, {"data_offsets", {offset, end}}};
+    header[item.key()] =
+        Json{{"dtype", dtype_name(d.scalar_type())}, {"shape", d.sizes()}, {"data_offsets", {offset, end}}};
     offset = end;
   }
   std::string text = header.dump();

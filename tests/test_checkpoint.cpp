@@ -296,3 +296,32 @@ TEST(Checkpoint, KilledDuringSaveLeavesTheLastCompleteCheckpoint) {
   fsdp::destroy_process_group();
   fs::remove_all(root);
 }
+
+TEST(Checkpoint, AsyncSaveWritesTheStagedStateAndReportsFailure) {
+  const std::string root = fsdp::testing::shared_temp_path("ckpt_async");
+  remove_in_parent(root);
+  fsdp::testing::DistOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(4000);  // the failure case waits this out
+  run_distributed(2, [root] {
+    Trainer t(0);
+    t.step(0);
+    fsdp::CheckpointManager sync_saver(root + "/sync"), async_saver(root + "/async");
+    sync_saver.save(1, t.state());
+    async_saver.save_async(1, t.state());
+    for (int s = 1; s < 4; ++s) t.step(s);  // training goes on, changing what was staged
+    async_saver.wait();
+    auto like = t.state();
+    auto a = fsdp::load_checkpoint(*async_saver.latest(), like);
+    auto b = fsdp::load_checkpoint(*sync_saver.latest(), like);
+    for (const auto& item : a) EXPECT_TRUE(item.value().to_local().equal(b[item.key()].to_local())) << item.key();
+    EXPECT_FALSE(a["model.norm.weight"].to_local().equal(like["model.norm.weight"].to_local()));
+
+    // A background write that fails is reported by wait(), not swallowed.
+    if (fsdp::get_rank() == 0) std::ofstream(root + "/a_file") << "not a directory";
+    fsdp::world()->barrier()->wait();
+    fsdp::CheckpointManager broken(root + "/a_file/sub");
+    broken.save_async(1, t.state());
+    EXPECT_ANY_THROW(broken.wait());
+  }, opts);
+  remove_in_parent(root);
+}

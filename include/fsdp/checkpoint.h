@@ -21,6 +21,7 @@
 
 #include <fsdp/state_dict.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -45,20 +46,37 @@ ShardedStateDict load_checkpoint(const std::string& dir, const ShardedStateDict&
 
 // Keeps numbered checkpoints under a root directory: root/step_<N>, and root/latest naming the
 // newest complete one (replaced atomically after the checkpoint is complete). Keeps the
-// newest `keep` checkpoints (0 = all).
+// newest `keep` checkpoints (0 = all). Not copyable; one per root.
 class CheckpointManager {
  public:
-  explicit CheckpointManager(std::string root, int keep = 0) : root_(std::move(root)), keep_(keep) {}
+  explicit CheckpointManager(std::string root, int keep = 0);
+  // Waits for a background save; an error it hit is printed to stderr (a destructor cannot
+  // throw): call wait() before to handle it.
+  ~CheckpointManager();
+  CheckpointManager(const CheckpointManager&) = delete;
+  CheckpointManager& operator=(const CheckpointManager&) = delete;
+
   // Collective: saves root/step_<step>, then points `latest` at it and prunes old ones (rank 0).
-  std::string save(int64_t step, const ShardedStateDict& state_dict) const;
+  // Waits for a background save first. Returns the directory.
+  std::string save(int64_t step, const ShardedStateDict& state_dict);
+  // Collective: copies this rank's pieces into memory the training does not touch (the only
+  // part that blocks), then writes, points `latest` and prunes in a background thread that
+  // talks over a process group of its own. Waits for the previous background save first and
+  // rethrows its error. The state dict may change as soon as this returns.
+  void save_async(int64_t step, const ShardedStateDict& state_dict);
+  // Waits for the background save, if any; rethrows the error it failed with.
+  void wait();
+
   // The directory `latest` names, or nullopt when there is no complete checkpoint yet.
   std::optional<std::string> latest() const;
   // The step number of a directory written by save().
   static int64_t step_of(const std::string& dir);
 
  private:
+  struct Background;  // checkpoint.cpp
   std::string root_;
   int keep_;
+  std::unique_ptr<Background> background_;
 };
 
 }  // namespace fsdp
