@@ -161,6 +161,7 @@ TEST(Checkpoint, BadCheckpointsAreRejectedNamingFileAndKey) {
         for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
       }
     };
+    const auto model_before = fsdp::full_state_dict(*t.model);
     if (fsdp::get_rank() == 0) {
       auto copy = [&](const std::string& name) {
         fs::copy(good, root + "/" + name, fs::copy_options::recursive);
@@ -196,6 +197,24 @@ TEST(Checkpoint, BadCheckpointsAreRejectedNamingFileAndKey) {
       } catch (const c10::Error& e) {
         EXPECT_NE(std::string(e.what()).find("missing key 'model.extra'"), std::string::npos) << e.what();
       }
+      auto reshaped = like;
+      reshaped["model.norm.weight"] = fsdp::DTensor::from_local(at::zeros({3}), like["model.norm.weight"].device_mesh(),
+                                                                {fsdp::Replicate()});
+      try {
+        fsdp::load_checkpoint(good, reshaped);
+        ADD_FAILURE();
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("key 'model.norm.weight' has shape [16]"), std::string::npos) << e.what();
+      }
+      auto retyped = like;
+      retyped["model.norm.weight"] = fsdp::DTensor::from_local(at::zeros({16}, at::kDouble),
+                                                               like["model.norm.weight"].device_mesh(), {fsdp::Replicate()});
+      try {
+        fsdp::load_checkpoint(good, retyped);
+        ADD_FAILURE();
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("key 'model.norm.weight' has dtype Float"), std::string::npos) << e.what();
+      }
       auto fewer = like;
       fewer.erase("model.norm.weight");
       try {
@@ -206,6 +225,9 @@ TEST(Checkpoint, BadCheckpointsAreRejectedNamingFileAndKey) {
       }
     }
     fsdp::world()->barrier()->wait();
+    // Nothing was loaded into the model by any of the failed loads.
+    const auto model_after = fsdp::full_state_dict(*t.model);
+    for (const auto& item : model_before) EXPECT_TRUE(item.value().equal(model_after[item.key()])) << item.key();
   });
   remove_in_parent(root);
 }
