@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 
 namespace fsdp {
@@ -154,29 +155,44 @@ std::string read_chunk_range(const fs::path& dir, const std::string& key, const 
 namespace {
 
 // The save itself, over `world` (all ranks; the world group, or the background saver's own).
-void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state_dict,
-                      const std::shared_ptr<ProcessGroup>& world) {
-  const fs::path dir(dir_name);
-  const int rank = world->rank();
-  if (rank == 0) {
-    fs::create_directories(dir);
-    fs::remove(dir / kMetadataFile);  // the old checkpoint there stops being loadable first
+// Runs `local_work` on every rank, then makes all ranks agree: if it threw anywhere, every rank
+// throws, naming each failed rank and its error (so nobody is left waiting in a collective).
+// Collective; also acts as a barrier. Returns every rank's result string, in rank order.
+std::vector<std::string> on_all_ranks(ProcessGroup& world, const char* phase,
+                                      const std::function<std::string()>& local_work) {
+  json mine;
+  try {
+    mine["result"] = local_work();
+  } catch (const std::exception& e) {
+    mine["error"] = e.what();
   }
-  world->barrier()->wait();
+  std::vector<std::string> results, errors;
+  const std::vector<std::string> all = gather_strings(world, mine.dump());
+  for (size_t r = 0; r < all.size(); ++r) {
+    const json j = json::parse(all[r]);
+    if (j.contains("error")) errors.push_back("rank " + std::to_string(r) + ": " + j.at("error").get<std::string>());
+    else results.push_back(j.at("result").get<std::string>());
+  }
+  if (!errors.empty()) {
+    std::string msg;
+    for (const auto& e : errors) msg += (msg.empty() ? "" : "; ") + e;
+    TORCH_CHECK(false, "fsdp::save_checkpoint failed while ", phase, ": ", msg);
+  }
+  return results;
+}
 
-  // This rank's pieces, one after another in its data file.
+// This rank's pieces, one after another (its data file), and their chunk records.
+std::string pack_pieces(const ShardedStateDict& state_dict, int rank, json* chunks) {
   std::string data;
-  json chunks = json::object();
   for (const auto& item : state_dict) {
     const DTensor& d = item.value();
     const std::vector<int64_t> coord = d.device_mesh().coordinate();
     const bool writer = !all_replicate(d.placements()) ||
                         std::all_of(coord.begin(), coord.end(), [](int64_t c) { return c == 0; });
     at::Tensor local = d.to_local().contiguous();
-    if (!writer || local.numel() == 0) continue;
-    const auto bounds = d.local_bounds();
+    if (!writer || local.numel() == 0) continue;  // replicated values are written once
     json c = {{"offsets", json::array()}, {"sizes", json::array()}, {"crc32", json::array()}};
-    for (const auto& b : bounds) {
+    for (const auto& b : d.local_bounds()) {
       c["offsets"].push_back(b.offset);
       c["sizes"].push_back(b.length);
     }
@@ -187,40 +203,61 @@ void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state
     const char* bytes = static_cast<const char*>(local.data_ptr());
     for (int64_t at = 0; at < n; at += kBlockBytes) c["crc32"].push_back(crc_of(bytes + at, std::min(kBlockBytes, n - at)));
     data.append(bytes, static_cast<size_t>(n));
-    chunks[item.key()] = c;
+    (*chunks)[item.key()] = c;
   }
-  write_file_durably(dir / data_file_name(rank), data.data(), data.size());
+  return data;
+}
 
-  // Rank 0 collects every rank's file size and chunk list and writes the metadata last.
-  const json report = {{"file_bytes", static_cast<int64_t>(data.size())}, {"chunks", chunks}};
-  const std::vector<std::string> all = gather_strings(*world, report.dump());
-  if (rank == 0) {
-    json meta;
-    meta["format"] = kFormatName;
-    meta["version"] = kCheckpointFormatVersion;
-    meta["world_size"] = world->size();
-    meta["block_bytes"] = kBlockBytes;
-    json entries = json::object();
-    for (const auto& item : state_dict) {
-      json e;
-      e["dtype"] = std::string(c10::toString(item.value().scalar_type()));
-      e["shape"] = item.value().sizes();
-      e["chunks"] = json::array();
-      entries[item.key()] = e;
-    }
-    json files = json::object();
-    for (size_t r = 0; r < all.size(); ++r) {
-      const json rank_report = json::parse(all[r]);  // named: items() would dangle on a temporary
-      files[data_file_name(static_cast<int>(r))] = rank_report.at("file_bytes");
-      for (const auto& kv : rank_report.at("chunks").items()) entries[kv.key()]["chunks"].push_back(kv.value());
-    }
-    meta["files"] = files;  // name -> size: a truncated file is caught without reading it
-    meta["entries"] = entries;
-    const std::string out = meta.dump(1);
-    write_file_durably(dir / kMetadataFile, out.data(), out.size());
-    fsync_dir(dir);
+// The metadata file's content, from every rank's report ({"file_bytes", "chunks"}).
+std::string make_metadata(const ShardedStateDict& state_dict, const std::vector<std::string>& reports) {
+  json entries = json::object();
+  for (const auto& item : state_dict) {
+    entries[item.key()] = {{"dtype", std::string(c10::toString(item.value().scalar_type()))},
+                           {"shape", item.value().sizes()},
+                           {"chunks", json::array()}};
   }
-  world->barrier()->wait();
+  json files = json::object();
+  for (size_t r = 0; r < reports.size(); ++r) {
+    const json report = json::parse(reports[r]);  // named: items() would dangle on a temporary
+    files[data_file_name(static_cast<int>(r))] = report.at("file_bytes");
+    for (const auto& kv : report.at("chunks").items()) entries[kv.key()]["chunks"].push_back(kv.value());
+  }
+  json meta = {{"format", kFormatName}, {"version", kCheckpointFormatVersion}, {"world_size", reports.size()},
+               {"block_bytes", kBlockBytes}};
+  meta["files"] = files;  // name -> size: a truncated file is caught without reading it
+  meta["entries"] = entries;
+  return meta.dump(1);
+}
+
+// The save itself, over `world` (all ranks; the world group, or the background saver's own).
+// Every phase ends with all ranks agreeing it succeeded, so an error on one rank (a full disk,
+// a path that is a file) fails the save on every rank at once instead of leaving them waiting.
+void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state_dict,
+                      const std::shared_ptr<ProcessGroup>& world) {
+  const fs::path dir(dir_name);
+  const int rank = world->rank();
+  on_all_ranks(*world, "preparing the directory", [&] {
+    if (rank == 0) {
+      fs::create_directories(dir);
+      fs::remove(dir / kMetadataFile);  // the old checkpoint there stops being loadable first
+    }
+    return std::string();
+  });
+  const std::vector<std::string> reports = on_all_ranks(*world, "writing the data files", [&] {
+    json chunks = json::object();
+    const std::string data = pack_pieces(state_dict, rank, &chunks);
+    write_file_durably(dir / data_file_name(rank), data.data(), data.size());
+    return json{{"file_bytes", static_cast<int64_t>(data.size())}, {"chunks", chunks}}.dump();
+  });
+  // Rank 0 writes the metadata last: only now is the checkpoint complete.
+  on_all_ranks(*world, "writing the metadata", [&] {
+    if (rank == 0) {
+      const std::string meta = make_metadata(state_dict, reports);
+      write_file_durably(dir / kMetadataFile, meta.data(), meta.size());
+      fsync_dir(dir);
+    }
+    return std::string();
+  });
 }
 
 // Points root/latest at `dir` and keeps the newest `keep` step directories (rank 0 only).

@@ -152,6 +152,7 @@ TEST(Memory, ResetPeakRss) {
   {
     at::Tensor t = at::ones({k64MiB / 4});  // make sure the peak is above what follows
   }
+  fsdp::memory::empty_cache();  // and that its pages go back to the system
   const int64_t peak_before = fsdp::memory::peak_rss_bytes();
   std::string error;
   if (!fsdp::memory::reset_peak_rss(&error)) {
