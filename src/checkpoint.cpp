@@ -302,11 +302,23 @@ ShardedStateDict load_checkpoint(const std::string& dir_name, const ShardedState
   const std::string meta_path = (dir / kMetadataFile).string();
   for (const auto& f : meta.at("files").items()) {
     const fs::path path = dir / f.key();
-    TORCH_CHECK(fs::exists(path), "fsdp::load_checkpoint: data file '", path.string(), "' listed in '", meta_path,
-                "' is missing");
-    TORCH_CHECK(static_cast<int64_t>(fs::file_size(path)) == f.value().get<int64_t>(), "fsdp::load_checkpoint: data "
-                "file '", path.string(), "' is truncated or overwritten: ", fs::file_size(path), " bytes, '", meta_path,
-                "' says ", f.value().get<int64_t>());
+    const int64_t size = fs::exists(path) ? static_cast<int64_t>(fs::file_size(path)) : -1;
+    if (size == f.value().get<int64_t>()) continue;
+    // Name a key whose bytes the damage reaches.
+    std::string key = "?";
+    for (const auto& e : entries.items()) {
+      for (const auto& c : e.value().at("chunks")) {
+        if (c.at("file") == f.key() && c.at("byte_offset").get<int64_t>() + c.at("byte_length").get<int64_t>() > size) {
+          key = e.key();
+          break;
+        }
+      }
+      if (key != "?") break;
+    }
+    TORCH_CHECK(size >= 0, "fsdp::load_checkpoint: data file '", path.string(), "' listed in '", meta_path,
+                "' is missing (it holds key '", key, "')");
+    TORCH_CHECK(false, "fsdp::load_checkpoint: data file '", path.string(), "' is truncated or overwritten: ", size,
+                " bytes, '", meta_path, "' says ", f.value().get<int64_t>(), " (key '", key, "' is affected)");
   }
   for (const auto& item : like) {
     TORCH_CHECK(entries.contains(item.key()), "fsdp::load_checkpoint: missing key '", item.key(), "' in '", meta_path, "'");
