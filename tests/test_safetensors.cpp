@@ -2,6 +2,7 @@
 // back by our reader and by an independent Python reader (tests/read_safetensors.py), and the
 // reader's rejection of malformed files.
 #include "harness/multiprocess.h"
+#include "test_models.h"
 
 #include <fsdp/call.h>
 #include <fsdp/distributed.h>
@@ -23,32 +24,13 @@
 #include <fstream>
 #include <sstream>
 
+using fsdp::testing::make_sharded;
 using fsdp::testing::run_distributed;
+using fsdp::testing::WithBuffer;
 namespace fs = std::filesystem;
 
 namespace {
 
-// As in test_state_dict.cpp: a Transformer plus a buffer.
-struct WithBufferImpl : torch::nn::Module {
-  explicit WithBufferImpl(uint64_t seed) {
-    torch::manual_seed(seed);
-    fsdp::models::ModelArgs args;
-    args.dropout_p = 0.0;
-    net = register_module("net", fsdp::models::Transformer(args));
-    scale = register_buffer("scale", at::full({3}, static_cast<double>(seed)));
-  }
-  at::Tensor forward(const at::Tensor& tokens) { return fsdp::call(net, tokens) * scale[0]; }
-  fsdp::models::Transformer net{nullptr};
-  at::Tensor scale;
-};
-TORCH_MODULE(WithBuffer);
-
-WithBuffer make_sharded(uint64_t seed) {
-  WithBuffer m(seed);
-  for (auto& block : m->net->blocks()) fsdp::fully_shard(block);
-  fsdp::fully_shard(m);
-  return m;
-}
 
 // A directory name every rank agrees on: the ranks are children of the test process.
 std::string test_dir(const std::string& name) {

@@ -1,6 +1,7 @@
 // Model state dicts across real processes: sharded views without communication, full state dicts,
 // loading back in place, bad input, and PyTorch's file format (read back by Python's torch.load).
 #include "harness/multiprocess.h"
+#include "test_models.h"
 
 #include <fsdp/call.h>
 #include <fsdp/distributed.h>
@@ -21,31 +22,12 @@
 #include <fstream>
 #include <sstream>
 
+using fsdp::testing::make_sharded;
 using fsdp::testing::run_distributed;
+using fsdp::testing::WithBuffer;
 
 namespace {
 
-// A Transformer plus a buffer, so that state dicts carry both kinds of entries.
-struct WithBufferImpl : torch::nn::Module {
-  explicit WithBufferImpl(uint64_t seed) {
-    torch::manual_seed(seed);
-    fsdp::models::ModelArgs args;
-    args.dropout_p = 0.0;
-    net = register_module("net", fsdp::models::Transformer(args));
-    scale = register_buffer("scale", at::full({3}, static_cast<double>(seed)));
-  }
-  at::Tensor forward(const at::Tensor& tokens) { return fsdp::call(net, tokens) * scale[0]; }
-  fsdp::models::Transformer net{nullptr};
-  at::Tensor scale;
-};
-TORCH_MODULE(WithBuffer);
-
-WithBuffer make_sharded(uint64_t seed) {
-  WithBuffer m(seed);
-  for (auto& block : m->net->blocks()) fsdp::fully_shard(block);
-  fsdp::fully_shard(m);
-  return m;
-}
 
 std::string temp_path(const std::string& name) {
   const char* dir = std::getenv("TMPDIR");
