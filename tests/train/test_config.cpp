@@ -1,0 +1,220 @@
+// test_config.cpp — fsdp-train's configuration: shipped configs, overrides, errors, support
+// checks and the launcher agreement (single process, no torch).
+#include "config.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+using namespace fsdp::train;
+
+namespace {
+
+const std::string kConfigs = FSDP_TRAIN_CONFIGS_DIR;
+
+// Writes text to a scratch file named after the running test; returns its path.
+std::string write_yaml(const std::string& text) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string path = std::string(FSDP_TRAIN_SCRATCH_DIR) + "/" + info->name() + ".yaml";
+  std::ofstream(path) << text;
+  return path;
+}
+
+// fn must throw ConfigError whose message contains every one of parts.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    return;
+  }
+  ADD_FAILURE() << "no ConfigError; expected one mentioning " << parts.at(0);
+}
+
+// A file with one section holding one key: the error must name the key and the file.
+void expect_file_error(const std::string& section, const std::string& line, const std::string& key) {
+  SCOPED_TRACE(section + ": " + line);
+  const std::string path = write_yaml(section + ":\n  " + line + "\n");
+  expect_error([&] { load_config(path, {}); }, {key, path});
+}
+
+void expect_cli_error(const std::string& arg, const std::string& key) {
+  SCOPED_TRACE(arg);
+  expect_error([&] { load_config("", {arg}); }, {key, "command line"});
+}
+
+}  // namespace
+
+TEST(TrainConfig, ShippedConfigsLoadAndAreSupported) {
+  for (const char* name : {"tiny", "small", "medium", "seed002"}) {
+    SCOPED_TRACE(name);
+    TrainConfig c = load_config(kConfigs + "/" + name + ".yaml", {});
+    EXPECT_NO_THROW(check_supported(c));
+    EXPECT_TRUE(reshard_after_forward(c));
+  }
+  TrainConfig small = load_config(kConfigs + "/small.yaml", {});
+  EXPECT_EQ(small.model.preset, "small");
+  EXPECT_EQ(small.training.seq_len, 256);
+  EXPECT_EQ(*small.model.dropout_p, 0.0);
+  EXPECT_FALSE(small.model.n_layers.has_value());  // no override: the preset's
+}
+
+TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
+  TrainConfig c = load_config(kConfigs + "/seed002.yaml", {});
+  EXPECT_EQ(c.fsdp_config.world_size, 8);
+  EXPECT_EQ(c.fsdp_config.local_rank, 0);
+  EXPECT_TRUE(c.fsdp_config.shard_optimizer_state);
+  EXPECT_TRUE(c.fsdp_config.use_reentrant);
+  EXPECT_EQ(c.fsdp_config.checkpoint_interval, 1000);
+  EXPECT_EQ(c.fsdp_config.checkpoint_dir, "./checkpoints");
+  EXPECT_NO_THROW(check_against_launcher(c, 8, 5));  // local_rank 0 = every rank's
+  expect_error([&] { check_against_launcher(c, 2, 0); }, {"world_size", "8", "2"});
+}
+
+TEST(TrainConfig, DefaultsWithoutFile) {
+  TrainConfig c = load_config("", {});
+  EXPECT_EQ(c.fsdp_config.sharding_strategy, ShardingStrategy::FULL_SHARD);
+  EXPECT_EQ(c.training.steps, 100);
+  EXPECT_EQ(c.data.source, "synthetic");
+  EXPECT_NO_THROW(check_supported(c));
+}
+
+TEST(TrainConfig, OverridesApplyAfterYaml) {
+  TrainConfig c = load_config(kConfigs + "/tiny.yaml",
+                              {"--training.steps=7", "--fsdp_config.sharding_strategy=SHARD_GRAD_OP",
+                               "--optimizer.betas=[0.8, 0.95]", "--optimizer.lr=3e-4",
+                               "--model.n_layers=3", "--logging.trace=true", "--logging.jsonl=m.jsonl",
+                               "--training.resume=never", "--training.steps=9"});
+  EXPECT_EQ(c.training.steps, 9);  // the last override of a key wins
+  EXPECT_EQ(c.fsdp_config.sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
+  EXPECT_FALSE(reshard_after_forward(c));
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 3e-4);
+  EXPECT_EQ(c.model.n_layers, 3);
+  EXPECT_TRUE(c.logging.trace);
+  EXPECT_EQ(c.logging.jsonl, "m.jsonl");
+  EXPECT_EQ(c.training.resume, "never");
+  EXPECT_EQ(c.model.preset, "tiny");  // untouched keys keep the file's value
+  // An empty value empties a string key.
+  EXPECT_EQ(load_config("", {"--logging.jsonl=x", "--logging.jsonl="}).logging.jsonl, "");
+}
+
+TEST(TrainConfig, BetasAsSeparateKeys) {
+  const std::string path = write_yaml("optimizer:\n  beta1: 0.5\n  beta2: 0.6\n");
+  TrainConfig c = load_config(path, {"--optimizer.beta2=0.7"});
+  EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.5);
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.7);
+}
+
+TEST(TrainConfig, FileErrorsNameKeyAndFile) {
+  expect_file_error("training", "stepz: 10", "training.stepz");
+  expect_file_error("training", "steps: abc", "training.steps");
+  expect_file_error("training", "steps: 1.5", "training.steps");
+  expect_file_error("training", "steps: 0", "training.steps");
+  expect_file_error("training", "steps: -3", "training.steps");
+  expect_file_error("training", "micro_batch_size: 0", "training.micro_batch_size");
+  expect_file_error("training", "gradient_accumulation_steps: 0", "training.gradient_accumulation_steps");
+  expect_file_error("training", "max_grad_norm: -1", "training.max_grad_norm");
+  expect_file_error("optimizer", "lr: 0", "optimizer.lr");
+  expect_file_error("optimizer", "lr: -1e-3", "optimizer.lr");
+  expect_file_error("optimizer", "lr: [1]", "optimizer.lr");
+  expect_file_error("optimizer", "betas: [0.9, 1.0]", "optimizer.betas");
+  expect_file_error("optimizer", "betas: [0.9]", "optimizer.betas");
+  expect_file_error("optimizer", "beta1: -0.1", "optimizer.beta1");
+  expect_file_error("optimizer", "eps: 0", "optimizer.eps");
+  expect_file_error("optimizer", "weight_decay: -0.1", "optimizer.weight_decay");
+  expect_file_error("model", "dropout_p: 1.0", "model.dropout_p");
+  expect_file_error("model", "preset: huge", "model.preset");
+  expect_file_error("model", "n_heads: 0", "model.n_heads");
+  expect_file_error("fsdp_config", "world_size: 0", "fsdp_config.world_size");
+  expect_file_error("fsdp_config", "local_rank: -2", "fsdp_config.local_rank");
+  expect_file_error("fsdp_config", "checkpoint_interval: -1", "fsdp_config.checkpoint_interval");
+  expect_file_error("fsdp_config", "sharding_strategy: PARTIAL", "fsdp_config.sharding_strategy");
+  expect_file_error("fsdp_config", "fp16: maybe", "fsdp_config.fp16");
+  expect_file_error("fsdp_config", "device: tpu", "fsdp_config.device");
+  expect_file_error("fsdp_config", "model_parallel_size: 0", "fsdp_config.model_parallel_size");
+  expect_file_error("schedule", "warmup_steps: -1", "schedule.warmup_steps");
+  expect_file_error("data", "source: web", "data.source");
+  expect_file_error("data", "source: tokens", "data.path");  // tokens without a path
+  expect_file_error("logging", "progress: sometimes", "logging.progress");
+  expect_file_error("logging", "log_interval: 0", "logging.log_interval");
+  expect_file_error("trainig", "steps: 1", "trainig");  // unknown section
+}
+
+TEST(TrainConfig, ErrorsGiveLineAndSuggestion) {
+  const std::string path = write_yaml("training:\n  steps: 5\n  seq_lne: 8\n");
+  expect_error([&] { load_config(path, {}); },
+               {path + ":3", "unknown key 'training.seq_lne'", "did you mean 'seq_len'"});
+  const std::string sec = write_yaml("optimiser:\n  lr: 1\n");
+  expect_error([&] { load_config(sec, {}); }, {"unknown section 'optimiser'", "did you mean 'optimizer'"});
+}
+
+TEST(TrainConfig, MalformedFiles) {
+  expect_error([] { load_config("/nonexistent/x.yaml", {}); }, {"/nonexistent/x.yaml", "cannot open"});
+  const std::string bad = write_yaml("training: [steps: 1\n");
+  expect_error([&] { load_config(bad, {}); }, {bad, "invalid YAML"});
+  const std::string list = write_yaml("- training\n");
+  expect_error([&] { load_config(list, {}); }, {list, "mapping"});
+  const std::string scalar_section = write_yaml("training: 5\n");
+  expect_error([&] { load_config(scalar_section, {}); }, {scalar_section, "training", "mapping"});
+}
+
+TEST(TrainConfig, CommandLineErrorsNameKey) {
+  expect_cli_error("--training.steps=abc", "training.steps");
+  expect_cli_error("--training.steps=0", "training.steps");
+  expect_cli_error("--training.stepz=3", "training.stepz");
+  expect_cli_error("--trainer.steps=3", "trainer");
+  expect_cli_error("--fsdp_config.sharding_strategy=PARTIAL", "fsdp_config.sharding_strategy");
+  expect_cli_error("--optimizer.betas=[0.9,1.5]", "optimizer.betas");
+  expect_cli_error("--optimizer.betas=[0.9", "optimizer.betas");  // malformed YAML value
+  expect_cli_error("--data.source=tokens", "data.path");
+  expect_cli_error("--training.steps", "--training.steps");  // no '='
+  expect_cli_error("training.steps=3", "training.steps=3");  // no '--'
+  expect_cli_error("--steps=3", "--steps=3");                // no section
+}
+
+TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--fsdp_config.mixed_precision=true", "fsdp_config.mixed_precision"},
+      {"--fsdp_config.fp16=true", "fsdp_config.fp16"},
+      {"--fsdp_config.activation_checkpointing=true", "fsdp_config.activation_checkpointing"},
+      {"--fsdp_config.offload_params=true", "fsdp_config.offload_params"},
+      {"--fsdp_config.offload_optimizer_state=true", "fsdp_config.offload_optimizer_state"},
+      {"--fsdp_config.shard_optimizer_state=false", "fsdp_config.shard_optimizer_state"},
+      {"--fsdp_config.sharding_strategy=NO_SHARD", "fsdp_config.sharding_strategy: NO_SHARD"},
+      {"--fsdp_config.sharding_strategy=HYBRID_SHARD", "fsdp_config.sharding_strategy: HYBRID_SHARD"},
+      {"--fsdp_config.model_parallel_size=2", "fsdp_config.model_parallel_size"},
+      {"--fsdp_config.device=cuda", "fsdp_config.device"},
+  };
+  for (const auto& [arg, key] : cases) {
+    SCOPED_TRACE(arg);
+    TrainConfig c = load_config(kConfigs + "/tiny.yaml", {arg});  // loads: the value is valid
+    expect_error([&] { check_supported(c); }, {key, "not supported yet"});
+  }
+  // use_reentrant alone is accepted: it only means something with activation checkpointing.
+  EXPECT_NO_THROW(check_supported(load_config("", {"--fsdp_config.use_reentrant=true"})));
+  expect_error([] { reshard_after_forward(load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD"})); },
+               {"NO_SHARD", "not supported yet"});
+}
+
+TEST(TrainConfig, CheckAgainstLauncher) {
+  TrainConfig c;  // -1 / -1: take the launcher's
+  EXPECT_NO_THROW(check_against_launcher(c, 4, 3));
+  c.fsdp_config.world_size = 0;
+  c.fsdp_config.local_rank = 0;
+  EXPECT_NO_THROW(check_against_launcher(c, 4, 3));
+  c.fsdp_config.world_size = 2;
+  EXPECT_NO_THROW(check_against_launcher(c, 2, 1));
+  expect_error([&] { check_against_launcher(c, 4, 1); }, {"world_size", "2", "4"});
+  c.fsdp_config.local_rank = 1;
+  EXPECT_NO_THROW(check_against_launcher(c, 2, 1));
+  expect_error([&] { check_against_launcher(c, 2, 0); }, {"local_rank", "1", "LOCAL_RANK 0"});
+  // From a file and the command line alike.
+  TrainConfig f = load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.world_size=2"});
+  expect_error([&] { check_against_launcher(f, 1, 0); }, {"fsdp_config.world_size is 2", "1"});
+}

@@ -1,0 +1,387 @@
+// config.cpp — YAML + command-line loading and validation of a TrainConfig.
+//
+// Every key is one entry of a table (section, key, setter). The YAML file and the command line
+// go through the same table, so a key that can be written in the file can be overridden, and
+// both get the same type and range checks. Setters throw Invalid with a bare message; the
+// caller prefixes where the value came from and the key's full name.
+#include "config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <sstream>
+
+namespace fsdp {
+namespace train {
+
+const char* to_string(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::FULL_SHARD: return "FULL_SHARD";
+    case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
+    case ShardingStrategy::NO_SHARD: return "NO_SHARD";
+    case ShardingStrategy::HYBRID_SHARD: return "HYBRID_SHARD";
+  }
+  return "?";
+}
+
+namespace {
+
+struct Invalid {
+  std::string msg;
+};
+
+void require(bool ok, const std::string& msg) {
+  if (!ok) throw Invalid{msg};
+}
+
+std::string shown(const YAML::Node& n) {
+  if (n.IsScalar()) return "'" + n.Scalar() + "'";
+  if (n.IsSequence()) return "a list";
+  if (n.IsMap()) return "a mapping";
+  return "nothing";
+}
+
+// yaml-cpp's as<T> only succeeds when the whole scalar converts, so "abc" or "1.5" is no
+// integer and "yes"/"no"/"true"/"false" are the booleans.
+template <class T>
+T scalar(const YAML::Node& n, const char* what) {
+  try {
+    if (n.IsScalar()) return n.as<T>();
+  } catch (const YAML::Exception&) {
+  }
+  throw Invalid{std::string("expected ") + what + ", got " + shown(n)};
+}
+
+int64_t to_int(const YAML::Node& n) { return scalar<int64_t>(n, "an integer"); }
+bool to_bool(const YAML::Node& n) { return scalar<bool>(n, "true or false"); }
+double to_double(const YAML::Node& n) {
+  double v = scalar<double>(n, "a number");
+  require(std::isfinite(v), "expected a finite number, got " + shown(n));
+  return v;
+}
+// A null value (`key:` or `--key=`) is the empty string, e.g. to switch off logging.jsonl.
+std::string to_string_value(const YAML::Node& n) {
+  if (n.IsNull()) return "";
+  return scalar<std::string>(n, "a string");
+}
+std::string one_of(const YAML::Node& n, const std::vector<std::string>& choices) {
+  std::string v = to_string_value(n);
+  if (std::find(choices.begin(), choices.end(), v) != choices.end()) return v;
+  std::string list;
+  for (const auto& c : choices) list += (list.empty() ? "" : " | ") + c;
+  throw Invalid{"expected one of " + list + ", got " + shown(n)};
+}
+
+int to_int32(const YAML::Node& n) {
+  int64_t v = to_int(n);
+  require(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(),
+          "value out of range");
+  return static_cast<int>(v);
+}
+double to_beta(const YAML::Node& n) {
+  double v = to_double(n);
+  require(v >= 0.0 && v < 1.0, "must be in [0, 1), got " + n.Scalar());
+  return v;
+}
+
+using Setter = std::function<void(const YAML::Node&)>;
+struct Field {
+  std::string section, key;
+  Setter set;
+};
+
+// Setter factories for the common shapes: an integer / number at least (or above) a bound.
+Setter int_at_least(int64_t& dst, int64_t lo) {
+  return [&dst, lo](const YAML::Node& n) {
+    int64_t v = to_int(n);
+    require(v >= lo, "must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
+    dst = v;
+  };
+}
+Setter opt_positive_int(std::optional<int64_t>& dst) {
+  return [&dst](const YAML::Node& n) {
+    int64_t v = to_int(n);
+    require(v > 0, "must be > 0, got " + std::to_string(v));
+    dst = v;
+  };
+}
+Setter number(double& dst, double lo, bool lo_inclusive) {
+  return [&dst, lo, lo_inclusive](const YAML::Node& n) {
+    double v = to_double(n);
+    std::ostringstream rule;
+    rule << "must be " << (lo_inclusive ? ">= " : "> ") << lo << ", got " << v;
+    require(lo_inclusive ? v >= lo : v > lo, rule.str());
+    dst = v;
+  };
+}
+Setter boolean(bool& dst) {
+  return [&dst](const YAML::Node& n) { dst = to_bool(n); };
+}
+Setter string(std::string& dst) {
+  return [&dst](const YAML::Node& n) { dst = to_string_value(n); };
+}
+Setter choice(std::string& dst, std::vector<std::string> choices) {
+  return [&dst, choices](const YAML::Node& n) { dst = one_of(n, choices); };
+}
+
+std::vector<Field> fields_of(TrainConfig& c) {
+  auto& f = c.fsdp_config;
+  auto& m = c.model;
+  auto& o = c.optimizer;
+  auto& t = c.training;
+  return {
+      {"fsdp_config", "world_size",
+       [&f](const YAML::Node& n) {
+         int v = to_int32(n);
+         require(v == -1 || v >= 1, "must be >= 1 (or -1 for the launcher's), got " + std::to_string(v));
+         f.world_size = v;
+       }},
+      {"fsdp_config", "local_rank",
+       [&f](const YAML::Node& n) {
+         int v = to_int32(n);
+         require(v >= -1, "must be >= 0 (or -1 for the launcher's), got " + std::to_string(v));
+         f.local_rank = v;
+       }},
+      {"fsdp_config", "shard_optimizer_state", boolean(f.shard_optimizer_state)},
+      {"fsdp_config", "mixed_precision", boolean(f.mixed_precision)},
+      {"fsdp_config", "fp16", boolean(f.fp16)},
+      {"fsdp_config", "activation_checkpointing", boolean(f.activation_checkpointing)},
+      {"fsdp_config", "device", choice(f.device, {"cpu", "cuda"})},
+      {"fsdp_config", "offload_params", boolean(f.offload_params)},
+      {"fsdp_config", "offload_optimizer_state", boolean(f.offload_optimizer_state)},
+      {"fsdp_config", "use_reentrant", boolean(f.use_reentrant)},
+      {"fsdp_config", "model_parallel_size",
+       [&f](const YAML::Node& n) {
+         int v = to_int32(n);
+         require(v >= 1, "must be >= 1, got " + std::to_string(v));
+         f.model_parallel_size = v;
+       }},
+      {"fsdp_config", "checkpoint_interval", int_at_least(f.checkpoint_interval, 0)},
+      {"fsdp_config", "checkpoint_dir", string(f.checkpoint_dir)},
+      {"fsdp_config", "sharding_strategy",
+       [&f](const YAML::Node& n) {
+         std::string v = one_of(n, {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"});
+         for (auto s : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP,
+                        ShardingStrategy::NO_SHARD, ShardingStrategy::HYBRID_SHARD})
+           if (v == to_string(s)) f.sharding_strategy = s;
+       }},
+
+      {"model", "preset", choice(m.preset, {"tiny", "small", "medium"})},
+      {"model", "n_layers", opt_positive_int(m.n_layers)},
+      {"model", "vocab_size", opt_positive_int(m.vocab_size)},
+      {"model", "max_seq_len", opt_positive_int(m.max_seq_len)},
+      {"model", "dim", opt_positive_int(m.dim)},
+      {"model", "n_heads", opt_positive_int(m.n_heads)},
+      {"model", "dropout_p", [&m](const YAML::Node& n) { m.dropout_p = to_beta(n); }},
+
+      {"data", "source", choice(c.data.source, {"synthetic", "tokens"})},
+      {"data", "path", string(c.data.path)},
+      {"data", "data_seed", [&c](const YAML::Node& n) { c.data.data_seed = to_int(n); }},
+
+      {"optimizer", "lr", number(o.lr, 0.0, false)},
+      {"optimizer", "beta1", [&o](const YAML::Node& n) { o.beta1 = to_beta(n); }},
+      {"optimizer", "beta2", [&o](const YAML::Node& n) { o.beta2 = to_beta(n); }},
+      {"optimizer", "betas",
+       [&o](const YAML::Node& n) {
+         require(n.IsSequence() && n.size() == 2, "expected a list [beta1, beta2], got " + shown(n));
+         o.beta1 = to_beta(n[0]);
+         o.beta2 = to_beta(n[1]);
+       }},
+      {"optimizer", "weight_decay", number(o.weight_decay, 0.0, true)},
+      {"optimizer", "eps", number(o.eps, 0.0, false)},
+
+      {"schedule", "warmup_steps", int_at_least(c.schedule.warmup_steps, 0)},
+      {"schedule", "min_lr", number(c.schedule.min_lr, 0.0, true)},
+      {"schedule", "decay_steps", int_at_least(c.schedule.decay_steps, 0)},
+
+      {"training", "steps", int_at_least(t.steps, 1)},
+      {"training", "micro_batch_size", int_at_least(t.micro_batch_size, 1)},
+      {"training", "gradient_accumulation_steps", int_at_least(t.gradient_accumulation_steps, 1)},
+      {"training", "seq_len", int_at_least(t.seq_len, 0)},
+      {"training", "max_grad_norm", number(t.max_grad_norm, 0.0, true)},
+      {"training", "seed", [&t](const YAML::Node& n) { t.seed = to_int(n); }},
+      {"training", "resume",
+       [&t](const YAML::Node& n) {
+         std::string v = to_string_value(n);
+         require(!v.empty(), "expected auto, never or a checkpoint path, got nothing");
+         t.resume = v;
+       }},
+
+      {"logging", "log_interval", int_at_least(c.logging.log_interval, 1)},
+      {"logging", "jsonl", string(c.logging.jsonl)},
+      {"logging", "trace", boolean(c.logging.trace)},
+      {"logging", "progress", choice(c.logging.progress, {"auto", "on", "off"})},
+  };
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// " (did you mean 'x'?)" when some candidate is a plausible typo of name, else "".
+std::string suggest(const std::string& name, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_d = std::max<size_t>(2, name.size() / 3) + 1;
+  for (const auto& c : candidates) {
+    size_t d = edit_distance(name, c);
+    if (d < best_d) best_d = d, best = c;
+  }
+  return best.empty() ? "" : " (did you mean '" + best + "'?)";
+}
+
+// Loads and validates; `where` says where a value came from, for error messages.
+class Loader {
+ public:
+  explicit Loader(TrainConfig& cfg) : fields_(fields_of(cfg)) {}
+
+  // The keys of a section; throws when there is no such section.
+  std::vector<std::string> keys_of(const std::string& section, const std::string& where) const {
+    std::vector<std::string> sections, keys;
+    for (const auto& f : fields_) {
+      if (std::find(sections.begin(), sections.end(), f.section) == sections.end())
+        sections.push_back(f.section);
+      if (f.section == section) keys.push_back(f.key);
+    }
+    if (keys.empty())
+      throw ConfigError(where + ": unknown section '" + section + "'" + suggest(section, sections));
+    return keys;
+  }
+
+  void set(const std::string& section, const std::string& key, const YAML::Node& value,
+           const std::string& where) {
+    const auto keys = keys_of(section, where);
+    for (const auto& f : fields_) {
+      if (f.section != section || f.key != key) continue;
+      try {
+        f.set(value);
+      } catch (const Invalid& e) {
+        throw ConfigError(where + ": " + section + "." + key + ": " + e.msg);
+      }
+      return;
+    }
+    throw ConfigError(where + ": unknown key '" + section + "." + key + "'" + suggest(key, keys));
+  }
+
+ private:
+  std::vector<Field> fields_;
+};
+
+std::string at(const std::string& file, const YAML::Node& n) {
+  return file + ":" + std::to_string(n.Mark().line + 1);
+}
+
+void load_file(Loader& loader, const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    throw ConfigError(path + ": cannot open config file");
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(path + ":" + std::to_string(e.mark.line + 1) + ": invalid YAML: " + e.msg);
+  }
+  if (root.IsNull()) return;  // an empty file: all defaults
+  if (!root.IsMap()) throw ConfigError(path + ": expected a mapping of sections at the top level");
+  for (const auto& sec : root) {
+    const std::string section = sec.first.as<std::string>();
+    loader.keys_of(section, at(path, sec.first));  // an unknown section, whatever its shape
+    if (sec.second.IsNull()) continue;            // `section:` with nothing under it
+    if (!sec.second.IsMap()) {
+      throw ConfigError(at(path, sec.first) + ": " + section + ": expected a mapping of keys");
+    }
+    for (const auto& kv : sec.second)
+      loader.set(section, kv.first.as<std::string>(), kv.second, at(path, kv.first));
+  }
+}
+
+void apply_override(Loader& loader, const std::string& arg) {
+  const std::string where = "command line (" + arg + ")";
+  const auto eq = arg.find('=');
+  const auto dot = arg.find('.');
+  if (arg.rfind("--", 0) != 0 || eq == std::string::npos || dot == std::string::npos || dot > eq)
+    throw ConfigError(where + ": expected --section.key=value");
+  const std::string section = arg.substr(2, dot - 2), key = arg.substr(dot + 1, eq - dot - 1);
+  YAML::Node value;
+  try {
+    value = YAML::Load(arg.substr(eq + 1));
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(where + ": " + section + "." + key + ": invalid value: " + e.msg);
+  }
+  loader.set(section, key, value, where);
+}
+
+}  // namespace
+
+TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
+  TrainConfig cfg;
+  Loader loader(cfg);
+  if (!yaml_path.empty()) load_file(loader, yaml_path);
+  for (const auto& o : overrides) apply_override(loader, o);
+  // The one rule across keys that needs no model knowledge.
+  if (cfg.data.source == "tokens" && cfg.data.path.empty())
+    throw ConfigError((yaml_path.empty() ? std::string("command line") : yaml_path) +
+                      ": data.path: required when data.source is tokens");
+  return cfg;
+}
+
+void check_supported(const TrainConfig& cfg) {
+  const auto& f = cfg.fsdp_config;
+  std::vector<std::string> bad;
+  auto no = [&](bool unsupported, const std::string& what) {
+    if (unsupported) bad.push_back(what + " is not supported yet");
+  };
+  no(!f.shard_optimizer_state, "fsdp_config.shard_optimizer_state: false (FSDP2 always shards it)");
+  no(f.mixed_precision, "fsdp_config.mixed_precision: true");
+  no(f.fp16, "fsdp_config.fp16: true");
+  no(f.activation_checkpointing, "fsdp_config.activation_checkpointing: true");
+  no(f.offload_params, "fsdp_config.offload_params: true");
+  no(f.offload_optimizer_state, "fsdp_config.offload_optimizer_state: true");
+  no(f.model_parallel_size > 1,
+     "fsdp_config.model_parallel_size: " + std::to_string(f.model_parallel_size) + " (> 1)");
+  no(f.device != "cpu", "fsdp_config.device: " + f.device + " (this is a CPU build)");
+  no(f.sharding_strategy == ShardingStrategy::NO_SHARD ||
+         f.sharding_strategy == ShardingStrategy::HYBRID_SHARD,
+     std::string("fsdp_config.sharding_strategy: ") + to_string(f.sharding_strategy));
+  if (bad.empty()) return;
+  std::string msg = "unsupported configuration:";
+  for (const auto& b : bad) msg += "\n  " + b;
+  throw ConfigError(msg);
+}
+
+void check_against_launcher(const TrainConfig& cfg, int env_world_size, int env_local_rank) {
+  const auto& f = cfg.fsdp_config;
+  if (f.world_size > 0 && f.world_size != env_world_size)
+    throw ConfigError("fsdp_config.world_size is " + std::to_string(f.world_size) +
+                      " but the launcher started " + std::to_string(env_world_size) +
+                      " processes (WORLD_SIZE)");
+  if (f.local_rank > 0 && f.local_rank != env_local_rank)
+    throw ConfigError("fsdp_config.local_rank is " + std::to_string(f.local_rank) +
+                      " but the launcher gave this process LOCAL_RANK " +
+                      std::to_string(env_local_rank));
+}
+
+bool reshard_after_forward(const TrainConfig& cfg) {
+  switch (cfg.fsdp_config.sharding_strategy) {
+    case ShardingStrategy::FULL_SHARD: return true;
+    case ShardingStrategy::SHARD_GRAD_OP: return false;
+    default:
+      throw ConfigError(std::string("fsdp_config.sharding_strategy: ") +
+                        to_string(cfg.fsdp_config.sharding_strategy) + " is not supported yet");
+  }
+}
+
+}  // namespace train
+}  // namespace fsdp

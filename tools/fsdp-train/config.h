@@ -1,0 +1,135 @@
+// config.h — the configuration of an fsdp-train run (issue 5, point 1).
+//
+// A run is described by a YAML file with the sections below (the fsdp_config block follows
+// seed 002), then adjusted by command-line overrides `--section.key=value`. These are plain
+// structs without torch types so that the loader can be tested and reused on its own; turning
+// them into ModelArgs, an optimizer, etc. is the trainer's job.
+//
+// Every default is written next to its field; configs/*.yaml show complete files.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace train {
+
+// Every problem with a configuration: the message names the key (section.key) and where the
+// value came from (file:line, or "command line").
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class ShardingStrategy {
+  FULL_SHARD,     // params, grads and optimizer state sharded; reshard after forward (ZeRO-3)
+  SHARD_GRAD_OP,  // as FULL_SHARD but params stay gathered between forward and backward (ZeRO-2)
+  NO_SHARD,       // replicate everything (DDP-like) — not supported yet
+  HYBRID_SHARD,   // shard within a node, replicate across nodes — not supported yet
+};
+const char* to_string(ShardingStrategy s);
+
+struct FsdpConfig {
+  // -1 = take the launcher's (WORLD_SIZE). Otherwise >= 1 and must match the launcher.
+  int world_size = -1;
+  // -1 or 0 = take the launcher's (LOCAL_RANK): one file is read by every rank, so only a
+  // positive value can be meant for one particular rank; a positive value must match.
+  int local_rank = -1;
+  // FSDP2 always keeps optimizer state on the local shards; false is not supported.
+  bool shard_optimizer_state = true;
+  bool mixed_precision = false;           // not supported yet when true
+  bool fp16 = false;                      // not supported yet when true
+  bool activation_checkpointing = false;  // not supported yet when true
+  std::string device = "cpu";             // cpu | cuda (cuda not supported by this CPU build)
+  bool offload_params = false;            // not supported yet when true
+  bool offload_optimizer_state = false;   // not supported yet when true
+  // Only meaningful with activation_checkpointing (as in PyTorch), so either value is accepted.
+  bool use_reentrant = false;
+  int model_parallel_size = 1;  // >= 1; > 1 (tensor parallel) not supported yet
+  int64_t checkpoint_interval = 0;  // save every N steps; 0 = only the final export
+  std::string checkpoint_dir = "./checkpoints";
+  ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+};
+
+// The model: a preset (tiny | small | medium, as fsdp::models::ModelArgs::preset) and optional
+// overrides of each ModelArgs field; an unset override keeps the preset's value.
+struct ModelConfig {
+  std::string preset = "tiny";
+  std::optional<int64_t> n_layers;     // > 0
+  std::optional<int64_t> vocab_size;   // > 0
+  std::optional<int64_t> max_seq_len;  // > 0
+  std::optional<int64_t> dim;          // > 0
+  std::optional<int64_t> n_heads;      // > 0
+  std::optional<double> dropout_p;     // [0, 1)
+};
+
+struct DataConfig {
+  std::string source = "synthetic";  // synthetic | tokens (a token file; then path is required)
+  std::string path;                  // the token file for source: tokens
+  int64_t data_seed = 1234;          // synthetic step s draws from seed data_seed + s (peer default)
+};
+
+// AdamW.
+struct OptimizerConfig {
+  double lr = 1e-3;            // > 0 (peer default)
+  double beta1 = 0.9;          // [0, 1); also settable as betas: [b1, b2]
+  double beta2 = 0.999;        // [0, 1)
+  double weight_decay = 0.01;  // >= 0 (torch.optim.AdamW default)
+  double eps = 1e-8;           // > 0
+};
+
+// Linear warm-up from 0 to optimizer.lr over warmup_steps, then cosine decay to min_lr over
+// decay_steps (0 = the remaining training steps), then min_lr.
+struct ScheduleConfig {
+  int64_t warmup_steps = 0;  // >= 0
+  double min_lr = 0.0;       // >= 0
+  int64_t decay_steps = 0;   // >= 0
+};
+
+struct TrainingConfig {
+  int64_t steps = 100;                      // > 0, optimizer steps
+  int64_t micro_batch_size = 4;             // > 0, rows per rank per micro-batch
+  int64_t gradient_accumulation_steps = 1;  // > 0, micro-batches per optimizer step
+  int64_t seq_len = 0;                      // 0 = the model's max_seq_len (peer default), else > 0
+  double max_grad_norm = 1.0;               // clip_grad_norm_ threshold; 0 = no clipping
+  int64_t seed = 0;                         // model initialisation (same on every rank)
+  std::string resume = "auto";              // auto (latest complete checkpoint) | never | <path>
+};
+
+struct LoggingConfig {
+  int64_t log_interval = 1;    // > 0, rank 0 prints every N steps
+  std::string jsonl;           // per-rank JSONL metrics path; empty = none
+  bool trace = false;          // write a Chrome/Perfetto trace per rank
+  std::string progress = "auto";  // auto (when stdout is a terminal) | on | off
+};
+
+struct TrainConfig {
+  FsdpConfig fsdp_config;
+  ModelConfig model;
+  DataConfig data;
+  OptimizerConfig optimizer;
+  ScheduleConfig schedule;
+  TrainingConfig training;
+  LoggingConfig logging;
+};
+
+// Reads yaml_path (empty = defaults only), then applies overrides in order, each
+// "--section.key=value" with value in YAML syntax (so lists work: --optimizer.betas=[0.9,0.95]).
+// Throws ConfigError on a missing or malformed file, unknown sections or keys, wrong types and
+// out-of-range values.
+TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides = {});
+
+// Throws ConfigError naming every key set to a capability that does not exist yet.
+void check_supported(const TrainConfig& cfg);
+
+// Throws ConfigError when fsdp_config.world_size / local_rank are given and differ from the
+// launcher's environment, saying which and both values.
+void check_against_launcher(const TrainConfig& cfg, int env_world_size, int env_local_rank);
+
+// FULL_SHARD -> true, SHARD_GRAD_OP -> false; the other strategies throw (not supported yet).
+bool reshard_after_forward(const TrainConfig& cfg);
+
+}  // namespace train
+}  // namespace fsdp
