@@ -2,6 +2,8 @@
 // the byte ranges this rank's pieces need.
 #include <fsdp/checkpoint.h>
 
+#include "state_dict_pieces.h"
+
 #include <fsdp/distributed.h>
 
 #include <ATen/ATen.h>
@@ -63,13 +65,6 @@ void fsync_dir(const fs::path& dir) {
     ::fsync(fd);
     ::close(fd);
   }
-}
-
-bool all_replicate(const std::vector<Placement>& placements) {
-  for (const auto& p : placements) {
-    if (!p.is_replicate()) return false;
-  }
-  return true;
 }
 
 // Everyone's bytes, in rank order (rank 0 uses them; every rank takes part).
@@ -187,7 +182,7 @@ std::string pack_pieces(const ShardedStateDict& state_dict, int rank, json* chun
   for (const auto& item : state_dict) {
     const DTensor& d = item.value();
     const std::vector<int64_t> coord = d.device_mesh().coordinate();
-    const bool writer = !all_replicate(d.placements()) ||
+    const bool writer = !detail::all_replicate(d.placements()) ||
                         std::all_of(coord.begin(), coord.end(), [](int64_t c) { return c == 0; });
     at::Tensor local = d.to_local().contiguous();
     if (!writer || local.numel() == 0) continue;  // replicated values are written once

@@ -77,13 +77,6 @@ at::Tensor piece_of(const Target& t, const at::Tensor& full) {
   return detail::local_piece_of_full(full, t.sharded, t.mesh);
 }
 
-bool all_replicate(const std::vector<Placement>& placements) {
-  for (const auto& p : placements) {
-    if (!p.is_replicate()) return false;
-  }
-  return true;
-}
-
 void write_all(const std::vector<Target>& targets, const std::vector<at::Tensor>& pieces) {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < targets.size(); ++i) {
@@ -94,6 +87,13 @@ void write_all(const std::vector<Target>& targets, const std::vector<at::Tensor>
 }  // namespace
 
 namespace detail {
+
+bool all_replicate(const std::vector<Placement>& placements) {
+  for (const auto& p : placements) {
+    if (!p.is_replicate()) return false;
+  }
+  return true;
+}
 
 DeviceMesh model_mesh(torch::nn::Module& model) {
   for (const auto& p : model.parameters()) {
@@ -166,7 +166,7 @@ TensorStateDict full_state_dict(torch::nn::Module& model, const FullStateDictOpt
   TensorStateDict out;
   for (const auto& item : sharded_state_dict(model)) {
     const DTensor& d = item.value();
-    at::Tensor full = all_replicate(d.placements()) ? d.to_local().detach().clone() : d.full_tensor().detach();
+    at::Tensor full = detail::all_replicate(d.placements()) ? d.to_local().detach().clone() : d.full_tensor().detach();
     if (options.cpu_offload()) full = full.cpu();
     if (keep) out.insert(item.key(), std::move(full));
   }

@@ -15,6 +15,9 @@ at::Tensor local_piece(const DTensor& value, bool sharded, const DeviceMesh& mes
 // This rank's torch.chunk piece (dim 0) of a whole tensor, for a live tensor sharded over `mesh`.
 at::Tensor local_piece_of_full(const at::Tensor& full, bool sharded, const DeviceMesh& mesh);
 
+// True when every placement is Replicate() (the value is whole on every rank).
+bool all_replicate(const std::vector<Placement>& placements);
+
 // The mesh of the model's sharded parameters; throws if it has none.
 DeviceMesh model_mesh(torch::nn::Module& model);
 

@@ -4,6 +4,8 @@
 
 #include "comm/progress_board.h"
 
+#include <fsdp/placement.h>
+
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
@@ -47,9 +49,8 @@ std::vector<int64_t> prefix_offsets(const std::vector<int64_t>& counts) {
 
 // torch.chunk's split of n elements into `parts` pieces (the last ones may be short or empty).
 std::vector<int64_t> chunk_counts(int64_t n, int parts) {
-  const int64_t chunk = (n + parts - 1) / parts;
   std::vector<int64_t> counts(parts);
-  for (int i = 0; i < parts; ++i) counts[i] = std::max<int64_t>(0, std::min(chunk, n - i * chunk));
+  for (int i = 0; i < parts; ++i) counts[i] = chunk_bounds(n, parts, i).length;
   return counts;
 }
 
