@@ -5,6 +5,7 @@
 #include "comm/progress_board.h"
 
 #include <fsdp/placement.h>
+#include <fsdp/trace.h>
 
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
@@ -229,6 +230,7 @@ WorkHandle GlooProcessGroup::enqueue(Op op) {
 void GlooProcessGroup::run_loop() {
   // The algorithms reduce through ATen views of raw buffers: no autograd bookkeeping wanted.
   c10::InferenceMode no_autograd;
+  trace::set_thread_name("comm " + name());
   for (;;) {
     Task task;
     {
@@ -253,7 +255,12 @@ void GlooProcessGroup::run_loop() {
         broken_ = std::string(to_string(task.op.kind)) + " #" + std::to_string(seq) + " failed";
         error = std::current_exception();
       }
-      count_busy(task.op.kind, std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+      const auto end = Clock::now();
+      count_busy(task.op.kind, std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count());
+      if (trace::enabled()) {
+        trace::record("comm", std::string(to_string(task.op.kind)) + " #" + std::to_string(seq), start, end,
+                      "{\"group\": \"" + name() + "\", \"bytes\": " + std::to_string(task.op.input.defined() ? task.op.input.nbytes() : 0) + "}");
+      }
     }
     task.work->finish(error);
   }

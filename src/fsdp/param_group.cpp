@@ -1,6 +1,7 @@
 #include "fsdp/param_group.h"
 
 #include <fsdp/distributed.h>
+#include <fsdp/trace.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -10,6 +11,19 @@
 namespace fsdp {
 namespace detail {
 namespace {
+
+// Waits for `work`, as a "wait <kind> <module>" span in the trace when one is recorded: the
+// part of a collective that was not hidden behind compute.
+void wait_traced(const WorkHandle& work, const char* kind, const std::string& module_fqn) {
+  if (!trace::enabled() || work->is_completed()) {
+    work->wait();
+    return;
+  }
+  const auto begin = trace::Clock::now();
+  work->wait();
+  trace::record("wait", std::string("wait ") + kind + " " + (module_fqn.empty() ? "(root)" : module_fqn), begin,
+                trace::Clock::now());
+}
 
 char* bytes_of(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
@@ -25,7 +39,7 @@ void CommContext::finish_reductions(bool wait_all) {
   while (!reductions.empty()) {
     PendingReduction& r = reductions.front();
     if (!wait_all && !r.work->is_completed()) break;
-    r.work->wait();
+    wait_traced(r.work, "reduce_scatter", r.group->module_fqn());
     r.group->finish_reduction(r.output);
     reductions.pop_front();
   }
@@ -101,7 +115,7 @@ void FSDPParamGroup::unshard() {
 
 void FSDPParamGroup::wait_for_unshard() {
   if (!pending_.work) return;
-  pending_.work->wait();
+  wait_traced(pending_.work, "all_gather", module_fqn_);
   for (auto& p : params_) p->alloc_unsharded();
   std::vector<int64_t> pieces;
   if (pending_.from_post_forward_shard) {

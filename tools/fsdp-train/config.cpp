@@ -176,6 +176,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"model", "dim", opt_positive_int(m.dim)},
       {"model", "n_heads", opt_positive_int(m.n_heads)},
       {"model", "dropout_p", [&m](const YAML::Node& n) { m.dropout_p = to_beta(n); }},
+      {"model", "init_from", string(m.init_from)},
 
       {"data", "source", choice(c.data.source, {"synthetic", "tokens"})},
       {"data", "path", string(c.data.path)},
@@ -209,11 +210,26 @@ std::vector<Field> fields_of(TrainConfig& c) {
          require(!v.empty(), "expected auto, never or a checkpoint path, got nothing");
          t.resume = v;
        }},
+      {"training", "keep_checkpoints", int_at_least(t.keep_checkpoints, 0)},
+      {"training", "export",
+       [&t](const YAML::Node& n) {
+         std::string v = to_string_value(n);
+         require(!v.empty(), "expected auto, none or a path, got nothing");
+         t.export_path = v;
+       }},
 
       {"logging", "log_interval", int_at_least(c.logging.log_interval, 1)},
       {"logging", "jsonl", string(c.logging.jsonl)},
       {"logging", "trace", boolean(c.logging.trace)},
       {"logging", "progress", choice(c.logging.progress, {"auto", "on", "off"})},
+      {"logging", "trace_dir", string(c.logging.trace_dir)},
+      {"logging", "summary_json", string(c.logging.summary_json)},
+      {"logging", "summary_warmup", int_at_least(c.logging.summary_warmup, 0)},
+
+      {"sample", "length", int_at_least(c.sample.length, 0)},
+      {"sample", "prompt", string(c.sample.prompt)},
+      {"sample", "temperature", number(c.sample.temperature, 0.0, false)},
+      {"sample", "seed", [&c](const YAML::Node& n) { c.sample.seed = to_int(n); }},
   };
 }
 

@@ -63,6 +63,9 @@ struct ModelConfig {
   std::optional<int64_t> dim;          // > 0
   std::optional<int64_t> n_heads;      // > 0
   std::optional<double> dropout_p;     // [0, 1)
+  // A PyTorch state dict (torch.save of model.state_dict(), e.g. the peer's --save-init file)
+  // to start from instead of the seeded random initialisation; empty = none.
+  std::string init_from;
 };
 
 struct DataConfig {
@@ -96,6 +99,10 @@ struct TrainingConfig {
   double max_grad_norm = 1.0;               // clip_grad_norm_ threshold; 0 = no clipping
   int64_t seed = 0;                         // model initialisation (same on every rank)
   std::string resume = "auto";              // auto (latest complete checkpoint) | never | <path>
+  int64_t keep_checkpoints = 2;             // >= 0; newest checkpoints kept (0 = all)
+  // The trained model as one file: auto = <checkpoint_dir>/model.pt (PyTorch format), none, or a
+  // path (ending in .safetensors: a safetensors directory of that name; else PyTorch format).
+  std::string export_path = "auto";         // key: training.export
 };
 
 struct LoggingConfig {
@@ -103,6 +110,17 @@ struct LoggingConfig {
   std::string jsonl;           // per-rank JSONL metrics path; empty = none
   bool trace = false;          // write a Chrome/Perfetto trace per rank
   std::string progress = "auto";  // auto (when stdout is a terminal) | on | off
+  std::string trace_dir = "./trace";  // with trace: trace_rank<r>.json per rank
+  std::string summary_json;    // rank 0 writes the run's summary here (one JSON object); empty = none
+  int64_t summary_warmup = 2;  // >= 0; leading steps left out of the summary's medians
+};
+
+// After training, rank 0 generates a sample with the trained model (length 0 = none).
+struct SampleConfig {
+  int64_t length = 0;          // >= 0, tokens to generate
+  std::string prompt;          // text (byte-level data) to start from; empty = a newline
+  double temperature = 0.8;    // > 0; softmax temperature (tiny = nearly greedy)
+  int64_t seed = 0;            // sampling RNG
 };
 
 struct TrainConfig {
@@ -113,6 +131,7 @@ struct TrainConfig {
   ScheduleConfig schedule;
   TrainingConfig training;
   LoggingConfig logging;
+  SampleConfig sample;
 };
 
 // Reads yaml_path (empty = defaults only), then applies overrides in order, each

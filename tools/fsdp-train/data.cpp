@@ -1,0 +1,164 @@
+// data.cpp — synthetic and token-file data for fsdp-train, and the token file format.
+#include "data.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+
+namespace fsdp {
+namespace train {
+namespace {
+
+constexpr char kMagic[8] = {'F', 'S', 'D', 'P', 'T', 'O', 'K', '\0'};
+constexpr size_t kHeaderBytes = 32;
+
+template <class T>
+void put(std::string& out, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff));
+}
+
+template <class T>
+T get(const unsigned char* p) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return static_cast<T>(v);
+}
+
+at::Generator seeded(int64_t seed) { return at::detail::createCPUGenerator(static_cast<uint64_t>(seed)); }
+
+class SyntheticData : public DataSource {
+ public:
+  SyntheticData(int64_t vocab, int64_t seed) : vocab_(vocab), seed_(seed) {}
+  at::Tensor global_batch(int64_t step, int64_t rows, int64_t seq) const override {
+    return at::randint(0, vocab_, {rows, seq + 1}, seeded(seed_ + step), at::TensorOptions().dtype(at::kLong));
+  }
+  int64_t vocab_size() const override { return vocab_; }
+  std::string describe() const override {
+    return "synthetic tokens (vocab " + std::to_string(vocab_) + ", data_seed " + std::to_string(seed_) + ")";
+  }
+
+ private:
+  int64_t vocab_, seed_;
+};
+
+class TokenFileData : public DataSource {
+ public:
+  TokenFileData(std::string path, int64_t seed) : path_(std::move(path)), seed_(seed) {
+    auto [header, tokens] = read_token_file(path_);
+    header_ = header;
+    tokens_ = tokens;
+  }
+  at::Tensor global_batch(int64_t step, int64_t rows, int64_t seq) const override {
+    const int64_t n = tokens_.numel();
+    if (n < seq + 1) {
+      throw std::runtime_error(path_ + ": " + std::to_string(n) + " tokens, fewer than one row of seq_len + 1 = " +
+                               std::to_string(seq + 1) + "; use a longer text or a smaller training.seq_len");
+    }
+    const auto i64 = at::TensorOptions().dtype(at::kLong);
+    at::Tensor starts = at::randint(0, n - seq, {rows, 1}, seeded(seed_ + step), i64);
+    return tokens_.index_select(0, (starts + at::arange(seq + 1, i64)).reshape({-1})).reshape({rows, seq + 1});
+  }
+  int64_t vocab_size() const override { return static_cast<int64_t>(header_.vocab_size); }
+  std::string describe() const override {
+    return "token file " + path_ + " (" + std::to_string(header_.num_tokens) + " tokens, vocab " +
+           std::to_string(header_.vocab_size) + ", data_seed " + std::to_string(seed_) + ")";
+  }
+
+ private:
+  std::string path_;
+  int64_t seed_;
+  TokenFileHeader header_;
+  at::Tensor tokens_;
+};
+
+}  // namespace
+
+void write_token_file(const std::string& path, const std::vector<uint32_t>& ids, uint64_t vocab_size) {
+  const uint32_t token_bytes = vocab_size <= 65536 ? 2 : 4;
+  std::string out(kMagic, kMagic + 8);
+  put<uint32_t>(out, 1);
+  put<uint32_t>(out, token_bytes);
+  put<uint64_t>(out, vocab_size);
+  put<uint64_t>(out, ids.size());
+  out.reserve(out.size() + ids.size() * token_bytes);
+  for (uint32_t id : ids) {
+    if (id >= vocab_size) throw std::runtime_error("write_token_file: id " + std::to_string(id) + " >= vocab_size");
+    if (token_bytes == 2) put<uint16_t>(out, static_cast<uint16_t>(id));
+    else put<uint32_t>(out, id);
+  }
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    if (!f) throw std::runtime_error(path + ": cannot write the token file");
+    f.write(out.data(), static_cast<std::streamsize>(out.size()));
+    if (!f) throw std::runtime_error(path + ": writing the token file failed");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error(path + ": cannot rename " + tmp);
+}
+
+std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error(path + ": cannot open the token file (data.path)");
+  const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  if (bytes.size() < kHeaderBytes || std::memcmp(p, kMagic, 8) != 0)
+    throw std::runtime_error(path + ": not a token file (no FSDPTOK header); make one with `fsdp-train tokenize`");
+  TokenFileHeader h;
+  h.version = get<uint32_t>(p + 8);
+  h.token_bytes = get<uint32_t>(p + 12);
+  h.vocab_size = get<uint64_t>(p + 16);
+  h.num_tokens = get<uint64_t>(p + 24);
+  if (h.version != 1) throw std::runtime_error(path + ": token file version " + std::to_string(h.version) + " (this build reads 1)");
+  if (h.token_bytes != 2 && h.token_bytes != 4)
+    throw std::runtime_error(path + ": " + std::to_string(h.token_bytes) + " bytes per token (expected 2 or 4)");
+  if (bytes.size() != kHeaderBytes + h.num_tokens * h.token_bytes)
+    throw std::runtime_error(path + ": the header says " + std::to_string(h.num_tokens) + " tokens of " +
+                             std::to_string(h.token_bytes) + " bytes but the file has " +
+                             std::to_string(bytes.size() - kHeaderBytes) + " bytes of tokens (truncated?)");
+  at::Tensor ids = at::empty({static_cast<int64_t>(h.num_tokens)}, at::TensorOptions().dtype(at::kLong));
+  int64_t* out = ids.data_ptr<int64_t>();
+  const unsigned char* q = p + kHeaderBytes;
+  for (uint64_t i = 0; i < h.num_tokens; ++i, q += h.token_bytes) {
+    const uint64_t id = h.token_bytes == 2 ? get<uint16_t>(q) : get<uint32_t>(q);
+    if (id >= h.vocab_size)
+      throw std::runtime_error(path + ": token " + std::to_string(i) + " is " + std::to_string(id) +
+                               ", not below the vocabulary size " + std::to_string(h.vocab_size));
+    out[i] = static_cast<int64_t>(id);
+  }
+  return {h, ids};
+}
+
+std::vector<uint32_t> byte_tokens(const std::string& text) {
+  std::vector<uint32_t> ids;
+  ids.reserve(text.size());
+  for (unsigned char c : text) ids.push_back(c);
+  return ids;
+}
+
+std::string bytes_text(const std::vector<int64_t>& ids) {
+  std::string s;
+  for (int64_t id : ids) s.push_back(id >= 0 && id < 256 ? static_cast<char>(id) : '?');
+  return s;
+}
+
+std::unique_ptr<DataSource> synthetic_data(int64_t vocab_size, int64_t data_seed) {
+  return std::make_unique<SyntheticData>(vocab_size, data_seed);
+}
+
+std::unique_ptr<DataSource> token_file_data(const std::string& path, int64_t data_seed) {
+  return std::make_unique<TokenFileData>(path, data_seed);
+}
+
+std::pair<at::Tensor, at::Tensor> micro_batch(const at::Tensor& global_batch, int rank, int64_t accumulation,
+                                              int64_t micro, int64_t batch) {
+  at::Tensor rows = global_batch.narrow(0, (rank * accumulation + micro) * batch, batch);
+  const int64_t seq = global_batch.size(1) - 1;
+  return {rows.narrow(1, 0, seq).contiguous(), rows.narrow(1, 1, seq).contiguous()};
+}
+
+}  // namespace train
+}  // namespace fsdp

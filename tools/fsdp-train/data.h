@@ -1,0 +1,73 @@
+// data.h — where fsdp-train's tokens come from, and the token file format.
+//
+// Every optimizer step s has one global batch of world * accumulation * B rows of seq + 1
+// tokens, drawn from a generator seeded with data_seed + s; rank r's micro-batch m is rows
+// [(r * accumulation + m) * B, + B). So the data depends only on the step and the global batch,
+// not on how it is split over ranks and micro-batches: a run restarted at step s sees exactly
+// what it would have seen, and W=2 x B=4 sees the rows of W=1 x B=8. With one micro-batch per
+// step the synthetic rows are exactly those of ../shared/bench/peer/peer_fsdp1.py.
+//
+// Token file (little-endian), written by `fsdp-train tokenize`:
+//   offset  0  8 bytes   magic "FSDPTOK\0"
+//   offset  8  uint32    format version (1)
+//   offset 12  uint32    bytes per token: 2 (uint16 ids) or 4 (uint32 ids)
+//   offset 16  uint64    vocabulary size (every id is below it)
+//   offset 24  uint64    number of tokens N
+//   offset 32  N ids
+// A row is seq + 1 consecutive tokens starting at a position drawn uniformly from [0, N - seq).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+namespace train {
+
+struct TokenFileHeader {
+  uint32_t version = 1;
+  uint32_t token_bytes = 2;
+  uint64_t vocab_size = 0;
+  uint64_t num_tokens = 0;
+};
+
+// Writes ids (each < vocab_size) as a token file, choosing 2-byte ids when vocab_size <= 65536.
+void write_token_file(const std::string& path, const std::vector<uint32_t>& ids, uint64_t vocab_size);
+// Reads a token file whole: the header and the ids as an int64 tensor [N]. Throws
+// std::runtime_error naming the file and what is wrong (magic, version, size, an id >= vocab).
+std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path);
+
+// Byte-level tokenizer: every byte of the text is one token (vocabulary 256).
+std::vector<uint32_t> byte_tokens(const std::string& text);
+// The text of byte-level ids; ids >= 256 become '?'.
+std::string bytes_text(const std::vector<int64_t>& ids);
+
+// The rows of training data of one optimizer step.
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  // The step's global batch: int64 [rows, seq + 1], identical on every rank.
+  virtual at::Tensor global_batch(int64_t step, int64_t rows, int64_t seq) const = 0;
+  // Every token id is below this.
+  virtual int64_t vocab_size() const = 0;
+  virtual std::string describe() const = 0;
+};
+
+// Uniform random ids in [0, vocab), as torch.randint with a torch.Generator seeded
+// data_seed + step (the peer's draw).
+std::unique_ptr<DataSource> synthetic_data(int64_t vocab_size, int64_t data_seed);
+// Windows of a token file at positions drawn with a generator seeded data_seed + step.
+// Throws when the file is shorter than seq + 1 tokens (checked at the first batch).
+std::unique_ptr<DataSource> token_file_data(const std::string& path, int64_t data_seed);
+
+// Rank `rank`'s micro-batch `micro` of a global batch (see above): (inputs, targets), each
+// int64 [B, seq].
+std::pair<at::Tensor, at::Tensor> micro_batch(const at::Tensor& global_batch, int rank, int64_t accumulation,
+                                              int64_t micro, int64_t batch);
+
+}  // namespace train
+}  // namespace fsdp

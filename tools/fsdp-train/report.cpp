@@ -1,0 +1,140 @@
+// report.cpp — step lines, progress bar and JSONL of fsdp-train.
+#include "report.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+#include <unistd.h>
+
+namespace fsdp {
+namespace train {
+namespace {
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// 12345678 -> "12,345,678" (torchtitan prints tokens per second this way).
+std::string grouped(double v) {
+  std::string digits = std::to_string(static_cast<int64_t>(std::llround(v)));
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(digits[i]);
+  }
+  return out;
+}
+
+std::string duration(double s) {
+  if (!(s >= 0) || !std::isfinite(s)) return "?";
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  char buf[32];
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(t / 3600), (long long)(t / 60 % 60), (long long)(t % 60));
+  else std::snprintf(buf, sizeof buf, "%lld:%02lld", (long long)(t / 60), (long long)(t % 60));
+  return buf;
+}
+
+}  // namespace
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string format_step_line(const StepReport& r) {
+  std::ostringstream s;
+  s << "step: " << r.step << "  loss: " << fixed(r.loss, 4);
+  s << "  grad_norm: " << (std::isnan(r.grad_norm) ? std::string("-") : fixed(r.grad_norm, 4));
+  char lr[32];
+  std::snprintf(lr, sizeof lr, "%.2e", r.lr);
+  s << "  lr: " << lr << "  tps: " << grouped(r.tokens_per_s) << "  step_time: " << fixed(r.step_s, 3) << "s";
+  s << "  memory (live/peak MiB per rank):";
+  for (size_t q = 0; q < r.ranks.size(); ++q)
+    s << (q ? " |" : "") << " " << fixed(r.ranks[q].live_mib, 1) << "/" << fixed(r.ranks[q].peak_mib, 1);
+  return s.str();
+}
+
+Console::Console(const std::string& progress, int64_t first_step, int64_t steps)
+    : first_step_(first_step), steps_(steps), started_(now_seconds()) {
+  bar_ = progress == "on" || (progress == "auto" && isatty(STDOUT_FILENO));
+}
+
+void Console::clear_bar() {
+  if (bar_drawn_) std::cout << "\r\033[K";
+  bar_drawn_ = false;
+}
+
+void Console::draw_bar(int64_t step) {
+  if (!bar_) return;
+  constexpr int kWidth = 30;
+  const double done = steps_ > 0 ? static_cast<double>(step) / steps_ : 1.0;
+  const int filled = static_cast<int>(done * kWidth);
+  const double elapsed = now_seconds() - started_;
+  const int64_t run = step - first_step_;
+  const double eta = run > 0 ? elapsed / run * (steps_ - step) : NAN;
+  std::cout << "[" << std::string(filled, '#') << std::string(kWidth - filled, '.') << "] " << step << "/" << steps_
+            << "  " << duration(elapsed) << " elapsed, eta " << duration(eta) << std::flush;
+  bar_drawn_ = true;
+}
+
+void Console::step_line(const StepReport& r) {
+  clear_bar();
+  std::cout << format_step_line(r) << "\n";
+  draw_bar(r.step);
+  std::cout << std::flush;
+}
+
+void Console::line(const std::string& text) {
+  clear_bar();
+  std::cout << text << "\n" << std::flush;
+}
+
+void Console::finish() {
+  clear_bar();
+  bar_ = false;
+  std::cout << std::flush;
+}
+
+std::string jsonl_path_for_rank(const std::string& path_template, int rank) {
+  const auto pos = path_template.find("{rank}");
+  if (pos == std::string::npos) return rank == 0 ? path_template : std::string();
+  std::string p = path_template;
+  p.replace(pos, 6, std::to_string(rank));
+  return p;
+}
+
+void JsonlWriter::open(const std::string& path, bool append) {
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
+  out_.open(path, append ? std::ios::app : std::ios::trunc);
+  if (!out_) throw std::runtime_error(path + ": cannot write the JSONL metrics (logging.jsonl)");
+}
+
+void JsonlWriter::write(const StepReport& r, int rank) {
+  nlohmann::json j = {{"step", r.step},           {"rank", rank},
+                      {"loss", r.loss},           {"local_loss", r.ranks.at(rank).local_loss},
+                      {"lr", r.lr},               {"step_s", r.step_s},
+                      {"forward_s", r.forward_s}, {"backward_s", r.backward_s},
+                      {"optimizer_s", r.optimizer_s}, {"tokens_per_s", r.tokens_per_s},
+                      {"tokens_seen", r.tokens_seen}, {"live_mib", r.ranks.at(rank).live_mib},
+                      {"peak_mib", r.ranks.at(rank).peak_mib}, {"rss_mib", r.ranks.at(rank).rss_mib},
+                      {"all_gather_s", r.ag_busy_s}, {"all_gather_wait_s", r.ag_wait_s},
+                      {"reduce_scatter_s", r.rs_busy_s}, {"reduce_scatter_wait_s", r.rs_wait_s}};
+  if (!std::isnan(r.grad_norm)) j["grad_norm"] = r.grad_norm;
+  write_raw(j.dump());
+}
+
+void JsonlWriter::write_raw(const std::string& json_line) {
+  if (!out_.is_open()) return;
+  out_ << json_line << "\n" << std::flush;  // flushed: a killed run keeps its lines
+}
+
+}  // namespace train
+}  // namespace fsdp

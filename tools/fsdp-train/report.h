@@ -1,0 +1,83 @@
+// report.h — what fsdp-train shows: rank 0's line per step (torchtitan's layout), a progress
+// bar when stdout is a terminal, per-rank JSONL metrics, and the summary at the end. Plain
+// data in, text out: no torch here.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace train {
+
+// One rank's numbers of one optimizer step.
+struct RankStep {
+  double local_loss = 0;       // this rank's mean loss over its micro-batches
+  double live_mib = 0;         // tensor bytes allocated at the end of the step
+  double peak_mib = 0;         // the step's peak of tensor bytes
+  double rss_mib = 0;          // resident set now
+};
+
+// One optimizer step, as every rank knows it after the metrics all-gather.
+struct StepReport {
+  int64_t step = 0;            // 1-based
+  int64_t steps = 0;           // of the run
+  double loss = 0;             // global-batch mean
+  double grad_norm = 0;        // global, before clipping; NaN when not computed
+  double lr = 0;
+  double step_s = 0;           // forward + backward + optimizer on this rank
+  double forward_s = 0, backward_s = 0, optimizer_s = 0;
+  double tokens_per_s = 0;     // global tokens of the step / this rank's step_s
+  int64_t tokens_seen = 0;     // global tokens trained on so far
+  std::vector<RankStep> ranks;
+  // This rank's collectives of the step: all-gather / reduce-scatter time on the comm thread,
+  // and the part the training thread waited for (exposed).
+  double ag_busy_s = 0, ag_wait_s = 0, rs_busy_s = 0, rs_wait_s = 0;
+};
+
+class Console {
+ public:
+  // progress: "auto" (when stdout is a terminal), "on" or "off".
+  Console(const std::string& progress, int64_t first_step, int64_t steps);
+  // The step line (rank 0, every log_interval steps and the last), then the bar.
+  void step_line(const StepReport& r);
+  // A line of its own (clears and redraws the bar around it).
+  void line(const std::string& text);
+  // Removes the bar for good.
+  void finish();
+
+ private:
+  void clear_bar();
+  void draw_bar(int64_t step);
+  bool bar_ = false;
+  bool bar_drawn_ = false;
+  int64_t first_step_, steps_;
+  double started_;
+};
+
+std::string format_step_line(const StepReport& r);
+
+// Appends one JSON object per step to a file (each rank its own file).
+class JsonlWriter {
+ public:
+  JsonlWriter() = default;
+  // append: keep what an interrupted run wrote (a resumed run continues the file).
+  void open(const std::string& path, bool append);
+  void write(const StepReport& r, int rank);
+  void write_raw(const std::string& json_line);
+  bool is_open() const { return out_.is_open(); }
+
+ private:
+  std::ofstream out_;
+};
+
+// The path a rank writes its JSONL to: "{rank}" in the template is replaced by the rank; a
+// template without it is written by rank 0 only (empty result for the others).
+std::string jsonl_path_for_rank(const std::string& path_template, int rank);
+
+double now_seconds();
+
+}  // namespace train
+}  // namespace fsdp

@@ -1,0 +1,568 @@
+// trainer.cpp — the fsdp-train run: model, sharding, optimizer, resume, the training loop,
+// checkpoints, export and the generated sample.
+//
+// Per optimizer step every rank runs k = gradient_accumulation_steps micro-batches; only the
+// last one reduce-scatters (set_requires_gradient_sync), so k micro-batches of B rows give the
+// gradients of one batch of kB rows. Then clip_grad_norm_, AdamW, and ONE small all-gather of
+// every rank's numbers (loss, memory, a stop request) that the log line, the non-finite check
+// and the signal stop all use, so that every rank takes the same decision at the same step.
+#include "trainer.h"
+
+#include "data.h"
+#include "report.h"
+
+#include <fsdp/call.h>
+#include <fsdp/checkpoint.h>
+#include <fsdp/clip_grad.h>
+#include <fsdp/device_mesh.h>
+#include <fsdp/distributed.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
+#include <fsdp/models/transformer.h>
+#include <fsdp/optim_state_dict.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/state_dict.h>
+#include <fsdp/trace.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+#include <torch/utils.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace fsdp {
+namespace train {
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void on_stop_signal(int sig) {
+  g_stop_signal.store(sig);
+  std::signal(sig, SIG_DFL);  // a second one stops the process at once
+}
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// ---------------------------------------------------------------------- configuration -> objects
+
+models::ModelArgs model_args_of(const ModelConfig& m) {
+  models::ModelArgs a = models::ModelArgs::preset(m.preset);
+  if (m.n_layers) a.n_layers = *m.n_layers;
+  if (m.vocab_size) a.vocab_size = *m.vocab_size;
+  if (m.max_seq_len) a.max_seq_len = *m.max_seq_len;
+  if (m.dim) a.dim = *m.dim;
+  if (m.n_heads) a.n_heads = *m.n_heads;
+  if (m.dropout_p) a.dropout_p = *m.dropout_p;
+  if (a.dim % a.n_heads != 0)
+    throw ConfigError("model.dim (" + std::to_string(a.dim) + ") must be divisible by model.n_heads (" +
+                      std::to_string(a.n_heads) + ")");
+  return a;
+}
+
+int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a) {
+  const int64_t seq = cfg.training.seq_len > 0 ? cfg.training.seq_len : a.max_seq_len;
+  if (seq > a.max_seq_len)
+    throw ConfigError("training.seq_len (" + std::to_string(seq) + ") is longer than model.max_seq_len (" +
+                      std::to_string(a.max_seq_len) + ")");
+  return seq;
+}
+
+std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelArgs& a) {
+  if (cfg.data.source == "synthetic") return synthetic_data(a.vocab_size, cfg.data.data_seed);
+  std::unique_ptr<DataSource> d = token_file_data(cfg.data.path, cfg.data.data_seed);
+  if (d->vocab_size() > a.vocab_size)
+    throw ConfigError("data.path " + cfg.data.path + " has a vocabulary of " + std::to_string(d->vocab_size()) +
+                      " but model.vocab_size is " + std::to_string(a.vocab_size) + "; raise model.vocab_size");
+  return d;
+}
+
+// Linear warm-up to lr over warmup_steps, cosine to min_lr over decay_steps, then min_lr.
+// `step` is 1-based.
+double lr_at(const TrainConfig& cfg, int64_t step) {
+  const double lr = cfg.optimizer.lr, min_lr = cfg.schedule.min_lr;
+  const int64_t warmup = cfg.schedule.warmup_steps;
+  if (step <= warmup) return lr * static_cast<double>(step) / static_cast<double>(warmup);
+  const int64_t decay = cfg.schedule.decay_steps > 0 ? cfg.schedule.decay_steps : cfg.training.steps - warmup;
+  if (decay <= 0) return lr;
+  const double t = std::min(1.0, static_cast<double>(step - warmup) / static_cast<double>(decay));
+  return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * t));
+}
+
+std::string resolved_export_path(const TrainConfig& cfg) {
+  const std::string& e = cfg.training.export_path;
+  if (e == "none") return "";
+  if (e == "auto") return cfg.fsdp_config.checkpoint_dir + "/model.pt";
+  return e;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// ---------------------------------------------------------------------- the run
+
+class Run {
+ public:
+  explicit Run(const TrainConfig& cfg) : cfg_(cfg) {}
+  int main();
+
+ private:
+  void set_up();
+  void resume();
+  ShardedStateDict checkpoint_state();
+  void save_checkpoint(int64_t step, bool async);
+  StepReport train_step(int64_t step);
+  std::vector<RankStep> gather_rank_numbers(const RankStep& mine, bool stop_requested, bool* any_stop);
+  void finish(int64_t last_step);
+  void export_and_sample();
+  void write_summary(int64_t steps_run);
+  int64_t full_parameter_count() {
+    int64_t n = 0;
+    for (const auto& item : sharded_state_dict(*model_)) {
+      int64_t numel = 1;
+      for (int64_t d : item.value().sizes()) numel *= d;
+      n += numel;
+    }
+    return n;
+  }
+  void print(const std::string& text) {
+    if (rank_ == 0) console_->line(text);
+  }
+
+  const TrainConfig& cfg_;
+  int rank_ = 0, world_ = 1;
+  models::ModelArgs args_;
+  int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
+  std::unique_ptr<DataSource> data_;
+  DeviceMesh mesh_;
+  models::Transformer model_{nullptr};
+  FSDPModule root_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<CheckpointManager> checkpoints_;
+  std::unique_ptr<Console> console_;
+  JsonlWriter jsonl_;
+
+  int64_t start_step_ = 0;  // steps done before this process started (restored from a checkpoint)
+  int64_t done_steps_ = 0;  // optimizer steps done so far
+  int64_t tokens_seen_ = 0;
+  int64_t last_saved_step_ = -1;
+  std::vector<double> losses_, step_times_;
+  std::vector<double> tokens_per_s_;
+  CollectiveStats comm_before_;
+};
+
+void Run::set_up() {
+  const RendezvousInfo env = rendezvous_info_from_env();
+  check_against_launcher(cfg_, env.world_size, env.local_rank);
+  args_ = model_args_of(cfg_.model);
+  seq_ = seq_len_of(cfg_, args_);
+  batch_ = cfg_.training.micro_batch_size;
+  accumulation_ = cfg_.training.gradient_accumulation_steps;
+  const bool reshard = reshard_after_forward(cfg_);
+  data_ = data_of(cfg_, args_);
+
+  init_process_group(env);
+  rank_ = get_rank();
+  world_ = get_world_size();
+  mesh_ = init_device_mesh("cpu", {world_});
+
+  // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
+  torch::manual_seed(cfg_.training.seed);
+  model_ = models::Transformer(args_);
+  for (auto& block : model_->blocks())
+    fully_shard(block, FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard));
+  // The root's parameters are needed first in backward, so it keeps them gathered (FSDP2's
+  // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
+  FullyShardOptions root_options = FullyShardOptions().mesh(mesh_);
+  if (!reshard) root_options.reshard_after_forward(false);
+  root_ = fully_shard(model_, root_options);
+  if (!cfg_.model.init_from.empty()) load_full_state_dict(*model_, load_pytorch_state_dict(cfg_.model.init_from));
+
+  const auto& o = cfg_.optimizer;
+  optimizer_ = std::make_unique<torch::optim::AdamW>(
+      model_->parameters(),
+      torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  checkpoints_ = std::make_unique<CheckpointManager>(cfg_.fsdp_config.checkpoint_dir,
+                                                     static_cast<int>(cfg_.training.keep_checkpoints));
+}
+
+// Model, optimizer and the loop's own state, under one key space:
+//   model.<fqn>, optim.state.<fqn>.<name>, optim.param_groups.<fqn>.<option>,
+//   trainer.step, trainer.tokens_seen, trainer.rng (the CPU generator, for dropout).
+// The data position is the step: a step's batch depends only on it (data.h).
+ShardedStateDict Run::checkpoint_state() {
+  ShardedStateDict sd;
+  for (const auto& item : sharded_state_dict(*model_)) sd.insert("model." + item.key(), item.value());
+  for (const auto& item : sharded_optimizer_state_dict(*model_, *optimizer_))
+    sd.insert("optim." + item.key(), item.value());
+  auto replicated = [&](const at::Tensor& t) { return DTensor::from_local(t, mesh_, {Replicate()}); };
+  at::Tensor counters = at::tensor(std::vector<int64_t>{done_steps_, tokens_seen_}, at::kLong);
+  sd.insert("trainer.counters", replicated(counters));
+  sd.insert("trainer.rng", replicated(at::detail::getDefaultCPUGenerator().get_state()));
+  return sd;
+}
+
+void Run::save_checkpoint(int64_t step, bool async) {
+  const ShardedStateDict sd = checkpoint_state();
+  if (async) checkpoints_->save_async(step, sd);
+  else checkpoints_->save(step, sd);
+  last_saved_step_ = step;
+}
+
+void Run::resume() {
+  const std::string& r = cfg_.training.resume;
+  std::optional<std::string> dir;
+  if (r == "auto") dir = checkpoints_->latest();
+  else if (r != "never") dir = r;
+  if (!dir) return;
+  init_optimizer_state(*optimizer_);  // so that the state dict lists the state to load into
+  const ShardedStateDict like = checkpoint_state();
+  const ShardedStateDict loaded = load_checkpoint(*dir, like);
+  ShardedStateDict model_sd, optim_sd;
+  for (const auto& item : loaded) {
+    const std::string& k = item.key();
+    if (k.rfind("model.", 0) == 0) model_sd.insert(k.substr(6), item.value());
+    else if (k.rfind("optim.", 0) == 0) optim_sd.insert(k.substr(6), item.value());
+  }
+  load_sharded_state_dict(*model_, model_sd);
+  load_sharded_optimizer_state_dict(*model_, *optimizer_, optim_sd);
+  const at::Tensor counters = loaded["trainer.counters"].to_local();
+  start_step_ = done_steps_ = counters[0].item<int64_t>();
+  tokens_seen_ = counters[1].item<int64_t>();
+  at::Generator rng = at::detail::getDefaultCPUGenerator();  // a handle to the same generator
+  rng.set_state(loaded["trainer.rng"].to_local());
+  last_saved_step_ = start_step_;
+  print("resumed from " + *dir + " at step " + std::to_string(start_step_));
+}
+
+std::vector<RankStep> Run::gather_rank_numbers(const RankStep& mine, bool stop_requested, bool* any_stop) {
+  constexpr int64_t kFields = 5;
+  at::Tensor local = at::tensor(std::vector<double>{mine.local_loss, mine.live_mib, mine.peak_mib, mine.rss_mib,
+                                                    stop_requested ? 1.0 : 0.0},
+                                at::kDouble);
+  at::Tensor all = at::empty({world_ * kFields}, at::kDouble);
+  world()->all_gather_into(all, local)->wait();
+  const double* p = all.data_ptr<double>();
+  std::vector<RankStep> ranks(world_);
+  *any_stop = false;
+  for (int q = 0; q < world_; ++q, p += kFields) {
+    ranks[q] = RankStep{p[0], p[1], p[2], p[3]};
+    *any_stop = *any_stop || p[4] != 0.0;
+  }
+  return ranks;
+}
+
+StepReport Run::train_step(int64_t step) {
+  StepReport r;
+  r.step = step;
+  r.steps = cfg_.training.steps;
+  r.lr = lr_at(cfg_, step);
+  for (auto& group : optimizer_->param_groups())
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(r.lr);
+  const at::Tensor batch = data_->global_batch(step - 1, world_ * accumulation_ * batch_, seq_);
+  const CollectiveStats comm_start = mesh_.get_group(0)->stats();
+  memory::reset_peak_allocated();
+
+  trace::Span step_span("compute", "step " + std::to_string(step));
+  const double t0 = now_seconds();
+  double loss_sum = 0;
+  for (int64_t m = 0; m < accumulation_; ++m) {
+    // Gradients are reduce-scattered only after the last micro-batch; before, the unsharded
+    // gradients accumulate on every rank.
+    root_.set_requires_gradient_sync(m == accumulation_ - 1);
+    auto [inputs, targets] = micro_batch(batch, rank_, accumulation_, m, batch_);
+    const double f0 = now_seconds();
+    at::Tensor loss;
+    {
+      trace::Span span("compute", "forward");
+      at::Tensor logits = call(model_, inputs);
+      loss = torch::nn::functional::cross_entropy(logits.reshape({-1, args_.vocab_size}), targets.reshape({-1}));
+      if (accumulation_ > 1) loss = loss / static_cast<double>(accumulation_);
+    }
+    const double b0 = now_seconds();
+    {
+      trace::Span span("compute", "backward");
+      loss.backward();
+    }
+    r.forward_s += b0 - f0;
+    r.backward_s += now_seconds() - b0;
+    loss_sum += loss.item<double>();
+  }
+  r.loss = loss_sum;  // this rank's mean over its rows (the micro-batch losses are already / k)
+  const double o0 = now_seconds();
+  {
+    trace::Span span("compute", "optimizer");
+    r.grad_norm = cfg_.training.max_grad_norm > 0
+                      ? clip_grad_norm_(model_->parameters(), cfg_.training.max_grad_norm)
+                      : NAN;
+    optimizer_->step();
+    optimizer_->zero_grad();
+  }
+  r.optimizer_s = now_seconds() - o0;
+  r.step_s = now_seconds() - t0;
+
+  const CollectiveStats comm = mesh_.get_group(0)->stats();
+  auto secs = [&](CollectiveKind k, bool wait) {
+    const auto& a = comm[k];
+    const auto& b = comm_start[k];
+    return 1e-9 * static_cast<double>(wait ? a.blocked_ns - b.blocked_ns : a.busy_ns - b.busy_ns);
+  };
+  r.ag_busy_s = secs(CollectiveKind::kAllGather, false);
+  r.ag_wait_s = secs(CollectiveKind::kAllGather, true);
+  r.rs_busy_s = secs(CollectiveKind::kReduceScatter, false);
+  r.rs_wait_s = secs(CollectiveKind::kReduceScatter, true);
+
+  const int64_t tokens = static_cast<int64_t>(world_) * accumulation_ * batch_ * seq_;
+  tokens_seen_ += tokens;
+  r.tokens_seen = tokens_seen_;
+  r.tokens_per_s = tokens / r.step_s;
+  return r;
+}
+
+int Run::main() {
+  set_up();
+  console_ = std::make_unique<Console>(rank_ == 0 ? cfg_.logging.progress : "off", 0, cfg_.training.steps);
+  resume();
+  console_ = std::make_unique<Console>(rank_ == 0 ? cfg_.logging.progress : "off", start_step_, cfg_.training.steps);
+  const std::string jsonl = jsonl_path_for_rank(cfg_.logging.jsonl, rank_);
+  if (!jsonl.empty()) jsonl_.open(jsonl, /*append=*/start_step_ > 0);
+  print("fsdp-train: " + std::to_string(full_parameter_count()) + " parameters (" + cfg_.model.preset +
+        " preset), " + std::to_string(args_.n_layers) + " blocks sharded over " +
+        std::to_string(world_) + " rank(s), " + to_string(cfg_.fsdp_config.sharding_strategy) + "; " +
+        data_->describe() + "; global batch " + std::to_string(world_ * accumulation_ * batch_) + " x " +
+        std::to_string(seq_) + " tokens");
+  if (start_step_ >= cfg_.training.steps) {
+    print("training already complete at step " + std::to_string(start_step_) + " (training.steps " +
+          std::to_string(cfg_.training.steps) + ")");
+    finish(start_step_);
+    return kExitOk;
+  }
+  if (cfg_.logging.trace) {
+    trace::start();
+    trace::set_thread_name("train");
+  }
+  comm_before_ = mesh_.get_group(0)->stats();
+
+  int64_t step = start_step_;
+  while (step < cfg_.training.steps) {
+    ++step;
+    StepReport r = train_step(step);
+    done_steps_ = step;
+    // r.loss is this rank's loss until the gather turns it into the global-batch mean.
+    const RankStep mine{r.loss, memory::allocated_bytes() / kMiB, memory::max_allocated_bytes() / kMiB,
+                        memory::current_rss_bytes() / kMiB};
+    bool stop = false;
+    r.ranks = gather_rank_numbers(mine, g_stop_signal.load() != 0, &stop);
+    double loss = 0;
+    for (const RankStep& q : r.ranks) loss += q.local_loss;
+    r.loss = loss / world_;
+    losses_.push_back(r.loss);
+    step_times_.push_back(r.step_s);
+    tokens_per_s_.push_back(r.tokens_per_s);
+    jsonl_.write(r, rank_);
+    if (rank_ == 0 && (step % cfg_.logging.log_interval == 0 || step == cfg_.training.steps))
+      console_->step_line(r);
+
+    if (!std::isfinite(r.loss)) {
+      print("fsdp-train: stopping: the loss is " + std::to_string(r.loss) + " at step " + std::to_string(step) +
+            " (non-finite). Nothing is saved from this step; the last checkpoint is " +
+            (last_saved_step_ >= 0 ? "step " + std::to_string(last_saved_step_) : std::string("none")) +
+            ". Lower optimizer.lr or set training.max_grad_norm.");
+      checkpoints_->wait();
+      if (rank_ != 0) std::cerr << "fsdp-train: stopping: non-finite loss at step " << step << "\n";
+      return kExitNonFinite;
+    }
+    const int64_t interval = cfg_.fsdp_config.checkpoint_interval;
+    if (stop) {
+      save_checkpoint(step, /*async=*/false);
+      const int sig = g_stop_signal.load();
+      print("fsdp-train: stop requested (signal " + std::to_string(sig ? sig : SIGTERM) + ") — saved step " +
+            std::to_string(step) + " to " + cfg_.fsdp_config.checkpoint_dir + "; run again with training.resume: auto to continue");
+      checkpoints_->wait();
+      return 128 + (sig ? sig : SIGTERM);
+    }
+    if (interval > 0 && step % interval == 0 && step < cfg_.training.steps) save_checkpoint(step, /*async=*/true);
+  }
+  finish(step);
+  return kExitOk;
+}
+
+void Run::finish(int64_t last_step) {
+  if (cfg_.fsdp_config.checkpoint_interval > 0 && last_saved_step_ != last_step) save_checkpoint(last_step, false);
+  checkpoints_->wait();
+  if (last_saved_step_ == last_step) print("checkpoint: " + *checkpoints_->latest());
+  if (cfg_.logging.trace) {
+    trace::stop();
+    std::filesystem::create_directories(cfg_.logging.trace_dir);
+    const std::string path = cfg_.logging.trace_dir + "/trace_rank" + std::to_string(rank_) + ".json";
+    const int64_t n = trace::write_chrome_trace(path, rank_);
+    print("trace: " + path + " (" + std::to_string(n) + " spans; one file per rank, open in ui.perfetto.dev)");
+  }
+  if (last_step > start_step_) write_summary(last_step - start_step_);
+  export_and_sample();
+}
+
+void Run::export_and_sample() {
+  const std::string path = resolved_export_path(cfg_);
+  if (!path.empty() && ends_with(path, ".safetensors")) {
+    save_safetensors(sharded_state_dict(*model_), path);
+    print("export: " + path + " (safetensors)");
+  }
+  const bool pytorch_export = !path.empty() && !ends_with(path, ".safetensors");
+  if (!pytorch_export && cfg_.sample.length == 0) return;
+  // Rank 0 receives the whole model (every rank takes part in the gathers).
+  const TensorStateDict full = full_state_dict(*model_, FullStateDictOptions().rank0_only(true));
+  if (rank_ != 0) return;
+  if (pytorch_export) {
+    const auto parent = std::filesystem::path(path).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent);
+    save_pytorch_state_dict(full, path);
+    print("export: " + path + " (PyTorch state dict: torch.load() in Python)");
+  }
+  if (cfg_.sample.length == 0) return;
+  // An unsharded copy of the model on rank 0: generating token by token needs no collectives.
+  models::ModelArgs eval_args = args_;
+  eval_args.dropout_p = 0;
+  models::Transformer local(eval_args);
+  {
+    at::NoGradGuard no_grad;
+    auto params = local->named_parameters();
+    for (const auto& item : full) params[item.key()].copy_(item.value());
+  }
+  local->eval();
+  at::NoGradGuard no_grad;
+  const bool bytes = cfg_.data.source == "tokens" && data_->vocab_size() <= 256;
+  std::vector<int64_t> ids;
+  const std::string prompt = cfg_.sample.prompt.empty() ? std::string("\n") : cfg_.sample.prompt;
+  if (bytes) {
+    for (unsigned char c : prompt) ids.push_back(c);
+  } else {
+    ids.push_back(0);
+  }
+  const size_t prompt_len = ids.size();
+  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(cfg_.sample.seed));
+  for (int64_t i = 0; i < cfg_.sample.length; ++i) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), args_.max_seq_len);
+    at::Tensor ctx = at::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), at::kLong).unsqueeze(0);
+    at::Tensor logits = local->forward(ctx).select(1, n - 1).squeeze(0) / cfg_.sample.temperature;
+    ids.push_back(at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>());
+  }
+  std::ostringstream out;
+  out << "sample (" << cfg_.sample.length << " tokens, temperature " << cfg_.sample.temperature << "):\n";
+  if (bytes) {
+    out << bytes_text(ids);
+  } else {
+    for (size_t i = prompt_len; i < ids.size(); ++i) out << ids[i] << ' ';
+  }
+  print(out.str());
+}
+
+void Run::write_summary(int64_t steps_run) {
+  // Every rank's peak memory and communication, for rank 0's summary.
+  const CollectiveStats comm = mesh_.get_group(0)->stats();
+  auto secs = [&](CollectiveKind k, bool wait) {
+    const auto& a = comm[k];
+    const auto& b = comm_before_[k];
+    return 1e-9 * static_cast<double>(wait ? a.blocked_ns - b.blocked_ns : a.busy_ns - b.busy_ns);
+  };
+  const size_t warm = std::min<size_t>(static_cast<size_t>(cfg_.logging.summary_warmup),
+                                       step_times_.size() > 1 ? step_times_.size() - 1 : 0);
+  const double median_step = median(std::vector<double>(step_times_.begin() + warm, step_times_.end()));
+  constexpr int64_t kFields = 7;
+  at::Tensor local = at::tensor(
+      std::vector<double>{memory::peak_rss_bytes() / kMiB, memory::max_allocated_bytes() / kMiB, median_step,
+                          secs(CollectiveKind::kAllGather, false), secs(CollectiveKind::kAllGather, true),
+                          secs(CollectiveKind::kReduceScatter, false), secs(CollectiveKind::kReduceScatter, true)},
+      at::kDouble);
+  at::Tensor all = at::empty({world_ * kFields}, at::kDouble);
+  world()->all_gather_into(all, local)->wait();
+  if (rank_ != 0) return;
+  const double* p = all.data_ptr<double>();
+  auto field = [&](int q, int f) { return p[q * kFields + f]; };
+  const double tokens_per_step = static_cast<double>(world_) * accumulation_ * batch_ * seq_;
+  std::ostringstream s;
+  char buf[256];
+  s << "summary: " << steps_run << " steps, loss " << losses_.front() << " -> " << losses_.back() << "\n";
+  std::snprintf(buf, sizeof buf, "  median step %.4f s (steps after the first %zu), %.0f tokens/s\n", median_step, warm,
+                tokens_per_step / median_step);
+  s << buf;
+  for (int q = 0; q < world_; ++q) {
+    const double comm_s = field(q, 3) + field(q, 5), exposed = field(q, 4) + field(q, 6);
+    std::snprintf(buf, sizeof buf,
+                  "  rank %d: peak RSS %.1f MiB, peak tensors %.1f MiB; all-gather %.3f s + reduce-scatter %.3f s "
+                  "of communication, %.3f s exposed (waited for), %.3f s hidden\n",
+                  q, field(q, 0), field(q, 1), field(q, 3), field(q, 5), exposed, std::max(0.0, comm_s - exposed));
+    s << buf;
+  }
+  console_->finish();
+  std::cout << s.str() << std::flush;
+  if (cfg_.logging.summary_json.empty()) return;
+  nlohmann::json j;
+  j["world"] = world_;
+  j["preset"] = cfg_.model.preset;
+  j["model_args"] = {{"n_layers", args_.n_layers}, {"vocab_size", args_.vocab_size}, {"max_seq_len", args_.max_seq_len},
+                     {"dim", args_.dim}, {"n_heads", args_.n_heads}, {"dropout_p", args_.dropout_p}};
+  j["params"] = full_parameter_count();
+  j["batch"] = batch_;
+  j["gradient_accumulation_steps"] = accumulation_;
+  j["seq"] = seq_;
+  j["steps"] = steps_run;
+  j["warmup"] = warm;
+  j["median_step_s"] = median_step;
+  std::vector<double> per_rank, rss, peak, ag, ag_wait, rs, rs_wait;
+  for (int q = 0; q < world_; ++q) {
+    rss.push_back(field(q, 0));
+    peak.push_back(field(q, 1));
+    per_rank.push_back(field(q, 2));
+    ag.push_back(field(q, 3));
+    ag_wait.push_back(field(q, 4));
+    rs.push_back(field(q, 5));
+    rs_wait.push_back(field(q, 6));
+  }
+  j["median_step_s_per_rank"] = per_rank;
+  j["tokens_per_s"] = tokens_per_step / median_step;
+  j["peak_rss_mib_per_rank"] = rss;
+  j["peak_tensor_mib_per_rank"] = peak;
+  j["all_gather_s_per_rank"] = ag;
+  j["all_gather_wait_s_per_rank"] = ag_wait;
+  j["reduce_scatter_s_per_rank"] = rs;
+  j["reduce_scatter_wait_s_per_rank"] = rs_wait;
+  j["losses"] = losses_;
+  j["step_s_rank0"] = step_times_;
+  j["torch_threads"] = at::get_num_threads();
+  std::ofstream f(cfg_.logging.summary_json);
+  f << j.dump() << "\n";
+  if (!f) throw std::runtime_error(cfg_.logging.summary_json + ": cannot write the summary (logging.summary_json)");
+}
+
+}  // namespace
+
+void install_stop_signal_handlers() {
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
+}
+
+int run_training(const TrainConfig& cfg) { return Run(cfg).main(); }
+
+}  // namespace train
+}  // namespace fsdp
