@@ -52,8 +52,9 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-Fsdprun::Fsdprun(const std::vector<std::string>& args, const std::map<std::string, std::string>& env) {
-  std::vector<std::string> argv = {fsdprun_path()};
+Process::Process(const std::string& program, const std::vector<std::string>& args,
+                 const std::map<std::string, std::string>& env, const std::string& cwd) {
+  std::vector<std::string> argv = {program};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
@@ -63,6 +64,7 @@ Fsdprun::Fsdprun(const std::vector<std::string>& args, const std::map<std::strin
   pid_ = fork();
   if (pid_ == 0) {  // the test process is single-threaded: setenv is fine here
     for (const auto& [k, v] : env) v.empty() ? unsetenv(k.c_str()) : setenv(k.c_str(), v.c_str(), 1);
+    if (!cwd.empty() && chdir(cwd.c_str()) != 0) _exit(126);
     dup2(open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), 1);
     dup2(open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), 2);
     execv(cargv[0], cargv.data());
@@ -70,14 +72,14 @@ Fsdprun::Fsdprun(const std::vector<std::string>& args, const std::map<std::strin
   }
 }
 
-Fsdprun::~Fsdprun() {
+Process::~Process() {
   if (!done_ && pid_ > 0) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
   }
 }
 
-RunResult Fsdprun::wait(double timeout_s) {
+RunResult Process::wait(double timeout_s) {
   RunResult r;
   int status = 0;
   const double deadline = started_ + timeout_s;

@@ -38,12 +38,13 @@ struct RunResult {
   std::string err;
 };
 
-// fsdprun started in the background, stdout/stderr captured in files.
-class Fsdprun {
+// A program started in the background, stdout/stderr captured in files.
+class Process {
  public:
-  // env: variables to set ("" as the value unsets the variable).
-  Fsdprun(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {});
-  ~Fsdprun();  // kills it if still running
+  // env: variables to set ("" as the value unsets the variable); cwd: "" = the test's.
+  Process(const std::string& program, const std::vector<std::string>& args,
+          const std::map<std::string, std::string>& env = {}, const std::string& cwd = "");
+  virtual ~Process();  // kills it if still running
   pid_t pid() const { return pid_; }
   // Waits at most timeout_s; on timeout kills it (SIGKILL) and says so.
   RunResult wait(double timeout_s = 30);
@@ -53,6 +54,14 @@ class Fsdprun {
   pid_t pid_ = -1;
   bool done_ = false;
   double started_ = 0;
+};
+
+// fsdprun started in the background.
+class Fsdprun : public Process {
+ public:
+  Fsdprun(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {},
+          const std::string& cwd = "")
+      : Process(fsdprun_path(), args, env, cwd) {}
 };
 
 RunResult run_fsdprun(const std::vector<std::string>& args,

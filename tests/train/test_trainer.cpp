@@ -1,0 +1,391 @@
+// End-to-end tests of fsdp-train: the real program, started directly or by fsdprun, with real
+// ranks on loopback. Losses come from the per-rank JSONL metrics.
+#include "../launcher/harness.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <cmath>
+#include <dirent.h>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace launcher_test;
+
+namespace {
+
+std::string trainer_path() { return FSDP_TRAIN_BIN; }
+std::string configs_dir() { return FSDP_TRAIN_CONFIGS_DIR; }
+
+// A small model that still takes a few milliseconds per step, so that a test can stop a run in
+// the middle; checkpoints every 5 steps, metrics per rank in m<rank>.jsonl.
+std::vector<std::string> base_args(const std::string& dir, int steps) {
+  return {configs_dir() + "/tiny.yaml",
+          "--model.dim=64",
+          "--model.max_seq_len=64",
+          "--model.vocab_size=64",
+          "--training.seq_len=64",
+          "--training.steps=" + std::to_string(steps),
+          "--training.micro_batch_size=4",
+          "--training.keep_checkpoints=0",
+          "--fsdp_config.checkpoint_interval=5",
+          "--fsdp_config.checkpoint_dir=" + dir + "/ckpt",
+          "--logging.jsonl=" + dir + "/m{rank}.jsonl",
+          "--logging.progress=off",
+          "--logging.log_interval=1000",
+          "--training.export=none"};
+}
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+std::vector<std::string> under_fsdprun(int nproc, const std::vector<std::string>& trainer_args,
+                                       const std::vector<std::string>& launcher_flags = {}) {
+  std::vector<std::string> a = {"--standalone", "--nproc-per-node", std::to_string(nproc)};
+  a.insert(a.end(), launcher_flags.begin(), launcher_flags.end());
+  a.push_back(trainer_path());
+  a.insert(a.end(), trainer_args.begin(), trainer_args.end());
+  return a;
+}
+
+struct StepMetrics {
+  double loss = NAN;
+  double grad_norm = NAN;
+};
+
+// step -> metrics, the LAST line of each step winning: a resumed run appends the steps it
+// redoes after those the interrupted run wrote.
+std::map<int64_t, StepMetrics> read_metrics(const std::string& path) {
+  std::map<int64_t, StepMetrics> steps;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    StepMetrics m;
+    m.loss = j.at("loss").get<double>();
+    if (j.contains("grad_norm")) m.grad_norm = j.at("grad_norm").get<double>();
+    steps[j.at("step").get<int64_t>()] = m;
+  }
+  return steps;
+}
+
+int64_t last_step_in(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty() && line.back() == '}') last = line;
+  if (last.empty()) return 0;
+  try {
+    return nlohmann::json::parse(last).at("step").get<int64_t>();
+  } catch (...) {
+    return 0;
+  }
+}
+
+// Waits until the run's rank-0 metrics reach `step` (or `timeout_s` passes).
+bool wait_for_step(const std::string& jsonl, int64_t step, double timeout_s = 60) {
+  const double deadline = now_seconds() + timeout_s;
+  while (now_seconds() < deadline) {
+    if (last_step_in(jsonl) >= step) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
+// The direct children of `parent` (fsdprun's workers).
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> kids;
+  DIR* d = opendir("/proc");
+  if (!d) return kids;
+  while (dirent* e = readdir(d)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+    if (pid <= 0) continue;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const auto close = content.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(content.substr(close + 2));
+    char state;
+    pid_t ppid;
+    rest >> state >> ppid;
+    if (ppid == parent) kids.push_back(pid);
+  }
+  closedir(d);
+  return kids;
+}
+
+std::string describe(const RunResult& r) {
+  return "exit " + std::to_string(r.exit_code) + (r.signaled ? " (signal)" : "") + (r.timed_out ? " TIMED OUT" : "") +
+         "\n--- stdout\n" + r.out + "\n--- stderr\n" + r.err;
+}
+
+void expect_same_losses(const std::map<int64_t, StepMetrics>& got, const std::map<int64_t, StepMetrics>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [step, m] : want) {
+    ASSERT_TRUE(got.count(step)) << "step " << step << " missing";
+    EXPECT_EQ(got.at(step).loss, m.loss) << "step " << step;  // bitwise: the same computation
+  }
+}
+
+constexpr int kSteps = 60;
+
+// The uninterrupted reference run (W=2), made once for the tests that compare against it; its
+// directory keeps every checkpoint (ckpt/step_5, step_10, ...).
+const TempDir& reference_run() {
+  static TempDir dir;
+  static bool done = [] {
+    RunResult r = run_fsdprun(under_fsdprun(2, base_args(dir.path(), kSteps)), {}, 120);
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return true;
+  }();
+  (void)done;
+  return dir;
+}
+
+const std::map<int64_t, StepMetrics>& reference_losses() {
+  static std::map<int64_t, StepMetrics> losses = read_metrics(reference_run() / "m0.jsonl");
+  return losses;
+}
+
+// ------------------------------------------------------------------ resume after a failure
+
+TEST(Trainer, KilledRankThenResumeAutoEndsWithTheLossesOfAnUninterruptedRun) {
+  const auto& want = reference_losses();
+  ASSERT_EQ(static_cast<int>(want.size()), kSteps);
+  TempDir dir;
+  const auto args = under_fsdprun(2, base_args(dir.path(), kSteps));
+  {
+    Fsdprun run(args);
+    ASSERT_TRUE(wait_for_step(dir / "m0.jsonl", 12));
+    const auto kids = children_of(run.pid());
+    ASSERT_EQ(kids.size(), 2u);
+    kill(kids.back(), SIGKILL);  // one rank dies without any warning
+    RunResult r = run.wait(60);
+    EXPECT_NE(r.exit_code, 0) << describe(r);
+  }
+  const int64_t reached = last_step_in(dir / "m0.jsonl");
+  ASSERT_LT(reached, kSteps) << "the run finished before it was killed";
+  RunResult r = run_fsdprun(args, {}, 120);  // training.resume: auto (configs/tiny.yaml)
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("resumed from"), std::string::npos) << r.out;
+  expect_same_losses(read_metrics(dir / "m0.jsonl"), want);
+}
+
+TEST(Trainer, FsdprunMaxRestartsResumesFromTheLatestCheckpointWithTheSameLosses) {
+  const auto& want = reference_losses();
+  TempDir dir;
+  Fsdprun run(under_fsdprun(2, base_args(dir.path(), kSteps), {"--max-restarts", "1"}));
+  ASSERT_TRUE(wait_for_step(dir / "m0.jsonl", 12));
+  const auto kids = children_of(run.pid());
+  ASSERT_EQ(kids.size(), 2u);
+  kill(kids.front(), SIGKILL);
+  RunResult r = run.wait(120);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("resumed from"), std::string::npos) << describe(r);
+  expect_same_losses(read_metrics(dir / "m0.jsonl"), want);
+}
+
+TEST(Trainer, SigtermSavesACheckpointAndTheResumedRunHasTheSameLosses) {
+  const auto& want = reference_losses();
+  TempDir dir;
+  const auto args = under_fsdprun(2, base_args(dir.path(), kSteps), {"--stop-grace-seconds", "30"});
+  {
+    Fsdprun run(args);
+    ASSERT_TRUE(wait_for_step(dir / "m0.jsonl", 7));
+    kill(run.pid(), SIGTERM);  // fsdprun forwards it to both ranks
+    RunResult r = run.wait(60);
+    EXPECT_NE(r.exit_code, 0) << describe(r);
+    EXPECT_NE(r.out.find("stop requested"), std::string::npos) << describe(r);
+  }
+  const int64_t stopped_at = last_step_in(dir / "m0.jsonl");
+  ASSERT_LT(stopped_at, kSteps);
+  // The stop saved exactly the step it stopped at, whatever the interval.
+  EXPECT_TRUE(std::filesystem::exists(dir / ("ckpt/step_" + std::to_string(stopped_at) + "/metadata.json")));
+  RunResult r = run_fsdprun(args, {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("at step " + std::to_string(stopped_at)), std::string::npos) << r.out;
+  expect_same_losses(read_metrics(dir / "m0.jsonl"), want);
+}
+
+// ------------------------------------------------------------------ other world sizes
+
+// Saved at W=2 (B=4 per rank) and resumed at W=1 (B=8) and W=4 (B=2): the same global batch,
+// so the continued losses match the W=2 run up to the order of floating-point sums.
+TEST(Trainer, CheckpointSavedAtTwoRanksResumesAtOneAndFourRanks) {
+  const auto& want = reference_losses();
+  TempDir dir;
+  const std::string ckpt = reference_run() / "ckpt/step_30";  // saved by 2 ranks
+  ASSERT_TRUE(std::filesystem::exists(ckpt + "/metadata.json"));
+  for (int world : {1, 4}) {
+    const std::string run_dir = dir / ("w" + std::to_string(world));
+    const auto args = with(base_args(run_dir, kSteps),
+                           {"--training.micro_batch_size=" + std::to_string(8 / world), "--training.resume=" + ckpt});
+    RunResult r = run_fsdprun(under_fsdprun(world, args), {}, 180);
+    ASSERT_EQ(r.exit_code, 0) << "W=" << world << ": " << describe(r);
+    const auto got = read_metrics(run_dir + "/m0.jsonl");
+    ASSERT_EQ(got.size(), static_cast<size_t>(kSteps - 30)) << "W=" << world;
+    for (const auto& [step, m] : got) {
+      EXPECT_NEAR(m.loss, want.at(step).loss, 1e-4 * std::abs(want.at(step).loss)) << "W=" << world << " step " << step;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ gradient accumulation
+
+// k micro-batches of B rows with one reduce-scatter = one batch of kB rows.
+TEST(Trainer, GradientAccumulationEqualsOneLargerBatch) {
+  TempDir dir;
+  auto run = [&](const std::string& name, int world, int batch, int accumulation) {
+    const auto args = with(base_args(dir / name, 4),
+                           {"--training.micro_batch_size=" + std::to_string(batch),
+                            "--training.gradient_accumulation_steps=" + std::to_string(accumulation),
+                            "--fsdp_config.checkpoint_interval=0"});
+    RunResult r = run_fsdprun(under_fsdprun(world, args), {}, 120);
+    EXPECT_EQ(r.exit_code, 0) << name << ": " << describe(r);
+    return read_metrics(dir / (name + "/m0.jsonl"));
+  };
+  const auto big = run("big", 2, 8, 1);
+  for (const auto& [name, world, batch, k] :
+       std::vector<std::tuple<std::string, int, int, int>>{{"k2", 2, 4, 2}, {"k4", 2, 2, 4}, {"w1k4", 1, 4, 4}}) {
+    const auto acc = run(name, world, batch, k);
+    ASSERT_EQ(acc.size(), big.size()) << name;
+    for (const auto& [step, m] : big) {
+      EXPECT_NEAR(acc.at(step).loss, m.loss, 1e-6) << name << " step " << step;
+      EXPECT_NEAR(acc.at(step).grad_norm, m.grad_norm, 1e-6) << name << " step " << step;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ stops with a message
+
+TEST(Trainer, NonFiniteLossStopsWithAClearMessage) {
+  TempDir dir;
+  const auto args = with(base_args(dir.path(), 20),
+                         {"--optimizer.lr=1e30", "--training.max_grad_norm=0", "--schedule.warmup_steps=0"});
+  RunResult r = run_fsdprun(under_fsdprun(2, args), {}, 120);
+  EXPECT_NE(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("non-finite"), std::string::npos) << describe(r);
+  EXPECT_LT(last_step_in(dir / "m0.jsonl"), 20);
+}
+
+// ------------------------------------------------------------------ the default run's pieces
+
+TEST(Trainer, TokenizeThenTrainOnATextFile) {
+  TempDir dir;
+  std::ofstream(dir / "text.txt") << std::string(200, 'a') + "the quick brown fox jumps over the lazy dog\n";
+  RunResult tok = Process(trainer_path(), {"tokenize", dir / "text.txt", dir / "text.tokens"}).wait(30);
+  ASSERT_EQ(tok.exit_code, 0) << describe(tok);
+  const auto args = with(base_args(dir.path(), 10),
+                         {"--model.vocab_size=256", "--data.source=tokens", "--data.path=" + dir / "text.tokens",
+                          "--training.seq_len=32", "--sample.length=16", "--sample.prompt=the ",
+                          "--training.export=" + dir / "model.pt"});
+  RunResult r = run_fsdprun(under_fsdprun(2, args), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("sample (16 tokens"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(dir / "model.pt"));
+  const auto losses = read_metrics(dir / "m0.jsonl");
+  ASSERT_EQ(losses.size(), 10u);
+  EXPECT_LT(losses.at(10).loss, losses.at(1).loss);
+}
+
+TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaits) {
+  TempDir dir;
+  const auto args = with(base_args(dir.path(), 3), {"--logging.trace=true", "--logging.trace_dir=" + dir / "trace"});
+  RunResult r = run_fsdprun(under_fsdprun(2, args), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  for (int rank : {0, 1}) {
+    const auto j = nlohmann::json::parse(read_file(dir / ("trace/trace_rank" + std::to_string(rank) + ".json")));
+    std::map<std::string, int> names;
+    for (const auto& e : j.at("traceEvents")) {
+      if (e.at("ph") != "X") continue;
+      const std::string name = e.at("name");
+      names[name.substr(0, name.find_first_of(" #"))]++;
+      if (name.rfind("wait", 0) == 0) names[name.substr(0, name.find(' ', 5))]++;
+    }
+    EXPECT_EQ(names["forward"], 3) << "rank " << rank;
+    EXPECT_EQ(names["backward"], 3);
+    EXPECT_EQ(names["optimizer"], 3);
+    EXPECT_GE(names["all_gather"], 3 * 3);  // 2 blocks + root per forward (and backward)
+    EXPECT_EQ(names["reduce_scatter"], 3 * 3);
+  }
+}
+
+// ------------------------------------------------------------------ bad configurations
+
+struct BadCase {
+  std::string name;
+  std::string yaml;                    // written to bad.yaml when not empty
+  std::vector<std::string> args;       // after the config file
+  std::string expected;                // in stderr
+  int nproc = 0;                       // > 0: under fsdprun with that many ranks
+};
+
+std::vector<BadCase> bad_cases() {
+  const std::string tiny = configs_dir() + "/tiny.yaml";
+  return {
+      {"UnknownKeyInFile", "training:\n  stepz: 3\n", {}, "unknown key 'training.stepz' (did you mean 'steps'?)"},
+      {"UnknownSection", "trainer:\n  steps: 3\n", {}, "unknown section 'trainer'"},
+      {"WrongType", "training:\n  steps: many\n", {}, "training.steps: expected an integer, got 'many'"},
+      {"NegativeSteps", "", {"--training.steps=-5"}, "training.steps: must be >= 1, got -5"},
+      {"MissingConfigFile", "", {}, "cannot open config file"},
+      {"InvalidYaml", "training: [steps: 3\n", {}, "invalid YAML"},
+      {"OverrideWithoutValue", "", {"--training.steps"}, "expected --section.key=value"},
+      {"UnknownOverrideKey", "", {"--optimizer.learning_rate=0.1"}, "unknown key 'optimizer.learning_rate'"},
+      {"BadBetas", "", {"--optimizer.betas=[0.9]"}, "optimizer.betas: expected a list [beta1, beta2]"},
+      {"BetaOutOfRange", "", {"--optimizer.beta2=1.5"}, "optimizer.beta2: must be in [0, 1)"},
+      {"MixedPrecisionUnsupported", "", {"--fsdp_config.mixed_precision=true"},
+       "fsdp_config.mixed_precision: true is not supported yet"},
+      {"HybridShardUnsupported", "", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"},
+       "fsdp_config.sharding_strategy: HYBRID_SHARD is not supported yet"},
+      {"CudaOnCpuBuild", "", {"--fsdp_config.device=cuda"}, "fsdp_config.device: cuda (this is a CPU build) is not supported yet"},
+      {"ModelParallelUnsupported", "", {"--fsdp_config.model_parallel_size=2"}, "model_parallel_size: 2 (> 1) is not supported yet"},
+      {"WorldSizeMismatch", "", {"--fsdp_config.world_size=4"}, "fsdp_config.world_size is 4 but the launcher started 2", 2},
+      {"SeqLongerThanModel", "", {"--training.seq_len=999"}, "training.seq_len (999) is longer than model.max_seq_len (16)"},
+      {"HeadsDoNotDivideDim", "", {"--model.n_heads=5"}, "model.dim (16) must be divisible by model.n_heads (5)"},
+      {"TokensWithoutPath", "", {"--data.source=tokens"}, "data.path: required when data.source is tokens"},
+      {"MissingTokenFile", "", {"--data.source=tokens", "--data.path=/nonexistent/x.tokens"},
+       "/nonexistent/x.tokens: cannot open the token file"},
+      {"TextInsteadOfTokenFile", "", {"--data.source=tokens", "--data.path=" + tiny}, "not a token file"},
+      {"MissingInitFrom", "", {"--model.init_from=/nonexistent/init.pt"}, "/nonexistent/init.pt"},
+      {"MissingResumeCheckpoint", "", {"--training.resume=/nonexistent/step_5"}, "/nonexistent/step_5"},
+      {"TwoConfigFiles", "", {tiny}, "only one is read"},
+  };
+}
+
+class BadConfig : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BadConfig, FailsNamingTheProblem) {
+  const BadCase& c = GetParam();
+  TempDir dir;
+  std::string config = configs_dir() + "/tiny.yaml";
+  if (c.name == "MissingConfigFile") config = dir / "missing.yaml";
+  if (!c.yaml.empty()) {
+    config = dir / "bad.yaml";
+    std::ofstream(config) << c.yaml;
+  }
+  std::vector<std::string> args = {config, "--fsdp_config.checkpoint_dir=" + dir / "ckpt", "--training.steps=2",
+                                   "--training.export=none"};
+  args.insert(args.end(), c.args.begin(), c.args.end());
+  RunResult r = c.nproc > 0 ? run_fsdprun(under_fsdprun(c.nproc, args), {}, 60)
+                            : Process(trainer_path(), args, {}, dir.path()).wait(60);
+  EXPECT_FALSE(r.timed_out) << describe(r);
+  EXPECT_NE(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.err.find(c.expected) == std::string::npos ? r.out.find(c.expected) : 0, std::string::npos)
+      << "expected: " << c.expected << "\n" << describe(r);
+}
+
+INSTANTIATE_TEST_SUITE_P(Trainer, BadConfig, ::testing::ValuesIn(bad_cases()),
+                         [](const ::testing::TestParamInfo<BadCase>& i) { return i.param.name; });
+
+}  // namespace
