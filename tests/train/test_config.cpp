@@ -104,6 +104,25 @@ TEST(TrainConfig, OverridesApplyAfterYaml) {
   EXPECT_EQ(load_config("", {"--logging.jsonl=x", "--logging.jsonl="}).logging.jsonl, "");
 }
 
+TEST(TrainConfig, TrainerKeys) {
+  TrainConfig c = load_config(kConfigs + "/gpl3.yaml",
+                              {"--model.init_from=init.pt", "--training.export=out.safetensors",
+                               "--training.keep_checkpoints=0", "--sample.length=5", "--sample.temperature=1.5",
+                               "--logging.summary_json=s.json", "--logging.trace_dir=t"});
+  EXPECT_EQ(c.model.init_from, "init.pt");
+  EXPECT_EQ(c.training.export_path, "out.safetensors");
+  EXPECT_EQ(c.training.keep_checkpoints, 0);
+  EXPECT_EQ(c.sample.length, 5);
+  EXPECT_DOUBLE_EQ(c.sample.temperature, 1.5);
+  EXPECT_EQ(c.sample.prompt, "The GNU General Public License is ");  // from the file
+  EXPECT_EQ(c.logging.summary_json, "s.json");
+  EXPECT_EQ(c.logging.trace_dir, "t");
+  EXPECT_EQ(c.data.source, "tokens");
+  EXPECT_THROW(load_config("", {"--sample.temperature=0"}), ConfigError);
+  EXPECT_THROW(load_config("", {"--sample.length=-1"}), ConfigError);
+  EXPECT_THROW(load_config("", {"--training.export="}), ConfigError);
+}
+
 TEST(TrainConfig, BetasAsSeparateKeys) {
   const std::string path = write_yaml("optimizer:\n  beta1: 0.5\n  beta2: 0.6\n");
   TrainConfig c = load_config(path, {"--optimizer.beta2=0.7"});

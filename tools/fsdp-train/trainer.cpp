@@ -133,6 +133,10 @@ class Run {
   void save_checkpoint(int64_t step, bool async);
   StepReport train_step(int64_t step);
   std::vector<RankStep> gather_rank_numbers(const RankStep& mine, bool stop_requested, bool* any_stop);
+  bool report_step(StepReport& r);
+  int stop_non_finite(int64_t step, double loss);
+  int stop_on_signal(int64_t step);
+  void write_trace();
   void finish(int64_t last_step);
   void export_and_sample();
   void write_summary(int64_t steps_run);
@@ -167,7 +171,6 @@ class Run {
   int64_t tokens_seen_ = 0;
   int64_t last_saved_step_ = -1;
   std::vector<double> losses_, step_times_;
-  std::vector<double> tokens_per_s_;
   CollectiveStats comm_before_;
 };
 
@@ -316,7 +319,10 @@ StepReport Run::train_step(int64_t step) {
                       ? clip_grad_norm_(model_->parameters(), cfg_.training.max_grad_norm)
                       : NAN;
     optimizer_->step();
-    optimizer_->zero_grad();
+    // Drop the gradients rather than zeroing them (PyTorch's zero_grad(set_to_none=True)): the
+    // next backward's reduce-scatter writes fresh ones, and forward runs without them in memory.
+    for (auto& group : optimizer_->param_groups())
+      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
   }
   r.optimizer_s = now_seconds() - o0;
   r.step_s = now_seconds() - t0;
@@ -341,16 +347,18 @@ StepReport Run::train_step(int64_t step) {
 
 int Run::main() {
   set_up();
-  console_ = std::make_unique<Console>(rank_ == 0 ? cfg_.logging.progress : "off", 0, cfg_.training.steps);
+  console_ = std::make_unique<Console>("off", 0, cfg_.training.steps);  // resume() may print
   resume();
+  // The whole model built before sharding, a loaded state dict or checkpoint: blocks that the
+  // training steps will not ask for again. Give them back instead of keeping them cached.
+  memory::empty_cache();
   console_ = std::make_unique<Console>(rank_ == 0 ? cfg_.logging.progress : "off", start_step_, cfg_.training.steps);
   const std::string jsonl = jsonl_path_for_rank(cfg_.logging.jsonl, rank_);
   if (!jsonl.empty()) jsonl_.open(jsonl, /*append=*/start_step_ > 0);
   print("fsdp-train: " + std::to_string(full_parameter_count()) + " parameters (" + cfg_.model.preset +
-        " preset), " + std::to_string(args_.n_layers) + " blocks sharded over " +
-        std::to_string(world_) + " rank(s), " + to_string(cfg_.fsdp_config.sharding_strategy) + "; " +
-        data_->describe() + "; global batch " + std::to_string(world_ * accumulation_ * batch_) + " x " +
-        std::to_string(seq_) + " tokens");
+        " preset), " + std::to_string(args_.n_layers) + " blocks sharded over " + std::to_string(world_) +
+        " rank(s), " + to_string(cfg_.fsdp_config.sharding_strategy) + "; " + data_->describe() + "; global batch " +
+        std::to_string(world_ * accumulation_ * batch_) + " x " + std::to_string(seq_) + " tokens");
   if (start_step_ >= cfg_.training.steps) {
     print("training already complete at step " + std::to_string(start_step_) + " (training.steps " +
           std::to_string(cfg_.training.steps) + ")");
@@ -363,61 +371,71 @@ int Run::main() {
   }
   comm_before_ = mesh_.get_group(0)->stats();
 
-  int64_t step = start_step_;
-  while (step < cfg_.training.steps) {
-    ++step;
+  const int64_t interval = cfg_.fsdp_config.checkpoint_interval;
+  for (int64_t step = start_step_ + 1; step <= cfg_.training.steps; ++step) {
     StepReport r = train_step(step);
     done_steps_ = step;
-    // r.loss is this rank's loss until the gather turns it into the global-batch mean.
-    const RankStep mine{r.loss, memory::allocated_bytes() / kMiB, memory::max_allocated_bytes() / kMiB,
-                        memory::current_rss_bytes() / kMiB};
-    bool stop = false;
-    r.ranks = gather_rank_numbers(mine, g_stop_signal.load() != 0, &stop);
-    double loss = 0;
-    for (const RankStep& q : r.ranks) loss += q.local_loss;
-    r.loss = loss / world_;
-    losses_.push_back(r.loss);
-    step_times_.push_back(r.step_s);
-    tokens_per_s_.push_back(r.tokens_per_s);
-    jsonl_.write(r, rank_);
-    if (rank_ == 0 && (step % cfg_.logging.log_interval == 0 || step == cfg_.training.steps))
-      console_->step_line(r);
-
-    if (!std::isfinite(r.loss)) {
-      print("fsdp-train: stopping: the loss is " + std::to_string(r.loss) + " at step " + std::to_string(step) +
-            " (non-finite). Nothing is saved from this step; the last checkpoint is " +
-            (last_saved_step_ >= 0 ? "step " + std::to_string(last_saved_step_) : std::string("none")) +
-            ". Lower optimizer.lr or set training.max_grad_norm.");
-      checkpoints_->wait();
-      if (rank_ != 0) std::cerr << "fsdp-train: stopping: non-finite loss at step " << step << "\n";
-      return kExitNonFinite;
-    }
-    const int64_t interval = cfg_.fsdp_config.checkpoint_interval;
-    if (stop) {
-      save_checkpoint(step, /*async=*/false);
-      const int sig = g_stop_signal.load();
-      print("fsdp-train: stop requested (signal " + std::to_string(sig ? sig : SIGTERM) + ") — saved step " +
-            std::to_string(step) + " to " + cfg_.fsdp_config.checkpoint_dir + "; run again with training.resume: auto to continue");
-      checkpoints_->wait();
-      return 128 + (sig ? sig : SIGTERM);
-    }
+    const bool stop_requested = report_step(r);
+    if (!std::isfinite(r.loss)) return stop_non_finite(step, r.loss);
+    if (stop_requested) return stop_on_signal(step);
     if (interval > 0 && step % interval == 0 && step < cfg_.training.steps) save_checkpoint(step, /*async=*/true);
   }
-  finish(step);
+  finish(cfg_.training.steps);
   return kExitOk;
+}
+
+// Turns r.loss (this rank's) into the global-batch mean and logs the step. Returns whether any
+// rank was asked to stop by a signal.
+bool Run::report_step(StepReport& r) {
+  const RankStep mine{r.loss, memory::allocated_bytes() / kMiB, memory::max_allocated_bytes() / kMiB,
+                      memory::current_rss_bytes() / kMiB};
+  bool stop = false;
+  r.ranks = gather_rank_numbers(mine, g_stop_signal.load() != 0, &stop);
+  double loss = 0;
+  for (const RankStep& q : r.ranks) loss += q.local_loss;
+  r.loss = loss / world_;
+  losses_.push_back(r.loss);
+  step_times_.push_back(r.step_s);
+  jsonl_.write(r, rank_);
+  if (rank_ == 0 && (r.step % cfg_.logging.log_interval == 0 || r.step == cfg_.training.steps))
+    console_->step_line(r);
+  return stop;
+}
+
+int Run::stop_non_finite(int64_t step, double loss) {
+  print("fsdp-train: stopping: the loss is " + std::to_string(loss) + " at step " + std::to_string(step) +
+        " (non-finite). Nothing is saved from this step; the last checkpoint is " +
+        (last_saved_step_ >= 0 ? "step " + std::to_string(last_saved_step_) : std::string("none")) +
+        ". Lower optimizer.lr or set training.max_grad_norm.");
+  checkpoints_->wait();
+  write_trace();
+  return kExitNonFinite;
+}
+
+// Every rank gets here at the same step (the stop request travels with the step's numbers).
+int Run::stop_on_signal(int64_t step) {
+  save_checkpoint(step, /*async=*/false);
+  const int sig = g_stop_signal.load() ? g_stop_signal.load() : SIGTERM;  // another rank's signal
+  print("fsdp-train: stop requested (signal " + std::to_string(sig) + "): saved step " + std::to_string(step) +
+        " to " + *checkpoints_->latest() + "; run again with training.resume: auto to continue");
+  write_trace();
+  return 128 + sig;
+}
+
+void Run::write_trace() {
+  if (!cfg_.logging.trace) return;
+  trace::stop();
+  std::filesystem::create_directories(cfg_.logging.trace_dir);
+  const std::string path = cfg_.logging.trace_dir + "/trace_rank" + std::to_string(rank_) + ".json";
+  const int64_t n = trace::write_chrome_trace(path, rank_);
+  print("trace: " + path + " (" + std::to_string(n) + " spans; one file per rank, open in ui.perfetto.dev)");
 }
 
 void Run::finish(int64_t last_step) {
   if (cfg_.fsdp_config.checkpoint_interval > 0 && last_saved_step_ != last_step) save_checkpoint(last_step, false);
   checkpoints_->wait();
   if (last_saved_step_ == last_step) print("checkpoint: " + *checkpoints_->latest());
-  if (cfg_.logging.trace) {
-    trace::stop();
-    std::filesystem::create_directories(cfg_.logging.trace_dir);
-    const std::string path = cfg_.logging.trace_dir + "/trace_rank" + std::to_string(rank_) + ".json";
-    const int64_t n = trace::write_chrome_trace(path, rank_);
-    print("trace: " + path + " (" + std::to_string(n) + " spans; one file per rank, open in ui.perfetto.dev)");
-  }
+  write_trace();
   if (last_step > start_step_) write_summary(last_step - start_step_);
   export_and_sample();
 }
