@@ -211,7 +211,7 @@ void Run::set_up() {
 
 // Model, optimizer and the loop's own state, under one key space:
 //   model.<fqn>, optim.state.<fqn>.<name>, optim.param_groups.<fqn>.<option>,
-//   trainer.step, trainer.tokens_seen, trainer.rng (the CPU generator, for dropout).
+//   trainer.counters ([steps done, tokens seen]), trainer.rng (the CPU generator, for dropout).
 // The data position is the step: a step's batch depends only on it (data.h).
 ShardedStateDict Run::checkpoint_state() {
   ShardedStateDict sd;
