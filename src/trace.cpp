@@ -99,7 +99,10 @@ int64_t write_chrome_trace(const std::string& path, int pid) {
   for (const Event& e : r.events) {
     nlohmann::json j = {{"ph", "X"}, {"cat", e.category}, {"name", e.name}, {"pid", pid}, {"tid", e.tid},
                         {"ts", us(e.begin)}, {"dur", us(e.end) - us(e.begin)}};
-    if (!e.args.empty()) j["args"] = nlohmann::json::parse(e.args, nullptr, /*allow_exceptions=*/false);
+    if (!e.args.empty()) {
+      nlohmann::json args = nlohmann::json::parse(e.args, nullptr, /*allow_exceptions=*/false);
+      j["args"] = args.is_discarded() ? nlohmann::json{{"text", e.args}} : args;  // not JSON: keep it as text
+    }
     events.push_back(std::move(j));
   }
   nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"},

@@ -2,14 +2,15 @@
 // (chrome://tracing) or Perfetto (ui.perfetto.dev).
 //
 //   fsdp::trace::start();                      // begin recording (off by default)
-//   { fsdp::trace::Span s("forward", "compute"); ... }
+//   { fsdp::trace::Span s("compute", "forward"); ... }
 //   fsdp::trace::write_chrome_trace("trace_rank0.json", /*pid=*/rank);
 //
 // While recording, the library adds spans of its own: every collective as it runs on its
-// group's communication thread ("all_gather #12 (group)"), and the time the training thread
-// spends waiting for an all-gather or a reduce-scatter ("wait all_gather layers.0"). A span on
-// the communication thread with no wait span under it on the training thread is communication
-// hidden behind compute. When recording is off a Span costs one relaxed atomic load.
+// group's communication thread ("all_gather #12", with its group and input bytes), and the time
+// the training thread spends waiting for an all-gather or a reduce-scatter ("wait all_gather
+// layers.0"). A span on the communication thread with no wait span under it on the training
+// thread is communication hidden behind compute. When recording is off a Span costs building its name and one relaxed
+// atomic load; the library's own spans skip even the name.
 #pragma once
 
 #include <chrono>

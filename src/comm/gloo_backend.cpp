@@ -258,8 +258,9 @@ void GlooProcessGroup::run_loop() {
       const auto end = Clock::now();
       count_busy(task.op.kind, std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count());
       if (trace::enabled()) {
+        const int64_t bytes = task.op.input.defined() ? static_cast<int64_t>(task.op.input.nbytes()) : 0;
         trace::record("comm", std::string(to_string(task.op.kind)) + " #" + std::to_string(seq), start, end,
-                      "{\"group\": \"" + name() + "\", \"bytes\": " + std::to_string(task.op.input.defined() ? task.op.input.nbytes() : 0) + "}");
+                      "{\"group\": \"" + name() + "\", \"input_bytes\": " + std::to_string(bytes) + "}");
       }
     }
     task.work->finish(error);
