@@ -299,11 +299,13 @@ TEST(Trainer, TokenizeThenTrainOnATextFile) {
   EXPECT_LT(losses.at(10).loss, losses.at(1).loss);
 }
 
-TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaits) {
+TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaitsAndSafetensorsExport) {
   TempDir dir;
-  const auto args = with(base_args(dir.path(), 3), {"--logging.trace=true", "--logging.trace_dir=" + dir / "trace"});
+  const auto args = with(base_args(dir.path(), 3), {"--logging.trace=true", "--logging.trace_dir=" + dir / "trace",
+                                                    "--training.export=" + dir / "model.safetensors"});
   RunResult r = run_fsdprun(under_fsdprun(2, args), {}, 120);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(std::filesystem::exists(dir / "model.safetensors/model.safetensors.index.json")) << describe(r);
   for (int rank : {0, 1}) {
     const auto j = nlohmann::json::parse(read_file(dir / ("trace/trace_rank" + std::to_string(rank) + ".json")));
     std::map<std::string, int> names;

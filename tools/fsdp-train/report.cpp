@@ -61,6 +61,35 @@ std::string format_step_line(const StepReport& r) {
   return s.str();
 }
 
+std::vector<double> RankTotals::to_vector() const {
+  return {peak_rss_mib, peak_tensor_mib, median_step_s, ag_s, ag_wait_s, rs_s, rs_wait_s};
+}
+
+RankTotals RankTotals::from(const double* f) { return RankTotals{f[0], f[1], f[2], f[3], f[4], f[5], f[6]}; }
+
+std::string format_summary(int64_t steps_run, double first_loss, double last_loss, double median_step_s,
+                           size_t warmup, double tokens_per_s, const std::vector<RankTotals>& ranks) {
+  std::ostringstream s;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "summary: %lld steps, loss %.4f -> %.4f\n", static_cast<long long>(steps_run),
+                first_loss, last_loss);
+  s << buf;
+  std::snprintf(buf, sizeof buf, "  median step %.4f s (steps after the first %zu), %s tokens/s\n", median_step_s,
+                warmup, grouped(tokens_per_s).c_str());
+  s << buf;
+  for (size_t q = 0; q < ranks.size(); ++q) {
+    const RankTotals& r = ranks[q];
+    const double exposed = r.ag_wait_s + r.rs_wait_s;
+    std::snprintf(buf, sizeof buf,
+                  "  rank %zu: peak RSS %.1f MiB, peak tensors %.1f MiB; all-gather %.3f s + reduce-scatter %.3f s "
+                  "of communication, %.3f s exposed (waited for), %.3f s hidden\n",
+                  q, r.peak_rss_mib, r.peak_tensor_mib, r.ag_s, r.rs_s, exposed,
+                  std::max(0.0, r.ag_s + r.rs_s - exposed));
+    s << buf;
+  }
+  return s.str();
+}
+
 Console::Console(const std::string& progress, int64_t first_step, int64_t steps)
     : first_step_(first_step), steps_(steps), started_(now_seconds()) {
   bar_ = progress == "on" || (progress == "auto" && isatty(STDOUT_FILENO));

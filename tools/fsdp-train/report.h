@@ -37,6 +37,22 @@ struct StepReport {
   double ag_busy_s = 0, ag_wait_s = 0, rs_busy_s = 0, rs_wait_s = 0;
 };
 
+// One rank's totals over the run, for the summary.
+struct RankTotals {
+  double peak_rss_mib = 0;     // VmHWM
+  double peak_tensor_mib = 0;  // peak of tensor bytes
+  double median_step_s = 0;
+  double ag_s = 0, ag_wait_s = 0, rs_s = 0, rs_wait_s = 0;  // all-gather / reduce-scatter: busy, waited for
+  static constexpr int kFields = 7;
+  std::vector<double> to_vector() const;
+  static RankTotals from(const double* fields);
+};
+
+// The summary's text: loss, tokens/s, and per rank peak memory and communication hidden vs
+// exposed (exposed = waited for; hidden = busy - exposed).
+std::string format_summary(int64_t steps_run, double first_loss, double last_loss, double median_step_s,
+                           size_t warmup, double tokens_per_s, const std::vector<RankTotals>& ranks);
+
 class Console {
  public:
   // progress: "auto" (when stdout is a terminal), "on" or "off".
