@@ -96,7 +96,7 @@ Console::Console(const std::string& progress, int64_t first_step, int64_t steps)
 }
 
 void Console::clear_bar() {
-  if (bar_drawn_) std::cout << "\r\033[K";
+  if (bar_drawn_) std::cout << "\r\033[K";  // back to the line's start, erase it
   bar_drawn_ = false;
 }
 
@@ -118,6 +118,12 @@ void Console::step_line(const StepReport& r) {
   std::cout << format_step_line(r) << "\n";
   draw_bar(r.step);
   std::cout << std::flush;
+}
+
+void Console::progress(int64_t step) {
+  if (!bar_) return;
+  clear_bar();
+  draw_bar(step);
 }
 
 void Console::line(const std::string& text) {

@@ -59,6 +59,8 @@ class Console {
   Console(const std::string& progress, int64_t first_step, int64_t steps);
   // The step line (rank 0, every log_interval steps and the last), then the bar.
   void step_line(const StepReport& r);
+  // Moves the bar to `step` (steps without a line).
+  void progress(int64_t step);
   // A line of its own (clears and redraws the bar around it).
   void line(const std::string& text);
   // Removes the bar for good.

@@ -408,8 +408,10 @@ bool Run::report_step(StepReport& r) {
   losses_.push_back(r.loss);
   step_times_.push_back(r.step_s);
   jsonl_.write(r, rank_);
-  if (rank_ == 0 && (r.step % cfg_.logging.log_interval == 0 || r.step == cfg_.training.steps))
-    console_->step_line(r);
+  if (rank_ == 0) {
+    if (r.step % cfg_.logging.log_interval == 0 || r.step == cfg_.training.steps) console_->step_line(r);
+    else console_->progress(r.step);
+  }
   return stop;
 }
 
