@@ -299,6 +299,32 @@ TEST(Trainer, TokenizeThenTrainOnATextFile) {
   EXPECT_LT(losses.at(10).loss, losses.at(1).loss);
 }
 
+// model.init_from reads what Python's torch.save wrote: here our own export, saved again by
+// Python torch; a run with a vanishing learning rate exports the same weights back.
+TEST(Trainer, StartsFromATorchSaveFile) {
+  TempDir dir;
+  const auto common = [&](const std::string& name, int steps) {
+    return with(base_args(dir / name, steps),
+                {"--fsdp_config.checkpoint_interval=0", "--training.export=" + dir / (name + ".pt")});
+  };
+  RunResult a = run_fsdprun(under_fsdprun(2, common("a", 3)), {}, 120);
+  ASSERT_EQ(a.exit_code, 0) << describe(a);
+  const std::string python = "import sys, torch\n"
+                             "torch.save(dict(torch.load(sys.argv[1])), sys.argv[2])\n";
+  std::ofstream(dir / "resave.py") << python;
+  ASSERT_EQ(std::system(("/usr/bin/python3 " + dir / "resave.py" + " " + dir / "a.pt" + " " + dir / "init.pt").c_str()), 0);
+  RunResult b = run_fsdprun(under_fsdprun(2, with(common("b", 1), {"--model.init_from=" + dir / "init.pt",
+                                                                   "--optimizer.lr=1e-30", "--schedule.min_lr=0"})),
+                            {}, 120);
+  ASSERT_EQ(b.exit_code, 0) << describe(b);
+  std::ofstream(dir / "compare.py") << "import sys, torch\n"
+                                        "a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])\n"
+                                        "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
+                                        "for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k\n"
+                                        "print('OK', len(a))\n";
+  EXPECT_EQ(std::system(("/usr/bin/python3 " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
+}
+
 TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaitsAndSafetensorsExport) {
   TempDir dir;
   const auto args = with(base_args(dir.path(), 3), {"--logging.trace=true", "--logging.trace_dir=" + dir / "trace",
@@ -362,6 +388,8 @@ std::vector<BadCase> bad_cases() {
       {"MissingInitFrom", "", {"--model.init_from=/nonexistent/init.pt"}, "/nonexistent/init.pt"},
       {"MissingResumeCheckpoint", "", {"--training.resume=/nonexistent/step_5"}, "/nonexistent/step_5"},
       {"TwoConfigFiles", "", {tiny}, "only one is read"},
+      {"MinLrAboveLr", "", {"--optimizer.lr=1e-4", "--schedule.min_lr=1e-3"},
+       "schedule.min_lr (0.001) must not exceed optimizer.lr (0.0001)"},
   };
 }
 

@@ -346,10 +346,16 @@ TrainConfig load_config(const std::string& yaml_path, const std::vector<std::str
   Loader loader(cfg);
   if (!yaml_path.empty()) load_file(loader, yaml_path);
   for (const auto& o : overrides) apply_override(loader, o);
-  // The one rule across keys that needs no model knowledge.
+  // The rules across keys that need no model knowledge.
+  const std::string where = yaml_path.empty() ? std::string("command line") : yaml_path;
   if (cfg.data.source == "tokens" && cfg.data.path.empty())
-    throw ConfigError((yaml_path.empty() ? std::string("command line") : yaml_path) +
-                      ": data.path: required when data.source is tokens");
+    throw ConfigError(where + ": data.path: required when data.source is tokens");
+  if (cfg.schedule.min_lr > cfg.optimizer.lr) {
+    std::ostringstream msg;
+    msg << where << ": schedule.min_lr (" << cfg.schedule.min_lr << ") must not exceed optimizer.lr ("
+        << cfg.optimizer.lr << ")";
+    throw ConfigError(msg.str());
+  }
   return cfg;
 }
 

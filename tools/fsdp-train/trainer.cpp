@@ -89,15 +89,15 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
   return d;
 }
 
-// Linear warm-up to lr over warmup_steps, cosine to min_lr over decay_steps, then min_lr.
-// `step` is 1-based.
+// Linear warm-up to lr over warmup_steps, then cosine from lr to min_lr over decay_steps, then
+// min_lr. `step` is 1-based; as in PyTorch's CosineAnnealingLR, the first step after the warm-up
+// runs at the full lr and the decay reaches min_lr after its last step.
 double lr_at(const TrainConfig& cfg, int64_t step) {
   const double lr = cfg.optimizer.lr, min_lr = cfg.schedule.min_lr;
   const int64_t warmup = cfg.schedule.warmup_steps;
   if (step <= warmup) return lr * static_cast<double>(step) / static_cast<double>(warmup);
   const int64_t decay = cfg.schedule.decay_steps > 0 ? cfg.schedule.decay_steps : cfg.training.steps - warmup;
-  if (decay <= 0) return lr;
-  const double t = std::min(1.0, static_cast<double>(step - warmup) / static_cast<double>(decay));
+  const double t = std::min(1.0, static_cast<double>(step - warmup - 1) / static_cast<double>(std::max<int64_t>(decay, 1)));
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * t));
 }
 
