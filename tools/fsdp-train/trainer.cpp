@@ -366,10 +366,12 @@ int Run::main() {
   console_ = std::make_unique<Console>(rank_ == 0 ? cfg_.logging.progress : "off", start_step_, cfg_.training.steps);
   const std::string jsonl = jsonl_path_for_rank(cfg_.logging.jsonl, rank_);
   if (!jsonl.empty()) jsonl_.open(jsonl, /*append=*/start_step_ > 0);
-  print("fsdp-train: " + std::to_string(full_parameter_count()) + " parameters (" + cfg_.model.preset +
-        " preset), " + std::to_string(args_.n_layers) + " blocks sharded over " + std::to_string(world_) +
-        " rank(s), " + to_string(cfg_.fsdp_config.sharding_strategy) + "; " + data_->describe() + "; global batch " +
-        std::to_string(world_ * accumulation_ * batch_) + " x " + std::to_string(seq_) + " tokens");
+  std::ostringstream hello;
+  hello << "fsdp-train: " << full_parameter_count() << " parameters (" << args_.n_layers << " layers, dim " << args_.dim
+        << ", " << args_.n_heads << " heads, vocab " << args_.vocab_size << ", max_seq_len " << args_.max_seq_len
+        << ") sharded over " << world_ << " rank(s), " << to_string(cfg_.fsdp_config.sharding_strategy) << "; "
+        << data_->describe() << "; global batch " << world_ * accumulation_ * batch_ << " x " << seq_ << " tokens";
+  print(hello.str());
   if (start_step_ >= cfg_.training.steps) {
     print("training already complete at step " + std::to_string(start_step_) + " (training.steps " +
           std::to_string(cfg_.training.steps) + ")");
