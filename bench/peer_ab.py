@@ -495,6 +495,7 @@ def render(out: str, meta: dict) -> str:
             f"{fmt(rss_ratio, '.3f')}{verdict(rss_ratio, TARGET_RSS_RATIO) if judged else ''} | "
             f"{fmt(dloss, '.2e')}{verdict(dloss, TARGET_LOSS_DIFF) if judged else ''} | "
             f"{'; '.join(notes)} |")
+    lines += comm_table(out, cells, pairs)
     lines += ["", "Runs (in the order run: for each pair, ours then peer):", "",
               "| preset | W | pair | side | status | median step s | tok/s | peak RSS MiB per rank | "
               "final loss | threads | wall s |",
@@ -510,6 +511,33 @@ def render(out: str, meta: dict) -> str:
             f"{fmt(r.get('tokens_per_s'), '.0f')} | {rss_s} | {_final(r)} | {r.get('torch_threads', '?')} | "
             f"{fmt(r.get('_wall_s'), '.0f')} |")
     return "\n".join(lines) + "\n"
+
+
+def comm_table(out: str, cells: list, pairs: int) -> list:
+    """Where our step time goes at W > 1, from fsdp-train's summary: per step (run totals / steps,
+    mean over ranks), median over the runs; exposed = waited for by the training thread."""
+    fields = ("all_gather_s_per_rank", "all_gather_wait_s_per_rank",
+              "reduce_scatter_s_per_rank", "reduce_scatter_wait_s_per_rank")
+    lines = ["", "Ours, communication per step (run totals / steps, mean over ranks, median over runs):", "",
+             "| preset | W | step s | all-gather busy / waited for s | reduce-scatter busy / waited for s | "
+             "exposed, % of step |",
+             "|---|---|---|---|---|---|"]
+    for cell in cells:
+        if cell["world"] < 2:
+            continue
+        per_run = []
+        for k in range(1, pairs + 1):
+            _, r = load_side(out, cell, k, "ours")
+            if r is None or not all(f in r for f in fields):
+                continue
+            per_step = [statistics.mean(r[f]) / r["steps"] for f in fields]
+            per_run.append([r["median_step_s"]] + per_step)
+        if not per_run:
+            continue
+        step, ag, agw, rs, rsw = (med(list(col)) for col in zip(*per_run))
+        lines.append(f"| {cell['preset']} | {cell['world']} | {step:.4g} | {ag:.3f} / {agw:.3f} | "
+                     f"{rs:.3f} / {rsw:.3f} | {100 * (agw + rsw) / step:.0f} % |")
+    return lines
 
 
 # --------------------------------------------------------------------------- main

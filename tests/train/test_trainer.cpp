@@ -411,7 +411,7 @@ TEST_P(BadConfig, FailsNamingTheProblem) {
                             : Process(trainer_path(), args, {}, dir.path()).wait(60);
   EXPECT_FALSE(r.timed_out) << describe(r);
   EXPECT_NE(r.exit_code, 0) << describe(r);
-  EXPECT_NE(r.err.find(c.expected) == std::string::npos ? r.out.find(c.expected) : 0, std::string::npos)
+  EXPECT_NE((r.err + r.out).find(c.expected), std::string::npos)
       << "expected: " << c.expected << "\n" << describe(r);
 }
 

@@ -101,9 +101,12 @@ void write_token_file(const std::string& path, const std::vector<uint32_t>& ids,
 }
 
 std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw std::runtime_error(path + ": cannot open the token file (data.path)");
-  const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::string bytes(static_cast<size_t>(f.tellg()), '\0');
+  f.seekg(0);
+  if (!f.read(bytes.data(), static_cast<std::streamsize>(bytes.size())))
+    throw std::runtime_error(path + ": reading the token file failed");
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
   if (bytes.size() < kHeaderBytes || std::memcmp(p, kMagic, 8) != 0)
     throw std::runtime_error(path + ": not a token file (no FSDPTOK header); make one with `fsdp-train tokenize`");

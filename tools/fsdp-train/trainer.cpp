@@ -166,7 +166,9 @@ class Run {
     return n;
   }
   void print(const std::string& text) {
-    if (rank_ == 0) console_->line(text);
+    if (rank_ != 0) return;
+    if (console_) console_->line(text);
+    else std::cout << text << "\n" << std::flush;  // before the console exists (resume)
   }
 
   const TrainConfig& cfg_;
@@ -358,7 +360,6 @@ StepReport Run::train_step(int64_t step) {
 
 int Run::main() {
   set_up();
-  console_ = std::make_unique<Console>("off", 0, cfg_.training.steps);  // resume() may print
   resume();
   // The whole model built before sharding, a loaded state dict or checkpoint: blocks that the
   // training steps will not ask for again. Give them back instead of keeping them cached.
