@@ -1,4 +1,4 @@
-// example_util.h — what the two seed-001 examples share: their command line and their data.
+// example_util.h — what the two training examples share: their command line and their data.
 #pragma once
 
 #include <ATen/CPUGeneratorImpl.h>

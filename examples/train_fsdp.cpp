@@ -1,7 +1,7 @@
-// train_fsdp — train a Transformer with fully_shard (FSDP2): the C++ version of the first
-// script of seed 001, "implicit prefetch". The training loop is the one you would write for a
-// single process; FSDP all-gathers each block's parameters just before it runs and
-// reduce-scatters its gradients in backward.
+// train_fsdp — train a Transformer with fully_shard (FSDP2): the C++ version of PyTorch's FSDP2
+// training example with implicit prefetch (its default). The training loop is the one you
+// would write for a single process; FSDP all-gathers each block's parameters just before it
+// runs and reduce-scatters its gradients in backward.
 //
 //   build/tools/fsdprun/fsdprun --standalone --nproc-per-node 2 build/examples/train_fsdp
 //       [--steps 10] [--batch 8] [--seq S] [--preset tiny|small|medium]

@@ -1,6 +1,6 @@
 // train_fsdp_explicit_prefetch — train_fsdp.cpp with explicit prefetching: the C++ version of
-// the second script of seed 001. Everything is the same as in train_fsdp.cpp except the parts
-// marked "explicit prefetch":
+// PyTorch's FSDP2 training example run with --explicit-prefetch. Everything is the same as in
+// train_fsdp.cpp except the parts marked "explicit prefetch":
 //   - while block i runs forward, the all-gathers of blocks i+1 and i+2 are already issued
 //     (set_modules_to_forward_prefetch); in backward, block i prefetches blocks i-1 and i-2
 //     (set_modules_to_backward_prefetch). More overlap of communication with compute, at the
@@ -69,9 +69,9 @@ int main(int argc, char** argv) {
   for (auto& block : model->blocks()) blocks.push_back(fsdp::fully_shard(block, fsdp::FullyShardOptions().mesh(mesh)));
   fsdp::FSDPModule root = fsdp::fully_shard(model, fsdp::FullyShardOptions().mesh(mesh));
 
-  // Explicit prefetch. Seed 001 skips the blocks that do not have two neighbours; here a block
-  // near either end prefetches the one neighbour it has (a one-element list behaves like the
-  // default), so that the 2-block tiny preset gets prefetching too.
+  // Explicit prefetch. PyTorch's example skips the blocks that do not have two neighbours; here
+  // a block near either end prefetches the one neighbour it has (a one-element list behaves like
+  // the default), so that the 2-block tiny preset gets prefetching too.
   const int num_to_forward_prefetch = 2, num_to_backward_prefetch = 2;
   const int n_blocks = static_cast<int>(blocks.size());
   for (int i = 0; i < n_blocks; ++i) {

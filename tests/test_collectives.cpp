@@ -177,7 +177,9 @@ TEST(Collectives, BroadcastAndBarrier) {
       const auto start = std::chrono::steady_clock::now();
       if (r == W - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
       pg->barrier()->wait();
-      if (W > 1) EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(200));
+      if (W > 1) {
+        EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(200));
+      }
     });
   }
 }
@@ -244,7 +246,9 @@ TEST(Collectives, AMissingRankTimesOutWithANamedError) {
         EXPECT_NE(msg.find("'world'"), std::string::npos) << msg;
         // With W = 3 the other waiting rank may see the first one's connections close just
         // before its own deadline; who did not arrive is reported either way.
-        if (W == 2) EXPECT_NE(msg.find("timed out after 1500 ms"), std::string::npos) << msg;
+        if (W == 2) {
+          EXPECT_NE(msg.find("timed out after 1500 ms"), std::string::npos) << msg;
+        }
         EXPECT_NE(msg.find("ranks that did not arrive: [" + std::to_string(W - 1) + "]"), std::string::npos) << msg;
       }
       const auto elapsed = std::chrono::steady_clock::now() - start;

@@ -105,7 +105,9 @@ TEST(DTensor, SourceRankDataIsUsed) {
     at::Tensor mine = r == 1 ? full : at::zeros({4, 2});  // only mesh rank 1 has the data
     auto d = fsdp::distribute_tensor(mine, mesh, {Shard(0)}, /*src_data_rank=*/1);
     EXPECT_TRUE(d.full_tensor().equal(full));
-    if (r != 1) EXPECT_TRUE(mine.equal(at::zeros({4, 2})));  // the caller's tensor is untouched
+    if (r != 1) {
+      EXPECT_TRUE(mine.equal(at::zeros({4, 2})));  // the caller's tensor is untouched
+    }
   });
 }
 

@@ -268,3 +268,56 @@ TEST(FsdpRuntime, ManualUnshardAndReshard) {
     EXPECT_THROW(fsdp::get_fsdp_module(*plain), c10::Error);
   });
 }
+
+namespace {
+// a -> a -> b -> head, with {a, b} sharded as one group: the group's forward is one round
+// that ends when both modules have run, however often a runs first.
+struct RepeatsFirstOfGroupImpl : torch::nn::Module {
+  RepeatsFirstOfGroupImpl() {
+    a = register_module("a", torch::nn::Linear(6, 6));
+    b = register_module("b", torch::nn::Linear(6, 6));
+    head = register_module("head", torch::nn::Linear(6, 1));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = at::tanh(fsdp::call(a, x));
+    h = at::tanh(fsdp::call(a, h));
+    return fsdp::call(head, at::tanh(fsdp::call(b, h)));
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, head{nullptr};
+};
+TORCH_MODULE(RepeatsFirstOfGroup);
+}  // namespace
+
+TEST(FsdpRuntime, GroupOfModulesGathersOnceWhenItsFirstModuleRunsTwice) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    auto pg = mesh.get_group(0);
+    torch::manual_seed(0);
+    RepeatsFirstOfGroup ref;
+    torch::manual_seed(0);
+    RepeatsFirstOfGroup model;
+    auto opts = fsdp::FullyShardOptions().mesh(mesh);
+    fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->a.ptr(), model->b.ptr()}, opts);
+    fsdp::fully_shard(model, opts);
+    at::Tensor global = at::randn({4, 6}, at::make_generator<at::CPUGeneratorImpl>(5));
+    ref->forward(global).pow(2).mean().backward();
+
+    pg->reset_stats();
+    at::Tensor local = global.slice(0, 2 * fsdp::get_rank(), 2 * fsdp::get_rank() + 2);
+    at::Tensor loss = fsdp::call(model, local).pow(2).mean();
+    EXPECT_EQ(pg->stats()[CollectiveKind::kAllGather].calls, 2) << "one per group: {a, b} and the root";
+    pg->reset_stats();
+    loss.backward();
+    EXPECT_EQ(pg->stats()[CollectiveKind::kAllGather].calls, 1) << "only {a, b} resharded after forward";
+    EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 2) << "one per group";
+
+    auto ref_params = ref->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      auto d = fsdp::as_dtensor(item.value());
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
+      at::Tensor grad = fsdp::DTensor::from_local(item.value().grad(), d.device_mesh(), d.placements(), d.sizes())
+                            .full_tensor();
+      EXPECT_LT((grad - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6) << item.key();
+    }
+  });
+}

@@ -202,7 +202,7 @@ TEST(FullyShard, MlpParityForEachReshardAfterForward) {
 TEST(FullyShard, MlpParityWithPrefetchUnshardAndReuse) {
   for (int world : kWorlds) {
     run_distributed(world, [] {
-      // Explicit prefetch, two layers ahead, as in seed 001's second script.
+      // Explicit prefetch, two layers ahead in forward and two behind in backward.
       expect_parity(mlp_case("explicit prefetch", [](auto m, int) {
         auto mlp = std::dynamic_pointer_cast<MLPImpl>(m);
         std::vector<fsdp::FSDPModule> layers;
@@ -216,7 +216,7 @@ TEST(FullyShard, MlpParityWithPrefetchUnshardAndReuse) {
           layers[i].set_modules_to_backward_prefetch(behind);
         }
       }));
-      // unshard() before the forward, as seed 001 does before each step.
+      // An asynchronous unshard() of the root before each forward, waited for by its pre-forward.
       Case u = mlp_case("unshard before forward", [](auto m, int) { shard_mlp_per_layer(m, {}); });
       u.before_forward = [](torch::nn::Module& m) { fsdp::get_fsdp_module(m).unshard(/*async_op=*/true); };
       expect_parity(u);

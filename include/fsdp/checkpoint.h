@@ -32,21 +32,25 @@ constexpr int kCheckpointFormatVersion = 1;
 
 // Writes `state_dict` to `dir` (created if needed; an earlier checkpoint there is replaced:
 // its metadata is removed first). Collective over the world: every rank calls it with its own
-// shards of the same keys. Blocks until the checkpoint is complete on disk.
+// shards of the same keys. Blocks until the checkpoint is complete on disk. When a rank fails
+// (a full disk, a path that is a file), every rank throws the same c10::Error, naming each
+// failed rank and its error.
 void save_checkpoint(const std::string& dir, const ShardedStateDict& state_dict);
 
 // Reads the checkpoint at `dir` into new tensors laid out like `like` (same keys, dtypes and
 // global shapes; any placements, e.g. those of a model sharded over another world size). Reads
-// only the chunks overlapping this rank's pieces and verifies their checksums. Throws, naming
-// the file and the key, on: a missing directory or metadata.json, a newer format version, a
-// missing or unexpected key, a dtype or shape mismatch, a truncated or corrupted data file.
+// only the chunks overlapping this rank's pieces and verifies their checksums. Throws
+// c10::Error, naming the file and the key, on: a missing directory or metadata.json, a damaged
+// metadata.json, a newer format version, a missing or unexpected key, a dtype or shape
+// mismatch, a truncated or corrupted data file.
 // Writes nothing anywhere; load the result with load_sharded_state_dict(). Not collective
 // (only file reads), but every rank normally calls it.
 ShardedStateDict load_checkpoint(const std::string& dir, const ShardedStateDict& like);
 
 // Keeps numbered checkpoints under a root directory: root/step_<N>, and root/latest naming the
 // newest complete one (replaced atomically after the checkpoint is complete). Keeps the
-// newest `keep` checkpoints (0 = all). Not copyable; one per root.
+// newest `keep` checkpoints (0 = all); pruning reads every step_* directory under the root,
+// so keep nothing else of that name there. Not copyable; one per root. Use it from one thread.
 class CheckpointManager {
  public:
   explicit CheckpointManager(std::string root, int keep = 0);
@@ -68,8 +72,10 @@ class CheckpointManager {
   void wait();
 
   // The directory `latest` names, or nullopt when there is no complete checkpoint yet.
+  // Not collective; reads one small file.
   std::optional<std::string> latest() const;
-  // The step number of a directory written by save().
+  // The step number of a directory written by save() (its name is step_<N>). Throws
+  // c10::Error naming `dir` when the name is anything else.
   static int64_t step_of(const std::string& dir);
 
  private:

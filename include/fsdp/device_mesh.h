@@ -23,6 +23,8 @@
 namespace fsdp {
 
 // A handle: copies share the same mesh and groups. Cheap to copy; safe to read from any thread.
+// Nothing here communicates. Every accessor throws c10::Error on an empty handle, and on a dim
+// index or name the mesh does not have.
 class DeviceMesh {
  public:
   DeviceMesh() = default;  // an empty handle; valid() is false
@@ -53,12 +55,15 @@ class DeviceMesh {
   bool operator!=(const DeviceMesh& o) const { return impl_ != o.impl_; }
   std::string str() const;
 
-  struct Impl;  // defined in device_mesh.cpp
-
  private:
+  struct Impl;  // device_mesh.cpp
+
   explicit DeviceMesh(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
   friend DeviceMesh init_device_mesh(const std::string&, const std::vector<int64_t>&,
                                      const std::vector<std::string>&);
+  // The mesh; throws c10::Error naming init_device_mesh() when this handle is empty.
+  const Impl& checked_impl() const;
+
   std::shared_ptr<const Impl> impl_;
 };
 
@@ -67,6 +72,8 @@ class DeviceMesh {
 // per mesh dim that contains this rank (blocks until their members have connected).
 // `device_type` is "cpu" (a CPU build has no other; "cuda" fails saying so). The product of
 // `shape` must equal the world size. `dim_names` is empty or one distinct name per dim.
+// Throws c10::Error on arguments that break these rules, before any communication, and
+// CollectiveError when the members of a group do not all connect within the timeout.
 DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& shape,
                             const std::vector<std::string>& dim_names = {});
 

@@ -55,8 +55,10 @@ struct InitOptions {
 
 // Joins the job described by the environment: connects to (or, on rank 0 without a launcher
 // store, hosts) the TCPStore at MASTER_ADDR:MASTER_PORT and builds the world group.
-// Collective over all ranks; blocks until all have arrived or the timeout expires. Throws if
-// already initialised.
+// Collective over all ranks; blocks until all have arrived or the timeout expires.
+// Throws c10::Error if already initialised or the environment is malformed, and
+// CollectiveError if the store cannot be reached or hosted, or not every rank arrives (or
+// connects its transport) within the timeout.
 void init_process_group(InitOptions options = InitOptions());
 // The same from an explicit description (used by tests and by programs with their own launch).
 void init_process_group(const RendezvousInfo& info, InitOptions options = InitOptions());
@@ -66,7 +68,9 @@ bool is_initialized();
 // with this process will see an error. Safe to call when not initialised.
 void destroy_process_group();
 
-// The group of all ranks. Throws unless initialised.
+// The group of all ranks, and this process's place in it. Each throws c10::Error unless
+// initialised. Thread-safe. The reference rendezvous_info() returns stays valid until
+// destroy_process_group().
 std::shared_ptr<ProcessGroup> world();
 int get_rank();
 int get_world_size();
@@ -75,7 +79,9 @@ const RendezvousInfo& rendezvous_info();
 // A group of the given world ranks (sorted, distinct). Collective over the MEMBERS only: each
 // member must call it with the same ranks, in the same order relative to its other new_group
 // calls; non-members need not call it. Blocks until all members have connected. The group
-// rank of a member is its position in `ranks`. Throws if this rank is not in `ranks`.
+// rank of a member is its position in `ranks`. Throws c10::Error if `ranks` is malformed or
+// does not contain this rank, and CollectiveError if the members do not all connect within
+// the timeout.
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
 
 }  // namespace fsdp

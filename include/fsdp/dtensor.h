@@ -40,9 +40,10 @@ class DTensor {
   // Returned by value: a DTensor is often a temporary (fsdp::as_dtensor(p).placements()).
   DeviceMesh device_mesh() const { return mesh_; }
   std::vector<Placement> placements() const { return placements_; }
-  // The global (logical) shape.
+  // The global (logical) shape, and its size along `dim` (0 <= dim < dim(); throws c10::Error
+  // otherwise).
   std::vector<int64_t> sizes() const { return global_shape_; }
-  int64_t size(int64_t dim) const { return global_shape_.at(dim); }
+  int64_t size(int64_t dim) const;
   int64_t dim() const { return static_cast<int64_t>(global_shape_.size()); }
   int64_t numel() const;
   at::ScalarType scalar_type() const { return local_.scalar_type(); }
@@ -71,7 +72,9 @@ class DTensor {
 };
 
 // Where the piece at `coordinate` of `mesh_shape` sits in a tensor of `global_shape` under
-// `placements` (torch.chunk rules, mesh dims applied in order). No communication.
+// `placements` (torch.chunk rules, mesh dims applied in order). No communication. Throws
+// c10::Error unless there is one placement and one coordinate per mesh dim and every Shard
+// dim is a dim of `global_shape`.
 std::vector<ChunkBounds> shard_bounds(const std::vector<int64_t>& global_shape,
                                       const std::vector<int64_t>& mesh_shape,
                                       const std::vector<int64_t>& coordinate,

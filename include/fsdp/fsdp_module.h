@@ -1,5 +1,5 @@
 // fsdp/fsdp_module.h — the handle of a module that fully_shard() was applied to: manual
-// unshard/reshard, prefetch control and gradient-sync control (seed 000, section 九).
+// unshard/reshard, prefetch control and gradient-sync control.
 //
 //   fsdp::FSDPModule root = fsdp::fully_shard(model);
 //   fsdp::FSDPModule same = fsdp::get_fsdp_module(*model);   // reachable from the module

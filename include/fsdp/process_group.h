@@ -81,17 +81,16 @@ namespace detail {
 struct StatsCell;  // a group's counters, shared with its Works (process_group.cpp)
 }
 
-// Handle of one queued collective. Thread-safe. Shared by the caller and the group's
-// communication thread.
+// Handle of one queued collective, shared by the caller and the group's communication thread.
+// Thread-safe. Only a ProcessGroup creates and completes one; callers wait on it.
 class Work {
  public:
-  Work(CollectiveKind kind, int64_t seq, std::shared_ptr<detail::StatsCell> stats = nullptr)
-      : kind_(kind), seq_(seq), stats_(std::move(stats)) {}
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
 
   // Blocks until the operation finished. Rethrows its error (a CollectiveError) if it failed.
-  // Calling it again after completion returns (or rethrows) at once.
+  // Calling it again after completion returns (or rethrows) at once. Time spent blocked here
+  // is added to the group's blocked_ns counter.
   void wait();
   // True once the operation finished, successfully or not. Never blocks.
   bool is_completed() const;
@@ -100,12 +99,14 @@ class Work {
   // The group's sequence number of this operation (0 for the group's first collective).
   int64_t seq() const { return seq_; }
 
-  // Used by implementations: record the outcome and wake waiters. Called once.
-  void finish(std::exception_ptr error = nullptr);
-  // Used by implementations: tensors that must outlive the operation.
-  void keep_alive(std::vector<at::Tensor> tensors) { tensors_ = std::move(tensors); }
-
  private:
+  friend class ProcessGroup;  // creates Works and completes them (for its implementations)
+
+  Work(CollectiveKind kind, int64_t seq, std::shared_ptr<detail::StatsCell> stats)
+      : kind_(kind), seq_(seq), stats_(std::move(stats)) {}
+  // Records the outcome, drops the kept tensors and wakes the waiters. Called once.
+  void finish(std::exception_ptr error);
+
   const CollectiveKind kind_;
   const int64_t seq_;
   const std::shared_ptr<detail::StatsCell> stats_;
@@ -113,7 +114,7 @@ class Work {
   std::condition_variable cv_;
   bool done_ = false;
   std::exception_ptr error_;
-  std::vector<at::Tensor> tensors_;
+  std::vector<at::Tensor> tensors_;  // kept alive until finish()
 };
 using WorkHandle = std::shared_ptr<Work>;
 
@@ -182,8 +183,12 @@ class ProcessGroup {
   // Implementations add bytes as they move them, and the time each operation ran.
   void count_bytes(CollectiveKind kind, int64_t sent, int64_t received);
   void count_busy(CollectiveKind kind, int64_t nanoseconds);
-  // A new Work for the next enqueued operation: takes its sequence number, bumps the call counter.
-  WorkHandle make_work(CollectiveKind kind);
+  // A new Work for the next enqueued operation: takes its sequence number, bumps the call
+  // counter. `keep_alive` holds tensors the operation uses until the Work is finished.
+  WorkHandle make_work(CollectiveKind kind, std::vector<at::Tensor> keep_alive = {});
+  // Completes `work`: records its outcome (null = success), releases the tensors it kept alive
+  // and wakes its waiters. Implementations call it exactly once per Work, from any thread.
+  static void finish_work(Work& work, std::exception_ptr error = nullptr);
 
  private:
   const int rank_;

@@ -21,10 +21,7 @@
 
 namespace fsdp {
 
-// String -> string entries, as the safetensors header's "__metadata__" allows.
-using SafetensorsMetadata = std::map<std::string, std::string>;
-
-// The "__metadata__" of a file: string -> string, as the format requires.
+// The "__metadata__" of a file: string -> string entries, as the format requires.
 using SafetensorsMetadata = std::map<std::string, std::string>;
 
 struct SafetensorsOptions {
@@ -58,8 +55,9 @@ struct SafetensorsOptions {
 // is assigned no tensor still writes a valid file with an empty header.
 //
 // Throws c10::Error, before any communication, on an unsupported dtype, a mesh that does not
-// span the world, or a name that is empty or "__metadata__"; and naming the file on an I/O
-// error (the partial ".tmp" file is removed; the other ranks then fail in their next collective).
+// span the world, a name that is empty, "__metadata__" or not UTF-8, or a metadata entry that
+// is not UTF-8; and naming the file on an I/O error (the partial ".tmp" file is removed; the
+// other ranks then fail in their next collective).
 void save_safetensors(const ShardedStateDict& state_dict, const std::string& dir,
                       const SafetensorsOptions& options = SafetensorsOptions());
 

@@ -9,8 +9,10 @@
 // group's communication thread ("all_gather #12", with its group and input bytes), and the time
 // the training thread spends waiting for an all-gather or a reduce-scatter ("wait all_gather
 // layers.0"). A span on the communication thread with no wait span under it on the training
-// thread is communication hidden behind compute. When recording is off a Span costs building its name and one relaxed
-// atomic load; the library's own spans skip even the name.
+// thread is communication hidden behind compute. When recording is off a Span costs building
+// its name and one relaxed atomic load; the library's own spans skip even the name.
+//
+// Every function here is thread-safe and none communicates.
 #pragma once
 
 #include <chrono>
@@ -39,7 +41,8 @@ void set_thread_name(std::string name);
 
 // Writes what was recorded in the Chrome trace event format (a JSON object with traceEvents),
 // times in microseconds from the first start(); `pid` labels the process (use the rank).
-// Returns the number of events written. Throws std::runtime_error if the file cannot be written.
+// Returns the number of events written. Throws c10::Error naming the file if it cannot be
+// written. Text that is not UTF-8 in names and args is written with replacement characters.
 int64_t write_chrome_trace(const std::string& path, int pid);
 
 // A span from construction to destruction on the calling thread; nothing when not recording.

@@ -1,8 +1,9 @@
 // The CPU collectives. Where data moves: the algorithm functions below, each run on the
 // group's communication thread (run_loop). Who waits: the caller, through Work::wait().
-#include "comm/gloo_backend.h"
+#include "src/comm/gloo_backend.h"
 
-#include "comm/progress_board.h"
+#include "src/comm/progress_board.h"
+#include "src/util/tensor_bytes.h"
 
 #include <fsdp/placement.h>
 #include <fsdp/trace.h>
@@ -26,6 +27,7 @@ namespace comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using detail::bytes_of;
 
 // Large transfers move in segments so that reducing one segment overlaps receiving the next.
 constexpr size_t kSegmentBytes = size_t{4} << 20;
@@ -39,8 +41,6 @@ uint64_t slot_of(int64_t seq, int step) {
 }
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
-
-char* bytes_of(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 std::vector<int64_t> prefix_offsets(const std::vector<int64_t>& counts) {
   std::vector<int64_t> off(counts.size(), 0);
@@ -133,7 +133,9 @@ class GlooProcessGroup::Exchange {
   }
 
   // Waits for the receives in posting order; `on_segment(ptr, nbytes)` runs as each lands, so
-  // the caller can reduce a segment while later ones are still in flight.
+  // the caller can reduce a segment while later ones are still in flight. A transfer that does
+  // not complete by the deadline throws a plain exception: execute() turns it (like any other
+  // failure of an algorithm) into the CollectiveError that names the op and the absent ranks.
   template <typename F>
   void wait_recvs(F&& on_segment) {
     for (auto& r : recvs_) {
@@ -220,8 +222,7 @@ WorkHandle GlooProcessGroup::enqueue(Op op) {
   std::lock_guard<std::mutex> lock(queue_mu_);
   TORCH_CHECK(!stopping_, "process group '", name(), "' is being destroyed; no new collectives");
   // Sequence numbers are taken under the queue lock so that they follow queue order.
-  WorkHandle work = make_work(op.kind);
-  work->keep_alive({op.output, op.input});
+  WorkHandle work = make_work(op.kind, {op.output, op.input});
   queue_.push_back(Task{std::move(op), work});
   queue_cv_.notify_one();
   return work;
@@ -251,7 +252,7 @@ void GlooProcessGroup::run_loop() {
       const auto start = std::chrono::steady_clock::now();
       try {
         execute(task.op, seq);
-      } catch (const std::exception& e) {
+      } catch (const std::exception&) {  // execute() throws CollectiveErrors only
         broken_ = std::string(to_string(task.op.kind)) + " #" + std::to_string(seq) + " failed";
         error = std::current_exception();
       }
@@ -263,7 +264,7 @@ void GlooProcessGroup::run_loop() {
                       "{\"group\": \"" + name() + "\", \"input_bytes\": " + std::to_string(bytes) + "}");
       }
     }
-    task.work->finish(error);
+    finish_work(*task.work, error);
   }
 }
 
@@ -326,9 +327,9 @@ void GlooProcessGroup::fail(const Op& op, int64_t seq, const std::string& cause)
 
 // ------------------------------------------------------------------------------ algorithms
 
-// Reused across operations: first-touching freshly mapped pages costs more than the transfer
-// itself on some machines (measured: ~100 ms to fault in 32 MiB on the 2-vCPU dev VM, against
-// ~25 ms to move it). Allocated through LibTorch, so memory accounting sees it.
+// Reused across operations: first-touching freshly mapped pages can cost more than the
+// transfer itself (on a 2-vCPU VM, ~100 ms to fault in 32 MiB against ~25 ms to move it).
+// Allocated through LibTorch, so memory accounting sees it.
 char* GlooProcessGroup::scratch(size_t nbytes) {
   if (!scratch_.defined() || scratch_.numel() < static_cast<int64_t>(nbytes)) {
     scratch_ = at::Tensor();  // free the old one first

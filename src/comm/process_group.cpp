@@ -227,10 +227,18 @@ void ProcessGroup::count_busy(CollectiveKind kind, int64_t nanoseconds) {
   stats_->stats[kind].busy_ns += nanoseconds;
 }
 
-WorkHandle ProcessGroup::make_work(CollectiveKind kind) {
-  std::lock_guard<std::mutex> lock(stats_->mu);
-  stats_->stats[kind].calls += 1;
-  return std::make_shared<Work>(kind, next_seq_++, stats_);
+WorkHandle ProcessGroup::make_work(CollectiveKind kind, std::vector<at::Tensor> keep_alive) {
+  int64_t seq = 0;
+  {
+    std::lock_guard<std::mutex> lock(stats_->mu);
+    stats_->stats[kind].calls += 1;
+    seq = next_seq_++;
+  }
+  WorkHandle work(new Work(kind, seq, stats_));  // Work's constructor is private: no make_shared
+  work->tensors_ = std::move(keep_alive);
+  return work;
 }
+
+void ProcessGroup::finish_work(Work& work, std::exception_ptr error) { work.finish(std::move(error)); }
 
 }  // namespace fsdp

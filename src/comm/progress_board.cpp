@@ -1,7 +1,11 @@
-#include "comm/progress_board.h"
+// The progress board (progress_board.h): the publishing thread, and the reads a diagnosis makes.
+#include "src/comm/progress_board.h"
 
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <cerrno>
+#include <cstdlib>
 #include <string>
 
 namespace fsdp {
@@ -29,6 +33,22 @@ void ProgressBoard::entered(const std::string& group, int64_t seq) {
 std::string ProgressBoard::key(const std::string& group, int rank) const {
   return "progress/" + group + "/" + std::to_string(rank);
 }
+
+namespace {
+
+// A value publish_dirty() wrote: a sequence number in decimal.
+int64_t parse_seq(const std::string& key, const std::vector<uint8_t>& value) {
+  const std::string text(value.begin(), value.end());
+  errno = 0;
+  char* end = nullptr;
+  const long long seq = std::strtoll(text.c_str(), &end, 10);
+  TORCH_CHECK(!text.empty() && end == text.c_str() + text.size() && errno == 0, "fsdp: store key '", key,
+              "' holds '", text, "', not a collective sequence number; is another program using this job's "
+              "store (MASTER_ADDR/MASTER_PORT)?");
+  return static_cast<int64_t>(seq);
+}
+
+}  // namespace
 
 void ProgressBoard::publish_dirty() {
   std::vector<std::pair<std::string, int64_t>> todo;
@@ -74,8 +94,7 @@ std::vector<int64_t> ProgressBoard::last_entered(const std::string& group,
       result.push_back(-1);
       continue;
     }
-    std::vector<uint8_t> v = store_->get(k);
-    result.push_back(std::stoll(std::string(v.begin(), v.end())));
+    result.push_back(parse_seq(k, store_->get(k)));
   }
   return result;
 }

@@ -40,7 +40,8 @@ class ProgressBoard {
 
   // The last sequence number each of `global_ranks` entered in `group` (-1: none yet).
   // Publishes this rank's own value first and waits a few publishing periods so that the
-  // others' values are current. Blocks on the store; throws if the store is unreachable.
+  // others' values are current. Blocks on the store; throws if the store is unreachable or a
+  // value there is not a sequence number (the diagnosing group reports either in its error).
   std::vector<int64_t> last_entered(const std::string& group, const std::vector<int>& global_ranks);
 
   static constexpr std::chrono::milliseconds kPeriod{20};

@@ -1,4 +1,4 @@
-#include "fsdp/fsdp_param.h"
+#include "src/fsdp/fsdp_param.h"
 
 #include <fsdp/placement.h>
 
@@ -6,7 +6,6 @@
 #include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 
-#include <cstring>
 
 namespace fsdp {
 namespace detail {
@@ -35,17 +34,14 @@ FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64
   shard_row_offset_ = b.offset;
 }
 
-void FSDPParam::copy_shard_to(char* dst) const {
-  const size_t es = unsharded_.element_size();
-  const size_t real = static_cast<size_t>(shard_rows_ * row_numel_) * es;
-  const char* src = static_cast<const char*>(unsharded_.data_ptr()) + shard_row_offset_ * row_numel_ * es;
-  if (real > 0) std::memcpy(dst, src, real);
-  std::memset(dst + real, 0, static_cast<size_t>(padded_shard_numel_) * es - real);
+std::vector<int64_t> FSDPParam::sharded_shape() const {
+  std::vector<int64_t> shape = global_shape_;
+  shape[0] = shard_rows_;
+  return shape;
 }
 
 void FSDPParam::init_sharded(const at::Tensor& flat_shard, int64_t offset) {
-  std::vector<int64_t> shape = global_shape_;
-  shape[0] = shard_rows_;
+  const std::vector<int64_t> shape = sharded_shape();
   at::Tensor s = at::empty({0}, flat_shard.options());
   s.set_(flat_shard.storage(), flat_shard.storage_offset() + offset, shape, c10::contiguous_strides(shape));
   s.set_requires_grad(requires_grad_);

@@ -7,14 +7,15 @@
 // autograd computes with; its storage is resized to zero bytes while sharded and refilled in
 // place when gathered, so views that autograd saved stay valid. It never moves.
 //
-// This file owns no communication: the group (param_group.h) moves the bytes and this record
-// says where they go.
+// This file owns no communication and no buffer layout: the group (param_group.h) decides when
+// bytes move, collectives.h where they go, and this record what each parameter is.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,9 +41,8 @@ class FSDPParam {
   int64_t unsharded_numel() const { return unsharded_numel_; }
   int64_t row_numel() const { return row_numel_; }  // elements per dim-0 row
 
-  // Writes this rank's rows of the unsharded data, then zero padding, to `dst`
-  // (padded_shard_numel elements). Requires the unsharded data to be present.
-  void copy_shard_to(char* dst) const;
+  // This rank's shape of the parameter: the global shape with shard_rows() rows.
+  std::vector<int64_t> sharded_shape() const;
   // Makes the sharded leaf a view of `flat_shard` at element `offset`, with this rank's rows.
   void init_sharded(const at::Tensor& flat_shard, int64_t offset);
 
@@ -81,6 +81,9 @@ class FSDPParam {
   int64_t shard_row_offset_;
   bool aliases_shard_ = false;
 };
+
+// A group's parameters, in group order (the order of every layout in collectives.h).
+using FSDPParams = std::vector<std::unique_ptr<FSDPParam>>;
 
 }  // namespace detail
 }  // namespace fsdp

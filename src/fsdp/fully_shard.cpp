@@ -1,8 +1,9 @@
-// fully_shard() and FSDPModule: argument checks, which modules and parameters a call manages,
-// swapping the registered parameters for shards, and the user-facing setters.
+// fully_shard(): argument checks, which modules and parameters a call manages, how its group
+// reshards after forward, and swapping the registered parameters for shards. Also the
+// parameter -> record index behind as_dtensor.
 #include <fsdp/fully_shard.h>
 
-#include "fsdp/state.h"
+#include "src/fsdp/state.h"
 
 #include <fsdp/distributed.h>
 
@@ -76,14 +77,96 @@ void collect_managed(const std::shared_ptr<torch::nn::Module>& m, bool top,
   out.push_back(m);
 }
 
+
+// reshard_after_forward -> the group a parameter group's backward all-gather runs over, or null
+// to keep the parameters unsharded from forward to backward. The one place the option is
+// interpreted. Unset means true here; lazy initialisation turns it off for a root. An int k
+// with 1 < k < shard group size creates the group of this rank's k consecutive shard ranks
+// (collective over them).
+std::shared_ptr<ProcessGroup> post_forward_group(const ReshardAfterForward& option,
+                                                 const std::shared_ptr<ProcessGroup>& shard_group) {
+  if (option.is_unset()) return shard_group;
+  if (option.is_bool()) return option.as_bool() ? shard_group : nullptr;
+  const int64_t world = shard_group->size();
+  const int64_t k = option.group_size();
+  TORCH_CHECK(k >= 1 && k <= world && world % k == 0, "fully_shard: reshard_after_forward=", k,
+              " must divide the shard group size ", world, "; pass a factor of ", world, ", true or false");
+  if (k == world) return shard_group;
+  if (k == 1) return nullptr;
+  const auto& members = shard_group->global_ranks();
+  const int64_t block = shard_group->rank() / k;
+  return new_group(std::vector<int>(members.begin() + block * k, members.begin() + (block + 1) * k));
+}
+
+// Prefix of every module under `modules` within the first of them (for FQNs).
+std::unordered_map<const torch::nn::Module*, std::string> module_prefixes(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  std::unordered_map<const torch::nn::Module*, std::string> prefix;
+  for (const auto& m : modules) {
+    for (const auto& item : m->named_modules("", true)) prefix.emplace(item.value().get(), item.key());
+  }
+  return prefix;
+}
+
+// The managed modules' direct parameters, in post-order, each once (tied parameters appear in
+// several modules), as records of their sharding over `mesh`.
+FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>& managed,
+                          const std::unordered_map<const torch::nn::Module*, std::string>& prefix,
+                          const DeviceMesh& mesh) {
+  const int64_t world = mesh.size(0);
+  const int64_t rank = mesh.get_local_rank(0);
+  FSDPParams params;
+  std::set<const c10::TensorImpl*> seen;
+  ParamIndex& index = param_index();
+  std::lock_guard<std::mutex> lock(index.mu);
+  index.drop_expired();
+  for (const auto& m : managed) {
+    for (const auto& item : ParameterRegistry::of(*m)) {
+      const at::Tensor& t = item.value();
+      if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+      const std::string& pre = prefix.at(m.get());
+      const std::string fqn = pre.empty() ? item.key() : pre + "." + item.key();
+      TORCH_CHECK(!index.by_unsharded.count(t.unsafeGetTensorImpl()), "fully_shard: parameter '",
+                  fqn, "' is shared with a parameter already managed by another FSDP group; shard the modules "
+                  "that share it in one call: fully_shard({module_a, module_b})");
+      TORCH_CHECK(!index.by_sharded.count(t.unsafeGetTensorImpl()), "fully_shard: parameter '", fqn,
+                  "' is already a shard of another FSDP group");
+      params.push_back(std::make_unique<FSDPParam>(fqn, t, world, rank));
+    }
+  }
+  return params;
+}
+
+// The registered parameters become the shards; the modules' members keep the unsharded tensors.
+void register_shards(const std::vector<std::shared_ptr<torch::nn::Module>>& managed,
+                     const std::shared_ptr<FSDPState>& state) {
+  const FSDPParamGroup& group = *state->group();
+  std::unordered_map<const c10::TensorImpl*, const at::Tensor*> shard_of;
+  for (const auto& p : group.params()) shard_of[p->unsharded().unsafeGetTensorImpl()] = &p->sharded();
+  for (const auto& m : managed) {
+    for (auto& item : ParameterRegistry::of(*m)) {
+      if (!item.value().defined()) continue;
+      auto it = shard_of.find(item.value().unsafeGetTensorImpl());
+      if (it != shard_of.end()) item.value() = *it->second;
+    }
+  }
+  ParamIndex& index = param_index();
+  std::lock_guard<std::mutex> lock(index.mu);
+  for (const auto& p : group.params()) {
+    index.by_sharded[p->sharded().unsafeGetTensorImpl()] = {state, p.get()};
+    index.by_unsharded[p->unsharded().unsafeGetTensorImpl()] = {state, p.get()};
+  }
+}
+
+DeviceMesh checked_mesh(const FullyShardOptions& options) {
+  DeviceMesh mesh = options.mesh().valid() ? options.mesh() : default_mesh();
+  TORCH_CHECK(mesh.ndim() == 1, "fully_shard: a ", mesh.ndim(), "-D mesh (HSDP) is not supported yet by fsdp-cpp; "
+              "pass a 1-D mesh");
+  return mesh;
+}
+
 }  // namespace
 }  // namespace detail
-
-using detail::FSDPParam;
-using detail::FSDPParamGroup;
-using detail::FSDPState;
-
-FSDPModule make_fsdp_module(std::shared_ptr<FSDPState> state) { return FSDPModule(std::move(state)); }
 
 FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                        const FullyShardOptions& options) {
@@ -93,68 +176,22 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     TORCH_CHECK(!detail::find_state(*m), "fully_shard: fully_shard was already applied to this ", m->name(),
                 "; apply it once per module, bottom-up");
   }
-  DeviceMesh mesh = options.mesh().valid() ? options.mesh() : detail::default_mesh();
-  TORCH_CHECK(mesh.ndim() == 1, "fully_shard: a ", mesh.ndim(), "-D mesh (HSDP) is not supported yet by fsdp-cpp; "
-              "pass a 1-D mesh");
-  const int64_t world = mesh.size(0);
-  const int64_t rank = mesh.get_local_rank(0);
-
-  // Managed modules, and the prefix of each within the first module (for FQNs).
+  const DeviceMesh mesh = detail::checked_mesh(options);
   std::vector<std::shared_ptr<torch::nn::Module>> managed;
   std::set<const torch::nn::Module*> seen;
   for (const auto& m : modules) detail::collect_managed(m, true, managed, seen);
-  std::unordered_map<const torch::nn::Module*, std::string> prefix;
-  for (const auto& m : modules) {
-    for (const auto& item : m->named_modules("", true)) prefix.emplace(item.value().get(), item.key());
-  }
+  const auto prefix = detail::module_prefixes(modules);
 
-  // Their direct parameters, in post-order, each once (tied parameters appear in several modules).
-  std::vector<std::unique_ptr<FSDPParam>> params;
-  std::unordered_map<const c10::TensorImpl*, FSDPParam*> by_impl;
-  auto& index = detail::param_index();
-  {
-    std::lock_guard<std::mutex> lock(index.mu);
-    index.drop_expired();
-    for (const auto& m : managed) {
-      for (const auto& item : detail::ParameterRegistry::of(*m)) {
-        const at::Tensor& t = item.value();
-        if (!t.defined() || by_impl.count(t.unsafeGetTensorImpl())) continue;
-        const std::string& pre = prefix[m.get()];
-        const std::string fqn = pre.empty() ? item.key() : pre + "." + item.key();
-        TORCH_CHECK(!index.by_unsharded.count(t.unsafeGetTensorImpl()), "fully_shard: parameter '",
-                    fqn, "' is shared with a parameter already managed by another FSDP group; shard the modules "
-                    "that share it in one call: fully_shard({module_a, module_b})");
-        TORCH_CHECK(!index.by_sharded.count(t.unsafeGetTensorImpl()), "fully_shard: parameter '", fqn,
-                    "' is already a shard of another FSDP group");
-        params.push_back(std::make_unique<FSDPParam>(fqn, t, world, rank));
-        by_impl[t.unsafeGetTensorImpl()] = params.back().get();
-      }
-    }
-  }
-
-  std::unique_ptr<FSDPParamGroup> group;
+  detail::FSDPParams params = detail::collect_params(managed, prefix, mesh);
+  std::unique_ptr<detail::FSDPParamGroup> group;
   if (!params.empty()) {
-    group = std::make_unique<FSDPParamGroup>(std::move(params), mesh, prefix[modules.front().get()]);
+    auto post_forward = detail::post_forward_group(options.reshard_after_forward(), mesh.get_group(0));
+    group = std::make_unique<detail::FSDPParamGroup>(std::move(params), mesh, prefix.at(modules.front().get()),
+                                                     std::move(post_forward));
   }
-  auto state = std::make_shared<FSDPState>(modules, std::move(group), options.reshard_after_forward());
-
-  // Swap the registered parameters for the shards; the modules' members keep the unsharded tensors.
-  if (FSDPParamGroup* g = state->group()) {
-    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> shard_of;
-    for (const auto& p : g->params()) shard_of[p->unsharded().unsafeGetTensorImpl()] = &p->sharded();
-    for (const auto& m : managed) {
-      for (auto& item : detail::ParameterRegistry::of(*m)) {
-        if (!item.value().defined()) continue;
-        auto it = shard_of.find(item.value().unsafeGetTensorImpl());
-        if (it != shard_of.end()) item.value() = *it->second;
-      }
-    }
-    std::lock_guard<std::mutex> lock(index.mu);
-    for (const auto& p : g->params()) {
-      index.by_sharded[p->sharded().unsafeGetTensorImpl()] = {state, p.get()};
-      index.by_unsharded[p->unsharded().unsafeGetTensorImpl()] = {state, p.get()};
-    }
-  }
+  auto state = std::make_shared<detail::FSDPState>(modules, std::move(group),
+                                                   options.reshard_after_forward().is_unset());
+  if (state->group()) detail::register_shards(managed, state);
   detail::register_state(modules, state);
   return make_fsdp_module(state);
 }
@@ -177,100 +214,6 @@ bool is_sharded_parameter(const at::Tensor& param) {
   auto& index = detail::param_index();
   std::lock_guard<std::mutex> lock(index.mu);
   return index.find_sharded(param) != nullptr;
-}
-
-// ------------------------------------------------------------------------------ FSDPModule
-
-bool is_fsdp_module(const torch::nn::Module& module) { return detail::find_state(module) != nullptr; }
-
-FSDPModule get_fsdp_module(const torch::nn::Module& module) {
-  auto state = detail::find_state(module);
-  TORCH_CHECK(state, "fsdp::get_fsdp_module: this ", module.name(), " is not an FSDP module; apply fsdp::fully_shard to it first");
-  return make_fsdp_module(state);
-}
-
-std::shared_ptr<torch::nn::Module> FSDPModule::module() const {
-  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  return state_->module();
-}
-
-std::vector<FSDPState*> FSDPModule::states(bool recurse) const {
-  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  std::vector<FSDPState*> out{state_.get()};
-  if (!recurse) return out;
-  auto m = state_->module();
-  if (!m) return out;
-  for (const auto& item : m->named_modules("", false)) {
-    auto st = detail::find_state(*item.value());
-    if (st && std::find(out.begin(), out.end(), st.get()) == out.end()) out.push_back(st.get());
-  }
-  return out;
-}
-
-void UnshardHandle::wait() {
-  if (state_ && state_->group()) state_->group()->wait_for_unshard();
-}
-
-UnshardHandle FSDPModule::unshard(bool async_op) {
-  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  if (FSDPParamGroup* g = state_->group()) {
-    g->unshard();
-    if (!async_op) g->wait_for_unshard();
-  }
-  return UnshardHandle(state_);
-}
-
-void FSDPModule::reshard() {
-  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  if (FSDPParamGroup* g = state_->group()) g->reshard();
-}
-
-namespace {
-std::vector<std::weak_ptr<FSDPState>> weak_states(const std::vector<FSDPModule>& modules, const char* setter) {
-  std::vector<std::weak_ptr<FSDPState>> out;
-  for (const auto& m : modules) {
-    TORCH_CHECK(m.valid(), "fsdp::FSDPModule::", setter, ": got an invalid FSDPModule handle");
-    out.push_back(detail::find_state(*m.module()));
-  }
-  return out;
-}
-}  // namespace
-
-void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
-  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  state_->forward_prefetch = weak_states(modules, "set_modules_to_forward_prefetch");
-}
-
-void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
-  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  state_->backward_prefetch = weak_states(modules, "set_modules_to_backward_prefetch");
-}
-
-void FSDPModule::set_requires_gradient_sync(bool requires_gradient_sync, bool recurse) {
-  for (FSDPState* st : states(recurse)) {
-    if (st->group()) st->group()->reduce_grads = requires_gradient_sync;
-  }
-}
-
-void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recurse) {
-  for (FSDPState* st : states(recurse)) st->set_reshard_after_forward(reshard_after_forward);
-}
-
-void FSDPModule::set_reshard_after_backward(bool reshard_after_backward, bool recurse) {
-  for (FSDPState* st : states(recurse)) {
-    if (st->group()) st->group()->reshard_after_backward = reshard_after_backward;
-  }
-}
-
-DeviceMesh FSDPModule::mesh() const {
-  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  TORCH_CHECK(state_->group(), "fsdp::FSDPModule::mesh: this FSDP module manages no parameters");
-  return state_->group()->mesh();
-}
-
-int64_t FSDPModule::unsharded_parameter_bytes() const {
-  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  return state_->group() ? state_->group()->unsharded_bytes() : 0;
 }
 
 }  // namespace fsdp

@@ -1,14 +1,17 @@
 // param_group.h — FSDP's communication group: the parameters of one fully_shard call,
-// all-gathered in ONE collective and reduce-scattered in ONE collective.
+// all-gathered in ONE collective and reduce-scattered in ONE collective. The group decides
+// WHEN; collectives.h lays out the buffers and issues the collectives.
 //
-// Where collectives are issued and who waits for them, all in param_group.cpp:
+// Where each collective is issued and who waits for it (all in param_group.cpp):
 //   all-gather:      unshard() issues it (from pre-forward, pre-backward, a prefetch, or the
 //                    user's FSDPModule::unshard); wait_for_unshard() waits and copies out.
 //   reduce-scatter:  post_backward() issues it; CommContext::finish_reductions() waits (the next
 //                    post-backward, for those already done, and the end of backward, for all).
 #pragma once
 
-#include "fsdp/fsdp_param.h"
+#include "src/fsdp/collectives.h"
+#include "src/fsdp/common.h"
+#include "src/fsdp/fsdp_param.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/process_group.h>
@@ -23,9 +26,6 @@
 namespace fsdp {
 namespace detail {
 
-enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
-enum class ShardedState { kSharded, kShardedPostForward, kUnsharded };
-
 class FSDPParamGroup;
 
 // Shared by every group under one root (created by the root's lazy init).
@@ -39,8 +39,7 @@ struct CommContext {
   std::vector<FSDPParamGroup*> last_forward_order;
 
   struct PendingReduction {
-    WorkHandle work;
-    at::Tensor output;  // this rank's reduced, padded shards of the group's gradients
+    ReduceScatterResult result;
     FSDPParamGroup* group;
   };
   std::deque<PendingReduction> reductions;  // in issue order
@@ -50,19 +49,17 @@ struct CommContext {
   void finish_reductions(bool wait_all);
 };
 
-// How a group reshards after forward.
-struct ReshardPolicy {
-  enum Kind { kKeep, kFull, kPartial } kind = kFull;
-  int64_t partial_size = 0;  // kPartial: ranks in the post-forward sub-group
-};
-
 class FSDPParamGroup {
  public:
-  FSDPParamGroup(std::vector<std::unique_ptr<FSDPParam>> params, DeviceMesh mesh, std::string module_fqn);
+  // `post_forward_group` says how the group reshards after forward (see
+  // set_post_forward_group). Copies every parameter's shard into the group's flat shard and
+  // frees the unsharded storage (on a mesh of one rank the unsharded tensors alias the shards).
+  FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
+                 std::shared_ptr<ProcessGroup> post_forward_group);
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
-  const std::vector<std::unique_ptr<FSDPParam>>& params() const { return params_; }
+  const FSDPParams& params() const { return params_; }
   const DeviceMesh& mesh() const { return mesh_; }
   const std::shared_ptr<ProcessGroup>& shard_group() const { return shard_group_; }
   const std::string& module_fqn() const { return module_fqn_; }
@@ -70,17 +67,19 @@ class FSDPParamGroup {
   void set_comm_context(CommContext* ctx) { comm_ = ctx; }
 
   TrainingState training_state() const { return training_state_; }
-  void set_training_state(TrainingState s) { training_state_ = s; }
   ShardedState sharded_state() const { return sharded_state_; }
-  bool has_pending_unshard() const { return pending_.work != nullptr; }
+  bool has_pending_unshard() const { return pending_all_gather_.work != nullptr; }
 
-  // Runtime flags (FSDPModule setters).
-  void set_reshard_policy(ReshardPolicy p);
-  const ReshardPolicy& reshard_policy() const { return reshard_policy_; }
-  bool reshard_after_backward = true;
-  bool reduce_grads = true;
-  // Set when a prefetch issued this group's all-gather and no pre-forward consumed it yet.
-  bool prefetched_in_forward = false;
+  // How post-forward reshards: null keeps the parameters unsharded until backward; the shard
+  // group frees them; a smaller group (made by fully_shard for reshard_after_forward = k) keeps
+  // this rank's 1/k for an all-gather among those k ranks in backward. Not collective.
+  void set_post_forward_group(std::shared_ptr<ProcessGroup> group) { post_forward_group_ = std::move(group); }
+  bool reshards_after_forward() const { return post_forward_group_ != nullptr; }
+
+  // Runtime controls of FSDPModule: whether post-backward reduce-scatters (false: unsharded
+  // gradients keep accumulating) and whether it frees the unsharded parameters.
+  void set_reduce_grads(bool reduce) { reduce_grads_ = reduce; }
+  void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
 
   // Issues the all-gather (no-op if unsharded or already issued). Collective.
   void unshard();
@@ -88,6 +87,11 @@ class FSDPParamGroup {
   void wait_for_unshard();
   // Frees the unsharded parameters (waiting out an issued all-gather first). Not collective.
   void reshard();
+
+  // Forward prefetch: issues the all-gather ahead of this group's pre-forward. If that
+  // pre-forward does not come in this forward, drop_unused_forward_prefetch() undoes it.
+  void prefetch_in_forward();
+  void drop_unused_forward_prefetch();
 
   // Hook steps, called by FSDPState.
   void pre_forward();
@@ -106,36 +110,31 @@ class FSDPParamGroup {
   int64_t unsharded_bytes() const;
 
  private:
-  void copy_out(const at::Tensor& gathered, int64_t parts, const std::vector<int64_t>& piece_numel);
+  bool has_unsharded_grads() const;
+  void free_unsharded_params();
   void reshard_post_forward();
-  void reshard_partially();
-  std::shared_ptr<ProcessGroup> post_forward_group();
+  void reshard_to_post_forward_shard();
 
-  std::vector<std::unique_ptr<FSDPParam>> params_;
+  FSDPParams params_;
   DeviceMesh mesh_;
   std::shared_ptr<ProcessGroup> shard_group_;
   std::string module_fqn_;
   CommContext* comm_ = nullptr;
-  at::ScalarType dtype_;
 
-  at::Tensor flat_shard_;             // every param's padded shard, concatenated (this rank's)
-  std::vector<int64_t> offsets_;      // each param's offset in flat_shard_
-  int64_t flat_numel_ = 0;
+  RankMajorLayout shard_layout_;  // of the flat shard, the all-gather and the reduce-scatter
+  at::Tensor flat_shard_;         // this rank's padded shard of every param; the leaves view it
 
-  ReshardPolicy reshard_policy_;
-  std::shared_ptr<ProcessGroup> post_forward_group_;  // kPartial; created on first use
-  at::Tensor post_forward_shard_;     // kPartial: this rank's piece of every unsharded param
-  std::vector<int64_t> post_forward_offsets_;
+  std::shared_ptr<ProcessGroup> post_forward_group_;  // see set_post_forward_group
+  at::Tensor post_forward_shard_;                     // kShardedPostForward: this rank's 1/k
+
+  bool reduce_grads_ = true;
+  bool reshard_after_backward_ = true;
+  bool prefetched_in_forward_ = false;  // issued by a forward prefetch, not yet consumed
 
   TrainingState training_state_ = TrainingState::kIdle;
   ShardedState sharded_state_ = ShardedState::kSharded;
   std::vector<int64_t> post_forward_indices_;
-
-  struct PendingAllGather {
-    WorkHandle work;
-    at::Tensor output;
-    bool from_post_forward_shard = false;
-  } pending_;
+  AllGatherResult pending_all_gather_;  // work is null when none is in flight
 };
 
 }  // namespace detail

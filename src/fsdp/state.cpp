@@ -1,12 +1,15 @@
-#include "fsdp/state.h"
-
-#include <fsdp/call.h>
+// state.cpp — the per-call state's hooks and the module -> state registry. The hooks run the
+// state machine of common.h: pre-forward and post-forward from the hook point (call.cpp),
+// pre-backward from tensor hooks on the outputs, post-backward from an autograd function on
+// the inputs, and the root's end-of-backward callback from the autograd engine.
+#include "src/fsdp/state.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -51,12 +54,6 @@ struct PostBackwardFunction : public torch::autograd::Function<PostBackwardFunct
   }
 };
 
-ReshardPolicy policy_for(const ReshardAfterForward& option, bool is_root) {
-  if (option.is_unset()) return ReshardPolicy{is_root ? ReshardPolicy::kKeep : ReshardPolicy::kFull, 0};
-  if (option.is_bool()) return ReshardPolicy{option.as_bool() ? ReshardPolicy::kFull : ReshardPolicy::kKeep, 0};
-  return ReshardPolicy{ReshardPolicy::kPartial, option.group_size()};
-}
-
 }  // namespace
 
 std::shared_ptr<FSDPState> find_state(const torch::nn::Module& module) {
@@ -98,13 +95,12 @@ std::shared_ptr<FSDPState> find_state_by_id(int64_t id) {
   return it == r.by_id.end() ? nullptr : it->second.lock();
 }
 
-// ------------------------------------------------------------------------------ state
+// ------------------------------------------------------------------------------ set-up
 
 FSDPState::FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
-                     ReshardAfterForward reshard_after_forward)
-    : id_(g_next_state_id++), group_(std::move(group)), reshard_option_(reshard_after_forward) {
+                     bool auto_reshard_after_forward)
+    : id_(g_next_state_id++), group_(std::move(group)), auto_reshard_after_forward_(auto_reshard_after_forward) {
   for (const auto& m : modules) modules_.push_back(m);
-  if (group_) group_->set_reshard_policy(policy_for(reshard_option_, /*is_root=*/false));
 }
 
 FSDPState::~FSDPState() {
@@ -113,9 +109,17 @@ FSDPState::~FSDPState() {
   r.by_id.erase(id_);
 }
 
-void FSDPState::set_reshard_after_forward(ReshardAfterForward option) {
-  reshard_option_ = option;
-  if (group_) group_->set_reshard_policy(policy_for(option, is_root()));
+void FSDPState::set_states_to_forward_prefetch(std::vector<std::weak_ptr<FSDPState>> states) {
+  states_to_forward_prefetch_ = std::move(states);
+}
+
+void FSDPState::set_states_to_backward_prefetch(std::vector<std::weak_ptr<FSDPState>> states) {
+  states_to_backward_prefetch_ = std::move(states);
+}
+
+void FSDPState::set_reshard_after_forward(bool reshard_after_forward) {
+  auto_reshard_after_forward_ = false;  // the user's choice now holds for a root too
+  if (group_) group_->set_post_forward_group(reshard_after_forward ? group_->shard_group() : nullptr);
 }
 
 void FSDPState::lazy_init() {
@@ -123,19 +127,17 @@ void FSDPState::lazy_init() {
   auto root_module = module();
   TORCH_CHECK(root_module, "fsdp: the module of this FSDP state no longer exists");
   ctx_ = std::make_shared<StateContext>();
-  is_root_ = 1;
+  is_root_ = true;
   for (const auto& item : root_module->named_modules("", /*include_self=*/true)) {
     auto st = find_state(*item.value());
     if (!st) continue;
-    bool seen = false;
-    for (FSDPState* s : ctx_->all_states) seen = seen || s == st.get();
-    if (seen) continue;
+    if (std::find(ctx_->all_states.begin(), ctx_->all_states.end(), st.get()) != ctx_->all_states.end()) continue;
     if (st.get() != this) {
       TORCH_CHECK(!st->ctx_, "fsdp: FSDP module '", item.key(), "' was already initialised as a root of its own: "
                   "its forward ran before the forward of its parent FSDP module. Run the first forward through "
                   "the root module.");
       st->ctx_ = ctx_;
-      st->is_root_ = 0;
+      st->is_root_ = false;
     }
     st->fqn_ = item.key();
     if (st->group_) {
@@ -145,10 +147,19 @@ void FSDPState::lazy_init() {
     ctx_->all_states.push_back(st.get());
   }
   // The root does not reshard after forward by default: backward needs it again at once.
-  if (group_ && reshard_option_.is_unset()) group_->set_reshard_policy(policy_for(reshard_option_, true));
+  if (group_ && auto_reshard_after_forward_) group_->set_post_forward_group(nullptr);
 }
 
-std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> inputs) {
+bool FSDPState::is_module_of_this_state(const torch::nn::Module& module) const {
+  for (const auto& m : modules_) {
+    if (m.lock().get() == &module) return true;
+  }
+  return false;
+}
+
+// ------------------------------------------------------------------------------ forward
+
+std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs) {
   if (training_state_ == TrainingState::kPreBackward) {
     // A forward re-run during backward (activation recomputation): parameters must be present.
     if (group_) {
@@ -159,74 +170,86 @@ std::vector<at::Tensor> FSDPState::pre_forward(std::vector<at::Tensor> inputs) {
   }
   lazy_init();
   if (!ctx_->iter_forward_root) ctx_->iter_forward_root = this;
-  const bool first_of_group = training_state_ != TrainingState::kForward;
   training_state_ = TrainingState::kForward;
-  if (!group_ || !first_of_group) return inputs;
+  if (!group_ || !modules_to_run_forward_.empty()) return inputs;  // the round already started
+  for (const auto& m : modules_) {
+    if (auto locked = m.lock()) modules_to_run_forward_.insert(locked.get());
+  }
+  TORCH_CHECK(modules_to_run_forward_.count(&module), "internal: pre-forward of a module that is not managed by "
+              "this FSDP state ('", fqn_, "')");
   group_->pre_forward();
   prefetch_next_in_forward();
-  // Only the first module of a group's forward hooks its inputs: its gradient arrives after the
-  // backward of every module of the group that ran after it.
-  if (at::GradMode::is_enabled()) {
-    std::vector<size_t> needs_grad;
-    std::vector<at::Tensor> to_wrap;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (inputs[i].defined() && inputs[i].requires_grad()) {
-        needs_grad.push_back(i);
-        to_wrap.push_back(inputs[i]);
-      }
-    }
-    if (!to_wrap.empty()) {
-      auto wrapped = PostBackwardFunction::apply(at::TensorList(to_wrap), id_);
-      for (size_t k = 0; k < needs_grad.size(); ++k) inputs[needs_grad[k]] = wrapped[k];
-    }
-  }
+  hook_inputs_for_post_backward(inputs);
   return inputs;
 }
 
-void FSDPState::post_forward(std::vector<at::Tensor>& outputs) {
+// Only the first module of a group's forward hooks its inputs: its gradient arrives after the
+// backward of every module of the group that ran after it.
+void FSDPState::hook_inputs_for_post_backward(std::vector<at::Tensor>& inputs) {
+  if (!at::GradMode::is_enabled()) return;
+  std::vector<size_t> needs_grad;
+  std::vector<at::Tensor> to_wrap;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && inputs[i].requires_grad()) {
+      needs_grad.push_back(i);
+      to_wrap.push_back(inputs[i]);
+    }
+  }
+  if (to_wrap.empty()) return;
+  auto wrapped = PostBackwardFunction::apply(at::TensorList(to_wrap), id_);
+  for (size_t k = 0; k < needs_grad.size(); ++k) inputs[needs_grad[k]] = wrapped[k];
+}
+
+void FSDPState::post_forward(const torch::nn::Module& module, std::vector<at::Tensor>& outputs) {
   if (training_state_ == TrainingState::kPreBackward) return;
-  bool group_done = true;
-  if (group_) {
-    // A group of several modules finishes its forward when each of them has run.
-    if (++modules_in_forward_ >= static_cast<int>(modules_.size())) {
-      modules_in_forward_ = 0;
-      group_->post_forward();
-    } else {
-      group_done = false;
-    }
-  }
-  if (at::GradMode::is_enabled()) {
-    std::weak_ptr<FSDPState> self = weak_from_this();
-    for (auto& out : outputs) {
-      if (!out.defined() || !out.requires_grad()) continue;
-      out.register_hook([self](const at::Tensor&) {
-        if (auto st = self.lock()) st->pre_backward();
-      });
-    }
-  }
-  if (group_done) training_state_ = TrainingState::kIdle;
+  TORCH_CHECK(is_module_of_this_state(module), "internal: post-forward of a module that is not managed by this FSDP "
+              "state ('", fqn_, "')");
+  modules_to_run_forward_.erase(&module);
+  const bool round_done = modules_to_run_forward_.empty();
+  if (group_ && round_done) group_->post_forward();
+  hook_outputs_for_pre_backward(outputs);
+  if (round_done) training_state_ = TrainingState::kIdle;
   if (ctx_ && ctx_->iter_forward_root == this) root_post_forward();
 }
 
-// The end of the iteration's forward: drop prefetches nobody consumed, and complete groups of
-// several modules of which only some ran.
+void FSDPState::hook_outputs_for_pre_backward(std::vector<at::Tensor>& outputs) {
+  if (!at::GradMode::is_enabled()) return;
+  std::weak_ptr<FSDPState> self = weak_from_this();
+  for (auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    out.register_hook([self](const at::Tensor&) {
+      if (auto st = self.lock()) st->pre_backward();
+    });
+  }
+}
+
+// A group of several modules of which only some ran this forward: its round ends now.
+void FSDPState::finish_group_forward() {
+  if (modules_to_run_forward_.empty()) return;
+  modules_to_run_forward_.clear();
+  training_state_ = TrainingState::kIdle;
+  if (group_) group_->post_forward();
+}
+
+// The end of the iteration's forward: complete the rounds of groups of which only some modules
+// ran, and drop prefetches nobody consumed.
 void FSDPState::root_post_forward() {
   for (FSDPState* st : ctx_->all_states) {
-    FSDPParamGroup* g = st->group_.get();
-    if (!g) continue;
-    if (st->modules_in_forward_ > 0) {
-      st->modules_in_forward_ = 0;
-      st->training_state_ = TrainingState::kIdle;
-      g->post_forward();
-    }
-    if (g->prefetched_in_forward) {
-      g->prefetched_in_forward = false;
-      if (g->reshard_policy().kind != ReshardPolicy::kKeep) g->reshard();
-    }
+    st->finish_group_forward();
+    if (st->group_) st->group_->drop_unused_forward_prefetch();
   }
   ctx_->comm.last_forward_order.swap(ctx_->comm.forward_order);
   ctx_->comm.forward_order.clear();
   ctx_->iter_forward_root = nullptr;
+}
+
+std::vector<FSDPParamGroup*> FSDPState::groups_of(const std::vector<std::weak_ptr<FSDPState>>& states) const {
+  std::vector<FSDPParamGroup*> groups;
+  for (const auto& w : states) {
+    auto st = w.lock();
+    if (st && st->group_ && st->group_.get() != group_.get()) groups.push_back(st->group_.get());
+  }
+  return groups;
 }
 
 // On CPU nothing runs ahead of the compute by itself, so the default forward prefetch follows
@@ -235,22 +258,15 @@ void FSDPState::prefetch_next_in_forward() {
   CommContext& comm = ctx_->comm;
   const size_t position = comm.forward_order.size();
   comm.forward_order.push_back(group_.get());
-  std::vector<FSDPParamGroup*> targets;
-  if (!forward_prefetch.empty()) {
-    for (auto& w : forward_prefetch) {
-      if (auto st = w.lock()) {
-        if (st->group_) targets.push_back(st->group_.get());
-      }
-    }
-  } else if (position + 1 < comm.last_forward_order.size() && comm.last_forward_order[position] == group_.get()) {
+  std::vector<FSDPParamGroup*> targets = groups_of(states_to_forward_prefetch_);
+  if (states_to_forward_prefetch_.empty() && position + 1 < comm.last_forward_order.size() &&
+      comm.last_forward_order[position] == group_.get() && comm.last_forward_order[position + 1] != group_.get()) {
     targets.push_back(comm.last_forward_order[position + 1]);
   }
-  for (FSDPParamGroup* t : targets) {
-    if (t == group_.get() || t->sharded_state() == ShardedState::kUnsharded || t->has_pending_unshard()) continue;
-    t->unshard();
-    t->prefetched_in_forward = true;
-  }
+  for (FSDPParamGroup* t : targets) t->prefetch_in_forward();
 }
+
+// ------------------------------------------------------------------------------ backward
 
 void FSDPState::pre_backward() {
   if (!ctx_) return;
@@ -268,20 +284,13 @@ void FSDPState::pre_backward() {
 
 // Default: the group that finished forward just before this one runs backward next.
 void FSDPState::prefetch_in_backward() {
-  std::vector<FSDPParamGroup*> targets;
   const int64_t index = group_->pop_post_forward_index();
-  if (!backward_prefetch.empty()) {
-    for (auto& w : backward_prefetch) {
-      if (auto st = w.lock()) {
-        if (st->group_) targets.push_back(st->group_.get());
-      }
-    }
-  } else if (index > 0) {
-    targets.push_back(ctx_->comm.post_forward_order[index - 1]);
+  std::vector<FSDPParamGroup*> targets = groups_of(states_to_backward_prefetch_);
+  if (states_to_backward_prefetch_.empty() && index > 0) {
+    FSDPParamGroup* previous = ctx_->comm.post_forward_order[index - 1];
+    if (previous != group_.get()) targets.push_back(previous);
   }
-  for (FSDPParamGroup* t : targets) {
-    if (t != group_.get()) t->unshard();
-  }
+  for (FSDPParamGroup* t : targets) t->unshard();
 }
 
 void FSDPState::post_backward() {
@@ -319,33 +328,6 @@ std::vector<std::string> FSDPState::resharded_modules_below() const {
     names.push_back(name.empty() ? "<root>" : name);
   }
   return names;
-}
-
-// ------------------------------------------------------------------------------ call.h entry points
-
-FSDPState* state_of(const torch::nn::Module& module) { return find_state(module).get(); }
-
-std::vector<at::Tensor> pre_forward(FSDPState& state, std::vector<at::Tensor> inputs) {
-  return state.pre_forward(std::move(inputs));
-}
-
-void post_forward(FSDPState& state, std::vector<at::Tensor>& outputs) { state.post_forward(outputs); }
-
-void rethrow_forward_error(FSDPState& state) {
-  try {
-    throw;
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    const bool freed_storage = msg.find("data is not allocated yet") != std::string::npos ||
-                               msg.find("storage of size 0") != std::string::npos;
-    const auto resharded = state.resharded_modules_below();
-    if (!freed_storage || resharded.empty()) throw;
-    std::string names;
-    for (const auto& n : resharded) names += (names.empty() ? "'" : ", '") + n + "'";
-    TORCH_CHECK(false, "fsdp: a module computed on resharded (freed) parameters. At that moment these FSDP modules "
-                "were resharded: ", names, ". Call FSDP modules through fsdp::call(module, ...) instead of "
-                "module->forward(...) or module(...), or unshard() them first. LibTorch said: ", msg);
-  }
 }
 
 }  // namespace detail

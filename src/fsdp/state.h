@@ -4,13 +4,15 @@
 // group itself.
 #pragma once
 
-#include "fsdp/param_group.h"
+#include "src/fsdp/common.h"
+#include "src/fsdp/param_group.h"
 
-#include <fsdp/fully_shard.h>
+#include <fsdp/fsdp_module.h>
 
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -30,8 +32,11 @@ struct StateContext {
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
  public:
+  // `auto_reshard_after_forward`: reshard_after_forward was left unset, so the group's
+  // post-forward resharding (already set up by fully_shard) is turned off if this state
+  // becomes a root: backward needs the root's parameters again at once.
   FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
-            ReshardAfterForward reshard_after_forward);
+            bool auto_reshard_after_forward);
   ~FSDPState();
 
   int64_t id() const { return id_; }
@@ -39,49 +44,64 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   FSDPParamGroup* group() const { return group_.get(); }
   std::shared_ptr<torch::nn::Module> module() const { return modules_.front().lock(); }
   const std::string& fqn() const { return fqn_; }
-  bool is_root() const { return is_root_ == 1; }
   TrainingState training_state() const { return training_state_; }
 
-  // Hooks.
-  std::vector<at::Tensor> pre_forward(std::vector<at::Tensor> inputs);
-  void post_forward(std::vector<at::Tensor>& outputs);
+  // Hooks. `module` is the one being called (one of this state's modules).
+  std::vector<at::Tensor> pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs);
+  void post_forward(const torch::nn::Module& module, std::vector<at::Tensor>& outputs);
   void pre_backward();
   void post_backward();  // from the autograd function on the inputs
 
   // Names the resharded FSDP modules under this one, for errors.
   std::vector<std::string> resharded_modules_below() const;
 
-  // FSDPModule setters.
-  std::vector<std::weak_ptr<FSDPState>> forward_prefetch;
-  std::vector<std::weak_ptr<FSDPState>> backward_prefetch;
-  void set_reshard_after_forward(ReshardAfterForward option);
+  // FSDPModule controls.
+  void set_states_to_forward_prefetch(std::vector<std::weak_ptr<FSDPState>> states);
+  void set_states_to_backward_prefetch(std::vector<std::weak_ptr<FSDPState>> states);
+  // The bool form only, so it never creates a process group: true reshards over the shard group.
+  void set_reshard_after_forward(bool reshard_after_forward);
 
-  // Lazy initialisation as the root (no-op once initialised as root or child). Also runs for a
-  // user's unshard() before any forward, so the comm context exists.
+  // Lazy initialisation as the root, from the first pre-forward (no-op once initialised as root
+  // or child): collects the states under this module, shares one context with them, names their
+  // groups and turns off the root's automatic reshard after forward.
   void lazy_init();
 
  private:
+  bool is_module_of_this_state(const torch::nn::Module& module) const;
+  void hook_inputs_for_post_backward(std::vector<at::Tensor>& inputs);
+  void hook_outputs_for_pre_backward(std::vector<at::Tensor>& outputs);
+  void finish_group_forward();
   void root_post_forward();
   void prefetch_next_in_forward();
   void prefetch_in_backward();
+  std::vector<FSDPParamGroup*> groups_of(const std::vector<std::weak_ptr<FSDPState>>& states) const;
   static void final_callback(std::weak_ptr<FSDPState> root);
 
   const int64_t id_;
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
   std::unique_ptr<FSDPParamGroup> group_;
-  ReshardAfterForward reshard_option_;
+  bool auto_reshard_after_forward_;
   std::string fqn_;
-  int is_root_ = -1;  // -1 until lazy init, then 1 or 0
+  std::optional<bool> is_root_;  // set by lazy init
   std::shared_ptr<StateContext> ctx_;
   TrainingState training_state_ = TrainingState::kIdle;
-  int modules_in_forward_ = 0;  // for a list of modules: how many ran forward this round
+  // The modules of this state that have not finished forward in the current round; a round
+  // starts when the first of them is called with the set empty, and the group's post-forward
+  // runs when the set is empty again (a module called twice does not end the round early).
+  std::set<const torch::nn::Module*> modules_to_run_forward_;
+  std::vector<std::weak_ptr<FSDPState>> states_to_forward_prefetch_;
+  std::vector<std::weak_ptr<FSDPState>> states_to_backward_prefetch_;
 };
 
-// Registry: module -> state, and param -> its record; lookups are cheap and thread-safe.
+// Registry: module -> state, and state id -> state (for the autograd function); cheap, thread-safe.
 std::shared_ptr<FSDPState> find_state(const torch::nn::Module& module);
 void register_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                     const std::shared_ptr<FSDPState>& state);
 std::shared_ptr<FSDPState> find_state_by_id(int64_t id);
 
 }  // namespace detail
+
+// The public handle of a state (fsdp_module.cpp; FSDPModule's constructor is private).
+FSDPModule make_fsdp_module(std::shared_ptr<detail::FSDPState> state);
+
 }  // namespace fsdp

@@ -1,3 +1,5 @@
+// The Transformer of fsdp/models/transformer.h. Every submodule is called through fsdp::call, so
+// that any of them may be fully_shard()ed.
 #include <fsdp/models/transformer.h>
 
 #include <fsdp/call.h>
@@ -6,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 
 namespace fsdp {
 namespace models {

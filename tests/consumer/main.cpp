@@ -1,6 +1,22 @@
-// Uses the installed headers and library: a one-process world, a mesh and a DTensor.
+// Uses the installed headers and library: a one-process world, a mesh and a DTensor. Every
+// public header is included, so that one needing anything not installed fails to build here.
+#include <fsdp/call.h>
+#include <fsdp/checkpoint.h>
+#include <fsdp/clip_grad.h>
+#include <fsdp/compat.h>
+#include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
 #include <fsdp/dtensor.h>
+#include <fsdp/fsdp_module.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
+#include <fsdp/models/transformer.h>
+#include <fsdp/optim_state_dict.h>
+#include <fsdp/placement.h>
+#include <fsdp/process_group.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/state_dict.h>
+#include <fsdp/trace.h>
 
 #include <ATen/ATen.h>
 

@@ -1,17 +1,24 @@
 // End-to-end tests of fsdprun: real fsdprun processes starting the test worker
 // (test_worker.cpp). Every test uses its own directory and free ports, so several
 // runs of the suite can share a machine.
-#include "harness.h"
+#include "process_harness.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <set>
 
 namespace launcher_test {
 namespace {
+
+using namespace process_test;
+
+// The programs under test (paths from CMake).
+const Program fsdprun(FSDPRUN_BIN);
+std::string worker_path() { return TEST_WORKER_BIN; }
 
 using Args = std::vector<std::string>;
 
@@ -29,19 +36,25 @@ bool contains(const std::string& text, const std::string& piece) {
 
 #define EXPECT_CONTAINS(text, piece) EXPECT_TRUE(contains(text, piece)) << "missing \"" << (piece) << "\" in:\n" << (text)
 
-std::string describe(const RunResult& r) {
-  return "exit " + std::to_string(r.exit_code) + (r.signaled ? " (signal)" : "") +
-         (r.timed_out ? " TIMED OUT" : "") + "\n--- stdout:\n" + r.out + "--- stderr:\n" + r.err;
+// Values of the pid_* files the test worker wrote in dir.
+std::vector<pid_t> worker_pids(const std::string& dir) {
+  std::vector<pid_t> pids;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename();
+    if (name.rfind("pid_", 0) == 0 && name.find(".tmp") == std::string::npos)
+      pids.push_back(std::atoi(read_file(entry.path()).c_str()));
+  }
+  return pids;
 }
 
-// ---------------------------------------------------------------- (1) environment
+// ---------------------------------------------------------------- environment
 class EnvContract : public ::testing::TestWithParam<int> {};
 
 TEST_P(EnvContract, EachWorkerSeesTorchrunVariables) {
   const int nproc = GetParam();
   TempDir dir;
   const std::string port = port_arg();
-  const auto r = run_fsdprun(
+  const auto r = fsdprun.run(
       with_worker({"--nproc-per-node", std::to_string(nproc), "--master-port", port, "--run-id", "job7",
                    "--max-restarts", "3"},
                   {"env", dir.path()}),
@@ -74,7 +87,7 @@ INSTANTIATE_TEST_SUITE_P(Nproc, EnvContract, ::testing::Values(2, 3));
 
 TEST(EnvContractExtra, KeepsUserOmpNumThreads) {
   TempDir dir;
-  const auto r = run_fsdprun(with_worker({"--standalone", "--nproc_per_node", "2"}, {"env", dir.path()}),
+  const auto r = fsdprun.run(with_worker({"--standalone", "--nproc_per_node", "2"}, {"env", dir.path()}),
                              {{"OMP_NUM_THREADS", "4"}});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_FALSE(contains(r.err, "OMP_NUM_THREADS")) << r.err;
@@ -82,10 +95,10 @@ TEST(EnvContractExtra, KeepsUserOmpNumThreads) {
   EXPECT_NE(read_env_file(dir / "env_1_0")["TORCHELASTIC_RUN_ID"], "none");  // random with --standalone
 }
 
-// ---------------------------------------------------------------- (2, 3) failures
+// ---------------------------------------------------------------- failures
 TEST(Failure, NonZeroExitStopsTheOthers) {
   TempDir dir, logs;
-  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "3", "--master-port", port_arg(),
+  const auto r = fsdprun.run(with_worker({"--nproc-per-node", "3", "--master-port", port_arg(),
                                           "--stop-grace-seconds", "1", "--log-dir", logs.path()},
                                          {"fail", dir.path(), "1", "7"}));
   EXPECT_FALSE(r.timed_out);
@@ -102,7 +115,7 @@ TEST(Failure, NonZeroExitStopsTheOthers) {
 
 TEST(Failure, KilledBySignalStopsTheOthers) {
   TempDir dir;
-  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "1"},
+  const auto r = fsdprun.run(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "1"},
                                          {"killself", dir.path(), "0"}));
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_LT(r.seconds, 10.0);
@@ -113,7 +126,7 @@ TEST(Failure, KilledBySignalStopsTheOthers) {
 
 TEST(Failure, WorkerIgnoringSigtermIsKilledAfterGrace) {
   TempDir dir;
-  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "0.5"},
+  const auto r = fsdprun.run(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "0.5"},
                                          {"fail", dir.path(), "0", "3", "ignore-term"}));
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_LT(r.seconds, 10.0);
@@ -122,19 +135,19 @@ TEST(Failure, WorkerIgnoringSigtermIsKilledAfterGrace) {
 }
 
 TEST(Failure, ProgramNotFound) {
-  const auto r = run_fsdprun({"--standalone", "/nonexistent/program"});
+  const auto r = fsdprun.run({"--standalone", "/nonexistent/program"});
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_CONTAINS(r.err, "cannot execute '/nonexistent/program'");
 }
 
-// ---------------------------------------------------------------- (4) restarts
+// ---------------------------------------------------------------- restarts
 std::string attempts_seen(const std::string& dir, int rank) {
   return read_file(dir + "/attempts_" + std::to_string(rank));
 }
 
 TEST(Restart, SucceedsOnThirdAttempt) {
   TempDir dir;
-  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone", "--max-restarts", "2"},
+  const auto r = fsdprun.run(with_worker({"--nproc-per-node", "2", "--standalone", "--max-restarts", "2"},
                                          {"restart", dir.path(), "0", "2"}));
   EXPECT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(attempts_seen(dir.path(), 0), "0\n1\n2\n");
@@ -145,20 +158,20 @@ TEST(Restart, SucceedsOnThirdAttempt) {
 
 TEST(Restart, GivesUpAfterMaxRestarts) {
   TempDir dir;
-  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone", "--max-restarts", "2"},
+  const auto r = fsdprun.run(with_worker({"--nproc-per-node", "2", "--standalone", "--max-restarts", "2"},
                                          {"restart", dir.path(), "1", "99"}));
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_EQ(attempts_seen(dir.path(), 1), "0\n1\n2\n");
   EXPECT_CONTAINS(r.err, "giving up after 2 restart(s)");
 }
 
-// ---------------------------------------------------------------- (5) bad arguments
+// ---------------------------------------------------------------- bad arguments
 // fsdprun must refuse with exit code 2 and one line naming the problem, starting nothing
 // (the worker would write files into dir).
 void expect_usage_error(Args args, const std::string& message, bool with_program = true) {
   TempDir dir;
   if (with_program) args = with_worker(args, {"env", dir.path()});
-  const auto r = run_fsdprun(args);
+  const auto r = fsdprun.run(args);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_CONTAINS(r.err, "fsdprun: error: ");
   EXPECT_CONTAINS(r.err, message);
@@ -184,10 +197,10 @@ TEST(BadArguments, MissingProgram) {
   expect_usage_error({"--nproc-per-node", "2"}, "missing the program to run", false);
 }
 
-// ---------------------------------------------------------------- (6) output
+// ---------------------------------------------------------------- output
 TEST(Output, ConsoleLinesArePrefixedWithTheRank) {
   TempDir dir;
-  const auto r = run_fsdprun(with_worker({"--nproc-per-node", "2", "--standalone"}, {"env", dir.path()}));
+  const auto r = fsdprun.run(with_worker({"--nproc-per-node", "2", "--standalone"}, {"env", dir.path()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   for (std::string rank : {"0", "1"}) {
     EXPECT_CONTAINS(r.out, "[rank" + rank + "]:hello from rank " + rank + "\n");
@@ -199,14 +212,14 @@ TEST(Output, ConsoleLinesArePrefixedWithTheRank) {
 
 TEST(Output, NoPrefix) {
   TempDir dir;
-  const auto r = run_fsdprun(with_worker({"--standalone", "--no-prefix"}, {"env", dir.path()}));
+  const auto r = fsdprun.run(with_worker({"--standalone", "--no-prefix"}, {"env", dir.path()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(r.out, "hello from rank 0\ntail 0\n");
 }
 
 TEST(Output, LogDirWritesPerRankFiles) {
   TempDir dir, logs;
-  const auto r = run_fsdprun(
+  const auto r = fsdprun.run(
       with_worker({"--nproc-per-node", "2", "--standalone", "--log-dir", logs.path()}, {"env", dir.path()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(r.out, "");  // without --tee nothing of the workers reaches the console
@@ -220,7 +233,7 @@ TEST(Output, LogDirWritesPerRankFiles) {
 
 TEST(Output, TeeAlsoEchoesToTheConsole) {
   TempDir dir, logs;
-  const auto r = run_fsdprun(with_worker(
+  const auto r = fsdprun.run(with_worker(
       {"--nproc-per-node", "2", "--standalone", "--log-dir", logs.path(), "--tee"}, {"env", dir.path()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_CONTAINS(r.out, "[rank1]:hello from rank 1\n");
@@ -229,12 +242,13 @@ TEST(Output, TeeAlsoEchoesToTheConsole) {
   EXPECT_EQ(read_file(logs / "attempt_0/rank_1/stdout.log"), "hello from rank 1\ntail 1");
 }
 
-// ---------------------------------------------------------------- (7) signals
+// ---------------------------------------------------------------- signals
 void expect_signal_stops_everything(int signo, bool workers_ignore_term) {
   TempDir dir;
   Args worker = {"sleep", dir.path()};
   if (workers_ignore_term) worker.push_back("ignore-term");
-  Fsdprun run(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "0.5"}, worker));
+  Process run =
+      fsdprun.start(with_worker({"--nproc-per-node", "2", "--standalone", "--stop-grace-seconds", "0.5"}, worker));
   ASSERT_TRUE(wait_for_file(dir / "pid_0_0"));
   ASSERT_TRUE(wait_for_file(dir / "pid_1_0"));
   const auto pids = worker_pids(dir.path());
@@ -253,7 +267,7 @@ TEST(Signals, SigtermStopsWorkersAndExits) { expect_signal_stops_everything(SIGT
 TEST(Signals, SigintStopsWorkersAndExits) { expect_signal_stops_everything(SIGINT, false); }
 TEST(Signals, SigtermEscalatesToSigkill) { expect_signal_stops_everything(SIGTERM, true); }
 
-// ---------------------------------------------------------------- (8) loopback store
+// ---------------------------------------------------------------- loopback store
 bool is_loopback(const std::string& hex) {
   return hex == "0100007F" ||                           // 127.0.0.1
          hex == "0000000000000000FFFF00000100007F" ||   // ::ffff:127.0.0.1
@@ -264,7 +278,7 @@ bool is_wildcard(const std::string& hex) { return hex.find_first_not_of('0') == 
 
 TEST(AgentStore, StandaloneListensOnLoopbackOnly) {
   TempDir dir;
-  Fsdprun run(with_worker({"--standalone"}, {"port", dir.path()}));
+  Process run = fsdprun.start(with_worker({"--standalone"}, {"port", dir.path()}));
   ASSERT_TRUE(wait_for_file(dir / "port"));
   const int port = std::stoi(read_file(dir / "port"));
   const auto addresses = listen_addresses(port);
@@ -280,7 +294,7 @@ TEST(AgentStore, StandaloneListensOnLoopbackOnly) {
 TEST(AgentStore, MultiNodeCapableStoreListensOnAllAddresses) {
   TempDir dir;
   const int port = free_port();
-  Fsdprun run(with_worker({"--master-port", std::to_string(port)}, {"port", dir.path()}));
+  Process run = fsdprun.start(with_worker({"--master-port", std::to_string(port)}, {"port", dir.path()}));
   ASSERT_TRUE(wait_for_file(dir / "port"));
   const auto addresses = listen_addresses(port);
   ASSERT_FALSE(addresses.empty());
@@ -289,7 +303,7 @@ TEST(AgentStore, MultiNodeCapableStoreListensOnAllAddresses) {
   EXPECT_EQ(run.wait(30).exit_code, 128 + SIGTERM);
 }
 
-// ---------------------------------------------------------------- (9) two nodes
+// ---------------------------------------------------------------- two nodes
 Args node_args(int node_rank, const std::string& port, Args extra = {}) {
   Args args = {"--nnodes", "2", "--node-rank", std::to_string(node_rank), "--nproc-per-node", "2",
                "--master-port", port, "--monitor-interval", "0.1", "--stop-grace-seconds", "1",
@@ -301,8 +315,8 @@ Args node_args(int node_rank, const std::string& port, Args extra = {}) {
 TEST(TwoNodes, RanksZeroToThreeWithWorldSizeFour) {
   TempDir dir;
   const std::string port = port_arg();
-  Fsdprun node1(with_worker(node_args(1, port), {"env", dir.path()}));  // waits for node 0's store
-  Fsdprun node0(with_worker(node_args(0, port), {"env", dir.path()}));
+  Process node1 = fsdprun.start(with_worker(node_args(1, port), {"env", dir.path()}));  // waits for node 0's store
+  Process node0 = fsdprun.start(with_worker(node_args(0, port), {"env", dir.path()}));
   const auto r0 = node0.wait(30), r1 = node1.wait(30);
   ASSERT_EQ(r0.exit_code, 0) << describe(r0);
   ASSERT_EQ(r1.exit_code, 0) << describe(r1);
@@ -322,8 +336,8 @@ TEST(TwoNodes, RanksZeroToThreeWithWorldSizeFour) {
 TEST(TwoNodes, FailureOnOneNodeStopsTheOther) {
   TempDir dir;
   const std::string port = port_arg();
-  Fsdprun node0(with_worker(node_args(0, port), {"fail", dir.path(), "3", "5"}));
-  Fsdprun node1(with_worker(node_args(1, port), {"fail", dir.path(), "3", "5"}));
+  Process node0 = fsdprun.start(with_worker(node_args(0, port), {"fail", dir.path(), "3", "5"}));
+  Process node1 = fsdprun.start(with_worker(node_args(1, port), {"fail", dir.path(), "3", "5"}));
   const auto r0 = node0.wait(30), r1 = node1.wait(30);
   EXPECT_EQ(r0.exit_code, 1) << describe(r0);
   EXPECT_EQ(r1.exit_code, 1) << describe(r1);
@@ -337,8 +351,9 @@ TEST(TwoNodes, FailureOnOneNodeStopsTheOther) {
 TEST(TwoNodes, RestartIsCoordinated) {
   TempDir dir;
   const std::string port = port_arg();
-  Fsdprun node0(with_worker(node_args(0, port, {"--max-restarts", "1"}), {"restart", dir.path(), "3", "1"}));
-  Fsdprun node1(with_worker(node_args(1, port, {"--max-restarts", "1"}), {"restart", dir.path(), "3", "1"}));
+  const Args worker = {"restart", dir.path(), "3", "1"};
+  Process node0 = fsdprun.start(with_worker(node_args(0, port, {"--max-restarts", "1"}), worker));
+  Process node1 = fsdprun.start(with_worker(node_args(1, port, {"--max-restarts", "1"}), worker));
   const auto r0 = node0.wait(30), r1 = node1.wait(30);
   EXPECT_EQ(r0.exit_code, 0) << describe(r0);
   EXPECT_EQ(r1.exit_code, 0) << describe(r1);

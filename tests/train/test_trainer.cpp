@@ -1,6 +1,6 @@
 // End-to-end tests of fsdp-train: the real program, started directly or by fsdprun, with real
 // ranks on loopback. Losses come from the per-rank JSONL metrics.
-#include "../launcher/harness.h"
+#include "process_harness.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -9,20 +9,22 @@
 #include <sys/types.h>
 
 #include <cmath>
-#include <dirent.h>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
-using namespace launcher_test;
+using namespace process_test;
 
 namespace {
 
-std::string trainer_path() { return FSDP_TRAIN_BIN; }
+// The programs under test and the shipped configs (paths from CMake).
+const Program trainer(FSDP_TRAIN_BIN);
+const Program fsdprun(FSDPRUN_BIN);
 std::string configs_dir() { return FSDP_TRAIN_CONFIGS_DIR; }
 
 // A small model that still takes a few milliseconds per step, so that a test can stop a run in
@@ -53,7 +55,7 @@ std::vector<std::string> under_fsdprun(int nproc, const std::vector<std::string>
                                        const std::vector<std::string>& launcher_flags = {}) {
   std::vector<std::string> a = {"--standalone", "--nproc-per-node", std::to_string(nproc)};
   a.insert(a.end(), launcher_flags.begin(), launcher_flags.end());
-  a.push_back(trainer_path());
+  a.push_back(trainer.path());
   a.insert(a.end(), trainer_args.begin(), trainer_args.end());
   return a;
 }
@@ -103,33 +105,6 @@ bool wait_for_step(const std::string& jsonl, int64_t step, double timeout_s = 60
   return false;
 }
 
-// The direct children of `parent` (fsdprun's workers).
-std::vector<pid_t> children_of(pid_t parent) {
-  std::vector<pid_t> kids;
-  DIR* d = opendir("/proc");
-  if (!d) return kids;
-  while (dirent* e = readdir(d)) {
-    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
-    if (pid <= 0) continue;
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-    const auto close = content.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(content.substr(close + 2));
-    char state;
-    pid_t ppid;
-    rest >> state >> ppid;
-    if (ppid == parent) kids.push_back(pid);
-  }
-  closedir(d);
-  return kids;
-}
-
-std::string describe(const RunResult& r) {
-  return "exit " + std::to_string(r.exit_code) + (r.signaled ? " (signal)" : "") + (r.timed_out ? " TIMED OUT" : "") +
-         "\n--- stdout\n" + r.out + "\n--- stderr\n" + r.err;
-}
-
 void expect_same_losses(const std::map<int64_t, StepMetrics>& got, const std::map<int64_t, StepMetrics>& want) {
   ASSERT_EQ(got.size(), want.size());
   for (const auto& [step, m] : want) {
@@ -145,7 +120,7 @@ constexpr int kSteps = 60;
 const TempDir& reference_run() {
   static TempDir dir;
   static bool done = [] {
-    RunResult r = run_fsdprun(under_fsdprun(2, base_args(dir.path(), kSteps)), {}, 120);
+    RunResult r = fsdprun.run(under_fsdprun(2, base_args(dir.path(), kSteps)), {}, 120);
     EXPECT_EQ(r.exit_code, 0) << describe(r);
     return true;
   }();
@@ -166,7 +141,7 @@ TEST(Trainer, KilledRankThenResumeAutoEndsWithTheLossesOfAnUninterruptedRun) {
   TempDir dir;
   const auto args = under_fsdprun(2, base_args(dir.path(), kSteps));
   {
-    Fsdprun run(args);
+    Process run = fsdprun.start(args);
     ASSERT_TRUE(wait_for_step(dir / "m0.jsonl", 12));
     const auto kids = children_of(run.pid());
     ASSERT_EQ(kids.size(), 2u);
@@ -176,7 +151,7 @@ TEST(Trainer, KilledRankThenResumeAutoEndsWithTheLossesOfAnUninterruptedRun) {
   }
   const int64_t reached = last_step_in(dir / "m0.jsonl");
   ASSERT_LT(reached, kSteps) << "the run finished before it was killed";
-  RunResult r = run_fsdprun(args, {}, 120);  // training.resume: auto (configs/tiny.yaml)
+  RunResult r = fsdprun.run(args, {}, 120);  // training.resume: auto (configs/tiny.yaml)
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("resumed from"), std::string::npos) << r.out;
   expect_same_losses(read_metrics(dir / "m0.jsonl"), want);
@@ -185,7 +160,7 @@ TEST(Trainer, KilledRankThenResumeAutoEndsWithTheLossesOfAnUninterruptedRun) {
 TEST(Trainer, FsdprunMaxRestartsResumesFromTheLatestCheckpointWithTheSameLosses) {
   const auto& want = reference_losses();
   TempDir dir;
-  Fsdprun run(under_fsdprun(2, base_args(dir.path(), kSteps), {"--max-restarts", "1"}));
+  Process run = fsdprun.start(under_fsdprun(2, base_args(dir.path(), kSteps), {"--max-restarts", "1"}));
   ASSERT_TRUE(wait_for_step(dir / "m0.jsonl", 12));
   const auto kids = children_of(run.pid());
   ASSERT_EQ(kids.size(), 2u);
@@ -201,7 +176,7 @@ TEST(Trainer, SigtermSavesACheckpointAndTheResumedRunHasTheSameLosses) {
   TempDir dir;
   const auto args = under_fsdprun(2, base_args(dir.path(), kSteps), {"--stop-grace-seconds", "30"});
   {
-    Fsdprun run(args);
+    Process run = fsdprun.start(args);
     ASSERT_TRUE(wait_for_step(dir / "m0.jsonl", 7));
     kill(run.pid(), SIGTERM);  // fsdprun forwards it to both ranks
     RunResult r = run.wait(60);
@@ -212,7 +187,7 @@ TEST(Trainer, SigtermSavesACheckpointAndTheResumedRunHasTheSameLosses) {
   ASSERT_LT(stopped_at, kSteps);
   // The stop saved exactly the step it stopped at, whatever the interval.
   EXPECT_TRUE(std::filesystem::exists(dir / ("ckpt/step_" + std::to_string(stopped_at) + "/metadata.json")));
-  RunResult r = run_fsdprun(args, {}, 120);
+  RunResult r = fsdprun.run(args, {}, 120);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("at step " + std::to_string(stopped_at)), std::string::npos) << r.out;
   expect_same_losses(read_metrics(dir / "m0.jsonl"), want);
@@ -231,7 +206,7 @@ TEST(Trainer, CheckpointSavedAtTwoRanksResumesAtOneAndFourRanks) {
     const std::string run_dir = dir / ("w" + std::to_string(world));
     const auto args = with(base_args(run_dir, kSteps),
                            {"--training.micro_batch_size=" + std::to_string(8 / world), "--training.resume=" + ckpt});
-    RunResult r = run_fsdprun(under_fsdprun(world, args), {}, 180);
+    RunResult r = fsdprun.run(under_fsdprun(world, args), {}, 180);
     ASSERT_EQ(r.exit_code, 0) << "W=" << world << ": " << describe(r);
     const auto got = read_metrics(run_dir + "/m0.jsonl");
     ASSERT_EQ(got.size(), static_cast<size_t>(kSteps - 30)) << "W=" << world;
@@ -251,7 +226,7 @@ TEST(Trainer, GradientAccumulationEqualsOneLargerBatch) {
                            {"--training.micro_batch_size=" + std::to_string(batch),
                             "--training.gradient_accumulation_steps=" + std::to_string(accumulation),
                             "--fsdp_config.checkpoint_interval=0"});
-    RunResult r = run_fsdprun(under_fsdprun(world, args), {}, 120);
+    RunResult r = fsdprun.run(under_fsdprun(world, args), {}, 120);
     EXPECT_EQ(r.exit_code, 0) << name << ": " << describe(r);
     return read_metrics(dir / (name + "/m0.jsonl"));
   };
@@ -273,7 +248,7 @@ TEST(Trainer, NonFiniteLossStopsWithAClearMessage) {
   TempDir dir;
   const auto args = with(base_args(dir.path(), 20),
                          {"--optimizer.lr=1e30", "--training.max_grad_norm=0", "--schedule.warmup_steps=0"});
-  RunResult r = run_fsdprun(under_fsdprun(2, args), {}, 120);
+  RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
   EXPECT_NE(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("non-finite"), std::string::npos) << describe(r);
   EXPECT_LT(last_step_in(dir / "m0.jsonl"), 20);
@@ -284,13 +259,13 @@ TEST(Trainer, NonFiniteLossStopsWithAClearMessage) {
 TEST(Trainer, TokenizeThenTrainOnATextFile) {
   TempDir dir;
   std::ofstream(dir / "text.txt") << std::string(200, 'a') + "the quick brown fox jumps over the lazy dog\n";
-  RunResult tok = Process(trainer_path(), {"tokenize", dir / "text.txt", dir / "text.tokens"}).wait(30);
+  RunResult tok = trainer.run({"tokenize", dir / "text.txt", dir / "text.tokens"}, {}, 30);
   ASSERT_EQ(tok.exit_code, 0) << describe(tok);
   const auto args = with(base_args(dir.path(), 10),
                          {"--model.vocab_size=256", "--data.source=tokens", "--data.path=" + dir / "text.tokens",
                           "--training.seq_len=32", "--sample.length=16", "--sample.prompt=the ",
                           "--training.export=" + dir / "model.pt"});
-  RunResult r = run_fsdprun(under_fsdprun(2, args), {}, 120);
+  RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("sample (16 tokens"), std::string::npos) << r.out;
   EXPECT_TRUE(std::filesystem::exists(dir / "model.pt"));
@@ -307,13 +282,13 @@ TEST(Trainer, StartsFromATorchSaveFile) {
     return with(base_args(dir / name, steps),
                 {"--fsdp_config.checkpoint_interval=0", "--training.export=" + dir / (name + ".pt")});
   };
-  RunResult a = run_fsdprun(under_fsdprun(2, common("a", 3)), {}, 120);
+  RunResult a = fsdprun.run(under_fsdprun(2, common("a", 3)), {}, 120);
   ASSERT_EQ(a.exit_code, 0) << describe(a);
   const std::string python = "import sys, torch\n"
                              "torch.save(dict(torch.load(sys.argv[1])), sys.argv[2])\n";
   std::ofstream(dir / "resave.py") << python;
   ASSERT_EQ(std::system(("/usr/bin/python3 " + dir / "resave.py" + " " + dir / "a.pt" + " " + dir / "init.pt").c_str()), 0);
-  RunResult b = run_fsdprun(under_fsdprun(2, with(common("b", 1), {"--model.init_from=" + dir / "init.pt",
+  RunResult b = fsdprun.run(under_fsdprun(2, with(common("b", 1), {"--model.init_from=" + dir / "init.pt",
                                                                    "--optimizer.lr=1e-30", "--schedule.min_lr=0"})),
                             {}, 120);
   ASSERT_EQ(b.exit_code, 0) << describe(b);
@@ -329,7 +304,7 @@ TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaitsAndSafetensorsExport) {
   TempDir dir;
   const auto args = with(base_args(dir.path(), 3), {"--logging.trace=true", "--logging.trace_dir=" + dir / "trace",
                                                     "--training.export=" + dir / "model.safetensors"});
-  RunResult r = run_fsdprun(under_fsdprun(2, args), {}, 120);
+  RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_TRUE(std::filesystem::exists(dir / "model.safetensors/model.safetensors.index.json")) << describe(r);
   for (int rank : {0, 1}) {
@@ -407,8 +382,8 @@ TEST_P(BadConfig, FailsNamingTheProblem) {
   std::vector<std::string> args = {config, "--fsdp_config.checkpoint_dir=" + dir / "ckpt", "--training.steps=2",
                                    "--training.export=none"};
   args.insert(args.end(), c.args.begin(), c.args.end());
-  RunResult r = c.nproc > 0 ? run_fsdprun(under_fsdprun(c.nproc, args), {}, 60)
-                            : Process(trainer_path(), args, {}, dir.path()).wait(60);
+  RunResult r = c.nproc > 0 ? fsdprun.run(under_fsdprun(c.nproc, args), {}, 60)
+                            : trainer.run(args, {}, 60, dir.path());
   EXPECT_FALSE(r.timed_out) << describe(r);
   EXPECT_NE(r.exit_code, 0) << describe(r);
   EXPECT_NE((r.err + r.out).find(c.expected), std::string::npos)

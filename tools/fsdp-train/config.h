@@ -1,7 +1,7 @@
-// config.h — the configuration of an fsdp-train run (issue 5, point 1).
+// config.h — the configuration of an fsdp-train run.
 //
-// A run is described by a YAML file with the sections below (the fsdp_config block follows
-// seed 002), then adjusted by command-line overrides `--section.key=value`. These are plain
+// A run is described by a YAML file with the sections below, then adjusted by command-line
+// overrides `--section.key=value`. These are plain
 // structs without torch types so that the loader can be tested and reused on its own; turning
 // them into ModelArgs, an optimizer, etc. is the trainer's job.
 //
@@ -63,20 +63,20 @@ struct ModelConfig {
   std::optional<int64_t> dim;          // > 0
   std::optional<int64_t> n_heads;      // > 0
   std::optional<double> dropout_p;     // [0, 1)
-  // A PyTorch state dict (torch.save of model.state_dict(), e.g. the peer's --save-init file)
-  // to start from instead of the seeded random initialisation; empty = none.
+  // A PyTorch state dict file (Python's torch.save(model.state_dict(), path)) to start from
+  // instead of the seeded random initialisation; empty = none.
   std::string init_from;
 };
 
 struct DataConfig {
   std::string source = "synthetic";  // synthetic | tokens (a token file; then path is required)
   std::string path;                  // the token file for source: tokens
-  int64_t data_seed = 1234;          // synthetic step s draws from seed data_seed + s (peer default)
+  int64_t data_seed = 1234;          // step s's batch (s from 0) is drawn with a generator seeded data_seed + s
 };
 
 // AdamW.
 struct OptimizerConfig {
-  double lr = 1e-3;            // > 0 (peer default)
+  double lr = 1e-3;            // > 0
   double beta1 = 0.9;          // [0, 1); also settable as betas: [b1, b2]
   double beta2 = 0.999;        // [0, 1)
   double weight_decay = 0.01;  // >= 0 (torch.optim.AdamW default)
@@ -95,7 +95,7 @@ struct TrainingConfig {
   int64_t steps = 100;                      // > 0, optimizer steps
   int64_t micro_batch_size = 4;             // > 0, rows per rank per micro-batch
   int64_t gradient_accumulation_steps = 1;  // > 0, micro-batches per optimizer step
-  int64_t seq_len = 0;                      // 0 = the model's max_seq_len (peer default), else > 0
+  int64_t seq_len = 0;                      // 0 = the model's max_seq_len, else > 0
   double max_grad_norm = 1.0;               // clip_grad_norm_ threshold; 0 = no clipping
   int64_t seed = 0;                         // model initialisation (same on every rank)
   std::string resume = "auto";              // auto (latest complete checkpoint) | never | <path>

@@ -1,11 +1,13 @@
 // data.h — where fsdp-train's tokens come from, and the token file format.
 //
-// Every optimizer step s has one global batch of world * accumulation * B rows of seq + 1
-// tokens, drawn from a generator seeded with data_seed + s; rank r's micro-batch m is rows
-// [(r * accumulation + m) * B, + B). So the data depends only on the step and the global batch,
-// not on how it is split over ranks and micro-batches: a run restarted at step s sees exactly
-// what it would have seen, and W=2 x B=4 sees the rows of W=1 x B=8. With one micro-batch per
-// step the synthetic rows are exactly those of ../shared/bench/peer/peer_fsdp1.py.
+// Every optimizer step s (counted from 0: the run's first step is s = 0) has one global batch
+// of world * accumulation * B rows of seq + 1 tokens, drawn from a generator seeded with
+// data_seed + s; rank r's micro-batch m is rows [(r * accumulation + m) * B, + B). So the data
+// depends only on the step and the global batch, not on how it is split over ranks and
+// micro-batches: a run restarted at step s sees exactly what it would have seen, and
+// W=2 x B=4 sees the rows of W=1 x B=8. The synthetic rows are those of Python's
+// torch.randint(0, vocab, (rows, seq + 1), generator=g) with g a torch.Generator seeded
+// data_seed + s, so a PyTorch program can train on the same data.
 //
 // Token file (little-endian), written by `fsdp-train tokenize`:
 //   offset  0  8 bytes   magic "FSDPTOK\0"
@@ -50,7 +52,8 @@ std::string bytes_text(const std::vector<int64_t>& ids);
 class DataSource {
  public:
   virtual ~DataSource() = default;
-  // The step's global batch: int64 [rows, seq + 1], identical on every rank.
+  // The global batch of step `step` (counted from 0): int64 [rows, seq + 1], identical on every
+  // rank.
   virtual at::Tensor global_batch(int64_t step, int64_t rows, int64_t seq) const = 0;
   // Every token id is below this.
   virtual int64_t vocab_size() const = 0;
@@ -58,7 +61,7 @@ class DataSource {
 };
 
 // Uniform random ids in [0, vocab), as torch.randint with a torch.Generator seeded
-// data_seed + step (the peer's draw).
+// data_seed + step.
 std::unique_ptr<DataSource> synthetic_data(int64_t vocab_size, int64_t data_seed);
 // Windows of a token file at positions drawn with a generator seeded data_seed + step.
 // Throws when the file is shorter than seq + 1 tokens (checked at the first batch).

@@ -6,6 +6,7 @@
 // Without a launcher it trains as one process (world size 1). See README.md and configs/.
 #include "config.h"
 #include "data.h"
+#include "stop_signal.h"
 #include "trainer.h"
 
 #include <c10/util/Exception.h>

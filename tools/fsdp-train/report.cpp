@@ -1,4 +1,4 @@
-// report.cpp — step lines, progress bar and JSONL of fsdp-train.
+// report.cpp — step lines, progress bar, JSONL metrics and the end-of-run summary of fsdp-train.
 #include "report.h"
 
 #include <nlohmann/json.hpp>
@@ -67,18 +67,29 @@ std::vector<double> RankTotals::to_vector() const {
 
 RankTotals RankTotals::from(const double* f) { return RankTotals{f[0], f[1], f[2], f[3], f[4], f[5], f[6]}; }
 
-std::string format_summary(int64_t steps_run, double first_loss, double last_loss, double median_step_s,
-                           size_t warmup, double tokens_per_s, const std::vector<RankTotals>& ranks) {
+size_t summary_warmup_steps(int64_t summary_warmup, size_t steps) {
+  return std::min<size_t>(static_cast<size_t>(summary_warmup), steps > 1 ? steps - 1 : 0);
+}
+
+double median_after(const std::vector<double>& v, size_t skip) {
+  std::vector<double> rest(v.begin() + static_cast<std::ptrdiff_t>(std::min(skip, v.size())), v.end());
+  if (rest.empty()) return NAN;
+  std::sort(rest.begin(), rest.end());
+  const size_t n = rest.size();
+  return n % 2 ? rest[n / 2] : 0.5 * (rest[n / 2 - 1] + rest[n / 2]);
+}
+
+std::string format_summary(const RunSummary& sum) {
   std::ostringstream s;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "summary: %lld steps, loss %.4f -> %.4f\n", static_cast<long long>(steps_run),
-                first_loss, last_loss);
+  std::snprintf(buf, sizeof buf, "summary: %lld steps, loss %.4f -> %.4f\n", static_cast<long long>(sum.steps_run),
+                sum.losses.front(), sum.losses.back());
   s << buf;
-  std::snprintf(buf, sizeof buf, "  median step %.4f s (steps after the first %zu), %s tokens/s\n", median_step_s,
-                warmup, grouped(tokens_per_s).c_str());
+  std::snprintf(buf, sizeof buf, "  median step %.4f s (steps after the first %zu), %s tokens/s\n", sum.median_step_s,
+                sum.warmup, grouped(sum.tokens_per_s).c_str());
   s << buf;
-  for (size_t q = 0; q < ranks.size(); ++q) {
-    const RankTotals& r = ranks[q];
+  for (size_t q = 0; q < sum.ranks.size(); ++q) {
+    const RankTotals& r = sum.ranks[q];
     const double exposed = r.ag_wait_s + r.rs_wait_s;
     std::snprintf(buf, sizeof buf,
                   "  rank %zu: peak RSS %.1f MiB, peak tensors %.1f MiB; all-gather %.3f s + reduce-scatter %.3f s "
@@ -88,6 +99,30 @@ std::string format_summary(int64_t steps_run, double first_loss, double last_los
     s << buf;
   }
   return s.str();
+}
+
+void write_summary_json(const std::string& path, const RunShape& shape, const RunSummary& s) {
+  nlohmann::json j = {{"world", shape.world}, {"preset", shape.preset}, {"params", shape.params},
+                      {"batch", shape.batch}, {"gradient_accumulation_steps", shape.gradient_accumulation_steps},
+                      {"seq", shape.seq}, {"steps", s.steps_run}, {"warmup", s.warmup},
+                      {"median_step_s", s.median_step_s}, {"tokens_per_s", s.tokens_per_s}, {"losses", s.losses},
+                      {"step_s_rank0", s.step_s}, {"torch_threads", shape.torch_threads}};
+  j["model_args"] = {{"n_layers", shape.n_layers}, {"vocab_size", shape.vocab_size},
+                     {"max_seq_len", shape.max_seq_len}, {"dim", shape.dim},
+                     {"n_heads", shape.n_heads}, {"dropout_p", shape.dropout_p}};
+  const std::pair<const char*, double RankTotals::*> per_rank_fields[] = {
+      {"median_step_s_per_rank", &RankTotals::median_step_s}, {"peak_rss_mib_per_rank", &RankTotals::peak_rss_mib},
+      {"peak_tensor_mib_per_rank", &RankTotals::peak_tensor_mib}, {"all_gather_s_per_rank", &RankTotals::ag_s},
+      {"all_gather_wait_s_per_rank", &RankTotals::ag_wait_s}, {"reduce_scatter_s_per_rank", &RankTotals::rs_s},
+      {"reduce_scatter_wait_s_per_rank", &RankTotals::rs_wait_s}};
+  for (const auto& [name, field] : per_rank_fields) {
+    std::vector<double> values;
+    for (const RankTotals& r : s.ranks) values.push_back(r.*field);
+    j[name] = values;
+  }
+  std::ofstream f(path);
+  f << j.dump() << "\n";
+  if (!f) throw std::runtime_error(path + ": cannot write the summary (logging.summary_json)");
 }
 
 Console::Console(const std::string& progress, int64_t first_step, int64_t steps)

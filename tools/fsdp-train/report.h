@@ -48,10 +48,45 @@ struct RankTotals {
   static RankTotals from(const double* fields);
 };
 
+// How many leading steps the summary's medians leave out: logging.summary_warmup, but at most
+// all steps but one.
+size_t summary_warmup_steps(int64_t summary_warmup, size_t steps);
+// The median of v after its first `skip` values; NaN when none are left.
+double median_after(const std::vector<double>& v, size_t skip);
+
+// The end of a run, as rank 0 reports it.
+struct RunSummary {
+  int64_t steps_run = 0;          // steps this process trained (not those before a resume)
+  size_t warmup = 0;              // leading steps left out of median_step_s
+  double median_step_s = 0;       // rank 0's
+  double tokens_per_s = 0;        // global tokens of a step / median_step_s
+  std::vector<double> losses;     // global-batch mean per step run
+  std::vector<double> step_s;     // rank 0's time per step run
+  std::vector<RankTotals> ranks;  // every rank's totals
+};
+
 // The summary's text: loss, tokens/s, and per rank peak memory and communication hidden vs
-// exposed (exposed = waited for; hidden = busy - exposed).
-std::string format_summary(int64_t steps_run, double first_loss, double last_loss, double median_step_s,
-                           size_t warmup, double tokens_per_s, const std::vector<RankTotals>& ranks);
+// exposed (exposed = waited for; hidden = busy - exposed). Needs at least one step.
+std::string format_summary(const RunSummary& s);
+
+// The run's shape, written with the summary to logging.summary_json.
+struct RunShape {
+  int world = 1;
+  std::string preset;
+  int64_t params = 0;                       // of the whole (unsharded) model
+  int64_t batch = 0;                        // training.micro_batch_size
+  int64_t gradient_accumulation_steps = 1;
+  int64_t seq = 0;
+  int torch_threads = 1;
+  // The model's ModelArgs.
+  int64_t n_layers = 0, vocab_size = 0, max_seq_len = 0, dim = 0, n_heads = 0;
+  double dropout_p = 0;
+};
+
+// Writes shape and summary as one JSON object (the keys bench/peer_ab.py reads: world, preset,
+// params, batch, seq, steps, warmup, median_step_s, tokens_per_s, losses, step_s_rank0,
+// model_args and per-rank lists *_per_rank). Throws naming path when it cannot be written.
+void write_summary_json(const std::string& path, const RunShape& shape, const RunSummary& s);
 
 class Console {
  public:

@@ -1,5 +1,8 @@
-// trainer.cpp — the fsdp-train run: model, sharding, optimizer, resume, the training loop,
-// checkpoints, export and the generated sample.
+// trainer.cpp — one fsdp-train run: the configuration turned into model, sharding, optimizer and
+// data; resume; the training loop; the stops (non-finite loss, signal); and the end of the run
+// (final checkpoint, trace, summary, export, sample). The checkpoint's key layout lives in
+// checkpoint_state.cpp, the LR schedule in schedule.cpp, sampling in sample.cpp and what is
+// printed or written as metrics in report.cpp.
 //
 // Per optimizer step every rank runs k = gradient_accumulation_steps micro-batches; only the
 // last one reduce-scatters (set_requires_gradient_sync), so k micro-batches of B rows give the
@@ -8,8 +11,12 @@
 // and the signal stop all use, so that every rank takes the same decision at the same step.
 #include "trainer.h"
 
+#include "checkpoint_state.h"
 #include "data.h"
 #include "report.h"
+#include "sample.h"
+#include "schedule.h"
+#include "stop_signal.h"
 
 #include <fsdp/call.h>
 #include <fsdp/checkpoint.h>
@@ -19,40 +26,29 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
 #include <fsdp/models/transformer.h>
-#include <fsdp/optim_state_dict.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/trace.h>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
-#include <ATen/core/grad_mode.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <csignal>
-#include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace fsdp {
 namespace train {
 namespace {
-
-std::atomic<int> g_stop_signal{0};
-
-extern "C" void on_stop_signal(int sig) {
-  g_stop_signal.store(sig);
-  std::signal(sig, SIG_DFL);  // a second one stops the process at once
-}
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
@@ -89,18 +85,6 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
   return d;
 }
 
-// Linear warm-up to lr over warmup_steps, then cosine from lr to min_lr over decay_steps, then
-// min_lr. `step` is 1-based; as in PyTorch's CosineAnnealingLR, the first step after the warm-up
-// runs at the full lr and the decay reaches min_lr after its last step.
-double lr_at(const TrainConfig& cfg, int64_t step) {
-  const double lr = cfg.optimizer.lr, min_lr = cfg.schedule.min_lr;
-  const int64_t warmup = cfg.schedule.warmup_steps;
-  if (step <= warmup) return lr * static_cast<double>(step) / static_cast<double>(warmup);
-  const int64_t decay = cfg.schedule.decay_steps > 0 ? cfg.schedule.decay_steps : cfg.training.steps - warmup;
-  const double t = std::min(1.0, static_cast<double>(step - warmup - 1) / static_cast<double>(std::max<int64_t>(decay, 1)));
-  return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * t));
-}
-
 std::string resolved_export_path(const TrainConfig& cfg) {
   const std::string& e = cfg.training.export_path;
   if (e == "none") return "";
@@ -127,11 +111,12 @@ struct CommSeconds {
   double all_gather, all_gather_wait, reduce_scatter, reduce_scatter_wait;
 };
 
-double median(std::vector<double> v) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+// Every rank's `fields` numbers, rank after rank (a collective over the world).
+std::vector<double> all_gather_numbers(const std::vector<double>& mine, int world_size) {
+  at::Tensor all = at::empty({static_cast<int64_t>(world_size * mine.size())}, at::kDouble);
+  world()->all_gather_into(all, at::tensor(mine, at::kDouble))->wait();
+  const double* p = all.data_ptr<double>();
+  return std::vector<double>(p, p + all.numel());
 }
 
 // ---------------------------------------------------------------------- the run
@@ -143,10 +128,15 @@ class Run {
 
  private:
   void set_up();
+  void shard_model();
   void resume();
-  ShardedStateDict checkpoint_state();
+  void start_logging();
+  int train();
   void save_checkpoint(int64_t step, bool async);
   StepReport train_step(int64_t step);
+  void set_learning_rate(double lr);
+  double forward_backward(const at::Tensor& batch, int64_t micro, StepReport& r);
+  double optimizer_step();
   std::vector<RankStep> gather_rank_numbers(const RankStep& mine, bool stop_requested, bool* any_stop);
   bool report_step(StepReport& r);
   int stop_non_finite(int64_t step, double loss);
@@ -154,17 +144,11 @@ class Run {
   void write_trace();
   void finish(int64_t last_step);
   void export_and_sample();
-  std::string generate_sample(const TensorStateDict& full);
   void write_summary(int64_t steps_run);
-  int64_t full_parameter_count() {
-    int64_t n = 0;
-    for (const auto& item : sharded_state_dict(*model_)) {
-      int64_t numel = 1;
-      for (int64_t d : item.value().sizes()) numel *= d;
-      n += numel;
-    }
-    return n;
-  }
+  RankTotals my_totals(size_t warmup) const;
+  RunShape run_shape();
+  int64_t full_parameter_count();
+  int64_t tokens_per_step() const { return static_cast<int64_t>(world_) * accumulation_ * batch_ * seq_; }
   void print(const std::string& text) {
     if (rank_ != 0) return;
     if (console_) console_->line(text);
@@ -175,6 +159,7 @@ class Run {
   int rank_ = 0, world_ = 1;
   models::ModelArgs args_;
   int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
+  LrSchedule schedule_;
   std::unique_ptr<DataSource> data_;
   DeviceMesh mesh_;
   models::Transformer model_{nullptr};
@@ -192,6 +177,16 @@ class Run {
   CollectiveStats comm_before_;
 };
 
+int64_t Run::full_parameter_count() {
+  int64_t n = 0;
+  for (const auto& item : sharded_state_dict(*model_)) {
+    int64_t numel = 1;
+    for (int64_t d : item.value().sizes()) numel *= d;
+    n += numel;
+  }
+  return n;
+}
+
 void Run::set_up() {
   const RendezvousInfo env = rendezvous_info_from_env();
   check_against_launcher(cfg_, env.world_size, env.local_rank);
@@ -199,14 +194,26 @@ void Run::set_up() {
   seq_ = seq_len_of(cfg_, args_);
   batch_ = cfg_.training.micro_batch_size;
   accumulation_ = cfg_.training.gradient_accumulation_steps;
-  const bool reshard = reshard_after_forward(cfg_);
+  schedule_ = lr_schedule(cfg_);
   data_ = data_of(cfg_, args_);
 
   init_process_group(env);
   rank_ = get_rank();
   world_ = get_world_size();
   mesh_ = init_device_mesh("cpu", {world_});
+  shard_model();
 
+  const auto& o = cfg_.optimizer;
+  optimizer_ = std::make_unique<torch::optim::AdamW>(
+      model_->parameters(),
+      torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  checkpoints_ = std::make_unique<CheckpointManager>(cfg_.fsdp_config.checkpoint_dir,
+                                                     static_cast<int>(cfg_.training.keep_checkpoints));
+}
+
+// Every block is its own FSDP unit, the root holds the rest (embeddings, final norm, output).
+void Run::shard_model() {
+  const bool reshard = reshard_after_forward(cfg_);
   // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
   torch::manual_seed(cfg_.training.seed);
   model_ = models::Transformer(args_);
@@ -218,152 +225,31 @@ void Run::set_up() {
   if (!reshard) root_options.reshard_after_forward(false);
   root_ = fully_shard(model_, root_options);
   if (!cfg_.model.init_from.empty()) load_full_state_dict(*model_, load_pytorch_state_dict(cfg_.model.init_from));
-
-  const auto& o = cfg_.optimizer;
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      model_->parameters(),
-      torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
-  checkpoints_ = std::make_unique<CheckpointManager>(cfg_.fsdp_config.checkpoint_dir,
-                                                     static_cast<int>(cfg_.training.keep_checkpoints));
-}
-
-// Model, optimizer and the loop's own state, under one key space:
-//   model.<fqn>, optim.state.<fqn>.<name>, optim.param_groups.<fqn>.<option>,
-//   trainer.counters ([steps done, tokens seen]), trainer.rng (the CPU generator, for dropout).
-// The data position is the step: a step's batch depends only on it (data.h).
-ShardedStateDict Run::checkpoint_state() {
-  ShardedStateDict sd;
-  for (const auto& item : sharded_state_dict(*model_)) sd.insert("model." + item.key(), item.value());
-  for (const auto& item : sharded_optimizer_state_dict(*model_, *optimizer_))
-    sd.insert("optim." + item.key(), item.value());
-  auto replicated = [&](const at::Tensor& t) { return DTensor::from_local(t, mesh_, {Replicate()}); };
-  at::Tensor counters = at::tensor(std::vector<int64_t>{done_steps_, tokens_seen_}, at::kLong);
-  sd.insert("trainer.counters", replicated(counters));
-  sd.insert("trainer.rng", replicated(at::detail::getDefaultCPUGenerator().get_state()));
-  return sd;
 }
 
 void Run::save_checkpoint(int64_t step, bool async) {
-  const ShardedStateDict sd = checkpoint_state();
+  const ShardedStateDict sd = checkpoint_state(*model_, *optimizer_, mesh_, {done_steps_, tokens_seen_});
   if (async) checkpoints_->save_async(step, sd);
   else checkpoints_->save(step, sd);
   last_saved_step_ = step;
 }
 
+// training.resume: auto = the latest complete checkpoint (if any), never, or a checkpoint path.
 void Run::resume() {
   const std::string& r = cfg_.training.resume;
   std::optional<std::string> dir;
   if (r == "auto") dir = checkpoints_->latest();
   else if (r != "never") dir = r;
   if (!dir) return;
-  init_optimizer_state(*optimizer_);  // so that the state dict lists the state to load into
-  const ShardedStateDict like = checkpoint_state();
-  const ShardedStateDict loaded = load_checkpoint(*dir, like);
-  ShardedStateDict model_sd, optim_sd;
-  for (const auto& item : loaded) {
-    const std::string& k = item.key();
-    if (k.rfind("model.", 0) == 0) model_sd.insert(k.substr(6), item.value());
-    else if (k.rfind("optim.", 0) == 0) optim_sd.insert(k.substr(6), item.value());
-  }
-  load_sharded_state_dict(*model_, model_sd);
-  load_sharded_optimizer_state_dict(*model_, *optimizer_, optim_sd);
-  const at::Tensor counters = loaded["trainer.counters"].to_local();
-  start_step_ = done_steps_ = counters[0].item<int64_t>();
-  tokens_seen_ = counters[1].item<int64_t>();
-  at::Generator rng = at::detail::getDefaultCPUGenerator();  // a handle to the same generator
-  rng.set_state(loaded["trainer.rng"].to_local());
+  const TrainerCounters counters = load_checkpoint_state(*dir, *model_, *optimizer_, mesh_);
+  start_step_ = done_steps_ = counters.steps_done;
+  tokens_seen_ = counters.tokens_seen;
   last_saved_step_ = start_step_;
   print("resumed from " + *dir + " at step " + std::to_string(start_step_));
 }
 
-std::vector<RankStep> Run::gather_rank_numbers(const RankStep& mine, bool stop_requested, bool* any_stop) {
-  constexpr int64_t kFields = 5;
-  at::Tensor local = at::tensor(std::vector<double>{mine.local_loss, mine.live_mib, mine.peak_mib, mine.rss_mib,
-                                                    stop_requested ? 1.0 : 0.0},
-                                at::kDouble);
-  at::Tensor all = at::empty({world_ * kFields}, at::kDouble);
-  world()->all_gather_into(all, local)->wait();
-  const double* p = all.data_ptr<double>();
-  std::vector<RankStep> ranks(world_);
-  *any_stop = false;
-  for (int q = 0; q < world_; ++q, p += kFields) {
-    ranks[q] = RankStep{p[0], p[1], p[2], p[3]};
-    *any_stop = *any_stop || p[4] != 0.0;
-  }
-  return ranks;
-}
-
-StepReport Run::train_step(int64_t step) {
-  StepReport r;
-  r.step = step;
-  r.steps = cfg_.training.steps;
-  r.lr = lr_at(cfg_, step);
-  for (auto& group : optimizer_->param_groups())
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(r.lr);
-  const at::Tensor batch = data_->global_batch(step - 1, world_ * accumulation_ * batch_, seq_);
-  const CollectiveStats comm_start = mesh_.get_group(0)->stats();
-  memory::reset_peak_allocated();
-
-  trace::Span step_span("compute", "step " + std::to_string(step));
-  const double t0 = now_seconds();
-  double loss_sum = 0;
-  for (int64_t m = 0; m < accumulation_; ++m) {
-    // Gradients are reduce-scattered only after the last micro-batch; before, the unsharded
-    // gradients accumulate on every rank.
-    root_.set_requires_gradient_sync(m == accumulation_ - 1);
-    auto [inputs, targets] = micro_batch(batch, rank_, accumulation_, m, batch_);
-    const double f0 = now_seconds();
-    at::Tensor loss;
-    {
-      trace::Span span("compute", "forward");
-      at::Tensor logits = call(model_, inputs);
-      loss = torch::nn::functional::cross_entropy(logits.reshape({-1, args_.vocab_size}), targets.reshape({-1}));
-      if (accumulation_ > 1) loss = loss / static_cast<double>(accumulation_);
-    }
-    const double b0 = now_seconds();
-    {
-      trace::Span span("compute", "backward");
-      loss.backward();
-    }
-    r.forward_s += b0 - f0;
-    r.backward_s += now_seconds() - b0;
-    loss_sum += loss.item<double>();
-  }
-  r.loss = loss_sum;  // this rank's mean over its rows (the micro-batch losses are already / k)
-  const double o0 = now_seconds();
-  {
-    trace::Span span("compute", "optimizer");
-    r.grad_norm = cfg_.training.max_grad_norm > 0
-                      ? clip_grad_norm_(model_->parameters(), cfg_.training.max_grad_norm)
-                      : NAN;
-    optimizer_->step();
-    // Drop the gradients rather than zeroing them (PyTorch's zero_grad(set_to_none=True)): the
-    // next backward's reduce-scatter writes fresh ones, and forward runs without them in memory.
-    for (auto& group : optimizer_->param_groups())
-      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
-  }
-  r.optimizer_s = now_seconds() - o0;
-  r.step_s = now_seconds() - t0;
-
-  const CommSeconds comm(comm_start, mesh_.get_group(0)->stats());
-  r.ag_busy_s = comm.all_gather;
-  r.ag_wait_s = comm.all_gather_wait;
-  r.rs_busy_s = comm.reduce_scatter;
-  r.rs_wait_s = comm.reduce_scatter_wait;
-
-  const int64_t tokens = static_cast<int64_t>(world_) * accumulation_ * batch_ * seq_;
-  tokens_seen_ += tokens;
-  r.tokens_seen = tokens_seen_;
-  r.tokens_per_s = tokens / r.step_s;
-  return r;
-}
-
-int Run::main() {
-  set_up();
-  resume();
-  // The whole model built before sharding, a loaded state dict or checkpoint: blocks that the
-  // training steps will not ask for again. Give them back instead of keeping them cached.
-  memory::empty_cache();
+// The console, this rank's JSONL file and the opening line.
+void Run::start_logging() {
   console_ = std::make_unique<Console>(rank_ == 0 ? cfg_.logging.progress : "off", start_step_, cfg_.training.steps);
   const std::string jsonl = jsonl_path_for_rank(cfg_.logging.jsonl, rank_);
   if (!jsonl.empty()) jsonl_.open(jsonl, /*append=*/start_step_ > 0);
@@ -373,18 +259,31 @@ int Run::main() {
         << ") sharded over " << world_ << " rank(s), " << to_string(cfg_.fsdp_config.sharding_strategy) << "; "
         << data_->describe() << "; global batch " << world_ * accumulation_ * batch_ << " x " << seq_ << " tokens";
   print(hello.str());
+}
+
+int Run::main() {
+  set_up();
+  resume();
+  // The whole model built before sharding, a loaded state dict or checkpoint: blocks that the
+  // training steps will not ask for again. Give them back instead of keeping them cached.
+  memory::empty_cache();
+  start_logging();
   if (start_step_ >= cfg_.training.steps) {
     print("training already complete at step " + std::to_string(start_step_) + " (training.steps " +
           std::to_string(cfg_.training.steps) + ")");
     finish(start_step_);
     return kExitOk;
   }
+  return train();
+}
+
+// The loop, from the step after start_step_ to training.steps; returns the exit code.
+int Run::train() {
   if (cfg_.logging.trace) {
     trace::start();
     trace::set_thread_name("train");
   }
   comm_before_ = mesh_.get_group(0)->stats();
-
   const int64_t interval = cfg_.fsdp_config.checkpoint_interval;
   for (int64_t step = start_step_ + 1; step <= cfg_.training.steps; ++step) {
     StepReport r = train_step(step);
@@ -398,13 +297,103 @@ int Run::main() {
   return kExitOk;
 }
 
+void Run::set_learning_rate(double lr) {
+  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+}
+
+// Micro-batch `micro` of the step's global batch: forward and backward, timed into r. Returns
+// the micro-batch's loss (already divided by the number of micro-batches).
+double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport& r) {
+  // Gradients are reduce-scattered only after the last micro-batch; before, the unsharded
+  // gradients accumulate on every rank.
+  root_.set_requires_gradient_sync(micro == accumulation_ - 1);
+  auto [inputs, targets] = micro_batch(batch, rank_, accumulation_, micro, batch_);
+  const double f0 = now_seconds();
+  at::Tensor loss;
+  {
+    trace::Span span("compute", "forward");
+    at::Tensor logits = call(model_, inputs);
+    loss = torch::nn::functional::cross_entropy(logits.reshape({-1, args_.vocab_size}), targets.reshape({-1}));
+    if (accumulation_ > 1) loss = loss / static_cast<double>(accumulation_);
+  }
+  const double b0 = now_seconds();
+  {
+    trace::Span span("compute", "backward");
+    loss.backward();
+  }
+  r.forward_s += b0 - f0;
+  r.backward_s += now_seconds() - b0;
+  return loss.item<double>();
+}
+
+// Clipping (when training.max_grad_norm > 0) and AdamW; returns the gradient norm before
+// clipping, NaN when not computed.
+double Run::optimizer_step() {
+  trace::Span span("compute", "optimizer");
+  const double grad_norm = cfg_.training.max_grad_norm > 0
+                               ? clip_grad_norm_(model_->parameters(), cfg_.training.max_grad_norm)
+                               : NAN;
+  optimizer_->step();
+  // Drop the gradients rather than zeroing them (PyTorch's zero_grad(set_to_none=True)): the
+  // next backward's reduce-scatter writes fresh ones, and forward runs without them in memory.
+  for (auto& group : optimizer_->param_groups())
+    for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  return grad_norm;
+}
+
+StepReport Run::train_step(int64_t step) {
+  StepReport r;
+  r.step = step;
+  r.steps = cfg_.training.steps;
+  r.lr = lr_at(schedule_, step);
+  set_learning_rate(r.lr);
+  const at::Tensor batch = data_->global_batch(step - 1, world_ * accumulation_ * batch_, seq_);
+  const CollectiveStats comm_start = mesh_.get_group(0)->stats();
+  memory::reset_peak_allocated();
+
+  trace::Span step_span("compute", "step " + std::to_string(step));
+  const double t0 = now_seconds();
+  double loss_sum = 0;
+  for (int64_t m = 0; m < accumulation_; ++m) loss_sum += forward_backward(batch, m, r);
+  r.loss = loss_sum;  // this rank's mean over its rows (the micro-batch losses are already / k)
+  const double o0 = now_seconds();
+  r.grad_norm = optimizer_step();
+  r.optimizer_s = now_seconds() - o0;
+  r.step_s = now_seconds() - t0;
+
+  const CommSeconds comm(comm_start, mesh_.get_group(0)->stats());
+  r.ag_busy_s = comm.all_gather;
+  r.ag_wait_s = comm.all_gather_wait;
+  r.rs_busy_s = comm.reduce_scatter;
+  r.rs_wait_s = comm.reduce_scatter_wait;
+
+  tokens_seen_ += tokens_per_step();
+  r.tokens_seen = tokens_seen_;
+  r.tokens_per_s = tokens_per_step() / r.step_s;
+  return r;
+}
+
+std::vector<RankStep> Run::gather_rank_numbers(const RankStep& mine, bool stop_requested, bool* any_stop) {
+  constexpr size_t kFields = 5;
+  const std::vector<double> all = all_gather_numbers(
+      {mine.local_loss, mine.live_mib, mine.peak_mib, mine.rss_mib, stop_requested ? 1.0 : 0.0}, world_);
+  std::vector<RankStep> ranks(world_);
+  *any_stop = false;
+  for (size_t q = 0; q < ranks.size(); ++q) {
+    const double* p = all.data() + q * kFields;
+    ranks[q] = RankStep{p[0], p[1], p[2], p[3]};
+    *any_stop = *any_stop || p[4] != 0.0;
+  }
+  return ranks;
+}
+
 // Turns r.loss (this rank's) into the global-batch mean and logs the step. Returns whether any
 // rank was asked to stop by a signal.
 bool Run::report_step(StepReport& r) {
   const RankStep mine{r.loss, memory::allocated_bytes() / kMiB, memory::max_allocated_bytes() / kMiB,
                       memory::current_rss_bytes() / kMiB};
   bool stop = false;
-  r.ranks = gather_rank_numbers(mine, g_stop_signal.load() != 0, &stop);
+  r.ranks = gather_rank_numbers(mine, stop_signal() != 0, &stop);
   double loss = 0;
   for (const RankStep& q : r.ranks) loss += q.local_loss;
   r.loss = loss / world_;
@@ -431,7 +420,7 @@ int Run::stop_non_finite(int64_t step, double loss) {
 // Every rank gets here at the same step (the stop request travels with the step's numbers).
 int Run::stop_on_signal(int64_t step) {
   save_checkpoint(step, /*async=*/false);
-  const int sig = g_stop_signal.load() ? g_stop_signal.load() : SIGTERM;  // another rank's signal
+  const int sig = stop_signal() ? stop_signal() : SIGTERM;  // another rank's signal
   print("fsdp-train: stop requested (signal " + std::to_string(sig) + "): saved step " + std::to_string(step) +
         " to " + *checkpoints_->latest() + "; run again with training.resume: auto to continue");
   write_trace();
@@ -456,6 +445,8 @@ void Run::finish(int64_t last_step) {
   export_and_sample();
 }
 
+// training.export (.safetensors: written by every rank from its shards; otherwise one PyTorch
+// file written by rank 0), then the sample.
 void Run::export_and_sample() {
   const std::string path = resolved_export_path(cfg_);
   if (!path.empty() && ends_with(path, ".safetensors")) {
@@ -473,97 +464,55 @@ void Run::export_and_sample() {
     save_pytorch_state_dict(full, path);
     print("export: " + path + " (PyTorch state dict: torch.load() in Python)");
   }
-  if (cfg_.sample.length > 0) print(generate_sample(full));
-}
-
-// Text generated by the trained model from sample.prompt, token by token, on an unsharded copy
-// of the model: rank 0 alone, no collectives.
-std::string Run::generate_sample(const TensorStateDict& full) {
-  models::ModelArgs eval_args = args_;
-  eval_args.dropout_p = 0;
-  models::Transformer local(eval_args);
-  at::NoGradGuard no_grad;
-  auto params = local->named_parameters();
-  for (const auto& item : full) params[item.key()].copy_(item.value());
-  local->eval();
   // Byte-level data: the prompt's bytes, and the sample printed as text; otherwise token ids.
-  const bool bytes = cfg_.data.source == "tokens" && data_->vocab_size() <= 256;
-  const std::string prompt = cfg_.sample.prompt.empty() ? std::string("\n") : cfg_.sample.prompt;
-  std::vector<int64_t> ids;
-  if (bytes) {
-    for (unsigned char c : prompt) ids.push_back(c);
-  } else {
-    ids.push_back(0);
-  }
-  const size_t prompt_len = ids.size();
-  at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(cfg_.sample.seed));
-  for (int64_t i = 0; i < cfg_.sample.length; ++i) {
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), args_.max_seq_len);
-    at::Tensor context = at::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), at::kLong).unsqueeze(0);
-    at::Tensor logits = local->forward(context).select(1, n - 1).squeeze(0) / cfg_.sample.temperature;
-    ids.push_back(at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>());
-  }
-  std::ostringstream out;
-  out << "sample (" << cfg_.sample.length << " tokens, temperature " << cfg_.sample.temperature << "):\n";
-  if (bytes) {
-    out << bytes_text(ids);
-  } else {
-    for (size_t i = prompt_len; i < ids.size(); ++i) out << ids[i] << ' ';
-  }
-  return out.str();
+  const bool byte_level = cfg_.data.source == "tokens" && data_->vocab_size() <= 256;
+  if (cfg_.sample.length > 0) print(generate_sample(args_, full, cfg_.sample, byte_level));
 }
 
-void Run::write_summary(int64_t steps_run) {
-  const size_t warm = std::min<size_t>(static_cast<size_t>(cfg_.logging.summary_warmup),
-                                       step_times_.size() > 1 ? step_times_.size() - 1 : 0);
+RankTotals Run::my_totals(size_t warmup) const {
   RankTotals mine;
-  mine.median_step_s = median(std::vector<double>(step_times_.begin() + warm, step_times_.end()));
+  mine.median_step_s = median_after(step_times_, warmup);
   mine.peak_rss_mib = memory::peak_rss_bytes() / kMiB;
   mine.peak_tensor_mib = memory::max_allocated_bytes() / kMiB;
   const CommSeconds comm(comm_before_, mesh_.get_group(0)->stats());
   mine.ag_s = comm.all_gather, mine.ag_wait_s = comm.all_gather_wait;
   mine.rs_s = comm.reduce_scatter, mine.rs_wait_s = comm.reduce_scatter_wait;
-  // Every rank's totals, for rank 0's summary.
-  at::Tensor all = at::empty({world_ * RankTotals::kFields}, at::kDouble);
-  world()->all_gather_into(all, at::tensor(mine.to_vector(), at::kDouble))->wait();
-  if (rank_ != 0) return;
-  std::vector<RankTotals> ranks;
-  for (int q = 0; q < world_; ++q) ranks.push_back(RankTotals::from(all.data_ptr<double>() + q * RankTotals::kFields));
-  const double tokens_per_s = static_cast<double>(world_) * accumulation_ * batch_ * seq_ / mine.median_step_s;
-  console_->finish();
-  std::cout << format_summary(steps_run, losses_.front(), losses_.back(), mine.median_step_s, warm, tokens_per_s, ranks)
-            << std::flush;
-  if (cfg_.logging.summary_json.empty()) return;
+  return mine;
+}
 
-  // Field names follow ../shared/bench/peer/peer_fsdp1.py's JSON, so bench/peer_ab.py reads both.
-  nlohmann::json j = {{"world", world_}, {"preset", cfg_.model.preset}, {"params", full_parameter_count()},
-                      {"batch", batch_}, {"gradient_accumulation_steps", accumulation_}, {"seq", seq_},
-                      {"steps", steps_run}, {"warmup", warm}, {"median_step_s", mine.median_step_s},
-                      {"tokens_per_s", tokens_per_s}, {"losses", losses_}, {"step_s_rank0", step_times_},
-                      {"torch_threads", at::get_num_threads()}};
-  j["model_args"] = {{"n_layers", args_.n_layers}, {"vocab_size", args_.vocab_size}, {"max_seq_len", args_.max_seq_len},
-                     {"dim", args_.dim}, {"n_heads", args_.n_heads}, {"dropout_p", args_.dropout_p}};
-  const std::pair<const char*, double RankTotals::*> per_rank_fields[] = {
-      {"median_step_s_per_rank", &RankTotals::median_step_s}, {"peak_rss_mib_per_rank", &RankTotals::peak_rss_mib},
-      {"peak_tensor_mib_per_rank", &RankTotals::peak_tensor_mib}, {"all_gather_s_per_rank", &RankTotals::ag_s},
-      {"all_gather_wait_s_per_rank", &RankTotals::ag_wait_s}, {"reduce_scatter_s_per_rank", &RankTotals::rs_s},
-      {"reduce_scatter_wait_s_per_rank", &RankTotals::rs_wait_s}};
-  for (const auto& [name, field] : per_rank_fields) {
-    std::vector<double> values;
-    for (const RankTotals& r : ranks) values.push_back(r.*field);
-    j[name] = values;
-  }
-  std::ofstream f(cfg_.logging.summary_json);
-  f << j.dump() << "\n";
-  if (!f) throw std::runtime_error(cfg_.logging.summary_json + ": cannot write the summary (logging.summary_json)");
+RunShape Run::run_shape() {
+  RunShape s;
+  s.world = world_;
+  s.preset = cfg_.model.preset;
+  s.params = full_parameter_count();
+  s.batch = batch_;
+  s.gradient_accumulation_steps = accumulation_;
+  s.seq = seq_;
+  s.torch_threads = at::get_num_threads();
+  s.n_layers = args_.n_layers, s.vocab_size = args_.vocab_size, s.max_seq_len = args_.max_seq_len;
+  s.dim = args_.dim, s.n_heads = args_.n_heads, s.dropout_p = args_.dropout_p;
+  return s;
+}
+
+// Every rank's totals go to rank 0, which prints the summary (and writes logging.summary_json).
+void Run::write_summary(int64_t steps_run) {
+  RunSummary s;
+  s.steps_run = steps_run;
+  s.warmup = summary_warmup_steps(cfg_.logging.summary_warmup, step_times_.size());
+  const RankTotals mine = my_totals(s.warmup);
+  const std::vector<double> all = all_gather_numbers(mine.to_vector(), world_);
+  if (rank_ != 0) return;
+  for (int q = 0; q < world_; ++q) s.ranks.push_back(RankTotals::from(all.data() + q * RankTotals::kFields));
+  s.median_step_s = mine.median_step_s;
+  s.tokens_per_s = static_cast<double>(tokens_per_step()) / mine.median_step_s;
+  s.losses = losses_;
+  s.step_s = step_times_;
+  console_->finish();
+  std::cout << format_summary(s) << std::flush;
+  if (!cfg_.logging.summary_json.empty()) write_summary_json(cfg_.logging.summary_json, run_shape(), s);
 }
 
 }  // namespace
-
-void install_stop_signal_handlers() {
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGINT, on_stop_signal);
-}
 
 int run_training(const TrainConfig& cfg) { return Run(cfg).main(); }
 

@@ -1,6 +1,7 @@
-// fsdp/models/transformer.h — the Transformer of seed 001 (and of ../shared/bench/peer/model.py),
-// in LibTorch: same architecture, presets and parameter names, so that the two can be compared
-// and can exchange weights.
+// fsdp/models/transformer.h — a small decoder-only Transformer for examples, tests and
+// benchmarks. Its architecture and parameter names are those of the Transformer in PyTorch's
+// FSDP2 example (ModelArgs, tok_embeddings, layers.<i>.attention.wq, ...), so state dicts can be
+// exchanged with a Python model written the same way.
 //
 //   tokens -> tok_embeddings + pos_embeddings -> dropout -> n_layers x TransformerBlock
 //          -> norm (LayerNorm) -> output (Linear, no bias) -> float logits
@@ -40,7 +41,9 @@ struct ModelArgs {
   int64_t n_heads = 4;
   double dropout_p = 0.1;
 
-  // "tiny" (the defaults above), "small" or "medium", as in the peer's model.py.
+  // "tiny" (the defaults above), "small" (4 layers, dim 256, 8 heads, vocab 8192, seq 256) or
+  // "medium" (8 layers, dim 768, 12 heads, vocab 32000, seq 512). Throws c10::Error on any
+  // other name.
   static ModelArgs preset(const std::string& name);
   // The preset names, in size order.
   static std::vector<std::string> preset_names();

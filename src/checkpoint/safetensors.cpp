@@ -3,6 +3,8 @@
 // validates every header field before trusting it.
 #include <fsdp/safetensors.h>
 
+#include "src/checkpoint/state_dict_pieces.h"
+
 #include <fsdp/distributed.h>
 
 #include <ATen/ATen.h>
@@ -54,11 +56,6 @@ bool dtype_from_name(const std::string& name, at::ScalarType* type) {
 
 int64_t nbytes_of(const DTensor& d) { return d.numel() * static_cast<int64_t>(c10::elementSize(d.scalar_type())); }
 
-bool fully_replicated(const DTensor& d) {
-  const auto p = d.placements();
-  return std::all_of(p.begin(), p.end(), [](const Placement& x) { return x.is_replicate(); });
-}
-
 std::string shard_file_name(const std::string& prefix, int rank, int world) {
   char numbers[32];
   std::snprintf(numbers, sizeof(numbers), "-%05d-of-%05d", rank + 1, world);
@@ -102,12 +99,28 @@ class AtomicFile {
   uint64_t written_ = 0;
 };
 
+// True when `text` can go into the JSON header (which must be UTF-8).
+bool is_utf8(const std::string& text) {
+  try {
+    (void)Json(text).dump();
+    return true;
+  } catch (const Json::exception&) {
+    return false;
+  }
+}
+
 // Everything that could make ranks disagree or fail half-way is checked before any collective.
-void check_entries(const ShardedStateDict& state_dict, int world) {
+void check_entries(const ShardedStateDict& state_dict, int world, const SafetensorsOptions& options) {
+  for (const auto& kv : options.metadata()) {
+    TORCH_CHECK(is_utf8(kv.first) && is_utf8(kv.second), "fsdp::save_safetensors: metadata entry '", kv.first,
+                "' is not UTF-8 text, which the safetensors header requires");
+  }
   for (const auto& item : state_dict) {
     const DTensor& d = item.value();
     TORCH_CHECK(!item.key().empty() && item.key() != "__metadata__", "fsdp::save_safetensors: invalid tensor name '",
                 item.key(), "'");
+    TORCH_CHECK(is_utf8(item.key()), "fsdp::save_safetensors: tensor name '", item.key(),
+                "' is not UTF-8 text, which the safetensors header requires");
     TORCH_CHECK(d.defined(), "fsdp::save_safetensors: '", item.key(), "' is an undefined DTensor");
     TORCH_CHECK(dtype_name(d.scalar_type()), "fsdp::save_safetensors: '", item.key(), "' has dtype ",
                 d.scalar_type(), ", which safetensors cannot hold here (F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
@@ -171,7 +184,7 @@ void write_rank_file(const ShardedStateDict& state_dict, const std::vector<int>&
     const bool mine = owner[i++] == rank;
     const DTensor& d = item.value();
     if (mine) expected += nbytes_of(d);
-    if (fully_replicated(d)) {
+    if (detail::all_replicate(d.placements())) {
       if (mine) out.write_tensor(d.to_local());
       continue;
     }
@@ -204,11 +217,11 @@ void write_index(const ShardedStateDict& state_dict, const std::vector<int>& own
 void save_safetensors(const ShardedStateDict& state_dict, const std::string& dir, const SafetensorsOptions& options) {
   const int world = get_world_size();
   const int rank = get_rank();
-  check_entries(state_dict, world);
-  std::error_code ec;
+  check_entries(state_dict, world, options);
+  std::error_code ec, exists_ec;
   std::filesystem::create_directories(dir, ec);  // every rank: the ranks may not share a node
-  TORCH_CHECK(std::filesystem::is_directory(dir), "fsdp::save_safetensors: cannot create directory '", dir, "': ",
-              ec.message());
+  TORCH_CHECK(std::filesystem::is_directory(dir, exists_ec), "fsdp::save_safetensors: cannot create directory '",
+              dir, "': ", ec ? ec.message() : exists_ec.message());
   const std::vector<int> owner = assign_owners(state_dict, world);
   write_rank_file(state_dict, owner, rank, dir + "/" + shard_file_name(options.prefix(), rank, world), options);
   fsdp::world()->barrier()->wait();  // every rank's file is in place
@@ -307,8 +320,9 @@ Json read_header(const std::string& path, std::FILE* f, uint64_t file_size, uint
 TensorStateDict load_safetensors_file(const std::string& path) {
   FilePtr f(std::fopen(path.c_str(), "rb"), std::fclose);
   TORCH_CHECK(f, "fsdp::load_safetensors_file: cannot open '", path, "': ", std::strerror(errno));
-  TORCH_CHECK(std::fseek(f.get(), 0, SEEK_END) == 0, "fsdp::load_safetensors_file: cannot seek in '", path, "'");
-  const auto file_size = static_cast<uint64_t>(std::ftell(f.get()));
+  const long end = std::fseek(f.get(), 0, SEEK_END) == 0 ? std::ftell(f.get()) : -1;
+  TORCH_CHECK(end >= 0, "fsdp::load_safetensors_file: cannot seek in '", path, "' (not a regular file?)");
+  const auto file_size = static_cast<uint64_t>(end);
   std::rewind(f.get());
   uint64_t data_size = 0;
   const Json header = read_header(path, f.get(), file_size, &data_size);

@@ -28,8 +28,9 @@
 // (after libc10, which it depends on, has registered its default allocator). The allocator
 // object is created with new and never destroyed, so tensors freed during static destruction
 // at exit still find it.
-#include <fsdp/compat.h>
 #include <fsdp/memory.h>
+
+#include <fsdp/compat.h>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -44,9 +45,9 @@
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <vector>
 #include <mutex>
 #include <sstream>
+#include <vector>
 
 namespace fsdp {
 namespace memory {
@@ -72,8 +73,8 @@ constexpr size_t kHeader = round_up(sizeof(Header), c10::gAlignment);
 // Freed blocks of at least kCacheMin bytes are kept and handed out again for requests of about
 // the same size (at most a quarter larger), as the CUDA caching allocator does for GPU memory.
 // Why: glibc gives large blocks back to the kernel (every block above 32 MiB is its own mmap),
-// and first-touching fresh pages can cost more than the work done on them (measured on the
-// 2-vCPU dev VM: ~100 ms to fault in 32 MiB). A training step allocates the same sizes every
+// and first-touching fresh pages can cost more than the work done on them (~100 ms to fault in
+// 32 MiB on a 2-vCPU VM). A training step allocates the same sizes every
 // iteration, so after the first step they come from here. Blocks are rounded up to kCacheRound
 // so that near-equal sizes share them.
 constexpr size_t kCacheMin = size_t{256} << 10;

@@ -2,9 +2,9 @@
 // flattened layout of fsdp/optim_state_dict.h, and writing it back.
 #include <fsdp/optim_state_dict.h>
 
-#include "state_dict_pieces.h"
-
+#include "src/checkpoint/state_dict_pieces.h"
 #include <fsdp/compat.h>
+
 #include <fsdp/fully_shard.h>
 
 #include <ATen/ATen.h>

@@ -1,14 +1,16 @@
-// trace.cpp — the recorder behind fsdp/trace.h: one mutex-guarded vector of finished spans.
+// The recorder behind fsdp/trace.h: one mutex-guarded vector of finished spans.
 // Spans are recorded when they end (a few per module per step), so a lock is cheap enough and
 // keeps the recorder simple; threads get small ids in order of their first span.
 #include <fsdp/trace.h>
 
+#include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <mutex>
-#include <stdexcept>
 #include <vector>
 
 namespace fsdp {
@@ -107,11 +109,14 @@ int64_t write_chrome_trace(const std::string& path, int pid) {
   }
   nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"},
                         {"otherData", {{"dropped_events", r.dropped}}}};
+  // Names and args are the caller's bytes: replace what is not UTF-8 rather than fail.
+  const std::string text = doc.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   std::ofstream out(path);
-  if (!out) throw std::runtime_error("fsdp::trace: cannot write " + path);
-  out << doc.dump() << "\n";
+  TORCH_CHECK(out, "fsdp::trace::write_chrome_trace: cannot write '", path, "': ", std::strerror(errno),
+              "; check that its directory exists and is writable");
+  out << text << "\n";
   out.close();
-  if (!out) throw std::runtime_error("fsdp::trace: writing " + path + " failed");
+  TORCH_CHECK(out, "fsdp::trace::write_chrome_trace: writing '", path, "' failed (disk full?)");
   return static_cast<int64_t>(r.events.size());
 }
 

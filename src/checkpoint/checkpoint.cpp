@@ -2,7 +2,7 @@
 // the byte ranges this rank's pieces need.
 #include <fsdp/checkpoint.h>
 
-#include "state_dict_pieces.h"
+#include "src/checkpoint/state_dict_pieces.h"
 
 #include <fsdp/distributed.h>
 
@@ -16,11 +16,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <future>
+#include <optional>
 
 namespace fsdp {
 namespace {
@@ -56,7 +59,9 @@ void write_file_durably(const fs::path& path, const char* bytes, size_t n) {
   const bool synced = ::fsync(fd) == 0;
   ::close(fd);
   TORCH_CHECK(synced, "fsdp checkpoint: fsync of '", tmp.string(), "' failed: ", std::strerror(errno));
-  fs::rename(tmp, path);
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  TORCH_CHECK(!ec, "fsdp checkpoint: renaming '", tmp.string(), "' to '", path.string(), "' failed: ", ec.message());
 }
 
 void fsync_dir(const fs::path& dir) {
@@ -69,16 +74,15 @@ void fsync_dir(const fs::path& dir) {
 
 // Everyone's bytes, in rank order (rank 0 uses them; every rank takes part).
 std::vector<std::string> gather_strings(ProcessGroup& group, const std::string& mine) {
-  ProcessGroup* world = &group;
-  at::Tensor sizes = at::empty({world->size()}, at::kLong);
-  world->all_gather_into(sizes, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong))->wait();
-  std::vector<int64_t> counts(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + world->size());
+  at::Tensor sizes = at::empty({group.size()}, at::kLong);
+  group.all_gather_into(sizes, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong))->wait();
+  std::vector<int64_t> counts(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + group.size());
   int64_t total = 0;
   for (int64_t c : counts) total += c;
   at::Tensor all = at::empty({total}, at::kByte);
   at::Tensor in = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
   std::memcpy(in.data_ptr(), mine.data(), mine.size());
-  world->all_gather_v(all, in, counts)->wait();
+  group.all_gather_v(all, in, counts)->wait();
   std::vector<std::string> out;
   const char* p = static_cast<const char*>(all.data_ptr());
   for (int64_t c : counts) {
@@ -97,10 +101,14 @@ struct Chunk {
   std::vector<uint32_t> crc32;
 };
 
+// The parsed metadata.json of `dir`, checked for format and version. Its other fields are read
+// (and may throw json::exception) by the caller.
 json read_metadata(const fs::path& dir) {
-  TORCH_CHECK(fs::is_directory(dir), "fsdp::load_checkpoint: checkpoint directory '", dir.string(), "' does not exist");
+  std::error_code ec;
+  TORCH_CHECK(fs::is_directory(dir, ec), "fsdp::load_checkpoint: checkpoint directory '", dir.string(),
+              "' does not exist", ec ? " (" + ec.message() + ")" : std::string());
   const fs::path meta = dir / kMetadataFile;
-  TORCH_CHECK(fs::exists(meta), "fsdp::load_checkpoint: '", meta.string(), "' is missing: '", dir.string(),
+  TORCH_CHECK(fs::exists(meta, ec), "fsdp::load_checkpoint: '", meta.string(), "' is missing: '", dir.string(),
               "' is not a complete checkpoint (its save did not finish)");
   std::ifstream f(meta);
   json j;
@@ -145,14 +153,100 @@ std::string read_chunk_range(const fs::path& dir, const std::string& key, const 
   return bytes;
 }
 
-}  // namespace
+// The chunk record of the metadata, as read back.
+Chunk chunk_of(const json& c) {
+  return Chunk{c.at("offsets").get<std::vector<int64_t>>(), c.at("sizes").get<std::vector<int64_t>>(),
+               c.at("file").get<std::string>(),             c.at("byte_offset").get<int64_t>(),
+               c.at("byte_length").get<int64_t>(),          c.at("crc32").get<std::vector<uint32_t>>()};
+}
 
-namespace {
+// Checks every data file's size against the metadata, naming a key whose bytes the damage reaches.
+void check_data_files(const fs::path& dir, const json& meta, const std::string& meta_path) {
+  const json& entries = meta.at("entries");
+  for (const auto& f : meta.at("files").items()) {
+    const fs::path path = dir / f.key();
+    std::error_code ec;
+    const auto bytes = fs::file_size(path, ec);
+    const int64_t size = ec ? -1 : static_cast<int64_t>(bytes);
+    if (size == f.value().get<int64_t>()) continue;
+    std::string key = "?";
+    for (const auto& e : entries.items()) {
+      for (const auto& c : e.value().at("chunks")) {
+        if (c.at("file") == f.key() && c.at("byte_offset").get<int64_t>() + c.at("byte_length").get<int64_t>() > size) {
+          key = e.key();
+          break;
+        }
+      }
+      if (key != "?") break;
+    }
+    TORCH_CHECK(size >= 0, "fsdp::load_checkpoint: data file '", path.string(), "' listed in '", meta_path,
+                "' is missing (it holds key '", key, "')");
+    TORCH_CHECK(false, "fsdp::load_checkpoint: data file '", path.string(), "' is truncated or overwritten: ", size,
+                " bytes, '", meta_path, "' says ", f.value().get<int64_t>(), " (key '", key, "' is affected)");
+  }
+}
 
-// The save itself, over `world` (all ranks; the world group, or the background saver's own).
-// Runs `local_work` on every rank, then makes all ranks agree: if it threw anywhere, every rank
-// throws, naming each failed rank and its error (so nobody is left waiting in a collective).
-// Collective; also acts as a barrier. Returns every rank's result string, in rank order.
+// Checks that the checkpoint holds exactly the keys of `like`, with their shapes and dtypes.
+void check_keys(const json& entries, const ShardedStateDict& like, const std::string& meta_path) {
+  for (const auto& item : like) {
+    TORCH_CHECK(entries.contains(item.key()), "fsdp::load_checkpoint: missing key '", item.key(), "' in '", meta_path, "'");
+    const json& e = entries.at(item.key());
+    TORCH_CHECK(e.at("shape").get<std::vector<int64_t>>() == item.value().sizes(), "fsdp::load_checkpoint: key '",
+                item.key(), "' has shape ", e.at("shape").dump(), " in '", meta_path, "' but ",
+                c10::IntArrayRef(item.value().sizes()), " here");
+    TORCH_CHECK(e.at("dtype").get<std::string>() == c10::toString(item.value().scalar_type()),
+                "fsdp::load_checkpoint: key '", item.key(), "' has dtype ", e.at("dtype").get<std::string>(), " in '",
+                meta_path, "' but ", item.value().scalar_type(), " here");
+  }
+  for (const auto& kv : entries.items()) {
+    TORCH_CHECK(like.find(kv.key()), "fsdp::load_checkpoint: unexpected key '", kv.key(), "' in '", meta_path,
+                "' (the state dict to load into has no such entry)");
+  }
+}
+
+// This rank's piece of `target`, read from the chunks of `entry` that overlap it.
+at::Tensor read_piece(const fs::path& dir, const std::string& key, const json& entry, const DTensor& target) {
+  const auto want = target.local_bounds();
+  at::Tensor local = at::empty(target.to_local().sizes(), target.to_local().options());
+  const int64_t row_bytes = local.dim() == 0 ? local.element_size()
+                                             : (local.size(0) > 0 ? local.numel() / local.size(0) : 0) * local.element_size();
+  for (const auto& cj : entry.at("chunks")) {
+    const Chunk c = chunk_of(cj);
+    int64_t chunk_numel = 1;
+    for (int64_t s : c.sizes) chunk_numel *= s;
+    TORCH_CHECK(c.offsets.size() == want.size() && c.sizes.size() == want.size() &&
+                    c.byte_length == chunk_numel * static_cast<int64_t>(local.element_size()),
+                "fsdp::load_checkpoint: key '", key, "' has a chunk whose offsets, sizes or byte length do not fit "
+                "its shape; the metadata is damaged: load an earlier checkpoint");
+    if (local.dim() == 0) {  // a scalar: one chunk holds it
+      int64_t skip = 0;
+      const std::string bytes = read_chunk_range(dir, key, c, 0, c.byte_length, &skip);
+      std::memcpy(local.data_ptr(), bytes.data() + skip, local.element_size());
+      continue;
+    }
+    // Chunks and pieces are split along dim 0 only and span every other dim whole.
+    for (size_t d = 1; d < want.size(); ++d) {
+      TORCH_CHECK(c.offsets[d] == 0 && c.sizes[d] == want[d].length && want[d].offset == 0, "fsdp::load_checkpoint: "
+                  "key '", key, "' was saved split along a dim other than 0; not supported yet");
+    }
+    const int64_t lo = std::max(c.offsets[0], want[0].offset);
+    const int64_t hi = std::min(c.offsets[0] + c.sizes[0], want[0].offset + want[0].length);
+    if (lo >= hi) continue;
+    int64_t skip = 0;
+    const std::string bytes =
+        read_chunk_range(dir, key, c, (lo - c.offsets[0]) * row_bytes, (hi - c.offsets[0]) * row_bytes, &skip);
+    std::memcpy(static_cast<char*>(local.data_ptr()) + (lo - want[0].offset) * row_bytes, bytes.data() + skip,
+                static_cast<size_t>((hi - lo) * row_bytes));
+  }
+  return local;
+}
+
+// ------------------------------------------------------------------------------ writing
+
+// Runs `local_work` on every rank of `world`, then makes all ranks agree: if it threw anywhere,
+// every rank throws, naming each failed rank and its error (so nobody is left waiting in a
+// collective). Collective; also acts as a barrier. Returns every rank's result string, in rank
+// order.
 std::vector<std::string> on_all_ranks(ProcessGroup& world, const char* phase,
                                       const std::function<std::string()>& local_work) {
   json mine;
@@ -162,7 +256,8 @@ std::vector<std::string> on_all_ranks(ProcessGroup& world, const char* phase,
     mine["error"] = e.what();
   }
   std::vector<std::string> results, errors;
-  const std::vector<std::string> all = gather_strings(world, mine.dump());
+  // An error message may quote a path that is not UTF-8: replace such bytes rather than fail.
+  const std::vector<std::string> all = gather_strings(world, mine.dump(-1, ' ', false, json::error_handler_t::replace));
   for (size_t r = 0; r < all.size(); ++r) {
     const json j = json::parse(all[r]);
     if (j.contains("error")) errors.push_back("rank " + std::to_string(r) + ": " + j.at("error").get<std::string>());
@@ -255,21 +350,41 @@ void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state
   });
 }
 
+// N for a name that is exactly step_<N> (N an integer, as save() writes it); nothing otherwise.
+std::optional<int64_t> parse_step_dir_name(const std::string& name) {
+  if (name.rfind("step_", 0) != 0) return std::nullopt;
+  const char* number = name.c_str() + 5;
+  const char* first_digit = number + (*number == '-' ? 1 : 0);
+  if (*first_digit < '0' || *first_digit > '9') return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long long step = std::strtoll(number, &end, 10);
+  if (*end != '\0' || errno != 0) return std::nullopt;
+  return static_cast<int64_t>(step);
+}
+
 // Points root/latest at `dir` and keeps the newest `keep` step directories (rank 0 only).
+// Directories whose names are not exactly step_<N> are not the manager's and are left alone.
 void commit_latest(const fs::path& root, const fs::path& dir, int keep) {
   const std::string name = dir.filename().string();
   write_file_durably(root / "latest", name.data(), name.size());
   fsync_dir(root);
   if (keep <= 0) return;
   std::vector<std::pair<int64_t, fs::path>> steps;
-  for (const auto& e : fs::directory_iterator(root)) {
-    if (e.is_directory() && e.path().filename().string().rfind("step_", 0) == 0) {
-      steps.emplace_back(CheckpointManager::step_of(e.path().string()), e.path());
-    }
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    const std::optional<int64_t> step = parse_step_dir_name(it->path().filename().string());
+    if (step && it->is_directory(type_ec)) steps.emplace_back(*step, it->path());
   }
+  TORCH_CHECK(!ec, "fsdp::CheckpointManager: cannot list '", root.string(), "' to prune old checkpoints: ",
+              ec.message());
   std::sort(steps.begin(), steps.end());
   for (size_t i = 0; i + keep < steps.size(); ++i) {
-    if (steps[i].second != dir) fs::remove_all(steps[i].second);
+    if (steps[i].second == dir) continue;
+    fs::remove_all(steps[i].second, ec);
+    TORCH_CHECK(!ec, "fsdp::CheckpointManager: cannot remove the old checkpoint '", steps[i].second.string(), "': ",
+                ec.message(), "; fix its permissions or remove it by hand");
   }
 }
 
@@ -292,78 +407,23 @@ void save_checkpoint(const std::string& dir, const ShardedStateDict& state_dict)
 
 ShardedStateDict load_checkpoint(const std::string& dir_name, const ShardedStateDict& like) {
   const fs::path dir(dir_name);
-  const json meta = read_metadata(dir);
-  const json& entries = meta.at("entries");
   const std::string meta_path = (dir / kMetadataFile).string();
-  for (const auto& f : meta.at("files").items()) {
-    const fs::path path = dir / f.key();
-    const int64_t size = fs::exists(path) ? static_cast<int64_t>(fs::file_size(path)) : -1;
-    if (size == f.value().get<int64_t>()) continue;
-    // Name a key whose bytes the damage reaches.
-    std::string key = "?";
-    for (const auto& e : entries.items()) {
-      for (const auto& c : e.value().at("chunks")) {
-        if (c.at("file") == f.key() && c.at("byte_offset").get<int64_t>() + c.at("byte_length").get<int64_t>() > size) {
-          key = e.key();
-          break;
-        }
-      }
-      if (key != "?") break;
+  try {
+    const json meta = read_metadata(dir);
+    check_data_files(dir, meta, meta_path);
+    const json& entries = meta.at("entries");
+    check_keys(entries, like, meta_path);
+    ShardedStateDict out;
+    for (const auto& item : like) {
+      const DTensor& target = item.value();
+      at::Tensor local = read_piece(dir, item.key(), entries.at(item.key()), target);
+      out.insert(item.key(), DTensor::from_local(local, target.device_mesh(), target.placements(), target.sizes()));
     }
-    TORCH_CHECK(size >= 0, "fsdp::load_checkpoint: data file '", path.string(), "' listed in '", meta_path,
-                "' is missing (it holds key '", key, "')");
-    TORCH_CHECK(false, "fsdp::load_checkpoint: data file '", path.string(), "' is truncated or overwritten: ", size,
-                " bytes, '", meta_path, "' says ", f.value().get<int64_t>(), " (key '", key, "' is affected)");
+    return out;
+  } catch (const json::exception& e) {  // a field missing or of the wrong type
+    TORCH_CHECK(false, "fsdp::load_checkpoint: '", meta_path, "' is damaged: ", e.what(),
+                "; load an earlier checkpoint");
   }
-  for (const auto& item : like) {
-    TORCH_CHECK(entries.contains(item.key()), "fsdp::load_checkpoint: missing key '", item.key(), "' in '", meta_path, "'");
-    const json& e = entries.at(item.key());
-    TORCH_CHECK(e.at("shape").get<std::vector<int64_t>>() == item.value().sizes(), "fsdp::load_checkpoint: key '",
-                item.key(), "' has shape ", e.at("shape").dump(), " in '", meta_path, "' but ",
-                c10::IntArrayRef(item.value().sizes()), " here");
-    TORCH_CHECK(e.at("dtype").get<std::string>() == c10::toString(item.value().scalar_type()),
-                "fsdp::load_checkpoint: key '", item.key(), "' has dtype ", e.at("dtype").get<std::string>(), " in '",
-                meta_path, "' but ", item.value().scalar_type(), " here");
-  }
-  for (const auto& kv : entries.items()) {
-    TORCH_CHECK(like.find(kv.key()), "fsdp::load_checkpoint: unexpected key '", kv.key(), "' in '", meta_path,
-                "' (the state dict to load into has no such entry)");
-  }
-
-  ShardedStateDict out;
-  for (const auto& item : like) {
-    const DTensor& target = item.value();
-    const auto want = target.local_bounds();
-    at::Tensor local = at::empty(target.to_local().sizes(), target.to_local().options());
-    const int64_t row_bytes = local.dim() == 0 ? local.element_size()
-                                               : (local.size(0) > 0 ? local.numel() / local.size(0) : 0) * local.element_size();
-    for (const auto& cj : entries.at(item.key()).at("chunks")) {
-      Chunk c{cj.at("offsets").get<std::vector<int64_t>>(), cj.at("sizes").get<std::vector<int64_t>>(),
-              cj.at("file").get<std::string>(), cj.at("byte_offset").get<int64_t>(),
-              cj.at("byte_length").get<int64_t>(), cj.at("crc32").get<std::vector<uint32_t>>()};
-      if (local.dim() == 0) {  // a scalar: one chunk holds it
-        int64_t skip = 0;
-        const std::string bytes = read_chunk_range(dir, item.key(), c, 0, c.byte_length, &skip);
-        std::memcpy(local.data_ptr(), bytes.data() + skip, local.element_size());
-        continue;
-      }
-      // Chunks and pieces are split along dim 0 only and span every other dim whole.
-      for (size_t d = 1; d < want.size(); ++d) {
-        TORCH_CHECK(c.offsets[d] == 0 && c.sizes[d] == want[d].length && want[d].offset == 0, "fsdp::load_checkpoint: "
-                    "key '", item.key(), "' was saved split along a dim other than 0; not supported yet");
-      }
-      const int64_t lo = std::max(c.offsets[0], want[0].offset);
-      const int64_t hi = std::min(c.offsets[0] + c.sizes[0], want[0].offset + want[0].length);
-      if (lo >= hi) continue;
-      int64_t skip = 0;
-      const std::string bytes =
-          read_chunk_range(dir, item.key(), c, (lo - c.offsets[0]) * row_bytes, (hi - c.offsets[0]) * row_bytes, &skip);
-      std::memcpy(static_cast<char*>(local.data_ptr()) + (lo - want[0].offset) * row_bytes, bytes.data() + skip,
-                  static_cast<size_t>((hi - lo) * row_bytes));
-    }
-    out.insert(item.key(), DTensor::from_local(local, target.device_mesh(), target.placements(), target.sizes()));
-  }
-  return out;
 }
 
 // ------------------------------------------------------------------------------ manager
@@ -423,14 +483,16 @@ std::optional<std::string> CheckpointManager::latest() const {
   std::string name;
   if (!f || !(f >> name)) return std::nullopt;
   const fs::path dir = fs::path(root_) / name;
-  if (!fs::exists(dir / kMetadataFile)) return std::nullopt;
+  std::error_code ec;
+  if (!fs::exists(dir / kMetadataFile, ec)) return std::nullopt;
   return dir.string();
 }
 
 int64_t CheckpointManager::step_of(const std::string& dir) {
-  const std::string name = fs::path(dir).filename().string();
-  TORCH_CHECK(name.rfind("step_", 0) == 0, "fsdp::CheckpointManager: '", dir, "' is not a step_<N> directory");
-  return std::stoll(name.substr(5));
+  const std::optional<int64_t> step = parse_step_dir_name(fs::path(dir).filename().string());
+  TORCH_CHECK(step, "fsdp::CheckpointManager: '", dir, "' is not a step_<N> directory (N an integer); move anything "
+              "else named step_* out of the checkpoint root");
+  return *step;
 }
 
 }  // namespace fsdp

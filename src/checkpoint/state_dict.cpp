@@ -2,7 +2,7 @@
 // PyTorch's file format (through LibTorch's pickler).
 #include <fsdp/state_dict.h>
 
-#include "state_dict_pieces.h"
+#include "src/checkpoint/state_dict_pieces.h"
 
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <sstream>
 
 namespace fsdp {
 namespace {

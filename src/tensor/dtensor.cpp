@@ -52,11 +52,17 @@ at::Tensor gather_along(const at::Tensor& local, int64_t d, int64_t unsplit, con
 std::vector<ChunkBounds> shard_bounds(const std::vector<int64_t>& global_shape, const std::vector<int64_t>& mesh_shape,
                                       const std::vector<int64_t>& coordinate,
                                       const std::vector<Placement>& placements) {
+  TORCH_CHECK(placements.size() == mesh_shape.size() && coordinate.size() == mesh_shape.size(),
+              "fsdp::shard_bounds: ", placements.size(), " placements and a coordinate of ", coordinate.size(),
+              " dims for a ", mesh_shape.size(), "-D mesh; give one of each per mesh dim");
   std::vector<ChunkBounds> bounds;
   for (int64_t s : global_shape) bounds.push_back({0, s});
   for (size_t i = 0; i < placements.size(); ++i) {
     if (!placements[i].is_shard()) continue;
-    ChunkBounds& b = bounds.at(placements[i].dim());
+    const int64_t d = placements[i].dim();
+    TORCH_CHECK(d >= 0 && d < static_cast<int64_t>(bounds.size()), "fsdp::shard_bounds: ", placements[i].str(),
+                " is out of range for a ", bounds.size(), "-D tensor");
+    ChunkBounds& b = bounds[d];
     const ChunkBounds piece = chunk_bounds(b.length, mesh_shape[i], coordinate[i]);
     b = {b.offset + piece.offset, piece.length};
   }
@@ -85,6 +91,11 @@ DTensor DTensor::from_local(at::Tensor local, DeviceMesh mesh, std::vector<Place
     }
   }
   return DTensor(std::move(local), std::move(mesh), std::move(placements), std::move(shape));
+}
+
+int64_t DTensor::size(int64_t d) const {
+  TORCH_CHECK(d >= 0 && d < dim(), "fsdp::DTensor::size: dim ", d, " is out of range for a ", dim(), "-D tensor");
+  return global_shape_[d];
 }
 
 int64_t DTensor::numel() const {

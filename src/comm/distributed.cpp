@@ -2,20 +2,23 @@
 // The process-wide state lives in one Runtime object behind a mutex.
 #include <fsdp/distributed.h>
 
-#include "comm/gloo_backend.h"
-#include "comm/progress_board.h"
+#include "src/comm/gloo_backend.h"
+#include "src/comm/progress_board.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace fsdp {
 namespace {
@@ -92,9 +95,9 @@ c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousInfo& info, std::c
   try {
     tcp = c10::make_intrusive<c10d::TCPStore>(info.master_addr, opts);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp: rank ", info.rank, " could not ", opts.isServer ? "host" : "reach",
-                " the rendezvous store at ", info.master_addr, ":", info.master_port, " (", e.what(),
-                "). Check MASTER_ADDR/MASTER_PORT, and that no other job uses that port.");
+    throw CollectiveError(c10::str("fsdp: rank ", info.rank, " could not ", opts.isServer ? "host" : "reach",
+                                   " the rendezvous store at ", info.master_addr, ":", info.master_port, " (",
+                                   e.what(), "). Check MASTER_ADDR/MASTER_PORT, and that no other job uses that port."));
   }
   // torchrun's agent store scopes each restart attempt's keys like this; so do we.
   const std::string prefix = info.use_agent_store
@@ -124,17 +127,29 @@ std::shared_ptr<ProcessGroup> make_group(Runtime& rt, const std::vector<int>& ra
   return std::make_shared<comm::GlooProcessGroup>(std::move(cfg));
 }
 
+// store.add(key, delta), with a failure of the store reported as the CollectiveError it is.
+int64_t store_add(c10d::Store& store, const std::string& key, int64_t delta, const RendezvousInfo& info) {
+  try {
+    return store.add(key, delta);
+  } catch (const std::exception& e) {
+    throw CollectiveError(c10::str("fsdp: rank ", info.rank, " lost the rendezvous store at ", info.master_addr,
+                                   ":", info.master_port, " (", e.what(), "); is the process that hosts it still running?"));
+  }
+}
+
 // Waits until every rank has connected to the store, so that an absent rank is reported as
 // such instead of as a failed transport connection.
 void store_barrier(c10d::Store& store, const RendezvousInfo& info, std::chrono::milliseconds timeout) {
-  store.add("joined", 1);
+  store_add(store, "joined", 1, info);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    const int64_t joined = store.add("joined", 0);
+    const int64_t joined = store_add(store, "joined", 0, info);
     if (joined >= info.world_size) return;
-    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "fsdp: rendezvous timed out after ",
-                timeout.count(), " ms: only ", joined, " of ", info.world_size,
-                " ranks joined the store at ", info.master_addr, ":", info.master_port);
+    if (std::chrono::steady_clock::now() >= deadline) {
+      throw CollectiveError(c10::str("fsdp: rendezvous timed out after ", timeout.count(), " ms: only ", joined,
+                                     " of ", info.world_size, " ranks joined the store at ", info.master_addr, ":",
+                                     info.master_port));
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }

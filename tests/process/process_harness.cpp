@@ -1,15 +1,19 @@
-#include "harness.h"
+// process_harness.cpp — temporary directories, ports, processes and /proc lookups for the
+// process tests (see process_harness.h).
+#include "process_harness.h"
 
 #include <arpa/inet.h>
-#include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <dirent.h>
 #include <fcntl.h>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <netinet/in.h>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <sys/socket.h>
@@ -17,10 +21,37 @@
 #include <thread>
 #include <unistd.h>
 
-namespace launcher_test {
+namespace process_test {
+namespace {
 
-std::string fsdprun_path() { return FSDPRUN_BIN; }
-std::string worker_path() { return TEST_WORKER_BIN; }
+// The state letter and parent of a process, from /proc/<pid>/stat ('?' and -1 where the file
+// could not be parsed); nullopt when there is no such process.
+struct ProcStat {
+  char state = '?';
+  pid_t ppid = -1;
+};
+
+std::optional<ProcStat> proc_stat(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return std::nullopt;
+  const std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  ProcStat s;
+  const auto paren = content.rfind(')');  // the command name may hold spaces and parentheses
+  if (paren == std::string::npos || content.size() <= paren + 2) return s;
+  std::istringstream rest(content.substr(paren + 2));
+  rest >> s.state >> s.ppid;
+  return s;
+}
+
+sockaddr_in loopback(int port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return addr;
+}
+
+}  // namespace
 
 double now_seconds() {
   using namespace std::chrono;
@@ -29,7 +60,7 @@ double now_seconds() {
 
 TempDir::TempDir() {
   const char* base = std::getenv("TMPDIR");
-  std::string tmpl = std::string(base != nullptr ? base : "/tmp") + "/fsdprun_test_XXXXXX";
+  std::string tmpl = std::string(base != nullptr ? base : "/tmp") + "/fsdp_process_test_XXXXXX";
   if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
   path_ = tmpl;
 }
@@ -41,9 +72,7 @@ TempDir::~TempDir() {
 
 int free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sockaddr_in addr = loopback(0);
   socklen_t len = sizeof addr;
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
@@ -52,8 +81,13 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-Process::Process(const std::string& program, const std::vector<std::string>& args,
-                 const std::map<std::string, std::string>& env, const std::string& cwd) {
+std::string describe(const RunResult& r) {
+  return "exit " + std::to_string(r.exit_code) + (r.signaled ? " (signal)" : "") +
+         (r.timed_out ? " TIMED OUT" : "") + "\n--- stdout:\n" + r.out + "\n--- stderr:\n" + r.err;
+}
+
+Process::Process(const std::string& program, const std::vector<std::string>& args, const Env& env,
+                 const std::string& cwd) {
   std::vector<std::string> argv = {program};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> cargv;
@@ -101,11 +135,6 @@ RunResult Process::wait(double timeout_s) {
   return r;
 }
 
-RunResult run_fsdprun(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
-                      double timeout_s) {
-  return Fsdprun(args, env).wait(timeout_s);
-}
-
 std::string read_file(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;
@@ -132,22 +161,9 @@ std::map<std::string, std::string> read_env_file(const std::string& path) {
   return env;
 }
 
-std::vector<pid_t> worker_pids(const std::string& dir) {
-  std::vector<pid_t> pids;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    const std::string name = entry.path().filename();
-    if (name.rfind("pid_", 0) == 0 && name.find(".tmp") == std::string::npos)
-      pids.push_back(std::atoi(read_file(entry.path()).c_str()));
-  }
-  return pids;
-}
-
 bool process_gone(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat) return true;
-  std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const auto paren = content.rfind(')');
-  return paren != std::string::npos && content.size() > paren + 2 && content[paren + 2] == 'Z';
+  const std::optional<ProcStat> s = proc_stat(pid);
+  return !s || s->state == 'Z';
 }
 
 std::vector<pid_t> wait_gone(const std::vector<pid_t>& pids, double timeout_s) {
@@ -159,6 +175,20 @@ std::vector<pid_t> wait_gone(const std::vector<pid_t>& pids, double timeout_s) {
     if (alive.empty() || now_seconds() > deadline) return alive;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> kids;
+  DIR* d = opendir("/proc");
+  if (!d) return kids;
+  while (dirent* e = readdir(d)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));  // 0 for entries that are no pid
+    if (pid <= 0) continue;
+    const std::optional<ProcStat> s = proc_stat(pid);
+    if (s && s->ppid == parent) kids.push_back(pid);
+  }
+  closedir(d);
+  return kids;
 }
 
 std::vector<std::string> listen_addresses(int port) {
@@ -183,13 +213,10 @@ std::vector<std::string> listen_addresses(int port) {
 
 bool can_connect(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  const sockaddr_in addr = loopback(port);
+  const bool ok = connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
   close(fd);
   return ok;
 }
 
-}  // namespace launcher_test
+}  // namespace process_test

@@ -20,12 +20,12 @@ struct DeviceMesh::Impl {
   std::vector<std::shared_ptr<ProcessGroup>> groups;  // one per dim
 };
 
-namespace {
-
-const DeviceMesh::Impl& checked(const std::shared_ptr<const DeviceMesh::Impl>& impl) {
-  TORCH_CHECK(impl, "fsdp::DeviceMesh: this mesh handle is empty; build one with fsdp::init_device_mesh()");
-  return *impl;
+const DeviceMesh::Impl& DeviceMesh::checked_impl() const {
+  TORCH_CHECK(impl_, "fsdp::DeviceMesh: this mesh handle is empty; build one with fsdp::init_device_mesh()");
+  return *impl_;
 }
+
+namespace {
 
 void check_device_type(const std::string& device_type) {
 #ifdef FSDP_WITH_CUDA
@@ -38,6 +38,10 @@ void check_device_type(const std::string& device_type) {
               "' is not available in this CPU-only build of fsdp-cpp; use \"cpu\" (or rebuild with "
               "-DFSDP_USE_CUDA=ON against a CUDA LibTorch)");
 #endif
+}
+
+void check_dim(int64_t dim, int64_t ndim) {
+  TORCH_CHECK(dim >= 0 && dim < ndim, "fsdp::DeviceMesh: dim ", dim, " out of range for a ", ndim, "-D mesh");
 }
 
 }  // namespace
@@ -83,27 +87,27 @@ DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<in
   return DeviceMesh(std::move(impl));
 }
 
-const std::string& DeviceMesh::device_type() const { return checked(impl_).device_type; }
-int64_t DeviceMesh::ndim() const { return static_cast<int64_t>(checked(impl_).shape.size()); }
-std::vector<int64_t> DeviceMesh::shape() const { return checked(impl_).shape; }
-const std::vector<std::string>& DeviceMesh::dim_names() const { return checked(impl_).dim_names; }
+const std::string& DeviceMesh::device_type() const { return checked_impl().device_type; }
+int64_t DeviceMesh::ndim() const { return static_cast<int64_t>(checked_impl().shape.size()); }
+std::vector<int64_t> DeviceMesh::shape() const { return checked_impl().shape; }
+const std::vector<std::string>& DeviceMesh::dim_names() const { return checked_impl().dim_names; }
 
 int64_t DeviceMesh::size(int64_t dim) const {
-  const Impl& m = checked(impl_);
+  const Impl& m = checked_impl();
   if (dim < 0) return static_cast<int64_t>(m.ranks.size());
-  TORCH_CHECK(dim < ndim(), "fsdp::DeviceMesh: dim ", dim, " out of range for a ", ndim(), "-D mesh");
+  check_dim(dim, ndim());
   return m.shape[dim];
 }
 
 at::Tensor DeviceMesh::mesh() const {
-  const Impl& m = checked(impl_);
+  const Impl& m = checked_impl();
   return at::tensor(m.ranks, at::kLong).view(m.shape);
 }
 
-std::vector<int64_t> DeviceMesh::coordinate() const { return checked(impl_).coordinate; }
+std::vector<int64_t> DeviceMesh::coordinate() const { return checked_impl().coordinate; }
 
 int64_t DeviceMesh::dim_index(const std::string& dim_name) const {
-  const Impl& m = checked(impl_);
+  const Impl& m = checked_impl();
   for (size_t i = 0; i < m.dim_names.size(); ++i) {
     if (m.dim_names[i] == dim_name) return static_cast<int64_t>(i);
   }
@@ -114,7 +118,7 @@ int64_t DeviceMesh::dim_index(const std::string& dim_name) const {
 }
 
 int64_t DeviceMesh::get_local_rank(int64_t dim) const {
-  TORCH_CHECK(dim >= 0 && dim < ndim(), "fsdp::DeviceMesh: dim ", dim, " out of range for a ", ndim(), "-D mesh");
+  check_dim(dim, ndim());
   return impl_->coordinate[dim];
 }
 int64_t DeviceMesh::get_local_rank(const std::string& dim_name) const {
@@ -122,7 +126,7 @@ int64_t DeviceMesh::get_local_rank(const std::string& dim_name) const {
 }
 
 std::shared_ptr<ProcessGroup> DeviceMesh::get_group(int64_t dim) const {
-  TORCH_CHECK(dim >= 0 && dim < ndim(), "fsdp::DeviceMesh: dim ", dim, " out of range for a ", ndim(), "-D mesh");
+  check_dim(dim, ndim());
   return impl_->groups[dim];
 }
 std::shared_ptr<ProcessGroup> DeviceMesh::get_group(const std::string& dim_name) const {
@@ -144,7 +148,7 @@ DeviceMesh DeviceMesh::operator[](const std::string& dim_name) const {
 }
 
 std::string DeviceMesh::str() const {
-  const Impl& m = checked(impl_);
+  const Impl& m = checked_impl();
   std::ostringstream s;
   s << "DeviceMesh('" << m.device_type << "', shape=" << c10::IntArrayRef(m.shape);
   if (!m.dim_names.empty()) {

@@ -1,0 +1,159 @@
+// collectives.cpp — the copy-ins and copy-outs of FSDP's buffers and the calls that issue its
+// collectives (layouts drawn in collectives.h). Byte copies go through memcpy on the tensors'
+// data pointers: the unsharded tensors are written in place under autograd's saved views.
+#include "src/fsdp/collectives.h"
+
+#include "src/util/tensor_bytes.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace fsdp {
+namespace detail {
+namespace {
+
+RankMajorLayout layout_of(const FSDPParams& params, int64_t parts, int64_t (*piece_of)(const FSDPParam&, int64_t),
+                          int64_t piece_arg) {
+  RankMajorLayout layout;
+  layout.parts = parts;
+  for (const auto& p : params) {
+    layout.offset.push_back(layout.row_numel);
+    layout.piece_numel.push_back(piece_of(*p, piece_arg));
+    layout.row_numel += layout.piece_numel.back();
+  }
+  return layout;
+}
+
+// Writes elements [begin, begin + length) of `src` (clamped to its `numel` real elements),
+// then zeros up to `length`, to `dst`. `src` may be null: all zeros.
+void copy_padded(char* dst, const char* src, int64_t numel, int64_t begin, int64_t length, size_t element_size) {
+  const int64_t real = src ? std::max<int64_t>(0, std::min(length, numel - begin)) : 0;
+  if (real > 0) std::memcpy(dst, src + begin * element_size, real * element_size);
+  std::memset(dst + real * element_size, 0, (length - real) * element_size);
+}
+
+}  // namespace
+
+RankMajorLayout shard_layout(const FSDPParams& params, int64_t world) {
+  return layout_of(params, world, [](const FSDPParam& p, int64_t) { return p.padded_shard_numel(); }, 0);
+}
+
+RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k) {
+  return layout_of(params, k, [](const FSDPParam& p, int64_t parts) { return p.padded_full_numel() / parts; }, k);
+}
+
+at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout) {
+  TORCH_CHECK(!params.empty(), "internal: a flat shard needs at least one parameter");
+  at::Tensor flat = at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->dtype()));
+  const size_t es = flat.element_size();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const FSDPParam& p = *params[i];
+    const auto* src = static_cast<const char*>(p.unsharded().data_ptr());
+    copy_padded(bytes_of(flat) + layout.offset[i] * es, src, p.unsharded_numel(), p.shard_row_offset() * p.row_numel(),
+                layout.piece_numel[i], es);
+    // Only this rank's real rows are visible through the leaf; the padding stays zero.
+    params[i]->init_sharded(flat, layout.offset[i]);
+  }
+  return flat;
+}
+
+// ------------------------------------------------------------------------------ all-gather
+
+AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group) {
+  TORCH_CHECK(layout.parts == group.size() && input.numel() == layout.row_numel,
+              "internal: all-gather of ", input.numel(), " elements as one of ", layout.parts, " rows of ",
+              layout.row_numel, " over a group of ", group.size());
+  at::Tensor output = at::empty({layout.numel()}, input.options());
+  WorkHandle work = group.all_gather_into(output, input);
+  return AllGatherResult{std::move(work), std::move(output), layout};
+}
+
+void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams& params) {
+  const RankMajorLayout& layout = result.layout;
+  const size_t es = result.output.element_size();
+  const char* src = bytes_of(result.output);
+  for (size_t i = 0; i < params.size(); ++i) {
+    char* dst = params[i]->unsharded_bytes();
+    const size_t piece = static_cast<size_t>(layout.piece_numel[i]) * es;
+    for (int64_t q = 0; q < layout.parts; ++q) {
+      std::memcpy(dst + q * piece, src + (q * layout.row_numel + layout.offset[i]) * es, piece);
+    }
+  }
+}
+
+at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayout& layout, int64_t index) {
+  TORCH_CHECK(index >= 0 && index < layout.parts, "internal: post-forward piece ", index, " of ", layout.parts);
+  at::Tensor shard = at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->dtype()));
+  const size_t es = shard.element_size();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const size_t piece = static_cast<size_t>(layout.piece_numel[i]) * es;
+    std::memcpy(bytes_of(shard) + layout.offset[i] * es, params[i]->unsharded_bytes() + index * piece, piece);
+  }
+  return shard;
+}
+
+// ------------------------------------------------------------------------------ reduce-scatter
+
+namespace {
+
+// On one rank the unsharded gradient has the shard's shape already: no copy, no collective.
+void hand_over_gradients(const FSDPParams& params) {
+  for (const auto& p : params) {
+    at::Tensor g = p->unsharded_grad();
+    if (p->requires_grad() && g.defined()) p->accumulate_sharded_grad(g);
+    p->clear_unsharded_grad();
+  }
+}
+
+}  // namespace
+
+at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout) {
+  const at::ScalarType dtype = params.front()->dtype();
+  at::Tensor input = at::empty({layout.numel()}, at::TensorOptions().dtype(dtype));
+  const size_t es = input.element_size();
+  for (size_t i = 0; i < params.size(); ++i) {
+    FSDPParam& p = *params[i];
+    at::Tensor g = p.requires_grad() ? p.unsharded_grad() : at::Tensor();
+    TORCH_CHECK(!g.defined() || g.scalar_type() == dtype, "FSDP reduce-scatter expects gradients of dtype ", dtype,
+                " but '", p.fqn(), "' has ", g.scalar_type());
+    if (g.defined()) g = g.contiguous();
+    const char* src = g.defined() ? static_cast<const char*>(g.data_ptr()) : nullptr;
+    const int64_t piece = layout.piece_numel[i];
+    for (int64_t q = 0; q < layout.parts; ++q) {
+      copy_padded(bytes_of(input) + (q * layout.row_numel + layout.offset[i]) * es, src, p.unsharded_numel(),
+                  q * piece, piece, es);
+    }
+    p.clear_unsharded_grad();
+  }
+  return input;
+}
+
+ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group) {
+  if (group.size() == 1) {
+    hand_over_gradients(params);
+    return ReduceScatterResult{};
+  }
+  at::Tensor input = foreach_reduce_copy_in(params, layout);
+  at::Tensor output = at::empty({layout.row_numel}, input.options());
+  WorkHandle work = group.reduce_scatter_into(output, input, ReduceOp::kAvg);
+  return ReduceScatterResult{std::move(work), std::move(output)};
+}
+
+void foreach_reduce_copy_out(const at::Tensor& reduced, const FSDPParams& params, const RankMajorLayout& layout) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    FSDPParam& p = *params[i];
+    if (!p.requires_grad()) continue;
+    // Shares the reduce-scatter output's storage, padding left out. Not an autograd view:
+    // LibTorch's Optimizer::zero_grad() detaches grads in place, which views refuse.
+    const std::vector<int64_t> shape = p.sharded_shape();
+    at::Tensor grad = at::empty({0}, reduced.options());
+    grad.set_(reduced.storage(), reduced.storage_offset() + layout.offset[i], shape, c10::contiguous_strides(shape));
+    p.accumulate_sharded_grad(grad);
+  }
+}
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,94 @@
+// collectives.h — every buffer layout of FSDP's communication, and the one place that issues
+// its collectives. Stateless: the parameter group (param_group.h) decides when to gather and
+// reduce; these functions decide where each byte goes. They never wait for a collective.
+//
+// The layouts, for a group of parameters p_0 .. p_{n-1} over W ranks. Each parameter is cut
+// into W pieces by torch.chunk's rule on dim 0, every piece padded to ceil(d0 / W) rows, so a
+// piece has the same size on every rank:
+//
+//   flat shard (this rank r)   [ p_0 piece r | p_1 piece r | ... ]           one row
+//   all-gather output          row q = rank q's flat shard                     W rows ("rank-major")
+//   unsharded p_i              [ p_i piece 0 | p_i piece 1 | ... ]             real data = the prefix
+//   reduce-scatter input       the all-gather output's layout, filled from the unsharded grads
+//   reduce-scatter output      the flat shard's layout; each sharded grad is a view into it
+//
+// reshard_after_forward = k (1 < k < W) keeps, between forward and backward, this rank's 1/k of
+// every unsharded parameter ("post-forward shard", one row of the same rank-major layout over k
+// rows), and all-gathers it among k ranks in backward.
+//
+// A mixed-precision cast (into the all-gather input, or into the reduce dtype and back) or a
+// device path with its own streams changes these functions only.
+#pragma once
+
+#include "src/fsdp/fsdp_param.h"
+
+#include <fsdp/process_group.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fsdp {
+namespace detail {
+
+// A flat buffer of `parts` equal rows; row q holds piece q of every parameter, in group order.
+struct RankMajorLayout {
+  int64_t parts = 0;
+  std::vector<int64_t> piece_numel;  // per parameter: its piece in every row
+  std::vector<int64_t> offset;       // per parameter: where its piece starts within a row
+  int64_t row_numel = 0;             // the sum of piece_numel
+
+  int64_t numel() const { return parts * row_numel; }
+};
+
+// The layout of the all-gather and reduce-scatter over all `world` ranks of the shard group:
+// pieces are the padded shards.
+RankMajorLayout shard_layout(const FSDPParams& params, int64_t world);
+// The layout of the backward all-gather among the k ranks of a post-forward group: pieces are
+// 1/k of each unsharded (padded) parameter.
+RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k);
+
+// Allocates this rank's flat shard (one row of `layout`), copies this rank's rows of every
+// unsharded parameter into it (zero padding after them), and makes each sharded leaf a view
+// of its piece. Needs the unsharded data present. Not collective.
+at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout);
+
+struct AllGatherResult {
+  WorkHandle work;          // null when nothing was issued
+  at::Tensor output;        // rank-major, `layout.numel()` elements
+  RankMajorLayout layout;   // of `output`
+};
+
+// Issues the all-gather of `input` (one row of `layout`; this rank's row) over `group`, into a
+// new output buffer. Collective over `group`; returns at once.
+AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group);
+// After the all-gather finished: copies each parameter's pieces, in row order, into its
+// unsharded storage (which must be allocated, padded_full_numel elements).
+void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams& params);
+
+// Copies piece `index` of every unsharded parameter (as cut by `layout`, a post-forward layout)
+// into a new flat buffer: the input of the backward all-gather among the post-forward group.
+at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayout& layout, int64_t index);
+
+struct ReduceScatterResult {
+  WorkHandle work;    // null when nothing was issued (a group of one rank)
+  at::Tensor output;  // this rank's reduced padded shards, in the flat shard's layout
+};
+
+// Reduces the unsharded gradients of `params` over `group` (the mean over its ranks, like
+// PyTorch's FSDP) and releases them. Over several ranks: copies them into a rank-major
+// reduce-scatter input (a parameter with no gradient contributes zeros, so every rank sends
+// the same layout) and issues the reduce-scatter; the caller waits, then calls
+// foreach_reduce_copy_out. On one rank the gradient already is the shard's: it is handed to the
+// sharded leaf at once and nothing is issued. Collective over `group`; returns at once.
+ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group);
+// The reduce-scatter input: the all-gather layout in reverse, row q = piece q of every unsharded
+// gradient (zeros for a parameter without one). Releases the unsharded gradients.
+at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout);
+// After the reduce-scatter finished: gives each sharded leaf that requires grad a gradient that
+// is a view of its piece of `reduced` (padding left out), or adds it to the existing one.
+void foreach_reduce_copy_out(const at::Tensor& reduced, const FSDPParams& params, const RankMajorLayout& layout);
+
+}  // namespace detail
+}  // namespace fsdp

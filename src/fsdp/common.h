@@ -1,0 +1,46 @@
+// common.h — the states fully_shard's runtime moves through, shared by the per-call state
+// (state.h) and the parameter group (param_group.h). Nothing here talks to a process group.
+#pragma once
+
+namespace fsdp {
+namespace detail {
+
+// Where a state (or its parameter group) is in the training iteration. Each hook checks it
+// first: a forward re-run during backward (activation recomputation) must not redo forward's
+// bookkeeping, and a group whose backward hook already fired for one output must not unshard
+// again for the next.
+enum class TrainingState {
+  // Between iterations, and between a module's forward and its backward. Entered at
+  // construction, at the end of post-forward, and by the end-of-backward callback.
+  kIdle,
+  // The module's forward is running. Entered by pre-forward; left by post-forward (for a group
+  // of several modules, once every one of them has run, or at the end of the root's forward).
+  kForward,
+  // The gradient of one of the module's outputs has arrived; its backward is running. Entered
+  // by the pre-backward hook on the outputs; left by post-backward.
+  kPreBackward,
+  // The gradients of the module's inputs are known: its parameters' gradients are complete and
+  // their reduce-scatter is issued. Entered by post-backward (from the autograd function on the
+  // inputs, or from the end-of-backward callback for groups autograd did not reach); left by the
+  // end-of-backward callback.
+  kPostBackward,
+};
+
+// Where a group's parameters live. The sharded leaves always exist; these states say what the
+// modules' unsharded tensors hold.
+enum class ShardedState {
+  // Only this rank's shards; the unsharded tensors have zero-byte storage. Entered at
+  // construction and by reshard(); left by the copy-out of an all-gather.
+  kSharded,
+  // After forward with reshard_after_forward = k (1 < k < shard group size): this rank keeps
+  // 1/k of every unsharded parameter, for an all-gather among k ranks in backward. Entered by
+  // post-forward; left by that all-gather's copy-out, or by reshard().
+  kShardedPostForward,
+  // The unsharded tensors hold the whole parameters (on a mesh of one rank they alias the
+  // shards and the group never leaves this state). Entered by the copy-out of an all-gather;
+  // left by reshard() or the partial reshard after forward.
+  kUnsharded,
+};
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,110 @@
+// fsdp_module.cpp — FSDPModule and UnshardHandle: the user's runtime controls, each a thin
+// call into the module's state or parameter group.
+#include <fsdp/fsdp_module.h>
+
+#include "src/fsdp/state.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace fsdp {
+
+using detail::FSDPParamGroup;
+using detail::FSDPState;
+
+FSDPModule make_fsdp_module(std::shared_ptr<FSDPState> state) { return FSDPModule(std::move(state)); }
+
+bool is_fsdp_module(const torch::nn::Module& module) { return detail::find_state(module) != nullptr; }
+
+FSDPModule get_fsdp_module(const torch::nn::Module& module) {
+  auto state = detail::find_state(module);
+  TORCH_CHECK(state, "fsdp::get_fsdp_module: this ", module.name(), " is not an FSDP module; apply fsdp::fully_shard to it first");
+  return make_fsdp_module(state);
+}
+
+std::shared_ptr<torch::nn::Module> FSDPModule::module() const {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  return state_->module();
+}
+
+std::vector<FSDPState*> FSDPModule::states(bool recurse) const {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  std::vector<FSDPState*> out{state_.get()};
+  if (!recurse) return out;
+  auto m = state_->module();
+  if (!m) return out;
+  for (const auto& item : m->named_modules("", false)) {
+    auto st = detail::find_state(*item.value());
+    if (st && std::find(out.begin(), out.end(), st.get()) == out.end()) out.push_back(st.get());
+  }
+  return out;
+}
+
+void UnshardHandle::wait() {
+  if (state_ && state_->group()) state_->group()->wait_for_unshard();
+}
+
+UnshardHandle FSDPModule::unshard(bool async_op) {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  if (FSDPParamGroup* g = state_->group()) {
+    g->unshard();
+    if (!async_op) g->wait_for_unshard();
+  }
+  return UnshardHandle(state_);
+}
+
+void FSDPModule::reshard() {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  if (FSDPParamGroup* g = state_->group()) g->reshard();
+}
+
+namespace {
+std::vector<std::weak_ptr<FSDPState>> weak_states(const std::vector<FSDPModule>& modules, const char* setter) {
+  std::vector<std::weak_ptr<FSDPState>> out;
+  for (const auto& m : modules) {
+    TORCH_CHECK(m.valid(), "fsdp::FSDPModule::", setter, ": got an invalid FSDPModule handle");
+    out.push_back(detail::find_state(*m.module()));
+  }
+  return out;
+}
+}  // namespace
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  state_->set_states_to_forward_prefetch(weak_states(modules, "set_modules_to_forward_prefetch"));
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  state_->set_states_to_backward_prefetch(weak_states(modules, "set_modules_to_backward_prefetch"));
+}
+
+void FSDPModule::set_requires_gradient_sync(bool requires_gradient_sync, bool recurse) {
+  for (FSDPState* st : states(recurse)) {
+    if (st->group()) st->group()->set_reduce_grads(requires_gradient_sync);
+  }
+}
+
+void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recurse) {
+  for (FSDPState* st : states(recurse)) st->set_reshard_after_forward(reshard_after_forward);
+}
+
+void FSDPModule::set_reshard_after_backward(bool reshard_after_backward, bool recurse) {
+  for (FSDPState* st : states(recurse)) {
+    if (st->group()) st->group()->set_reshard_after_backward(reshard_after_backward);
+  }
+}
+
+DeviceMesh FSDPModule::mesh() const {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  TORCH_CHECK(state_->group(), "fsdp::FSDPModule::mesh: this FSDP module manages no parameters");
+  return state_->group()->mesh();
+}
+
+int64_t FSDPModule::unsharded_parameter_bytes() const {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  return state_->group() ? state_->group()->unsharded_bytes() : 0;
+}
+
+}  // namespace fsdp

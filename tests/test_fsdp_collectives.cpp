@@ -1,0 +1,186 @@
+// The buffer layouts of fully_shard's collectives (src/fsdp/collectives.h), checked in one
+// process: every rank's records are built side by side and the collectives are played by
+// concatenating the ranks' buffers.
+#include "src/fsdp/collectives.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+using fsdp::detail::AllGatherResult;
+using fsdp::detail::FSDPParam;
+using fsdp::detail::FSDPParams;
+using fsdp::detail::RankMajorLayout;
+
+namespace {
+
+constexpr int64_t kWorld = 4;
+
+// weight (5, 3) and bias (3): over 4 ranks the rows are 2, 2, 1, 0 and 1, 1, 1, 0, so the
+// pieces are 6 and 1 elements and ranks 2 and 3 carry padding.
+struct Model {
+  at::Tensor weight = at::arange(15, at::kFloat).reshape({5, 3}) + 1;
+  at::Tensor bias = at::arange(3, at::kFloat) + 100;
+};
+
+// The records of rank `rank`, over copies of the model's tensors.
+FSDPParams params_of(const Model& m, int64_t rank) {
+  FSDPParams params;
+  params.push_back(std::make_unique<FSDPParam>("weight", m.weight.clone().set_requires_grad(true), kWorld, rank));
+  params.push_back(std::make_unique<FSDPParam>("bias", m.bias.clone().set_requires_grad(true), kWorld, rank));
+  return params;
+}
+
+std::vector<float> values(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+}
+
+// What an all-gather over the ranks returns: their flat shards, rank after rank.
+at::Tensor gathered_flat_shards(const Model& m, const RankMajorLayout& layout, std::vector<FSDPParams>* keep) {
+  std::vector<at::Tensor> rows;
+  for (int64_t r = 0; r < kWorld; ++r) {
+    keep->push_back(params_of(m, r));
+    rows.push_back(fsdp::detail::init_flat_shard(keep->back(), layout));
+  }
+  return at::cat(rows);
+}
+
+}  // namespace
+
+TEST(FsdpCollectives, ShardLayoutIsRankMajorOverPaddedPieces) {
+  Model m;
+  FSDPParams params = params_of(m, 0);
+  const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
+  EXPECT_EQ(layout.parts, kWorld);
+  EXPECT_EQ(layout.piece_numel, (std::vector<int64_t>{6, 1}));
+  EXPECT_EQ(layout.offset, (std::vector<int64_t>{0, 6}));
+  EXPECT_EQ(layout.row_numel, 7);
+  EXPECT_EQ(layout.numel(), 28);
+
+  // reshard_after_forward = 2: each of 2 ranks keeps half of every padded unsharded parameter.
+  const RankMajorLayout half = fsdp::detail::post_forward_layout(params, 2);
+  EXPECT_EQ(half.parts, 2);
+  EXPECT_EQ(half.piece_numel, (std::vector<int64_t>{12, 2}));
+  EXPECT_EQ(half.offset, (std::vector<int64_t>{0, 12}));
+  EXPECT_EQ(half.row_numel, 14);
+}
+
+TEST(FsdpCollectives, FlatShardHoldsThisRanksRowsThenZeros) {
+  Model m;
+  const std::vector<std::vector<float>> expected = {
+      {1, 2, 3, 4, 5, 6, 100},      // rank 0: weight rows 0-1, bias[0]
+      {7, 8, 9, 10, 11, 12, 101},   // rank 1: weight rows 2-3, bias[1]
+      {13, 14, 15, 0, 0, 0, 102},   // rank 2: weight row 4 and a padding row, bias[2]
+      {0, 0, 0, 0, 0, 0, 0},        // rank 3: nothing real
+  };
+  const std::vector<std::vector<int64_t>> weight_shapes = {{2, 3}, {2, 3}, {1, 3}, {0, 3}};
+  for (int64_t r = 0; r < kWorld; ++r) {
+    FSDPParams params = params_of(m, r);
+    const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
+    at::Tensor flat = fsdp::detail::init_flat_shard(params, layout);
+    EXPECT_EQ(values(flat), expected[r]) << "rank " << r;
+    // The leaves are views of the flat shard without the padding.
+    EXPECT_EQ(params[0]->sharded().sizes().vec(), weight_shapes[r]) << "rank " << r;
+    if (r < 3) {  // an empty view has no data pointer
+      EXPECT_EQ(params[0]->sharded().data_ptr(), flat.data_ptr());
+    }
+    EXPECT_TRUE(params[0]->sharded().requires_grad());
+  }
+}
+
+TEST(FsdpCollectives, AllGatherCopyOutRestoresEveryParameter) {
+  Model m;
+  FSDPParams params = params_of(m, 1);
+  const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
+  fsdp::detail::init_flat_shard(params, layout);
+  std::vector<FSDPParams> others;
+  at::Tensor output = gathered_flat_shards(m, layout, &others);
+  for (auto& p : params) {
+    p->free_unsharded();
+    p->alloc_unsharded();
+  }
+  fsdp::detail::foreach_all_gather_copy_out(AllGatherResult{nullptr, output, layout}, params);
+  EXPECT_TRUE(params[0]->unsharded().equal(m.weight));
+  EXPECT_TRUE(params[1]->unsharded().equal(m.bias));
+}
+
+TEST(FsdpCollectives, PostForwardShardsGatherBackToTheParameters) {
+  Model m;
+  const int64_t k = 2;
+  std::vector<FSDPParams> ranks;
+  std::vector<at::Tensor> rows;
+  for (int64_t j = 0; j < k; ++j) {  // the two ranks of one post-forward group, both unsharded
+    ranks.push_back(params_of(m, j));
+    for (auto& p : ranks.back()) {
+      at::Tensor before = p->unsharded().clone();
+      p->alloc_unsharded();  // padded_full_numel elements; the real data stays the prefix
+      at::NoGradGuard no_grad;
+      p->unsharded().copy_(before);
+    }
+    const RankMajorLayout half = fsdp::detail::post_forward_layout(ranks.back(), k);
+    rows.push_back(fsdp::detail::copy_post_forward_shard(ranks.back(), half, j));
+  }
+  EXPECT_EQ(rows[0].numel(), 14);
+  FSDPParams& params = ranks[0];
+  for (auto& p : params) {
+    p->free_unsharded();
+    p->alloc_unsharded();
+  }
+  const RankMajorLayout half = fsdp::detail::post_forward_layout(params, k);
+  fsdp::detail::foreach_all_gather_copy_out(AllGatherResult{nullptr, at::cat(rows), half}, params);
+  EXPECT_TRUE(params[0]->unsharded().equal(m.weight));
+  EXPECT_TRUE(params[1]->unsharded().equal(m.bias));
+}
+
+TEST(FsdpCollectives, ReduceScatterInputIsTheAllGatherLayoutOfTheGradients) {
+  Model m;
+  Model grads;  // gradients with the same values as the parameters: the layouts must agree
+  FSDPParams params = params_of(m, 0);
+  const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
+  params[0]->unsharded().mutable_grad() = grads.weight.clone();
+  params[1]->unsharded().mutable_grad() = grads.bias.clone();
+  at::Tensor input = fsdp::detail::foreach_reduce_copy_in(params, layout);
+
+  std::vector<FSDPParams> others;
+  EXPECT_EQ(values(input), values(gathered_flat_shards(m, layout, &others)));
+  EXPECT_FALSE(params[0]->unsharded_grad().defined()) << "the unsharded gradients are released";
+  EXPECT_FALSE(params[1]->unsharded_grad().defined());
+
+  // A parameter without a gradient sends zeros in its place.
+  params[0]->unsharded().mutable_grad() = grads.weight.clone();
+  at::Tensor no_bias = fsdp::detail::foreach_reduce_copy_in(params, layout).reshape({kWorld, layout.row_numel});
+  EXPECT_EQ(no_bias.select(1, 6).abs().sum().item<float>(), 0.0f);
+  EXPECT_EQ(values(no_bias.slice(1, 0, 6).reshape({-1}).slice(0, 0, 15)), values(m.weight));
+}
+
+TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
+  Model m;
+  for (int64_t r : {0, 2, 3}) {
+    FSDPParams params = params_of(m, r);
+    const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
+    fsdp::detail::init_flat_shard(params, layout);
+    at::Tensor reduced = at::arange(layout.row_numel, at::kFloat);
+    fsdp::detail::foreach_reduce_copy_out(reduced, params, layout);
+    const at::Tensor& wg = params[0]->sharded().grad();
+    const at::Tensor& bg = params[1]->sharded().grad();
+    ASSERT_TRUE(wg.defined() && bg.defined());
+    EXPECT_EQ(wg.sizes(), params[0]->sharded().sizes()) << "rank " << r;
+    const std::vector<float> all = values(reduced);
+    EXPECT_EQ(values(wg), std::vector<float>(all.begin(), all.begin() + wg.numel()));
+    EXPECT_EQ(bg.sizes(), params[1]->sharded().sizes());
+    if (bg.numel() > 0) {
+      EXPECT_EQ(bg.item<float>(), 6.0f);
+    }
+    if (wg.numel() > 0) {
+      EXPECT_EQ(wg.data_ptr(), reduced.data_ptr()) << "shares the reduce-scatter output";
+    }
+
+    // A second reduction adds to the gradient already there.
+    fsdp::detail::foreach_reduce_copy_out(reduced, params, layout);
+    if (bg.numel() > 0) {
+      EXPECT_EQ(params[1]->sharded().grad().item<float>(), 12.0f);
+    }
+  }
+}

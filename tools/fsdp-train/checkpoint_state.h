@@ -1,0 +1,41 @@
+// checkpoint_state.h — what an fsdp-train checkpoint holds, under which keys, and how it is put
+// back. One key space for model, optimizer and the loop's own state:
+//
+//   model.<fqn>                           the model's sharded state dict (sharded_state_dict)
+//   optim.state.<fqn>.<name>              AdamW's per-parameter state (sharded_optimizer_state_dict)
+//   optim.param_groups.<fqn>.<option>     AdamW's options per parameter
+//   trainer.counters                      int64 [steps done, tokens seen], replicated
+//   trainer.rng                           the default CPU generator's state (dropout), replicated
+//
+// The data position needs no key: a step's batch depends only on the step (data.h).
+#pragma once
+
+#include <fsdp/device_mesh.h>
+#include <fsdp/state_dict.h>
+
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <string>
+
+namespace fsdp {
+namespace train {
+
+// The training loop's counters, saved as trainer.counters.
+struct TrainerCounters {
+  int64_t steps_done = 0;
+  int64_t tokens_seen = 0;
+};
+
+// The state to save: model and optimizer shards (sharing storage with the live ones), the
+// counters and the RNG state.
+ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                  const DeviceMesh& mesh, const TrainerCounters& counters);
+
+// Loads the checkpoint in `dir` into model, optimizer and the default CPU generator, in place,
+// and returns its counters. Collective: every rank calls it.
+TrainerCounters load_checkpoint_state(const std::string& dir, torch::nn::Module& model,
+                                      torch::optim::Optimizer& optimizer, const DeviceMesh& mesh);
+
+}  // namespace train
+}  // namespace fsdp
