@@ -13,6 +13,11 @@ also saved as <out>/table.md.
     /usr/bin/python3 bench/peer_ab.py --only peer --presets tiny --pairs 1 --steps 6
     /usr/bin/python3 bench/peer_ab.py --out bench/results/peer_ab/DIR --report-only
     /usr/bin/python3 bench/peer_ab.py --dry-run                        # print the commands only
+    /usr/bin/python3 bench/peer_ab.py --presets small --worlds 2 --baseline-build-dir ../old/build
+
+With --baseline-build-dir every pair becomes a triple: the baseline build of fsdp-train
+("base"), then ours, then the peer, and the table adds ours/base ratios: how a change of
+fsdp-cpp moved its step time and memory, measured in the same alternating run.
 
 Runs already stored in --out with the same settings and a good result are not
 repeated, so an interrupted benchmark resumes when given the same --out
@@ -22,7 +27,7 @@ under /usr/bin/python3, the interpreter that has torch.
 Files in --out:
   meta.json                          settings, machine, BLAS, versions
   init_<preset>.pt                   starting weights (peer --save-init)
-  <preset>_w<W>_p<k>_<side>.json     the program's raw JSON (side = ours | peer)
+  <preset>_w<W>_p<k>_<side>.json     the program's raw JSON (side = base | ours | peer)
   <preset>_w<W>_p<k>_<side>.run.json command, environment, exit code, wall time, status
   <preset>_w<W>_p<k>_<side>.log      stdout + stderr
   table.md                           the report
@@ -46,7 +51,7 @@ import time
 
 PY = "/usr/bin/python3"  # has torch 1.13; the python3 on PATH does not
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIDES = ("ours", "peer")  # run order inside a pair: A = ours, B = peer
+SIDES = ("ours", "peer")  # run order inside a pair: A = ours, B = peer (base first when given)
 
 # preset -> defaults. seq = the preset's max_seq_len (peer model.py PRESETS).
 PRESETS = {
@@ -56,7 +61,7 @@ PRESETS = {
 }
 INIT_TIMEOUT = {"tiny": 300, "small": 600, "medium": 1800}
 
-# Targets from the issue; judged at W = 2 only.
+# The step-time, memory and loss targets; judged at W = 2 only.
 TARGET_WORLD = 2
 TARGET_STEP_RATIO = {"small": 0.6, "medium": 0.8}  # ours/peer median step time
 TARGET_RSS_RATIO = 0.9  # ours/peer peak RSS per rank
@@ -193,11 +198,16 @@ def peer_cmd(a, cell: dict, json_out: str) -> list[str]:
             "--data-seed", str(DATA_SEED), "--init-from", cell["init"], "--json-out", json_out]
 
 
-def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str) -> list[str]:
+def sides_of(meta_or_args) -> tuple:
+    base = meta_or_args.get("baseline_build_dir") if isinstance(meta_or_args, dict) else meta_or_args.baseline_build_dir
+    return (("base",) if base else ()) + SIDES
+
+
+def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str) -> list[str]:
     p = cell["preset"]
-    return [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"), "--standalone",
+    return [os.path.join(build_dir, "tools", "fsdprun", "fsdprun"), "--standalone",
             "--nproc-per-node", str(cell["world"]),
-            os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train"),
+            os.path.join(build_dir, "tools", "fsdp-train", "fsdp-train"),
             os.path.join(REPO, "configs", f"{p}.yaml"),
             f"--model.preset={p}", "--model.dropout_p=0", f"--model.init_from={cell['init']}",
             f"--training.micro_batch_size={cell['batch']}", "--training.gradient_accumulation_steps=1",
@@ -260,9 +270,9 @@ def run_side(a, cell: dict, pair: int, side: str) -> None:
             return
     env = run_env(cell["world"])
     ckpt_dir = None
-    if side == "ours":
+    if side in ("ours", "base"):
         ckpt_dir = tempfile.mkdtemp(prefix="peer_ab_ckpt_")
-        cmd = ours_cmd(a, cell, json_path, ckpt_dir)
+        cmd = ours_cmd(a, cell, json_path, ckpt_dir, a.build_dir if side == "ours" else a.baseline_build_dir)
         cwd = REPO
     else:
         cmd = peer_cmd(a, cell, json_path)
@@ -309,6 +319,18 @@ def _final(res: dict):
     return f"{losses[-1]:.6f}" if losses else "?"
 
 
+def source_commit(build_dir: str) -> str:
+    """The commit of the source tree a CMake build directory was configured from."""
+    try:
+        with open(os.path.join(build_dir, "CMakeCache.txt")) as fh:
+            src = next((l.split("=", 1)[1].strip() for l in fh if l.startswith("CMAKE_HOME_DIRECTORY:")), "")
+    except OSError:
+        return "?"
+    git = sh(["git", "-C", src, "rev-parse", "--short", "HEAD"]) if src else ""
+    dirty = sh(["git", "-C", src, "status", "--porcelain", "--untracked-files=no"]) if src else ""
+    return (git + ("-dirty" if dirty else "")) if git else "?"
+
+
 def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
     torch_info = sh([PY, "-c", "import torch, os; print(torch.__version__); print(os.path.dirname(torch.__file__))"])
     torch_version, torch_dir = (torch_info.splitlines() + ["?", ""])[:2]
@@ -331,6 +353,8 @@ def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
         "threads_per_rank": {str(w): threads_for(w) for w in sorted({c["world"] for c in cells})},
         "peer_dir": a.peer_dir,
         "build_dir": a.build_dir,
+        "baseline_build_dir": a.baseline_build_dir,
+        "baseline_commit": source_commit(a.baseline_build_dir) if a.baseline_build_dir else None,
         "pairs": a.pairs,
         "only": a.only,
         "cells": cells,
@@ -413,6 +437,7 @@ def mismatches(ours: dict, peer: dict) -> list[str]:
 def render(out: str, meta: dict) -> str:
     cells = meta["cells"]
     pairs = meta["pairs"]
+    sides = sides_of(meta)
     lines = [
         "# fsdp-train vs PyTorch FSDP1 (A/B, alternating)",
         "",
@@ -423,7 +448,8 @@ def render(out: str, meta: dict) -> str:
         f"OPENBLAS_CORETYPE={meta['env'].get('OPENBLAS_CORETYPE')}, "
         f"OPENBLAS_L2_SIZE={meta['env'].get('OPENBLAS_L2_SIZE')}; OMP_NUM_THREADS = OPENBLAS_NUM_THREADS "
         f"per rank: {', '.join(f'W={w}: {t}' for w, t in meta['threads_per_rank'].items())}; "
-        f"pairs per cell: {pairs} (order ours, peer)",
+        f"pairs per cell: {pairs} (order {', '.join(sides)})" +
+        (f"; base = `{meta['baseline_build_dir']}` at commit {meta.get('baseline_commit')}" if "base" in sides else ""),
         "",
     ]
     if meta.get("blas_ours_fsdp_train") or meta.get("blas_peer_libtorch_cpu"):
@@ -434,7 +460,7 @@ def render(out: str, meta: dict) -> str:
         "Step time = rank-0 median over steps after warm-up of forward+backward+optimizer; ratio = median over "
         "pairs of (ours / peer) within each pair. RSS = peak RSS (VmHWM) per rank, max over ranks, median over "
         "runs. Δloss = max over steps of |loss_ours − loss_peer| (global-batch mean), first pair with both runs ok. "
-        f"Targets (issue) judged at W={TARGET_WORLD}.",
+        f"Targets judged at W={TARGET_WORLD}.",
         "",
         "| preset | W | B/rank | seq | steps (warm-up) | pairs ok | ours step s | peer step s | "
         "step ratio ours/peer | per-pair ratios | ours tok/s | peer tok/s | ours RSS MiB | peer RSS MiB | "
@@ -444,11 +470,11 @@ def render(out: str, meta: dict) -> str:
     run_rows = []
     for cell in cells:
         p, w = cell["preset"], cell["world"]
-        runs = {side: [] for side in SIDES}
+        runs = {side: [] for side in sides}
         ratios, first_pair, notes = [], None, []
         for k in range(1, pairs + 1):
             got = {}
-            for side in SIDES:
+            for side in sides:
                 st, res = load_side(out, cell, k, side)
                 got[side] = (st, res)
                 if res is not None:
@@ -459,7 +485,7 @@ def render(out: str, meta: dict) -> str:
                 ratios.append(ro["median_step_s"] / rp["median_step_s"])
                 if first_pair is None:
                     first_pair = (k, ro, rp)
-        for side in SIDES:
+        for side in sides:
             bad = [f"p{k} {st}" for (c, k, sd, st, r) in run_rows if c is cell and sd == side and st != "ok"]
             if bad:
                 notes.append(f"{side}: " + ", ".join(bad))
@@ -495,8 +521,10 @@ def render(out: str, meta: dict) -> str:
             f"{fmt(rss_ratio, '.3f')}{verdict(rss_ratio, TARGET_RSS_RATIO) if judged else ''} | "
             f"{fmt(dloss, '.2e')}{verdict(dloss, TARGET_LOSS_DIFF) if judged else ''} | "
             f"{'; '.join(notes)} |")
+    if "base" in sides:
+        lines += baseline_table(out, cells, pairs)
     lines += comm_table(out, cells, pairs)
-    lines += ["", "Runs (in the order run: for each pair, ours then peer):", "",
+    lines += ["", f"Runs (in the order run: for each pair, {', then '.join(sides)}):", "",
               "| preset | W | pair | side | status | median step s | tok/s | peak RSS MiB per rank | "
               "final loss | threads | wall s |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -511,6 +539,28 @@ def render(out: str, meta: dict) -> str:
             f"{fmt(r.get('tokens_per_s'), '.0f')} | {rss_s} | {_final(r)} | {r.get('torch_threads', '?')} | "
             f"{fmt(r.get('_wall_s'), '.0f')} |")
     return "\n".join(lines) + "\n"
+
+
+def baseline_table(out: str, cells: list, pairs: int) -> list:
+    """Ours against the baseline build, per pair (each base run directly precedes its ours run)."""
+    lines = ["", "Ours against the baseline build (ratio = median over pairs of ours / base within each pair):", "",
+             "| preset | W | base step s | ours step s | step ratio ours/base | per-pair ratios | "
+             "base RSS MiB | ours RSS MiB | RSS ratio ours/base | max Δloss ours vs base |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in cells:
+        got = [(load_side(out, cell, k, "base")[1], load_side(out, cell, k, "ours")[1]) for k in range(1, pairs + 1)]
+        both = [(b, o) for b, o in got if b is not None and o is not None]
+        if not both:
+            continue
+        ratios = [o["median_step_s"] / b["median_step_s"] for b, o in both]
+        rss_b, rss_o = med([max_rss(b) for b, _ in both]), med([max_rss(o) for _, o in both])
+        dloss, _ = loss_diff(both[0][1], both[0][0])
+        lines.append(
+            f"| {cell['preset']} | {cell['world']} | {fmt(med([b['median_step_s'] for b, _ in both]), '.4g')} | "
+            f"{fmt(med([o['median_step_s'] for _, o in both]), '.4g')} | {fmt(med(ratios), '.3f')} | "
+            f"{', '.join(f'{x:.3f}' for x in ratios)} | {fmt(rss_b, '.0f')} | {fmt(rss_o, '.0f')} | "
+            f"{fmt(rss_o / rss_b if rss_b and rss_o else None, '.3f')} | {fmt(dloss, '.2e')} |")
+    return lines
 
 
 def comm_table(out: str, cells: list, pairs: int) -> list:
@@ -559,6 +609,8 @@ def parse_args(argv):
     p.add_argument("--only", choices=["ours", "peer"], default=None, help="run only one side")
     p.add_argument("--out", default=None, help="output dir (default bench/results/peer_ab/<UTC date-time>)")
     p.add_argument("--build-dir", default=os.path.join(REPO, "build"))
+    p.add_argument("--baseline-build-dir", default=None,
+                   help="another build of fsdp-cpp (e.g. of the previous commit), run first in every pair")
     p.add_argument("--peer-dir", default=os.path.normpath(os.path.join(REPO, "..", "shared", "bench", "peer")))
     p.add_argument("--report-only", action="store_true", help="re-render table.md from --out")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -572,6 +624,8 @@ def parse_args(argv):
                              _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S"))
     a.out = os.path.abspath(a.out)
     a.build_dir = os.path.abspath(a.build_dir)
+    if a.baseline_build_dir:
+        a.baseline_build_dir = os.path.abspath(a.baseline_build_dir)
     a.peer_dir = os.path.abspath(a.peer_dir)
     a.presets = [x.strip() for x in a.presets.split(",") if x.strip()]
     for x in a.presets:
@@ -624,7 +678,7 @@ def main(argv=None) -> int:
         if not a.dry_run:
             write_json(meta_path, meta)
         print(f"[out] {a.out}", flush=True)
-        sides = [s for s in SIDES if a.only in (None, s)]
+        sides = [s for s in sides_of(a) if a.only in (None, s) or (s == "base" and a.only == "ours")]
         inits = {}
         for cell in cells:
             preset = cell["preset"]
