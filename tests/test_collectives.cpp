@@ -9,7 +9,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <csignal>
+#include <fstream>
 #include <thread>
+
+#include <signal.h>
+#include <unistd.h>
 
 using fsdp::CollectiveKind;
 using fsdp::ReduceOp;
@@ -263,4 +268,49 @@ TEST(Collectives, AMissingRankTimesOutWithANamedError) {
       }
     }, opts);
   }
+}
+
+// A rank that entered a collective and then stopped (SIGSTOP) looks as if it arrived; the
+// others' timeout must still name it, from its missing heartbeat.
+TEST(Collectives, AStoppedRankIsNamedByTheOthersTimeout) {
+  fsdp::testing::DistOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(3000);
+  run_distributed(3, [] {
+    auto pg = fsdp::world();
+    const int r = pg->rank();
+    // Where rank 2 leaves its pid for rank 0, which resumes it at the end (the test process is
+    // the ranks' common parent).
+    const std::string pid_file = "/tmp/fsdp_stopped_rank_" + std::to_string(getppid());
+    pg->barrier()->wait();  // #0
+    at::Tensor out = at::empty({12});
+    if (r == 2) {
+      std::ofstream(pid_file) << getpid();
+      auto work = pg->all_gather_into(out, at::ones({4}));  // #1: entered, waiting for the others
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));  // its entry and a heartbeat are out
+      raise(SIGSTOP);  // until rank 0 sends SIGCONT
+      EXPECT_THROW(work->wait(), fsdp::CollectiveError);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));  // rank 2 is stopped by now
+    auto work = pg->all_gather_into(out, at::ones({4}));
+    try {
+      work->wait();
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const fsdp::CollectiveError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("ranks that stopped making progress: [2]"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("did not arrive"), std::string::npos) << msg;
+    }
+    // Stay alive a while: the other waiting rank is still reading heartbeats, and ours must not
+    // stop before it is done.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    if (r == 0) {
+      int pid = 0;
+      std::ifstream(pid_file) >> pid;
+      ASSERT_GT(pid, 0);
+      kill(pid, SIGCONT);
+      std::remove(pid_file.c_str());
+    }
+  }, opts);
 }

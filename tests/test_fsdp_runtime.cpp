@@ -321,3 +321,82 @@ TEST(FsdpRuntime, GroupOfModulesGathersOnceWhenItsFirstModuleRunsTwice) {
     }
   });
 }
+
+TEST(FsdpRuntime, AHandleOutlivesItsModule) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    auto opts = fsdp::FullyShardOptions().mesh(mesh);
+    torch::nn::Linear kept(4, 4);
+    auto kept_handle = fsdp::fully_shard(kept, opts);
+    fsdp::FSDPModule gone_handle;
+    {
+      torch::nn::Linear gone(4, 4);
+      gone_handle = fsdp::fully_shard(gone, opts);
+    }
+    EXPECT_TRUE(gone_handle.valid());
+    EXPECT_EQ(gone_handle.module(), nullptr);
+    // Naming it as a prefetch target neither crashes nor prefetches anything.
+    kept_handle.set_modules_to_forward_prefetch({gone_handle});
+    kept_handle.set_modules_to_backward_prefetch({gone_handle});
+    fsdp::call(kept, at::ones({2, 4})).sum().backward();
+    EXPECT_TRUE(kept->named_parameters()["weight"].grad().defined());
+  });
+}
+
+TEST(FsdpRuntime, UnshardingAChildBeforeTheFirstForwardKeepsTheRoot) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    auto ref = make_model();
+    auto model = make_model();
+    auto handles = shard(model, mesh);
+    handles.front().unshard(/*async_op=*/true);  // the first block, before anything ran; its pre-forward waits
+    auto global = at::randint(0, 8, {4, 16}, at::make_generator<at::CPUGeneratorImpl>(13));
+    loss_of(ref, global).backward();
+    const int r = fsdp::get_rank();
+    loss_of(model, global.slice(0, 2 * r, 2 * r + 2)).backward();  // the root's forward is still the root
+    auto ref_params = ref->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      auto d = fsdp::as_dtensor(item.value());
+      at::Tensor grad = fsdp::DTensor::from_local(item.value().grad(), d.device_mesh(), d.placements(), d.sizes())
+                            .full_tensor();
+      EXPECT_LT((grad - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6) << item.key();
+    }
+    for (auto& h : handles) {
+      if (!(h == handles.back())) {
+        EXPECT_EQ(h.unsharded_parameter_bytes(), 0);
+      }
+    }
+  });
+}
+
+TEST(FsdpRuntime, AGroupOfModulesCannotBeTheRoot) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    RepeatsFirstOfGroup model;
+    fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->a.ptr(), model->b.ptr()},
+                      fsdp::FullyShardOptions().mesh(mesh));
+    try {
+      fsdp::call(model->a, at::ones({2, 6}));
+      FAIL() << "expected an error";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("single root module"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("2 modules"), std::string::npos) << msg;
+    }
+  });
+}
+
+TEST(FsdpRuntime, TheDefaultMeshFollowsANewProcessGroup) {
+  // One process: init, shard on the default mesh, tear down, init again.
+  fsdp::init_process_group();
+  torch::nn::Linear first(3, 3);
+  const auto first_group = fsdp::fully_shard(first).mesh().get_group(0);
+  fsdp::destroy_process_group();
+  fsdp::init_process_group();
+  torch::nn::Linear second(3, 3);
+  const auto second_group = fsdp::fully_shard(second).mesh().get_group(0);
+  EXPECT_NE(first_group.get(), second_group.get()) << "the default mesh must be made in the new world";
+  fsdp::call(second, at::ones({1, 3})).sum().backward();
+  EXPECT_TRUE(second->named_parameters()["weight"].grad().defined());
+  fsdp::destroy_process_group();
+}

@@ -69,12 +69,12 @@ bool is_initialized();
 void destroy_process_group();
 
 // The group of all ranks, and this process's place in it. Each throws c10::Error unless
-// initialised. Thread-safe. The reference rendezvous_info() returns stays valid until
+// initialised. Thread-safe. rendezvous_info() returns a copy, so it stays valid after
 // destroy_process_group().
 std::shared_ptr<ProcessGroup> world();
 int get_rank();
 int get_world_size();
-const RendezvousInfo& rendezvous_info();
+RendezvousInfo rendezvous_info();
 
 // A group of the given world ranks (sorted, distinct). Collective over the MEMBERS only: each
 // member must call it with the same ranks, in the same order relative to its other new_group

@@ -41,7 +41,8 @@ class FSDPModule {
  public:
   FSDPModule() = default;  // invalid handle
   bool valid() const { return state_ != nullptr; }
-  // The module fully_shard() was applied to (the first one, for a list).
+  // The module fully_shard() was applied to (the first one, for a list); null once that module
+  // no longer exists (the handle keeps the FSDP state, not the module, alive).
   std::shared_ptr<torch::nn::Module> module() const;
 
   // All-gathers this module's parameters (collective over its mesh) and registers nothing
@@ -77,6 +78,8 @@ class FSDPModule {
   friend FSDPModule make_fsdp_module(std::shared_ptr<detail::FSDPState> state);
   explicit FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
   std::vector<detail::FSDPState*> states(bool recurse) const;
+  static std::vector<std::weak_ptr<detail::FSDPState>> states_of(const std::vector<FSDPModule>& modules,
+                                                                 const char* setter);
   std::shared_ptr<detail::FSDPState> state_;
 };
 

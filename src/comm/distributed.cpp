@@ -265,7 +265,7 @@ int get_world_size() {
   return runtime().info.world_size;
 }
 
-const RendezvousInfo& rendezvous_info() {
+RendezvousInfo rendezvous_info() {
   std::lock_guard<std::mutex> lock(g_mu);
   return runtime().info;
 }

@@ -62,6 +62,7 @@ class GlooProcessGroup final : public ProcessGroup {
   void run_loop();
   void execute(const Op& op, int64_t seq);
   [[noreturn]] void fail(const Op& op, int64_t seq, const std::string& cause);
+  std::string diagnose_absent_and_stalled(int64_t seq);
 
   // The algorithms. Each returns when its data has fully arrived (or throws).
   void all_gather(const Op& op, int64_t seq);

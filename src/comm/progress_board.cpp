@@ -36,6 +36,9 @@ std::string ProgressBoard::key(const std::string& group, int rank) const {
 
 namespace {
 
+// The counter a rank's publishing thread bumps every kHeartbeat while its process runs.
+std::string heartbeat_key(int rank) { return "alive/" + std::to_string(rank); }
+
 // A value publish_dirty() wrote: a sequence number in decimal.
 int64_t parse_seq(const std::string& key, const std::vector<uint8_t>& value) {
   const std::string text(value.begin(), value.end());
@@ -67,19 +70,47 @@ void ProgressBoard::publish_dirty() {
   }
 }
 
+void ProgressBoard::beat() {
+  std::lock_guard<std::mutex> lock(store_mu_);
+  store_->add(heartbeat_key(rank_), 1);
+}
+
 void ProgressBoard::publish_loop() {
   std::unique_lock<std::mutex> lock(mu_);
+  auto next_beat = std::chrono::steady_clock::now();
   while (!stopping_) {
     cv_.wait_for(lock, kPeriod);
     if (stopping_) break;
     lock.unlock();
     try {
       publish_dirty();
+      if (std::chrono::steady_clock::now() >= next_beat) {
+        beat();
+        next_beat = std::chrono::steady_clock::now() + kHeartbeat;
+      }
     } catch (const std::exception&) {
       // The store went away (e.g. rank 0 died). Diagnosis will say so; keep the thread alive.
     }
     lock.lock();
   }
+}
+
+std::vector<int64_t> ProgressBoard::heartbeats(const std::vector<int>& global_ranks) {
+  std::vector<int64_t> counts;
+  std::lock_guard<std::mutex> lock(store_mu_);
+  for (int r : global_ranks) counts.push_back(store_->add(heartbeat_key(r), 0));  // adding 0 reads it
+  return counts;
+}
+
+std::vector<int> ProgressBoard::stalled(const std::vector<int>& global_ranks) {
+  const std::vector<int64_t> before = heartbeats(global_ranks);
+  std::this_thread::sleep_for(4 * kHeartbeat);
+  const std::vector<int64_t> after = heartbeats(global_ranks);
+  std::vector<int> stopped;
+  for (size_t i = 0; i < global_ranks.size(); ++i) {
+    if (global_ranks[i] != rank_ && after[i] == before[i]) stopped.push_back(global_ranks[i]);
+  }
+  return stopped;
 }
 
 std::vector<int64_t> ProgressBoard::last_entered(const std::string& group,

@@ -1,11 +1,15 @@
 // progress_board.h — lets a rank whose collective timed out name the ranks that never
-// arrived.
+// arrived, and the ranks whose process stopped making progress.
 //
 // Each rank records, per group, the sequence number of the last collective it entered. A
 // background thread publishes changed values to the store every few milliseconds, off the
 // collectives' critical path (a store round trip per collective would cost more than a small
 // all-gather). On a timeout, the diagnosing rank reads every member's value: a member whose
 // last entered sequence number is below the failed one never arrived.
+//
+// The same thread also bumps a per-rank heartbeat counter every kHeartbeat. A rank that
+// entered the collective and then stopped (SIGSTOP, a debugger, a frozen machine) looks as if
+// it arrived; its heartbeat is what tells it apart from a rank that is merely waiting too.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
@@ -44,12 +48,19 @@ class ProgressBoard {
   // value there is not a sequence number (the diagnosing group reports either in its error).
   std::vector<int64_t> last_entered(const std::string& group, const std::vector<int>& global_ranks);
 
+  // The ranks among `global_ranks` (other than this one) whose heartbeat did not move over a
+  // few heartbeat periods. Blocks for about 4 * kHeartbeat; throws if the store is unreachable.
+  std::vector<int> stalled(const std::vector<int>& global_ranks);
+
   static constexpr std::chrono::milliseconds kPeriod{20};
+  static constexpr std::chrono::milliseconds kHeartbeat{250};
 
  private:
   void publish_loop();
   void publish_dirty();
+  void beat();
   std::string key(const std::string& group, int rank) const;
+  std::vector<int64_t> heartbeats(const std::vector<int>& global_ranks);
 
   c10::intrusive_ptr<c10d::Store> store_;
   const int rank_;

@@ -59,25 +59,25 @@ void FSDPModule::reshard() {
   if (FSDPParamGroup* g = state_->group()) g->reshard();
 }
 
-namespace {
-std::vector<std::weak_ptr<FSDPState>> weak_states(const std::vector<FSDPModule>& modules, const char* setter) {
+// The handles' states (held by the handles themselves, so a module that is gone is no problem).
+std::vector<std::weak_ptr<FSDPState>> FSDPModule::states_of(const std::vector<FSDPModule>& modules,
+                                                           const char* setter) {
   std::vector<std::weak_ptr<FSDPState>> out;
   for (const auto& m : modules) {
     TORCH_CHECK(m.valid(), "fsdp::FSDPModule::", setter, ": got an invalid FSDPModule handle");
-    out.push_back(detail::find_state(*m.module()));
+    out.push_back(m.state_);
   }
   return out;
 }
-}  // namespace
 
 void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) {
   TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  state_->set_states_to_forward_prefetch(weak_states(modules, "set_modules_to_forward_prefetch"));
+  state_->set_states_to_forward_prefetch(states_of(modules, "set_modules_to_forward_prefetch"));
 }
 
 void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) {
   TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  state_->set_states_to_backward_prefetch(weak_states(modules, "set_modules_to_backward_prefetch"));
+  state_->set_states_to_backward_prefetch(states_of(modules, "set_modules_to_backward_prefetch"));
 }
 
 void FSDPModule::set_requires_gradient_sync(bool requires_gradient_sync, bool recurse) {

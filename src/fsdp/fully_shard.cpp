@@ -60,11 +60,18 @@ ParamIndex& param_index() {
   return *index;
 }
 
+// A 1-D mesh over the world, made on first use and again after the process group was
+// destroyed and initialised anew (the old mesh's groups are dead then).
 DeviceMesh default_mesh() {
   static std::mutex mu;
   static DeviceMesh mesh;
+  static std::weak_ptr<ProcessGroup> made_for;  // the world group `mesh` was made in
   std::lock_guard<std::mutex> lock(mu);
-  if (!mesh.valid()) mesh = init_device_mesh("cpu", {get_world_size()});
+  const std::shared_ptr<ProcessGroup> current = world();
+  if (!mesh.valid() || made_for.lock() != current) {
+    mesh = init_device_mesh("cpu", {current->size()});
+    made_for = current;
+  }
   return mesh;
 }
 

@@ -174,11 +174,13 @@ void FSDPParamGroup::post_backward() {
     if (reshard_after_backward_) reshard();
     return;
   }
+  // Checked before anything is issued: a reduce-scatter nobody would wait for must not start.
+  TORCH_CHECK(comm_ != nullptr || shard_group_->size() == 1, "internal: post_backward of '", module_fqn_,
+              "' before lazy initialisation");
   // The gradients are tensors of their own: the parameters can be freed before the copy-in.
   if (reshard_after_backward_) reshard();
   ReduceScatterResult result = foreach_reduce(params_, shard_layout_, *shard_group_);
   if (!result.work) return;  // one rank: the grads were handed over, nothing in flight
-  TORCH_CHECK(comm_ != nullptr, "internal: post_backward of '", module_fqn_, "' before lazy initialisation");
   comm_->reductions.push_back({std::move(result), this});
 }
 

@@ -126,6 +126,10 @@ void FSDPState::lazy_init() {
   if (ctx_) return;
   auto root_module = module();
   TORCH_CHECK(root_module, "fsdp: the module of this FSDP state no longer exists");
+  TORCH_CHECK(modules_.size() == 1, "fsdp: FSDP requires a single root module, but the first forward ran through "
+              "one of ", modules_.size(), " modules sharded together by fully_shard({...}) with no FSDP module "
+              "above them. Apply fully_shard to a module that contains them all (last, as the root) and run the "
+              "forward through it.");
   ctx_ = std::make_shared<StateContext>();
   is_root_ = true;
   for (const auto& item : root_module->named_modules("", /*include_self=*/true)) {

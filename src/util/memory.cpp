@@ -107,13 +107,22 @@ struct BlockCache {
     free.erase(it);
     return block;
   }
+  // `enabled` is read under the lock, and set_enabled() flips it under the lock: a block freed
+  // while caching is being turned off is either emptied with the rest or not cached at all.
   bool put(char* block, size_t capacity) {
-    if (!enabled.load(std::memory_order_relaxed)) return false;
     std::lock_guard<std::mutex> lock(mu);
+    if (!enabled.load(std::memory_order_relaxed)) return false;
     if (cached.load(std::memory_order_relaxed) + static_cast<int64_t>(capacity) > limit) return false;
     free.emplace(capacity, block);
     cached.fetch_add(static_cast<int64_t>(capacity), std::memory_order_relaxed);
     return true;
+  }
+  void set_enabled(bool on) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      enabled.store(on, std::memory_order_relaxed);
+    }
+    if (!on) release_all();
   }
   void release_all() {
     std::vector<Header> blocks;
@@ -293,10 +302,7 @@ int64_t allocation_count() { return g_count.load(std::memory_order_relaxed); }
 int64_t cached_bytes() { return block_cache().cached.load(std::memory_order_relaxed); }
 int64_t reserved_bytes() { return allocated_bytes() + cached_bytes(); }
 void empty_cache() { block_cache().release_all(); }
-void set_caching_enabled(bool enabled) {
-  block_cache().enabled.store(enabled, std::memory_order_relaxed);
-  if (!enabled) empty_cache();
-}
+void set_caching_enabled(bool enabled) { block_cache().set_enabled(enabled); }
 bool caching_enabled() { return block_cache().enabled.load(std::memory_order_relaxed); }
 int64_t live_allocation_count() { return g_live_count.load(std::memory_order_relaxed); }
 
