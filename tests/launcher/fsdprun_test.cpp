@@ -9,7 +9,9 @@
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <set>
+#include <thread>
 
 namespace launcher_test {
 namespace {
@@ -19,6 +21,7 @@ using namespace process_test;
 // The programs under test (paths from CMake).
 const Program fsdprun(FSDPRUN_BIN);
 std::string worker_path() { return TEST_WORKER_BIN; }
+const std::string store_worker_path = STORE_WORKER_BIN;
 
 using Args = std::vector<std::string>;
 
@@ -193,8 +196,29 @@ TEST(BadArguments, NodeRankNotBelowNnodes) {
 TEST(BadArguments, StandaloneWithSeveralNodes) {
   expect_usage_error({"--standalone", "--nnodes", "2"}, "--standalone");
 }
+TEST(BadArguments, NprocAboveTheLimit) {
+  expect_usage_error({"--nproc-per-node", "15000"}, "--nproc-per-node must be at most 1024 (got 15000)");
+}
+TEST(BadArguments, WorldSizeAboveTheLimit) {
+  expect_usage_error({"--nnodes", "2000", "--nproc-per-node", "1000"},
+                     "the world size (--nnodes x --nproc-per-node) must be at most 1048576 (got 2000 x 1000 = 2000000)");
+}
+TEST(BadArguments, WorldSizeThatOverflowsAnInt) {
+  expect_usage_error({"--nnodes", "2000000000", "--nproc-per-node", "1000"}, "= 2000000000000)");
+}
 TEST(BadArguments, MissingProgram) {
   expect_usage_error({"--nproc-per-node", "2"}, "missing the program to run", false);
+}
+
+// Two pipes per worker: 200 workers need more than a soft limit of 300 open files, which
+// fsdprun raises (the hard limit stays).
+TEST(Limits, RaisesTheSoftOpenFileLimitForManyWorkers) {
+  TempDir dir;
+  const std::string command = "ulimit -Sn 300 && exec " + std::string(FSDPRUN_BIN) +
+                              " --standalone --nproc-per-node 200 " + worker_path() + " env " + dir.path();
+  const auto r = Program("/bin/sh").run({"-c", command}, {}, 60);
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(std::filesystem::exists(dir / "env_199_0"));
 }
 
 // ---------------------------------------------------------------- output
@@ -267,6 +291,26 @@ TEST(Signals, SigtermStopsWorkersAndExits) { expect_signal_stops_everything(SIGT
 TEST(Signals, SigintStopsWorkersAndExits) { expect_signal_stops_everything(SIGINT, false); }
 TEST(Signals, SigtermEscalatesToSigkill) { expect_signal_stops_everything(SIGTERM, true); }
 
+// Starting many workers takes a while (each is a fork of fsdprun, a few ms with LibTorch
+// mapped); a SIGTERM in the middle stops the ones started and starts no more.
+TEST(Signals, SigtermWhileStartingWorkers) {
+  TempDir dir;
+  const int nproc = 400;
+  Process run = fsdprun.start(with_worker(
+      {"--nproc-per-node", std::to_string(nproc), "--standalone", "--stop-grace-seconds", "1"}, {"sleep", dir.path()}));
+  ASSERT_TRUE(wait_for_file(dir / "pid_0_0"));
+  const double sent = now_seconds();
+  kill(run.pid(), SIGTERM);
+  const auto r = run.wait(60);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << describe(r);
+  EXPECT_LT(now_seconds() - sent, 10.0) << describe(r);
+  EXPECT_CONTAINS(r.err, "received SIGTERM while starting the workers of attempt 0 (");
+  EXPECT_CONTAINS(r.err, " of 400 started): stopping them (SIGKILL after 1s)");
+  const auto pids = worker_pids(dir.path());
+  EXPECT_LT(pids.size(), static_cast<std::size_t>(nproc));
+  EXPECT_TRUE(wait_gone(pids, 5).empty()) << "orphaned workers remain";
+}
+
 // ---------------------------------------------------------------- loopback store
 bool is_loopback(const std::string& hex) {
   return hex == "0100007F" ||                           // 127.0.0.1
@@ -301,6 +345,90 @@ TEST(AgentStore, MultiNodeCapableStoreListensOnAllAddresses) {
   for (const auto& a : addresses) EXPECT_TRUE(is_wildcard(a)) << "store listens on " << a;
   kill(run.pid(), SIGTERM);
   EXPECT_EQ(run.wait(30).exit_code, 128 + SIGTERM);
+}
+
+TEST(AgentStore, PortInUseIsOneClearError) {
+  const int port = free_port();
+  PortHolder holder(port);
+  ASSERT_TRUE(holder.ok());
+  TempDir dir;
+  const auto r = fsdprun.run(with_worker({"--master-port", std::to_string(port)}, {"env", dir.path()}));
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_EQ(r.err, "fsdprun: error: cannot host the agent store on port " + std::to_string(port) +
+                       ": the port is already in use (by another fsdprun or another program); "
+                       "choose a free --master-port, or use --standalone on a single node\n");
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));  // no worker started
+}
+
+// ---------------------------------------------------------------- a stalled store client
+// The first 10 bytes of a store request (a SET whose key never arrives), sent by a client
+// that then holds the connection: the store's server thread reads requests whole.
+const std::string kHalfARequest("\x00\x10\x00\x00\x00\x00\x00\x00\x00k", 10);
+// How long the store waits for the rest of a request (kStalledRequestTimeoutMs).
+constexpr double kStoreRequestTimeoutS = 5.0;
+
+void touch(const std::string& path) { std::ofstream(path) << "\n"; }
+
+// With the store stalled, a SIGKILLed worker is noticed at once: the agent's supervision
+// never waits for the store (and, on one node, never talks to it).
+TEST(StoreStall, WorkerDeathIsNoticedAtOnce) {
+  TempDir dir;
+  const int port = free_port();
+  Process run = fsdprun.start(with_worker({"--nproc-per-node", "2", "--master-port", std::to_string(port),
+                                           "--stop-grace-seconds", "1"},
+                                          {"killwhen", dir.path(), "0", "go"}));
+  ASSERT_TRUE(wait_for_file(dir / "pid_0_0"));
+  ASSERT_TRUE(wait_for_file(dir / "pid_1_0"));
+  HeldConnection stall(port, kHalfARequest);
+  ASSERT_TRUE(stall.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the server thread is stuck now
+  const double go = now_seconds();
+  touch(dir / "go");
+  const auto r = run.wait(60);
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_CONTAINS(r.err, "worker failed: rank 0 (local_rank 0, pid ");
+  EXPECT_CONTAINS(r.err, "was killed by signal SIGKILL (9)");
+  EXPECT_LT(now_seconds() - go, kStoreRequestTimeoutS - 1) << describe(r);
+  EXPECT_TRUE(wait_gone(worker_pids(dir.path())).empty());
+}
+
+TEST(StoreStall, NormalRunExitsPromptly) {
+  TempDir dir;
+  const int port = free_port();
+  Process run = fsdprun.start(
+      with_worker({"--nproc-per-node", "2", "--master-port", std::to_string(port)}, {"exitwhen", dir.path(), "go"}));
+  ASSERT_TRUE(wait_for_file(dir / "pid_1_0"));
+  HeldConnection stall(port, kHalfARequest);
+  ASSERT_TRUE(stall.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double go = now_seconds();
+  touch(dir / "go");
+  const auto r = run.wait(60);
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_LT(now_seconds() - go, kStoreRequestTimeoutS - 1) << describe(r);
+}
+
+// The store drops a client whose request stalls, and serves the workers' rendezvous.
+TEST(StoreStall, HalfSentRequestTimesOutAndWorkersRendezvous) {
+  TempDir dir;
+  const int port = free_port();
+  Process run = fsdprun.start(
+      {"--nproc-per-node", "2", "--master-port", std::to_string(port), store_worker_path, dir.path()});
+  ASSERT_TRUE(wait_for_file(dir / "ready_0", 30));
+  ASSERT_TRUE(wait_for_file(dir / "ready_1", 30));
+  HeldConnection stall(port, kHalfARequest);
+  ASSERT_TRUE(stall.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double go = now_seconds();
+  touch(dir / "go");
+  // LibTorch 1.13's server waits for the rest of the request until the timeout; one that
+  // checks a client's first bytes (LibTorch 2.x) drops this client at once.
+  EXPECT_TRUE(stall.wait_closed_by_server(kStoreRequestTimeoutS + 10)) << "the store kept the stalled client";
+  const auto r = run.wait(60);
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_LT(now_seconds() - go, kStoreRequestTimeoutS + 15) << describe(r);
+  EXPECT_TRUE(std::filesystem::exists(dir / "done_0"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "done_1"));
 }
 
 // ---------------------------------------------------------------- two nodes
@@ -346,6 +474,41 @@ TEST(TwoNodes, FailureOnOneNodeStopsTheOther) {
   EXPECT_CONTAINS(r0.err, "failed on another node (node 1: rank 3");
   EXPECT_EQ(worker_pids(dir.path()).size(), 4u);
   EXPECT_TRUE(wait_gone(worker_pids(dir.path())).empty());
+}
+
+// With a stalled store, a failure on node 1 still stops node 0's workers: the agents'
+// store requests wait (at most the store's request timeout) on their own threads.
+TEST(TwoNodes, FailureIsSharedDespiteAStalledStore) {
+  TempDir dir;
+  const int port = free_port();
+  const std::string p = std::to_string(port);
+  Process node0 = fsdprun.start(with_worker(node_args(0, p), {"killwhen", dir.path(), "3", "go"}));
+  Process node1 = fsdprun.start(with_worker(node_args(1, p), {"killwhen", dir.path(), "3", "go"}));
+  for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(wait_for_file(dir / ("pid_" + std::to_string(rank) + "_0")));
+  HeldConnection stall(port, kHalfARequest);
+  ASSERT_TRUE(stall.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double go = now_seconds();
+  touch(dir / "go");
+  const auto r1 = node1.wait(60), r0 = node0.wait(60);
+  EXPECT_EQ(r0.exit_code, 1) << describe(r0);
+  EXPECT_EQ(r1.exit_code, 1) << describe(r1);
+  EXPECT_CONTAINS(r1.err, "worker failed: rank 3 (local_rank 1, pid ");
+  EXPECT_CONTAINS(r0.err, "failed on another node (node 1: rank 3");
+  EXPECT_LT(now_seconds() - go, 2 * kStoreRequestTimeoutS + 10);
+  EXPECT_TRUE(wait_gone(worker_pids(dir.path())).empty());
+}
+
+// Node 0 alone: it says it timed out waiting for node 1, and exits then.
+TEST(TwoNodes, MissingNodeEndsTheRunAtTheJoinTimeout) {
+  TempDir dir;
+  const auto r = fsdprun.run(with_worker({"--nnodes", "2", "--master-port", port_arg(), "--join-timeout", "2"},
+                                         {"env", dir.path()}),
+                             {}, 60);
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_CONTAINS(r.err, "error: timed out after 2s waiting for the fsdprun of all 2 nodes to join attempt 0 (1 joined");
+  EXPECT_LT(r.seconds, 2 + 5.0) << describe(r);
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }
 
 TEST(TwoNodes, RestartIsCoordinated) {

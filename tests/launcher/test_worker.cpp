@@ -7,6 +7,8 @@
 //   sleep [ignore-term]           sleep for a minute
 //   restart RANK SUCCEED_AT       RANK exits 1 while the restart count < SUCCEED_AT
 //   port                          write MASTER_PORT to DIR/port, then sleep
+//   killwhen RANK FILE            RANK SIGKILLs itself once DIR/FILE exists; others sleep
+//   exitwhen FILE                 exit 0 once DIR/FILE exists
 #include <arpa/inet.h>
 #include <chrono>
 #include <csignal>
@@ -105,6 +107,21 @@ int mode_fail(int argc, char** argv, bool kill_self) {
   return std::atoi(argv[4]);
 }
 
+// Waits (at most a minute) until DIR/name exists.
+void wait_for_file(const std::string& name) {
+  for (int i = 0; i < 6000 && !std::filesystem::exists(g_dir + "/" + name); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+}
+
+int mode_when(char** argv, bool kill_self) {
+  write_pid();
+  const std::string file = argv[kill_self ? 4 : 3];
+  if (kill_self && env_int("RANK") != std::atoi(argv[3])) sleep_forever(false);
+  wait_for_file(file);
+  if (kill_self) raise(SIGKILL);
+  return 0;
+}
+
 int mode_restart(char** argv) {
   append_file("attempts_" + env("RANK"), env("TORCHELASTIC_RESTART_COUNT") + "\n");
   write_pid();
@@ -128,6 +145,8 @@ int main(int argc, char** argv) {
   if (mode == "fail" && argc >= 5) return mode_fail(argc, argv, false);
   if (mode == "killself" && argc >= 4) return mode_fail(argc, argv, true);
   if (mode == "restart" && argc >= 5) return mode_restart(argv);
+  if (mode == "killwhen" && argc >= 5) return mode_when(argv, true);
+  if (mode == "exitwhen" && argc >= 4) return mode_when(argv, false);
   if (mode == "sleep") {
     write_pid();
     sleep_forever(argc > 3 && std::string(argv[3]) == "ignore-term");

@@ -14,6 +14,7 @@
 #include <iterator>
 #include <netinet/in.h>
 #include <optional>
+#include <poll.h>
 #include <sstream>
 #include <stdexcept>
 #include <sys/socket.h>
@@ -217,6 +218,38 @@ bool can_connect(int port) {
   const bool ok = connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
   close(fd);
   return ok;
+}
+
+HeldConnection::HeldConnection(int port, const std::string& bytes) {
+  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const sockaddr_in addr = loopback(port);
+  ok_ = fd_ >= 0 && connect(fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0 &&
+        send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+}
+
+HeldConnection::~HeldConnection() {
+  if (fd_ >= 0) close(fd_);
+}
+
+bool HeldConnection::wait_closed_by_server(double timeout_s) {
+  pollfd p{fd_, POLLIN, 0};
+  if (poll(&p, 1, static_cast<int>(timeout_s * 1000)) != 1) return false;
+  char byte;
+  return recv(fd_, &byte, 1, MSG_DONTWAIT) <= 0;  // EOF (or a reset) once the server closed it
+}
+
+PortHolder::PortHolder(int port) {
+  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr = loopback(port);
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (fd_ >= 0 && (bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || listen(fd_, 1) != 0)) {
+    close(fd_);
+    fd_ = -1;
+  }
+}
+
+PortHolder::~PortHolder() {
+  if (fd_ >= 0) close(fd_);
 }
 
 }  // namespace process_test

@@ -102,6 +102,38 @@ std::vector<std::string> listen_addresses(int port);
 // True when a TCP connection to 127.0.0.1:port succeeds.
 bool can_connect(int port);
 
+// A client of 127.0.0.1:port that sends `bytes` and then holds the connection without
+// sending more, as a stuck or hostile client would. Closed when destroyed.
+class HeldConnection {
+ public:
+  HeldConnection(int port, const std::string& bytes);
+  ~HeldConnection();
+  HeldConnection(const HeldConnection&) = delete;
+  HeldConnection& operator=(const HeldConnection&) = delete;
+  // Whether the connection was made and the bytes were sent.
+  bool ok() const { return ok_; }
+  // Waits (at most timeout_s) until the server closes the connection; returns whether it did.
+  bool wait_closed_by_server(double timeout_s);
+
+ private:
+  int fd_ = -1;
+  bool ok_ = false;
+};
+
+// A TCP socket listening on the wildcard address of port (as another program holding the
+// port would), until destroyed.
+class PortHolder {
+ public:
+  explicit PortHolder(int port);
+  ~PortHolder();
+  PortHolder(const PortHolder&) = delete;
+  PortHolder& operator=(const PortHolder&) = delete;
+  bool ok() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
 double now_seconds();
 
 }  // namespace process_test

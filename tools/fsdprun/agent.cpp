@@ -1,6 +1,7 @@
 #include "agent.h"
 
 #include "output.h"
+#include "run_limits.h"
 #include "signals.h"
 #include "worker_env.h"
 
@@ -18,14 +19,12 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kBarrierPollMs = 50;       // store polling while waiting for other agents
 constexpr double kExitBarrierS = 30.0;   // node 0 keeps the store up this long at most
+// The supervision loop wakes for worker output, SIGCHLD, stop signals and news from the
+// other nodes; this is only a safety net, should a wake-up ever be lost.
+constexpr int kSupervisionWakeMs = 1000;
 
 Clock::duration seconds(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
-int ms_until(Clock::time_point t) {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t - Clock::now()).count();
-  return static_cast<int>(std::max<int64_t>(0, ms));
 }
 
 std::string format_seconds(double s) {
@@ -44,7 +43,9 @@ void say(const std::string& message) {
 
 int Agent::run() {
   try {
+    raise_open_file_limit(opt_);
     store_ = std::make_unique<AgentStore>(opt_, [this] { return !stop_requested(); });
+    if (several_nodes()) store_->register_agent();
     for (int k = 0;; ++k) {
       if (auto exit_code = conclude(k, attempt(k))) return *exit_code;
     }
@@ -63,7 +64,7 @@ std::optional<int> Agent::conclude(int k, Outcome o) {
     leave_store(/*wait_for_others=*/false);
     return 128 + stop_signal_;
   }
-  if (o == Outcome::Failed) {
+  if (o == Outcome::Failed && several_nodes()) {
     if (auto why = store_->shutdown()) {
       say("not restarting: " + *why);
       o = Outcome::Fatal;
@@ -82,6 +83,7 @@ std::optional<int> Agent::conclude(int k, Outcome o) {
 }
 
 Agent::Outcome Agent::attempt(int k) {
+  if (!several_nodes()) return run_workers(k);
   if (auto o = wait_for_agents(k)) return *o;
   const Outcome o = run_workers(k);
   if (o != Outcome::Succeeded) return o;
@@ -94,7 +96,7 @@ Agent::Outcome Agent::attempt(int k) {
 std::optional<Agent::Outcome> Agent::wait_for_agents(int k) {
   store_->join(k);
   const auto deadline = Clock::now() + seconds(opt_.join_timeout_s);
-  while (!store_->all_joined(k)) {
+  while (store_->joined(k) < opt_.nnodes) {
     if (auto why = store_->shutdown()) {
       say("stopping: " + *why);
       return Outcome::Fatal;
@@ -103,7 +105,8 @@ std::optional<Agent::Outcome> Agent::wait_for_agents(int k) {
       fatal_reason_ = "the fsdprun of node " + std::to_string(opt_.node_rank) +
                       " timed out waiting for the other nodes";
       say("error: timed out after " + format_seconds(opt_.join_timeout_s) + " waiting for the fsdprun of all " +
-          std::to_string(opt_.nnodes) + " nodes to join attempt " + std::to_string(k));
+          std::to_string(opt_.nnodes) + " nodes to join attempt " + std::to_string(k) + " (" +
+          std::to_string(store_->joined(k)) + " joined; see --join-timeout)");
       return Outcome::Fatal;
     }
     nap(kBarrierPollMs);
@@ -112,45 +115,74 @@ std::optional<Agent::Outcome> Agent::wait_for_agents(int k) {
   return std::nullopt;
 }
 
+// Noticing that a local worker ended, and stopping the others, never waits for the
+// store: the loop polls worker pipes, the self-pipe (SIGCHLD, stop signals) and, with
+// several nodes, a PeerWatch that talks to the store on a thread of its own.
 Agent::Outcome Agent::run_workers(int k) {
   WorkerGroup group(group_spec(k));
   if (!opt_.log_dir.empty())
     say("attempt " + std::to_string(k) + ": worker logs in " + opt_.log_dir + "/attempt_" + std::to_string(k) +
         "/rank_N/{stdout,stderr}.log");
+  Outcome outcome = Outcome::Succeeded;
   try {
-    group.start();
+    if (!group.start([this] { return !stop_requested(); })) outcome = stop_while_starting(group, k);
   } catch (const SpawnError& e) {
     fatal_reason_ = "the fsdprun of node " + std::to_string(opt_.node_rank) + " could not start workers: " + e.what();
     say(std::string("error: ") + e.what());
     return Outcome::Fatal;
   }
-  Outcome outcome = Outcome::Succeeded;
-  auto next_poll = Clock::now() + seconds(opt_.monitor_interval_s);
+  std::optional<PeerWatch> peers;
+  if (several_nodes()) peers.emplace(*store_, k, opt_.monitor_interval_s);
   while (group.running()) {
-    int timeout_ms = ms_until(next_poll);
-    const int kill_in_ms = group.enforce_deadline();
-    if (kill_in_ms >= 0) timeout_ms = std::min(timeout_ms, kill_in_ms);
-    group.pump(timeout_ms, SignalPipe::fd());
-    if (handle_signals(group)) outcome = Outcome::Interrupted;
-    const auto failures = group.reap();
-    if (!failures.empty()) {
-      outcome = Outcome::Failed;
-      report_failures(failures, k);
-      store_->mark_failed(k, "node " + std::to_string(opt_.node_rank) + ": " + failures.front().describe());
-      group.stop(SIGTERM, opt_.stop_grace_s);
-    }
-    if (Clock::now() >= next_poll) {
-      auto why = group.stopping() ? std::nullopt : store_->failure(k);
-      if (why) {
-        outcome = Outcome::Failed;
-        say("stopping the workers: the worker group failed on another node (" + *why + ")");
-        group.stop(SIGTERM, opt_.stop_grace_s);
-      }
-      next_poll = Clock::now() + seconds(opt_.monitor_interval_s);
-    }
+    if (auto decided = supervise(group, peers ? &*peers : nullptr, k)) outcome = *decided;
   }
   group.finish_output();
   return outcome;
+}
+
+std::optional<Agent::Outcome> Agent::supervise(WorkerGroup& group, PeerWatch* peers, int k) {
+  int timeout_ms = kSupervisionWakeMs;
+  const int kill_in_ms = group.enforce_deadline();
+  if (kill_in_ms >= 0) timeout_ms = std::min(timeout_ms, kill_in_ms);
+  group.pump(timeout_ms, {SignalPipe::fd(), peers != nullptr ? peers->fd() : -1});
+  std::optional<Outcome> decided;
+  if (handle_signals(group)) decided = Outcome::Interrupted;
+  const auto failures = group.reap();
+  if (!failures.empty()) {
+    decided = Outcome::Failed;
+    report_failures(failures, k);
+    group.stop(SIGTERM, opt_.stop_grace_s);
+    if (peers != nullptr)
+      peers->report_failure("node " + std::to_string(opt_.node_rank) + ": " + failures.front().describe());
+  }
+  if (peers != nullptr) {
+    if (auto heard = hear_peers(group, *peers)) decided = *heard;
+  }
+  return decided;
+}
+
+// A failure on another node stops the local workers (unless they are stopping anyway);
+// a lost store ends the run at once, as the other agents cannot be reached any more.
+std::optional<Agent::Outcome> Agent::hear_peers(WorkerGroup& group, PeerWatch& peers) {
+  const auto news = peers.take_news();
+  if (!news) return std::nullopt;
+  if (news->store_lost) throw std::runtime_error(news->why);
+  if (group.stopping()) return std::nullopt;
+  say("stopping the workers: the worker group failed on another node (" + news->why + ")");
+  group.stop(SIGTERM, opt_.stop_grace_s);
+  return Outcome::Failed;
+}
+
+// A stop signal while the workers are being started: those started so far are stopped
+// like a running group (SIGKILL after the grace period), and no more are started.
+Agent::Outcome Agent::stop_while_starting(WorkerGroup& group, int k) {
+  handled_signals_ = stop_signals_;
+  note_interruption();
+  say("received " + signal_name(stop_signal_) + " while starting the workers of attempt " + std::to_string(k) +
+      " (" + std::to_string(group.started()) + " of " + std::to_string(opt_.nproc_per_node) +
+      " started): stopping them (SIGKILL after " + format_seconds(opt_.stop_grace_s) + ")");
+  group.stop(stop_signal_, opt_.stop_grace_s);
+  return Outcome::Interrupted;
 }
 
 // After the local workers succeeded: the run succeeded once every node is done, or
@@ -184,11 +216,10 @@ GroupSpec Agent::group_spec(int k) const {
 // The first stop signal is forwarded to the workers (SIGKILL follows after the grace
 // period); another one while they are stopping kills them at once.
 bool Agent::handle_signals(WorkerGroup& group) {
-  const int before = stop_signals_;
   stop_requested();
-  if (stop_signals_ == before) return false;
-  if (fatal_reason_.empty())
-    fatal_reason_ = "the fsdprun of node " + std::to_string(opt_.node_rank) + " received " + signal_name(stop_signal_);
+  if (stop_signals_ == handled_signals_) return false;
+  handled_signals_ = stop_signals_;
+  note_interruption();
   if (!group.stopping()) {
     say("received " + signal_name(stop_signal_) + ": stopping the workers (SIGKILL after " +
         format_seconds(opt_.stop_grace_s) + ")");
@@ -198,6 +229,11 @@ bool Agent::handle_signals(WorkerGroup& group) {
     group.kill_now();
   }
   return true;
+}
+
+void Agent::note_interruption() {
+  if (fatal_reason_.empty())
+    fatal_reason_ = "the fsdprun of node " + std::to_string(opt_.node_rank) + " received " + signal_name(stop_signal_);
 }
 
 void Agent::report_failures(const std::vector<WorkerFailure>& failures, int k) const {
@@ -213,7 +249,7 @@ void Agent::report_failures(const std::vector<WorkerFailure>& failures, int k) c
 
 // Tells the other agents to stop and not to restart. Best effort: fsdprun is leaving.
 void Agent::announce_stop(int k, const std::string& why) {
-  if (!store_ || opt_.nnodes == 1) return;
+  if (!store_ || !several_nodes()) return;
   try {
     store_->mark_shutdown(why);
     store_->mark_failed(k, why);
@@ -224,6 +260,7 @@ void Agent::announce_stop(int k, const std::string& why) {
 // Node 0 hosts the store: before leaving it waits (bounded) until every agent has
 // seen the final result, so that none of them loses the store in the middle of a poll.
 void Agent::leave_store(bool wait_for_others) {
+  if (!several_nodes()) return;
   try {
     store_->mark_exited();
     if (!store_->is_host() || !wait_for_others) return;

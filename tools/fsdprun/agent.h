@@ -4,6 +4,7 @@
 
 #include "agent_store.h"
 #include "options.h"
+#include "peer_watch.h"
 #include "worker_group.h"
 
 #include <memory>
@@ -27,13 +28,21 @@ class Agent {
     Interrupted,  // fsdprun got a stop signal
   };
 
+  // With one node there is nobody to agree with: the agent then never talks to the
+  // store, which it hosts for the workers only.
+  bool several_nodes() const { return opt_.nnodes > 1; }
   Outcome attempt(int k);
   std::optional<int> conclude(int k, Outcome o);
   std::optional<Outcome> wait_for_agents(int k);  // nullopt: all agents joined
   Outcome run_workers(int k);
+  // One round of the supervision loop; returns the attempt's outcome once known.
+  std::optional<Outcome> supervise(WorkerGroup& group, PeerWatch* peers, int k);
+  std::optional<Outcome> hear_peers(WorkerGroup& group, PeerWatch& peers);
+  Outcome stop_while_starting(WorkerGroup& group, int k);
   Outcome wait_for_peers(int k);
   GroupSpec group_spec(int k) const;
   bool handle_signals(WorkerGroup& group);
+  void note_interruption();
   void report_failures(const std::vector<WorkerFailure>& failures, int k) const;
   void announce_stop(int k, const std::string& why);
   void leave_store(bool wait_for_others);
@@ -46,6 +55,7 @@ class Agent {
   std::unique_ptr<AgentStore> store_;
   int stop_signal_ = 0;   // the first stop signal received, 0 if none
   int stop_signals_ = 0;  // how many stop signals were received
+  int handled_signals_ = 0;  // how many of them the worker group has been told of
   std::string fatal_reason_;  // told to the other agents when this one stops for good
 };
 

@@ -1,12 +1,15 @@
 #include "agent_store.h"
 
-#include "loopback_bind.h"
+#include "store_server_hooks.h"
+
+#include <c10/util/Flags.h>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -91,6 +94,20 @@ bool accepts_connections(const std::string& host, int port) {
   return ok;
 }
 
+// fsdprun reports every store error itself, in one line that names the option to change;
+// c10d's own log lines (e.g. one per address it failed to bind) would only come first
+// and repeat it. They stay on when the user asks for them with TORCH_CPP_LOG_LEVEL.
+// c10::ParseCommandLineFlags sets c10's threshold whether or not LibTorch uses gflags.
+void silence_c10d_logging() {
+  if (std::getenv("TORCH_CPP_LOG_LEVEL") != nullptr) return;
+  char name[] = "fsdprun";
+  char level[] = "--caffe2_log_level=3";  // FATAL only: c10d logs nothing
+  char* args[] = {name, level, nullptr};
+  int argc = 2;
+  char** argv = args;
+  c10::ParseCommandLineFlags(&argc, &argv);
+}
+
 c10d::TCPStoreOptions store_options(int port, bool server, Ms timeout) {
   c10d::TCPStoreOptions o;
   o.port = static_cast<std::uint16_t>(port);
@@ -101,10 +118,18 @@ c10d::TCPStoreOptions store_options(int port, bool server, Ms timeout) {
   return o;
 }
 
+// Before the server's thread starts, its accepted sockets are set to drop stalled
+// clients (see store_server_hooks.cpp).
+std::unique_ptr<c10d::TCPStore> start_server(const std::string& host, int port, Ms timeout) {
+  limit_stalls_on_port(port);
+  return std::make_unique<c10d::TCPStore>(host, store_options(port, true, timeout));
+}
+
 }  // namespace
 
 AgentStore::AgentStore(const Options& opt, const std::function<bool()>& keep_waiting)
     : nnodes_(opt.nnodes), host_(opt.node_rank == 0) {
+  silence_c10d_logging();
   if (host_) {
     host(opt);
   } else {
@@ -115,20 +140,30 @@ AgentStore::AgentStore(const Options& opt, const std::function<bool()>& keep_wai
 AgentStore::~AgentStore() = default;
 
 void AgentStore::host(const Options& opt) {
-  const Ms timeout = seconds(opt.join_timeout_s);
-  if (!opt.standalone) {
-    port_ = opt.master_port;
-    store_ = guarded("cannot host the agent store on port " + std::to_string(port_), [&] {
-      return std::make_unique<c10d::TCPStore>(opt.master_addr, store_options(port_, true, timeout));
-    });
+  if (opt.standalone) {
+    host_on_loopback(opt);
     return;
   }
+  port_ = opt.master_port;
+  const std::string what = "cannot host the agent store on port " + std::to_string(port_);
+  StoreServerBind watch_bind(/*loopback_only=*/false);
+  try {
+    store_ = start_server(opt.master_addr, port_, seconds(opt.join_timeout_s));
+  } catch (const std::exception& e) {
+    if (!watch_bind.address_in_use()) throw std::runtime_error(what + ": " + message_of(e));
+    throw std::runtime_error(what +
+                             ": the port is already in use (by another fsdprun or another program); "
+                             "choose a free --master-port, or use --standalone on a single node");
+  }
+}
+
+void AgentStore::host_on_loopback(const Options& opt) {
   std::string last_error;
   for (int i = 0; i < kStandalonePortTries && !store_; ++i) {
     port_ = free_loopback_port();
     try {
-      LoopbackOnlyBind loopback_only;  // the store's wildcard bind becomes 127.0.0.1
-      store_ = std::make_unique<c10d::TCPStore>("127.0.0.1", store_options(port_, true, timeout));
+      StoreServerBind loopback_only(/*loopback_only=*/true);  // the store's wildcard bind becomes 127.0.0.1
+      store_ = start_server("127.0.0.1", port_, seconds(opt.join_timeout_s));
     } catch (const std::exception& e) {
       last_error = message_of(e);  // port taken in between: try another
     }
@@ -174,7 +209,7 @@ std::optional<std::string> AgentStore::get_if_set(const std::string& k) {
 }
 
 void AgentStore::join(int attempt) { counter(key(attempt, "joined"), 1); }
-bool AgentStore::all_joined(int attempt) { return counter(key(attempt, "joined"), 0) >= nnodes_; }
+int64_t AgentStore::joined(int attempt) { return counter(key(attempt, "joined"), 0); }
 
 void AgentStore::mark_failed(int attempt, const std::string& why) {
   // The first failure is the interesting one: later ones are usually its consequences.
@@ -190,7 +225,8 @@ void AgentStore::mark_shutdown(const std::string& why) {
 }
 std::optional<std::string> AgentStore::shutdown() { return get_if_set("/fsdprun/shutdown"); }
 
+void AgentStore::register_agent() { counter("/fsdprun/agents", 1); }
 void AgentStore::mark_exited() { counter("/fsdprun/exited", 1); }
-bool AgentStore::all_exited() { return counter("/fsdprun/exited", 0) >= nnodes_; }
+bool AgentStore::all_exited() { return counter("/fsdprun/exited", 0) >= counter("/fsdprun/agents", 0); }
 
 }  // namespace fsdprun

@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -27,18 +28,21 @@ struct Interrupted : std::runtime_error {
 class AgentStore {
  public:
   // Node 0 hosts the store (with --standalone: on a free port, listening on loopback
-  // only); other nodes connect to it, retrying until --join-timeout. keep_waiting is
-  // asked between retries; when it says false, Interrupted is thrown. Store errors are
-  // thrown as std::runtime_error with a one-line message.
+  // only), whose server drops a client when its request stalls (store_server_hooks.h);
+  // other nodes connect to it, retrying until --join-timeout. keep_waiting is asked
+  // between retries; when it says false, Interrupted is thrown. Store errors are thrown
+  // as std::runtime_error with a one-line message (a port in use says so).
   AgentStore(const Options& opt, const std::function<bool()>& keep_waiting);
   ~AgentStore();
 
   int port() const { return port_; }
   bool is_host() const { return host_; }
 
+  // Every agent registers once, when it starts; node 0 waits for those at the end.
+  void register_agent();
   // Before attempt K, every agent joins; workers start once all nnodes agents joined.
   void join(int attempt);
-  bool all_joined(int attempt);
+  int64_t joined(int attempt);  // how many agents joined attempt K so far
   // An agent whose group failed (or who was interrupted) marks the attempt failed;
   // every agent polls this while its workers run, and stops them when it appears.
   void mark_failed(int attempt, const std::string& why);
@@ -49,12 +53,14 @@ class AgentStore {
   // No more restarts anywhere (an agent was interrupted or cannot start its workers).
   void mark_shutdown(const std::string& why);
   std::optional<std::string> shutdown();
-  // Lets node 0 keep the store up until every agent has read its final answer.
+  // Lets node 0 keep the store up until every registered agent has read its final
+  // answer (an agent that never came does not keep it waiting).
   void mark_exited();
   bool all_exited();
 
  private:
   void host(const Options& opt);
+  void host_on_loopback(const Options& opt);  // --standalone: a free port, loopback only
   void connect(const Options& opt, const std::function<bool()>& keep_waiting);
   std::optional<std::string> get_if_set(const std::string& key);
   int64_t counter(const std::string& key, int64_t delta);

@@ -9,13 +9,15 @@
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <optional>
 #include <string>
 
 namespace {
 
 // Leaves without running global destructors. fsdprun has nothing to clean up there
-// (the store, pipes and workers are gone by now), while the destructors of LibTorch's
-// ~280 dependent libraries take about half a second, on every run.
+// (pipes and workers are gone by now; the store is left to the exit, see main), while
+// the destructors of LibTorch's ~280 dependent libraries take about half a second, on
+// every run.
 [[noreturn]] void leave(int code) {
   std::cout.flush();
   std::cerr.flush();
@@ -23,8 +25,8 @@ namespace {
   std::_Exit(code);
 }
 
-int run(int argc, char** argv) {
-  fsdprun::ParseResult parsed = fsdprun::parse_options(argc, argv);
+// Everything before the agent; returns the exit code when there is nothing to run.
+std::optional<int> prepare(const fsdprun::ParseResult& parsed) {
   if (!parsed.ok) return parsed.exit_code;
   try {
     fsdprun::SignalPipe::install();
@@ -39,9 +41,17 @@ int run(int argc, char** argv) {
         "set it yourself to tune\n";
     fsdprun::write_all(2, note.data(), note.size());
   }
-  return fsdprun::Agent(std::move(parsed.options)).run();
+  return std::nullopt;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) { leave(run(argc, argv)); }
+int main(int argc, char** argv) {
+  fsdprun::ParseResult parsed = fsdprun::parse_options(argc, argv);
+  if (auto exit_code = prepare(parsed)) leave(*exit_code);
+  // The agent is never destroyed: leave() exits from inside its scope. Destroying the
+  // store it hosts would join the store's server thread, which may be waiting in the
+  // middle of a client's request; the workers are gone by now, nothing else is owed.
+  fsdprun::Agent agent(std::move(parsed.options));
+  leave(agent.run());
+}

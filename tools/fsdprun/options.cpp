@@ -1,5 +1,7 @@
 #include "options.h"
 
+#include "run_limits.h"
+
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -34,7 +36,8 @@ class UsageFormatter : public CLI::Formatter {
 
 void add_options(CLI::App& app, Options& o) {
   app.add_option("--nproc-per-node,--nproc_per_node", o.nproc_per_node,
-                 "Number of worker processes on this node")->capture_default_str();
+                 "Number of worker processes on this node (at most " + std::to_string(kMaxNprocPerNode) + ")")
+      ->capture_default_str();
   app.add_option("--nnodes", o.nnodes, "Number of nodes")->capture_default_str();
   app.add_option("--node-rank,--node_rank", o.node_rank, "Rank of this node")
       ->capture_default_str();
@@ -75,9 +78,19 @@ std::string got(const std::string& what, T value) {
   return s.str();
 }
 
-void validate(const Options& o) {
+void validate_sizes(const Options& o) {
   require(o.nproc_per_node >= 1, got("--nproc-per-node must be at least 1", o.nproc_per_node));
+  require(o.nproc_per_node <= kMaxNprocPerNode,
+          got("--nproc-per-node must be at most " + std::to_string(kMaxNprocPerNode), o.nproc_per_node));
   require(o.nnodes >= 1, got("--nnodes must be at least 1", o.nnodes));
+  const long long world = static_cast<long long>(o.nnodes) * o.nproc_per_node;
+  require(world <= kMaxWorldSize, "the world size (--nnodes x --nproc-per-node) must be at most " +
+                                      std::to_string(kMaxWorldSize) + " (got " + std::to_string(o.nnodes) +
+                                      " x " + std::to_string(o.nproc_per_node) + " = " + std::to_string(world) + ")");
+}
+
+void validate(const Options& o) {
+  validate_sizes(o);
   require(o.node_rank >= 0 && o.node_rank < o.nnodes,
           "--node-rank must be in [0, --nnodes) (got node rank " + std::to_string(o.node_rank) +
               " with " + std::to_string(o.nnodes) + " nodes)");

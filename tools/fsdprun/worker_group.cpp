@@ -31,7 +31,11 @@ struct Pipe {
 
 Pipe make_pipe() {
   int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) throw SpawnError(std::string("pipe2: ") + std::strerror(errno));
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    const bool too_many = errno == EMFILE || errno == ENFILE;
+    throw SpawnError(std::string("pipe2: ") + std::strerror(errno) +
+                     (too_many ? " (the open-file limit, ulimit -n, is too low for this many workers)" : ""));
+  }
   fcntl(fds[0], F_SETFL, O_NONBLOCK);  // fsdprun never blocks on one worker's output
   return {fds[0], fds[1]};
 }
@@ -85,9 +89,10 @@ WorkerGroup::~WorkerGroup() {
   finish_output();
 }
 
-void WorkerGroup::start() {
+bool WorkerGroup::start(const std::function<bool()>& keep_going) {
   static const char* kStreams[2] = {"stdout", "stderr"};
   for (const WorkerSpec& ws : spec_.workers) {
+    if (!keep_going()) return false;
     auto w = std::make_unique<Worker>();
     w->rank = ws.rank;
     w->local_rank = ws.local_rank;
@@ -110,6 +115,7 @@ void WorkerGroup::start() {
     for (auto& p : pipes) close(p.write);  // EOF on the read end once the worker is gone
     workers_.push_back(std::move(w));
   }
+  return true;
 }
 
 void WorkerGroup::drain(Worker& w) {
@@ -121,7 +127,7 @@ void WorkerGroup::drain(Worker& w) {
   }
 }
 
-void WorkerGroup::pump(int timeout_ms, int wake_fd) {
+void WorkerGroup::pump(int timeout_ms, const std::vector<int>& wake_fds) {
   std::vector<pollfd> fds;
   std::vector<Worker*> owners;
   for (auto& w : workers_) {
@@ -131,9 +137,9 @@ void WorkerGroup::pump(int timeout_ms, int wake_fd) {
       owners.push_back(w.get());
     }
   }
-  fds.push_back({wake_fd, POLLIN, 0});
+  for (int fd : wake_fds) fds.push_back({fd, POLLIN, 0});  // poll() skips negative fds
   if (poll(fds.data(), fds.size(), timeout_ms) <= 0) return;  // timeout or EINTR
-  for (std::size_t i = 0; i + 1 < fds.size(); ++i) {
+  for (std::size_t i = 0; i < owners.size(); ++i) {
     if (fds[i].revents != 0) drain(*owners[i]);
   }
 }

@@ -6,6 +6,8 @@
 #include "spawn.h"
 
 #include <chrono>
+#include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <sys/types.h>
@@ -52,11 +54,17 @@ class WorkerGroup {
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
-  // Starts all workers; throws SpawnError (after killing those already started).
-  void start();
-  // Waits up to timeout_ms for worker output or for wake_fd to become readable, and
-  // forwards the output that arrived. Does not read wake_fd.
-  void pump(int timeout_ms, int wake_fd);
+  // Starts the workers one by one, asking keep_going before each: starting many takes
+  // a while (a fork of fsdprun is not cheap), and a stop request must not wait for all.
+  // Returns false when keep_going said no (the workers started so far keep running:
+  // stop() them). Throws SpawnError (the destructor stops those already started).
+  bool start(const std::function<bool()>& keep_going);
+  // How many workers have been started.
+  std::size_t started() const { return workers_.size(); }
+  // Waits up to timeout_ms (-1: no limit) for worker output or for one of wake_fds to
+  // become readable, and forwards the output that arrived. Does not read wake_fds;
+  // negative entries are ignored.
+  void pump(int timeout_ms, const std::vector<int>& wake_fds);
   // Reaps exited workers (their buffered output is forwarded first) and returns those
   // that failed, unless the group is being stopped (then exits are expected).
   std::vector<WorkerFailure> reap();

@@ -1,0 +1,180 @@
+// Why this file exists: LibTorch's TCPStore server creates, binds and accepts its
+// sockets itself and offers no option for what fsdprun needs from them. So the fsdprun
+// executable defines bind(), accept() and accept4(); they are exported (ENABLE_EXPORTS,
+// i.e. -rdynamic), so the dynamic linker resolves libtorch's calls to these definitions
+// rather than libc's, which they call in turn (dlsym RTLD_NEXT). Everything that is not
+// the store's passes through unchanged.
+//
+// bind(): with --standalone the store must be reachable from this machine only, but
+// LibTorch 1.13's server always listens on the wildcard address (its listen op resolves
+// getaddrinfo(nullptr, port, AI_PASSIVE), giving 0.0.0.0 or the dual-stack ::). While a
+// StoreServerBind(loopback_only) lives, a wildcard address is rewritten to loopback. It
+// also remembers an EADDRINUSE, so that fsdprun can say "port in use" in its own words
+// instead of parsing LibTorch's message.
+//
+// accept()/accept4(): the server of LibTorch 1.13 (TCPStoreMasterDaemon, and the
+// non-libuv backend of 2.x) is one thread that polls all client sockets and, once one is
+// readable, reads the whole request with blocking recv() calls. A client that sends the
+// first bytes of a request and then nothing stops that thread, and so the store, for
+// every other client, for as long as it likes. The accepted sockets of the store get
+// SO_RCVTIMEO and SO_SNDTIMEO here: a recv() (or send()) that makes no progress for
+// kStalledRequestTimeoutMs fails with EAGAIN, which LibTorch turns into an exception;
+// the server catches exceptions of a request, closes that client's socket, forgets its
+// waits and goes on serving the others. Legitimate clients are not affected: the server
+// reads only after poll() said the socket is readable, and a client sends a request in
+// one go, so a recv() waits at most for the rest of a request already on its way; waits
+// (WAIT, and the waits inside GET) are kept on the server without a blocking read; a
+// reply blocks send() only while the client's receive buffer is full. The timeout is
+// per call, so a large value that keeps flowing is never cut off. The libuv backend of
+// 2.x reads without blocking and has no such stall; there the options have no effect.
+
+#include "store_server_hooks.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <dlfcn.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+namespace fsdprun {
+namespace {
+
+std::atomic<int> g_loopback_only{0};
+std::atomic<int> g_binding{0};              // StoreServerBind instances alive
+std::atomic<bool> g_address_in_use{false};  // a bind failed with EADDRINUSE meanwhile
+std::atomic<int> g_store_port{0};           // 0: no store port to protect yet
+
+int local_port(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return -1;
+  if (addr.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(addr).sin_port);
+  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(addr).sin6_port);
+  return -1;
+}
+
+// Called by the hooks below; errno is kept, as the callers of bind() and accept() look at it.
+void after_bind(int result) {
+  if (result != 0 && errno == EADDRINUSE && g_binding > 0) g_address_in_use = true;
+}
+
+void after_accept(int conn) {
+  const int port = g_store_port.load();
+  if (conn < 0 || port == 0) return;
+  const int saved = errno;
+  if (local_port(conn) != port) {
+    errno = saved;
+    return;
+  }
+  timeval tv{};
+  tv.tv_sec = kStalledRequestTimeoutMs / 1000;
+  tv.tv_usec = (kStalledRequestTimeoutMs % 1000) * 1000;
+  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  errno = saved;
+}
+
+bool loopback_only() { return g_loopback_only.load() > 0; }
+
+}  // namespace
+
+StoreServerBind::StoreServerBind(bool loopback_only) : loopback_only_(loopback_only) {
+  g_address_in_use = false;
+  ++g_binding;
+  if (loopback_only_) ++g_loopback_only;
+}
+
+StoreServerBind::~StoreServerBind() {
+  --g_binding;
+  if (loopback_only_) --g_loopback_only;
+}
+
+bool StoreServerBind::address_in_use() const { return g_address_in_use; }
+
+void limit_stalls_on_port(int port) { g_store_port = port; }
+
+}  // namespace fsdprun
+
+namespace {
+
+template <typename Fn>
+Fn next_definition(const char* name) {
+  return reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
+}
+
+bool is_v6_only(int fd) {
+  int v6only = 0;
+  socklen_t len = sizeof v6only;
+  return getsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &v6only, &len) == 0 && v6only != 0;
+}
+
+// The loopback counterpart of a wildcard address; other addresses are returned as they are.
+sockaddr_storage loopback_for(const sockaddr* addr, socklen_t len, int fd) {
+  sockaddr_storage out{};
+  std::memcpy(&out, addr, std::min<std::size_t>(len, sizeof out));
+  if (addr->sa_family == AF_INET && len >= sizeof(sockaddr_in)) {
+    auto& in4 = reinterpret_cast<sockaddr_in&>(out);
+    if (in4.sin_addr.s_addr == htonl(INADDR_ANY)) in4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  } else if (addr->sa_family == AF_INET6 && len >= sizeof(sockaddr_in6)) {
+    auto& in6 = reinterpret_cast<sockaddr_in6&>(out);
+    if (IN6_IS_ADDR_UNSPECIFIED(&in6.sin6_addr)) {
+      // A dual-stack socket bound to the IPv4-mapped ::ffff:127.0.0.1 accepts the IPv4
+      // clients that connect to MASTER_ADDR=127.0.0.1. An IPv6-only socket cannot take
+      // a mapped address, so it gets ::1.
+      static const unsigned char kMappedLoopback[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 127, 0, 0, 1};
+      if (is_v6_only(fd)) {
+        in6.sin6_addr = in6addr_loopback;
+      } else {
+        std::memcpy(&in6.sin6_addr, kMappedLoopback, sizeof kMappedLoopback);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+extern "C" int bind(int fd, const struct sockaddr* addr, socklen_t len) noexcept {
+  using BindFn = int (*)(int, const struct sockaddr*, socklen_t);
+  static const BindFn real = next_definition<BindFn>("bind");
+  if (real == nullptr) {
+    errno = ENOSYS;
+    return -1;
+  }
+  int result;
+  if (!fsdprun::loopback_only() || addr == nullptr || len > sizeof(sockaddr_storage)) {
+    result = real(fd, addr, len);
+  } else {
+    const sockaddr_storage local = loopback_for(addr, len, fd);
+    result = real(fd, reinterpret_cast<const sockaddr*>(&local), len);
+  }
+  fsdprun::after_bind(result);
+  return result;
+}
+
+extern "C" int accept(int fd, struct sockaddr* __restrict addr, socklen_t* __restrict len) {
+  using AcceptFn = int (*)(int, struct sockaddr*, socklen_t*);
+  static const AcceptFn real = next_definition<AcceptFn>("accept");
+  if (real == nullptr) {
+    errno = ENOSYS;
+    return -1;
+  }
+  const int conn = real(fd, addr, len);
+  fsdprun::after_accept(conn);
+  return conn;
+}
+
+extern "C" int accept4(int fd, struct sockaddr* __restrict addr, socklen_t* __restrict len, int flags) {
+  using Accept4Fn = int (*)(int, struct sockaddr*, socklen_t*, int);
+  static const Accept4Fn real = next_definition<Accept4Fn>("accept4");
+  if (real == nullptr) {
+    errno = ENOSYS;
+    return -1;
+  }
+  const int conn = real(fd, addr, len, flags);
+  fsdprun::after_accept(conn);
+  return conn;
+}
