@@ -55,10 +55,26 @@ struct FullStateDictOptions {
 TensorStateDict full_state_dict(torch::nn::Module& model, const FullStateDictOptions& options = FullStateDictOptions());
 
 // Writes a dict of name -> tensor in PyTorch's own file format: Python's torch.load returns it
-// as a dict of FQN -> tensor. Views are written as their own data only.
+// as a dict of FQN -> tensor. Views are written as their own data only. The file is written
+// under <path>.tmp and renamed: a failed write (a full disk) leaves an earlier file at `path`
+// as it was and no temporary, and throws c10::Error naming the file.
 void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::string& path);
-// Reads such a file (e.g. written by Python's torch.save(model.state_dict(), path)). Throws
-// naming the file if it is missing or is not a dict of tensors.
+// Reads a file written by Python's torch.save (or by save_pytorch_state_dict), e.g.
+// torch.save(model.state_dict(), path): a dict or OrderedDict of name -> tensor, of any number
+// of entries. The file may also hold a bundle, a dict with the state dict next to other things
+// ({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}). The rule:
+//   - a top-level dict whose values are all tensors (or that has no entries) is the state dict;
+//   - otherwise, if exactly one of "state_dict", "model_state_dict", "model" holds a dict, that
+//     dict is the state dict (the other entries are read but not returned);
+//   - two of them holding a dict is ambiguous, and none with no tensor at the top level means
+//     there is no state dict: both are errors listing the top-level keys;
+//   - none, with tensors at the top level: the top-level dict is the state dict.
+// Every key of the state dict must be a str and every value a tensor, or an error names the key.
+// Tensors are created on the CPU, whatever device they were saved from; tensors that shared a
+// storage in Python (tied weights, a transposed view) share one here too. Not collective.
+// Throws c10::Error naming the path on a missing file, a directory, a file that is not a
+// torch.save zip archive (torch.save's legacy format included), or one that is truncated,
+// damaged or malformed.
 TensorStateDict load_pytorch_state_dict(const std::string& path);
 
 }  // namespace fsdp

@@ -1,8 +1,10 @@
 // Model state dicts: which tensor each key refers to, the checks made before any write, and
-// PyTorch's file format (through LibTorch's pickler).
+// PyTorch's file format (written by LibTorch's pickler, read by torch_load.h).
 #include <fsdp/state_dict.h>
 
+#include "src/checkpoint/checkpoint_write.h"
 #include "src/checkpoint/state_dict_pieces.h"
+#include "src/checkpoint/torch_load.h"
 
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
@@ -11,8 +13,6 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 
-#include <fstream>
-#include <iterator>
 #include <set>
 #include <sstream>
 
@@ -83,6 +83,73 @@ void write_all(const std::vector<Target>& targets, const std::vector<at::Tensor>
   for (size_t i = 0; i < targets.size(); ++i) {
     if (pieces[i].defined()) targets[i].live.copy_(pieces[i]);
   }
+}
+
+// ------------------------------------------------------------------ reading torch.save files
+
+// The entries under which a bundle ({"model": ..., "optimizer": ..., "epoch": 3}) keeps the
+// model's state dict.
+constexpr const char* kBundleKeys[] = {"state_dict", "model_state_dict", "model"};
+
+std::string keys_of(const detail::PyValue& dict) {
+  std::string out;
+  for (size_t i = 0; i < dict.items.size(); i += 2) {
+    const detail::PyValue& k = *dict.items[i];
+    const bool str = k.kind == detail::PyValue::Kind::kStr;
+    out += (out.empty() ? "" : ", ") + (str ? "'" + k.text + "'" : detail::py_type_name(k));
+    if (i >= 40) return out + ", ...";
+  }
+  return out.empty() ? "none" : out;
+}
+
+size_t tensor_values(const detail::PyValue& dict) {
+  size_t n = 0;
+  for (size_t i = 1; i < dict.items.size(); i += 2) n += dict.items[i]->kind == detail::PyValue::Kind::kTensor;
+  return n;
+}
+
+// The model state dict in a file's top-level object: the object itself when it is a dict whose
+// values are all tensors (or that holds a tensor at all: then a non-tensor value is an error
+// naming its key); otherwise the one dict under "state_dict", "model_state_dict" or "model".
+// `where` says which entry was taken, for messages.
+const detail::PyValue& model_state_dict(const detail::PyValue& top, const std::string& path, std::string* where) {
+  TORCH_CHECK(top.kind == detail::PyValue::Kind::kDict, "fsdp::load_pytorch_state_dict: '", path,
+              "' holds a value of type ", detail::py_type_name(top), ", not a dict of name -> tensor");
+  const size_t tensors = tensor_values(top);
+  if (tensors == top.items.size() / 2) return top;
+  std::vector<std::string> found;
+  for (const char* key : kBundleKeys) {
+    const detail::PyValue* v = detail::dict_find(top, key);
+    if (v && v->kind == detail::PyValue::Kind::kDict) found.push_back(key);
+  }
+  if (found.size() > 1) {
+    TORCH_CHECK(false, "fsdp::load_pytorch_state_dict: '", path, "' is ambiguous: it holds a dict under both '",
+                found[0], "' and '", found[1], "'; its top-level keys are ", keys_of(top),
+                ". Save the model's state dict alone, or under one of 'state_dict', 'model_state_dict', 'model'");
+  }
+  if (found.empty()) {
+    TORCH_CHECK(tensors > 0, "fsdp::load_pytorch_state_dict: '", path, "' holds no model "
+                "state dict: its top-level keys are ", keys_of(top), "; expected a dict of name -> tensor, or a "
+                "bundle with it under 'state_dict', 'model_state_dict' or 'model'");
+    return top;
+  }
+  *where = "entry '" + found[0] + "': ";
+  return *detail::dict_find(top, found[0]);
+}
+
+// `dict` as name -> tensor. Every key must be a str and every value a tensor.
+TensorStateDict tensors_of(const detail::PyValue& dict, const std::string& path, const std::string& where) {
+  TensorStateDict out;
+  for (size_t i = 0; i < dict.items.size(); i += 2) {
+    const detail::PyValue& k = *dict.items[i];
+    const detail::PyValue& v = *dict.items[i + 1];
+    TORCH_CHECK(k.kind == detail::PyValue::Kind::kStr, "fsdp::load_pytorch_state_dict: '", path, "': ", where,
+                "a key is of type ", detail::py_type_name(k), "; a state dict maps names (str) to tensors");
+    TORCH_CHECK(v.kind == detail::PyValue::Kind::kTensor, "fsdp::load_pytorch_state_dict: '", path, "': ", where,
+                "key '", k.text, "' holds a value of type ", detail::py_type_name(v), ", not a tensor");
+    out.insert(k.text, v.tensor);
+  }
+  return out;
 }
 
 }  // namespace
@@ -186,32 +253,19 @@ void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::strin
     dict.insert(item.key(), t);
   }
   const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(dict));
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  TORCH_CHECK(f, "fsdp::save_pytorch_state_dict: cannot open '", path, "' for writing");
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  f.close();
-  TORCH_CHECK(f, "fsdp::save_pytorch_state_dict: writing '", path, "' failed");
+  // Under a temporary name, then renamed: a failed write leaves an earlier file at `path` whole.
+  try {
+    detail::write_file_durably(path, bytes.data(), bytes.size());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "fsdp::save_pytorch_state_dict: ", e.what_without_backtrace());
+  }
 }
 
 TensorStateDict load_pytorch_state_dict(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  TORCH_CHECK(f, "fsdp::load_pytorch_state_dict: cannot open '", path, "'");
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  c10::IValue value;
-  try {
-    value = torch::jit::pickle_load(bytes);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "fsdp::load_pytorch_state_dict: '", path, "' is not a PyTorch file LibTorch can read: ", e.what());
-  }
-  TORCH_CHECK(value.isGenericDict(), "fsdp::load_pytorch_state_dict: '", path, "' holds a ", value.tagKind(),
-              ", not a dict of name -> tensor");
-  TensorStateDict out;
-  for (const auto& entry : value.toGenericDict()) {
-    TORCH_CHECK(entry.key().isString() && entry.value().isTensor(), "fsdp::load_pytorch_state_dict: '", path,
-                "' is not a dict of name -> tensor");
-    out.insert(entry.key().toStringRef(), entry.value().toTensor());
-  }
-  return out;
+  const std::shared_ptr<detail::PyValue> top = detail::torch_load(path);
+  std::string where;
+  const detail::PyValue& state_dict = model_state_dict(*top, path, &where);
+  return tensors_of(state_dict, path, where);
 }
 
 }  // namespace fsdp

@@ -1,0 +1,293 @@
+// CheckpointManager: numbered checkpoints under a root, the `latest` pointer and pruning (both
+// inside the save's all-ranks agreement), the background saver, and the scan that tells a
+// resuming run what the root holds. Only directories named exactly step_<N> are the manager's.
+#include <fsdp/checkpoint.h>
+
+#include "src/checkpoint/checkpoint_metadata.h"
+#include "src/checkpoint/checkpoint_write.h"
+
+#include <fsdp/distributed.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <future>
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using detail::kMetadataFile;
+
+constexpr size_t kLatestMaxBytes = 4096;  // `latest` holds one directory name
+
+// N for a name that is exactly step_<N>, N written as save() writes it; nothing otherwise.
+std::optional<int64_t> parse_step_dir_name(const std::string& name) {
+  if (name.rfind("step_", 0) != 0 || name.size() > 30) return std::nullopt;
+  const char* number = name.c_str() + 5;
+  char* end = nullptr;
+  errno = 0;
+  const long long step = std::strtoll(number, &end, 10);
+  if (end == number || errno != 0 || "step_" + std::to_string(step) != name) return std::nullopt;
+  return static_cast<int64_t>(step);
+}
+
+struct StepDir {
+  int64_t step;
+  fs::path path;
+};
+
+// The step_<N> directories of `root`, by N ascending; `ec` tells whether the listing failed.
+std::vector<StepDir> list_step_dirs(const fs::path& root, std::error_code& ec) {
+  std::vector<StepDir> steps;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    const std::optional<int64_t> step = parse_step_dir_name(it->path().filename().string());
+    if (step && it->is_directory(type_ec)) steps.push_back({*step, it->path()});
+  }
+  std::sort(steps.begin(), steps.end(), [](const StepDir& a, const StepDir& b) { return a.step < b.step; });
+  return steps;
+}
+
+// Why `dir` is not a complete checkpoint, as words to follow its path ("has no metadata.json
+// (an incomplete save)"); nullopt when it is complete. Reads only the metadata and the data
+// files' sizes. Never throws for a bad `dir`.
+std::optional<std::string> incompleteness(const fs::path& dir) {
+  std::error_code ec;
+  const fs::file_status status = fs::status(dir, ec);
+  if (!fs::exists(status)) return std::string("does not exist");
+  if (!fs::is_directory(status)) return std::string("is not a directory");
+  if (!fs::exists(dir / kMetadataFile, ec)) return std::string("has no ") + kMetadataFile + " (an incomplete save)";
+  try {
+    const detail::CheckpointMetadata meta = detail::read_checkpoint_metadata(dir.string(), "");
+    const std::optional<detail::DataFileProblem> p = detail::find_data_file_problem(dir.string(), meta);
+    if (p) return "is incomplete: " + p->path + " " + p->predicate;
+  } catch (const c10::Error& e) {
+    return "cannot be loaded: " + std::string(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return "cannot be checked: " + std::string(e.what());
+  }
+  return std::nullopt;
+}
+
+// Keeps the `keep` complete checkpoints with the largest steps, and `dir` (just saved, named by
+// `latest`) whatever its step. Removes the other complete ones, and the incomplete ones older
+// than the oldest kept (left by failed or killed saves); an incomplete one newer than that is
+// left alone. Incomplete ones never count toward `keep`.
+void prune(const fs::path& root, const fs::path& dir, int keep) {
+  std::error_code ec;
+  const std::vector<StepDir> steps = list_step_dirs(root, ec);
+  TORCH_CHECK(!ec, "cannot list '", root.string(), "' to prune old checkpoints: ", ec.message());
+  int kept = 0;
+  int64_t oldest_kept = CheckpointManager::step_of(dir.string());
+  std::vector<StepDir> doomed, incomplete;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const bool is_dir = it->path.filename() == dir.filename();
+    if (!is_dir && incompleteness(it->path)) {
+      incomplete.push_back(*it);
+    } else if (kept < keep || is_dir) {
+      kept += kept < keep;
+      oldest_kept = std::min(oldest_kept, it->step);
+    } else {
+      doomed.push_back(*it);
+    }
+  }
+  for (const StepDir& s : incomplete) {
+    if (s.step < oldest_kept) doomed.push_back(s);
+  }
+  for (const StepDir& s : doomed) {
+    fs::remove_all(s.path, ec);
+    TORCH_CHECK(!ec, "cannot remove the old checkpoint '", s.path.string(), "': ", ec.message(),
+                "; fix its permissions or remove it by hand");
+  }
+}
+
+// Points root/latest at `dir`, then prunes (rank 0 only, inside the save's agreement).
+void commit_latest(const fs::path& root, const fs::path& dir, int keep) {
+  const std::string name = dir.filename().string();
+  detail::write_file_durably(root / "latest", name.data(), name.size());
+  detail::fsync_dir(root);
+  if (keep > 0) prune(root, dir, keep);
+}
+
+// A copy of every local piece in fresh memory, with the same layout.
+ShardedStateDict staged_copy(const ShardedStateDict& state_dict) {
+  ShardedStateDict out;
+  for (const auto& item : state_dict) {
+    const DTensor& d = item.value();
+    out.insert(item.key(), DTensor::from_local(d.to_local().detach().clone(at::MemoryFormat::Contiguous),
+                                               d.device_mesh(), d.placements(), d.sizes()));
+  }
+  return out;
+}
+
+// The content of `path` when it is at most `limit` bytes; nullopt when it is longer or unreadable.
+std::optional<std::string> read_small_file(const fs::path& path, size_t limit) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return std::nullopt;
+  std::string text(limit + 1, '\0');
+  f.read(&text[0], static_cast<std::streamsize>(text.size()));
+  if (f.bad()) return std::nullopt;
+  text.resize(static_cast<size_t>(f.gcount()));
+  if (text.size() > limit) return std::nullopt;
+  return text;
+}
+
+std::string trimmed(const std::string& s) {
+  const char* space = " \t\r\n\v\f";
+  const size_t first = s.find_first_not_of(space);
+  if (first == std::string::npos) return std::string();
+  return s.substr(first, s.find_last_not_of(space) - first + 1);
+}
+
+// Fills the `latest` part of a scan.
+void scan_latest(const fs::path& root, CheckpointManager::Scan* s) {
+  const fs::path file = root / "latest";
+  const std::string name = file.string();
+  std::error_code ec;
+  const fs::file_status status = fs::status(file, ec);
+  if (!fs::exists(status)) return;
+  s->has_latest_file = true;
+  if (!fs::is_regular_file(status)) return s->findings.push_back(name + " is not a regular file");
+  const std::optional<std::string> text = read_small_file(file, kLatestMaxBytes);
+  if (!text) {
+    return s->findings.push_back(name + " cannot be read or is longer than " + std::to_string(kLatestMaxBytes) +
+                                 " bytes: it does not name a step directory");
+  }
+  s->latest_target = trimmed(*text);
+  const std::string target = "'" + detail::printable(s->latest_target) + "'";
+  if (s->latest_target.empty()) return s->findings.push_back(name + " is empty");
+  if (!parse_step_dir_name(s->latest_target)) {
+    return s->findings.push_back(name + " names " + target + ", which is not a step directory of this root");
+  }
+  const fs::path dir = root / s->latest_target;
+  if (const auto why = incompleteness(dir)) return s->findings.push_back(name + " names " + target + ", which " + *why);
+  s->latest_complete = dir.string();
+}
+
+// Fills the step directories' part of a scan; `latest` has been read.
+void scan_steps(const fs::path& root, CheckpointManager::Scan* s) {
+  std::error_code ec;
+  const std::vector<StepDir> steps = list_step_dirs(root, ec);
+  if (ec) s->findings.push_back("cannot list " + root.string() + ": " + ec.message());
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const std::optional<std::string> why = incompleteness(it->path);
+    if (!why && !s->newest_complete) s->newest_complete = it->path.string();
+    // The directory `latest` names was reported with it.
+    if (why && it->path.filename() != s->latest_target) s->findings.push_back(it->path.string() + " " + *why);
+  }
+  const std::string latest = (root / "latest").string();
+  if (!s->has_latest_file && s->newest_complete) {
+    s->findings.push_back(latest + " is missing; the newest complete checkpoint is " + *s->newest_complete);
+  }
+  if (s->latest_complete && s->newest_complete &&
+      CheckpointManager::step_of(*s->newest_complete) > CheckpointManager::step_of(*s->latest_complete)) {
+    s->findings.push_back(latest + " names '" + s->latest_target + "', but " + *s->newest_complete +
+                          " is newer and complete (saved after `latest` was last written)");
+  }
+}
+
+}  // namespace
+
+// The background saver: its own process group (so its collectives never interleave with the
+// training's), and the write in flight.
+struct CheckpointManager::Background {
+  std::shared_ptr<ProcessGroup> group;
+  std::future<void> pending;
+};
+
+CheckpointManager::CheckpointManager(std::string root, int keep)
+    : root_(std::move(root)), keep_(keep), background_(std::make_unique<Background>()) {}
+
+CheckpointManager::~CheckpointManager() {
+  try {
+    wait();
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "fsdp::CheckpointManager: the background save under '%s' failed: %s\n", root_.c_str(),
+                 e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp::CheckpointManager: the background save under '%s' failed: %s\n", root_.c_str(), e.what());
+  }
+}
+
+void CheckpointManager::wait() {
+  if (background_->pending.valid()) background_->pending.get();  // rethrows the save's error
+}
+
+bool CheckpointManager::poll() {
+  std::future<void>& pending = background_->pending;
+  if (!pending.valid()) return false;
+  if (pending.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return true;
+  pending.get();  // rethrows the save's error; the future is spent, so only once
+  return false;
+}
+
+std::string CheckpointManager::save(int64_t step, const ShardedStateDict& state_dict) {
+  wait();
+  const fs::path root(root_), dir = root / ("step_" + std::to_string(step));
+  const int keep = keep_;
+  detail::write_checkpoint(dir.string(), state_dict, fsdp::world(), [&] { commit_latest(root, dir, keep); });
+  return dir.string();
+}
+
+void CheckpointManager::save_async(int64_t step, const ShardedStateDict& state_dict) {
+  wait();
+  if (!background_->group) {
+    std::vector<int> all(fsdp::get_world_size());
+    for (size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+    background_->group = fsdp::new_group(all);
+  }
+  ShardedStateDict staged = staged_copy(state_dict);
+  const fs::path root(root_), dir = root / ("step_" + std::to_string(step));
+  const int keep = keep_;
+  auto group = background_->group;
+  background_->pending = std::async(std::launch::async, [dir, root, keep, group, staged = std::move(staged)] {
+    detail::write_checkpoint(dir.string(), staged, group, [&] { commit_latest(root, dir, keep); });
+  });
+}
+
+std::optional<std::string> CheckpointManager::latest() const {
+  std::ifstream f(fs::path(root_) / "latest");
+  std::string name;
+  if (!f || !(f >> name)) return std::nullopt;
+  const fs::path dir = fs::path(root_) / name;
+  std::error_code ec;
+  if (!fs::exists(dir / kMetadataFile, ec)) return std::nullopt;
+  return dir.string();
+}
+
+CheckpointManager::Scan CheckpointManager::scan() const {
+  Scan s;
+  const fs::path root(root_);
+  std::error_code ec;
+  const fs::file_status status = fs::status(root, ec);
+  if (!fs::exists(status)) return s;  // nothing saved yet
+  if (!fs::is_directory(status)) {
+    s.findings.push_back(root_ + " is not a directory");
+    return s;
+  }
+  scan_latest(root, &s);
+  scan_steps(root, &s);
+  return s;
+}
+
+bool CheckpointManager::is_complete(const std::string& dir, std::string* why) {
+  const std::optional<std::string> problem = incompleteness(dir);
+  if (problem && why) *why = dir + " " + *problem;
+  return !problem;
+}
+
+int64_t CheckpointManager::step_of(const std::string& dir) {
+  const std::optional<int64_t> step = parse_step_dir_name(fs::path(dir).filename().string());
+  TORCH_CHECK(step, "fsdp::CheckpointManager: '", dir, "' is not a step_<N> directory (N an integer); move anything "
+              "else named step_* out of the checkpoint root");
+  return *step;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,32 @@
+// checkpoint_write.h — the save that save_checkpoint and CheckpointManager share, and the
+// durable file write both use.
+#pragma once
+
+#include <fsdp/process_group.h>
+#include <fsdp/state_dict.h>
+
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace fsdp {
+namespace detail {
+
+// Writes `state_dict` to `dir` over `world` (every rank of it calls this with its own pieces),
+// in phases that each end with all ranks agreeing that it succeeded: when a phase fails on any
+// rank, every rank throws the same c10::Error at once, one line per failed rank, and the
+// temporary files of the failed save are removed. `commit`, when given, runs on rank 0 as the
+// last phase, once the checkpoint is complete (the manager points `latest` at it and prunes).
+void write_checkpoint(const std::string& dir, const ShardedStateDict& state_dict,
+                      const std::shared_ptr<ProcessGroup>& world, const std::function<void()>& commit = nullptr);
+
+// Writes `bytes` to `path` durably: under `path`.tmp, fsync'ed, then renamed. On failure the
+// temporary file is removed and a c10::Error names it.
+void write_file_durably(const std::filesystem::path& path, const char* bytes, size_t n);
+
+// Makes a rename in `dir` durable (best effort: a file system that cannot sync a directory).
+void fsync_dir(const std::filesystem::path& dir);
+
+}  // namespace detail
+}  // namespace fsdp
