@@ -237,3 +237,77 @@ TEST(TrainConfig, CheckAgainstLauncher) {
   TrainConfig f = load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.world_size=2"});
   expect_error([&] { check_against_launcher(f, 1, 0); }, {"fsdp_config.world_size is 2", "1"});
 }
+
+TEST(TrainConfig, KeyGivenTwiceNamesTheKeyTheFileAndBothLines) {
+  const std::string path = write_yaml("training:\n  steps: 5\n  seed: 1\n  steps: 7\n");
+  expect_error([&] { load_config(path, {}); }, {path + ":4", "training.steps", "twice", "lines 2 and 4"});
+}
+
+TEST(TrainConfig, SectionGivenTwiceNamesTheSectionTheFileAndBothLines) {
+  const std::string path = write_yaml("training:\n  steps: 5\noptimizer:\n  lr: 0.1\ntraining:\n  seed: 3\n");
+  expect_error([&] { load_config(path, {}); }, {path + ":5", "section 'training'", "lines 1 and 5"});
+  // The same key in two sections is two keys; on the command line the last override still wins.
+  const std::string ok = write_yaml("training:\n  seed: 1\nsample:\n  seed: 2\n");
+  EXPECT_EQ(load_config(ok, {"--training.seed=4", "--training.seed=5"}).training.seed, 5);
+}
+
+// yaml-cpp reads a quoted scalar over several lines, so a missing closing quote swallowed the
+// keys after it (here temperature and the logging section) without any error.
+TEST(TrainConfig, UnterminatedQuoteIsReportedAtTheLineThatOpensIt) {
+  const std::string swallowing =
+      write_yaml("sample:\n  prompt: \"The GNU\n  temperature: 0.7\nlogging:\n  log_interval: 3\n");
+  expect_error([&] { load_config(swallowing, {}); }, {swallowing + ":2:", "quoted value", "not closed"});
+  const std::string single = write_yaml("training:\n  steps: 3\nsample:\n  prompt: 'it''s\n  length: 4\n");
+  expect_error([&] { load_config(single, {}); }, {single + ":4:", "not closed"});
+  const std::string in_list = write_yaml("optimizer:\n  betas: [0.9, \"0.95]\n");
+  expect_error([&] { load_config(in_list, {}); }, {in_list + ":2:", "not closed"});
+}
+
+TEST(TrainConfig, QuotesThatAreNotUnterminatedStillLoad) {
+  const std::string path = write_yaml(
+      "# a comment with a \" quote\n"
+      "sample:\n"
+      "  prompt: \"say \\\"hi\\\" # not a comment\"  # it's a comment\n"
+      "  temperature: 0.5\n"
+      "logging:\n"
+      "  jsonl: don't\"quote\n"
+      "  trace_dir: 'it''s here'\n"
+      "  summary_json: |\n"
+      "    a block \" with 'quotes\n"
+      "  progress: \"off\"\n");
+  const TrainConfig c = load_config(path, {});
+  EXPECT_EQ(c.sample.prompt, "say \"hi\" # not a comment");
+  EXPECT_DOUBLE_EQ(c.sample.temperature, 0.5);
+  EXPECT_EQ(c.logging.jsonl, "don't\"quote");
+  EXPECT_EQ(c.logging.trace_dir, "it's here");
+  EXPECT_EQ(c.logging.summary_json, "a block \" with 'quotes\n");
+  EXPECT_EQ(c.logging.progress, "off");
+}
+
+TEST(TrainConfig, DirectoryAsConfigFileNamesIt) {
+  expect_error([] { load_config(FSDP_TRAIN_SCRATCH_DIR, {}); }, {FSDP_TRAIN_SCRATCH_DIR, "is a directory"});
+}
+
+TEST(TrainConfig, ComplexKeysAndDeepNestingAreConfigErrors) {
+  const std::string complex = write_yaml("? [training, steps]\n: 3\n");
+  expect_error([&] { load_config(complex, {}); }, {complex + ":1", "expected a section name, got a list"});
+  const std::string complex_key = write_yaml("training:\n  {steps: 1}: 3\n");
+  expect_error([&] { load_config(complex_key, {}); }, {complex_key + ":2", "expected a key name, got a mapping"});
+  const std::string deep = write_yaml("training:\n  steps: " + std::string(5000, '[') + "\n");
+  expect_error([&] { load_config(deep, {}); }, {deep, "nested deeper than"});
+}
+
+TEST(TrainConfig, CollectiveTimeout) {
+  EXPECT_FALSE(load_config("", {}).fsdp_config.collective_timeout_s.has_value());  // the library's
+  EXPECT_DOUBLE_EQ(*load_config("", {"--fsdp_config.collective_timeout_s=90"}).fsdp_config.collective_timeout_s, 90);
+  EXPECT_DOUBLE_EQ(*load_config("", {"--fsdp_config.collective_timeout_s=0.5"}).fsdp_config.collective_timeout_s, 0.5);
+  EXPECT_FALSE(load_config("", {"--fsdp_config.collective_timeout_s=9", "--fsdp_config.collective_timeout_s="})
+                   .fsdp_config.collective_timeout_s.has_value());
+  for (const char* bad : {"0", "-5", "0.0001", "1e9", ".nan", ".inf", "soon", "[1]"})
+    expect_cli_error(std::string("--fsdp_config.collective_timeout_s=") + bad, "fsdp_config.collective_timeout_s");
+  expect_file_error("fsdp_config", "collective_timeout_s: -1", "fsdp_config.collective_timeout_s");
+  for (const char* name : {"tiny", "small", "medium", "gpl3", "seed002"}) {
+    SCOPED_TRACE(name);  // the shipped configs set it (and document it)
+    EXPECT_TRUE(load_config(kConfigs + "/" + name + ".yaml", {}).fsdp_config.collective_timeout_s.has_value());
+  }
+}

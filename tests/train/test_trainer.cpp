@@ -1,6 +1,7 @@
 // End-to-end tests of fsdp-train: the real program, started directly or by fsdprun, with real
 // ranks on loopback. Losses come from the per-rank JSONL metrics.
 #include "process_harness.h"
+#include "trainer_runs.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -19,91 +20,9 @@
 #include <vector>
 
 using namespace process_test;
+using namespace trainer_test;
 
 namespace {
-
-// The programs under test and the shipped configs (paths from CMake).
-const Program trainer(FSDP_TRAIN_BIN);
-const Program fsdprun(FSDPRUN_BIN);
-std::string configs_dir() { return FSDP_TRAIN_CONFIGS_DIR; }
-
-// A small model that still takes a few milliseconds per step, so that a test can stop a run in
-// the middle; checkpoints every 5 steps, metrics per rank in m<rank>.jsonl.
-std::vector<std::string> base_args(const std::string& dir, int steps) {
-  return {configs_dir() + "/tiny.yaml",
-          "--model.dim=64",
-          "--model.max_seq_len=64",
-          "--model.vocab_size=64",
-          "--training.seq_len=64",
-          "--training.steps=" + std::to_string(steps),
-          "--training.micro_batch_size=4",
-          "--training.keep_checkpoints=0",
-          "--fsdp_config.checkpoint_interval=5",
-          "--fsdp_config.checkpoint_dir=" + dir + "/ckpt",
-          "--logging.jsonl=" + dir + "/m{rank}.jsonl",
-          "--logging.progress=off",
-          "--logging.log_interval=1000",
-          "--training.export=none"};
-}
-
-std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
-  args.insert(args.end(), more.begin(), more.end());
-  return args;
-}
-
-std::vector<std::string> under_fsdprun(int nproc, const std::vector<std::string>& trainer_args,
-                                       const std::vector<std::string>& launcher_flags = {}) {
-  std::vector<std::string> a = {"--standalone", "--nproc-per-node", std::to_string(nproc)};
-  a.insert(a.end(), launcher_flags.begin(), launcher_flags.end());
-  a.push_back(trainer.path());
-  a.insert(a.end(), trainer_args.begin(), trainer_args.end());
-  return a;
-}
-
-struct StepMetrics {
-  double loss = NAN;
-  double grad_norm = NAN;
-};
-
-// step -> metrics, the LAST line of each step winning: a resumed run appends the steps it
-// redoes after those the interrupted run wrote.
-std::map<int64_t, StepMetrics> read_metrics(const std::string& path) {
-  std::map<int64_t, StepMetrics> steps;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    const auto j = nlohmann::json::parse(line);
-    StepMetrics m;
-    m.loss = j.at("loss").get<double>();
-    if (j.contains("grad_norm")) m.grad_norm = j.at("grad_norm").get<double>();
-    steps[j.at("step").get<int64_t>()] = m;
-  }
-  return steps;
-}
-
-int64_t last_step_in(const std::string& path) {
-  std::ifstream in(path);
-  std::string line, last;
-  while (std::getline(in, line))
-    if (!line.empty() && line.back() == '}') last = line;
-  if (last.empty()) return 0;
-  try {
-    return nlohmann::json::parse(last).at("step").get<int64_t>();
-  } catch (...) {
-    return 0;
-  }
-}
-
-// Waits until the run's rank-0 metrics reach `step` (or `timeout_s` passes).
-bool wait_for_step(const std::string& jsonl, int64_t step, double timeout_s = 60) {
-  const double deadline = now_seconds() + timeout_s;
-  while (now_seconds() < deadline) {
-    if (last_step_in(jsonl) >= step) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  return false;
-}
 
 void expect_same_losses(const std::map<int64_t, StepMetrics>& got, const std::map<int64_t, StepMetrics>& want) {
   ASSERT_EQ(got.size(), want.size());
@@ -249,8 +168,11 @@ TEST(Trainer, NonFiniteLossStopsWithAClearMessage) {
   const auto args = with(base_args(dir.path(), 20),
                          {"--optimizer.lr=1e30", "--training.max_grad_norm=0", "--schedule.warmup_steps=0"});
   RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
-  EXPECT_NE(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(r.exit_code, 1) << describe(r);  // fsdprun's, for a failed group: it names the workers' code
+  EXPECT_NE(r.err.find("exited with code 3"), std::string::npos) << describe(r);
   EXPECT_NE(r.out.find("non-finite"), std::string::npos) << describe(r);
+  // Clipping is off here, so the advice includes turning it on.
+  EXPECT_NE(r.out.find("or set training.max_grad_norm (clipping is off)"), std::string::npos) << describe(r);
   EXPECT_LT(last_step_in(dir / "m0.jsonl"), 20);
 }
 
@@ -332,6 +254,7 @@ struct BadCase {
   std::vector<std::string> args;       // after the config file
   std::string expected;                // in stderr
   int nproc = 0;                       // > 0: under fsdprun with that many ranks
+  int exit_code = 2;                   // configuration error, unless the input is a bad file
 };
 
 std::vector<BadCase> bad_cases() {
@@ -358,13 +281,44 @@ std::vector<BadCase> bad_cases() {
       {"HeadsDoNotDivideDim", "", {"--model.n_heads=5"}, "model.dim (16) must be divisible by model.n_heads (5)"},
       {"TokensWithoutPath", "", {"--data.source=tokens"}, "data.path: required when data.source is tokens"},
       {"MissingTokenFile", "", {"--data.source=tokens", "--data.path=/nonexistent/x.tokens"},
-       "/nonexistent/x.tokens: cannot open the token file"},
-      {"TextInsteadOfTokenFile", "", {"--data.source=tokens", "--data.path=" + tiny}, "not a token file"},
+       "/nonexistent/x.tokens: cannot open the token file", 0, 1},
+      {"TextInsteadOfTokenFile", "", {"--data.source=tokens", "--data.path=" + tiny}, "not a token file", 0, 1},
+      {"DirectoryAsTokenFile", "", {"--data.source=tokens", "--data.path=" + configs_dir()},
+       configs_dir() + ": is a directory, not a token file (data.path)", 0, 1},
       {"MissingInitFrom", "", {"--model.init_from=/nonexistent/init.pt"}, "/nonexistent/init.pt"},
       {"MissingResumeCheckpoint", "", {"--training.resume=/nonexistent/step_5"}, "/nonexistent/step_5"},
       {"TwoConfigFiles", "", {tiny}, "only one is read"},
       {"MinLrAboveLr", "", {"--optimizer.lr=1e-4", "--schedule.min_lr=1e-3"},
        "schedule.min_lr (0.001) must not exceed optimizer.lr (0.0001)"},
+      // The YAML is read strictly: a repeated key or section, an unterminated quote.
+      {"KeyGivenTwice", "training:\n  steps: 3\n  seed: 1\n  steps: 4\n", {},
+       "bad.yaml:4: key 'training.steps' is given twice (lines 2 and 4)"},
+      {"SectionGivenTwice", "training:\n  steps: 3\nsample:\n  length: 0\ntraining:\n  seed: 2\n", {},
+       "bad.yaml:5: section 'training' is given twice (lines 1 and 5)"},
+      {"UnterminatedQuote", "sample:\n  prompt: \"The GNU\n  temperature: 0.7\nlogging:\n  log_interval: 3\n", {},
+       "bad.yaml:2: invalid YAML: a quoted value starts on this line and is not closed on it"},
+      {"UnknownShortOption", "", {"-x"}, "command line: unknown option '-x'"},
+      {"UnknownLongOption", "", {"--verbose"}, "command line: unknown option '--verbose'"},
+      {"ConfigFileIsADirectory", "", {}, "is a directory, not a config file"},
+      {"InitFromIsADirectory", "", {"--model.init_from=" + configs_dir()},
+       "model.init_from: " + configs_dir() + " is a directory"},
+      // Sizes no machine holds: refused before anything is allocated, naming the key.
+      {"HugeDim", "", {"--model.dim=1000000000"}, "model.dim: this run needs at least"},
+      {"HugeVocab", "", {"--model.vocab_size=1000000000000"}, "model.vocab_size: this run needs at least"},
+      {"HugeLayers", "", {"--model.n_layers=1000000000"}, "model.n_layers: this run needs at least"},
+      {"DimSquaredOverflowsInt64", "", {"--model.dim=4611686018427387904"}, "model.dim: this run needs at least"},
+      {"VocabTimesDimOverflowsInt64", "", {"--model.vocab_size=4611686018427387904", "--model.dim=64"},
+       "model.vocab_size: this run needs at least"},
+      {"HugeMicroBatch", "", {"--training.micro_batch_size=1000000000000"},
+       "training.micro_batch_size: this run needs at least"},
+      {"HugeDimUnderFsdprun", "", {"--model.dim=1000000000"}, "MemTotal", 2},
+      {"CollectiveTimeoutZero", "", {"--fsdp_config.collective_timeout_s=0"},
+       "fsdp_config.collective_timeout_s: must be in [0.001, "},
+      // Found at start-up, not at the first save: a checkpoint_dir under a regular file.
+      {"CheckpointDirUnderAFile", "", {"--fsdp_config.checkpoint_dir=" + tiny + "/ckpt"},
+       "fsdp_config.checkpoint_dir: cannot create " + tiny + "/ckpt", 2},
+      {"CheckpointDirIsAFile", "", {"--fsdp_config.checkpoint_dir=" + tiny},
+       "fsdp_config.checkpoint_dir: " + tiny + " exists and is not a directory"},
   };
 }
 
@@ -375,6 +329,7 @@ TEST_P(BadConfig, FailsNamingTheProblem) {
   TempDir dir;
   std::string config = configs_dir() + "/tiny.yaml";
   if (c.name == "MissingConfigFile") config = dir / "missing.yaml";
+  if (c.name == "ConfigFileIsADirectory") config = dir.path();
   if (!c.yaml.empty()) {
     config = dir / "bad.yaml";
     std::ofstream(config) << c.yaml;
@@ -385,9 +340,16 @@ TEST_P(BadConfig, FailsNamingTheProblem) {
   RunResult r = c.nproc > 0 ? fsdprun.run(under_fsdprun(c.nproc, args), {}, 60)
                             : trainer.run(args, {}, 60, dir.path());
   EXPECT_FALSE(r.timed_out) << describe(r);
-  EXPECT_NE(r.exit_code, 0) << describe(r);
+  if (c.nproc > 0) {  // fsdprun exits 1 when its group fails, naming the worker's exit code
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_NE(r.err.find("exited with code " + std::to_string(c.exit_code)), std::string::npos) << describe(r);
+  } else {
+    EXPECT_EQ(r.exit_code, c.exit_code) << describe(r);
+  }
   EXPECT_NE((r.err + r.out).find(c.expected), std::string::npos)
       << "expected: " << c.expected << "\n" << describe(r);
+  // One line per problem and rank: no C++ backtrace.
+  EXPECT_EQ((r.err + r.out).find("frame #"), std::string::npos) << describe(r);
 }
 
 INSTANTIATE_TEST_SUITE_P(Trainer, BadConfig, ::testing::ValuesIn(bad_cases()),

@@ -6,12 +6,16 @@
 // caller prefixes where the value came from and the key's full name.
 #include "config.h"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <sstream>
 
 namespace fsdp {
@@ -161,6 +165,15 @@ std::vector<Field> fields_of(TrainConfig& c) {
        }},
       {"fsdp_config", "checkpoint_interval", int_at_least(f.checkpoint_interval, 0)},
       {"fsdp_config", "checkpoint_dir", string(f.checkpoint_dir)},
+      {"fsdp_config", "collective_timeout_s",
+       [&f](const YAML::Node& n) {
+         if (n.IsNull()) return f.collective_timeout_s.reset();  // `key:` = the library's default
+         const double v = to_double(n);
+         std::ostringstream rule;
+         rule << "must be in [0.001, " << kMaxCollectiveTimeoutS << "] seconds, got " << v;
+         require(v >= 0.001 && v <= kMaxCollectiveTimeoutS, rule.str());
+         f.collective_timeout_s = v;
+       }},
       {"fsdp_config", "sharding_strategy",
        [&f](const YAML::Node& n) {
          std::string v = one_of(n, {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"});
@@ -300,26 +313,148 @@ std::string at(const std::string& file, const YAML::Node& n) {
   return file + ":" + std::to_string(n.Mark().line + 1);
 }
 
-void load_file(Loader& loader, const std::string& path) {
-  YAML::Node root;
+// The whole file, or ConfigError naming it (missing, a directory, unreadable).
+std::string read_config_text(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw ConfigError(path + ": is a directory, not a config file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(path + ": cannot open config file");
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw ConfigError(path + ": reading the config file failed");
+  return text.str();
+}
+
+// Quoted values that do not end on their line. yaml-cpp accepts a quoted scalar running over
+// several lines, so a forgotten closing quote silently swallows the keys below it (or fails
+// far below). This scanner knows just enough YAML to find where a quoted scalar starts:
+// comments, flow collections and block scalars (| and >, whose text is not YAML syntax).
+class QuoteScanner {
+ public:
+  // The 1-based line of the first quote left open at the end of its line; 0 when none is.
+  static size_t unclosed_quote_line(const std::string& text) {
+    QuoteScanner s;
+    std::istringstream in(text);
+    std::string line;
+    for (size_t number = 1; std::getline(in, line); ++number)
+      if (s.line_leaves_quote_open(line)) return number;
+    return 0;
+  }
+
+ private:
+  static bool blank(char c) { return c == ' ' || c == '\t' || c == '\r'; }
+  static bool ends_token(const std::string& line, size_t i) { return i + 1 >= line.size() || blank(line[i + 1]); }
+
+  bool line_leaves_quote_open(const std::string& line) {
+    const size_t indent = line.find_first_not_of(" \t\r");  // npos: a blank line
+    if (in_block_ && (indent == std::string::npos || indent > block_indent_)) return false;  // block text
+    in_block_ = false;
+    bool at_value_start = true;
+    for (size_t i = 0; i < line.size(); ++i) {
+      const char c = line[i];
+      if (blank(c)) continue;
+      if (c == '#' && (i == 0 || blank(line[i - 1]))) break;  // a comment
+      if (at_value_start && (c == '"' || c == '\'')) {
+        i = closing_quote(line, i);
+        if (i == std::string::npos) return true;
+        at_value_start = false;
+      } else if (at_value_start && (c == '|' || c == '>')) {
+        in_block_ = true, block_indent_ = indent;
+        return false;  // the indicator's options and comment: nothing quoted
+      } else {
+        at_value_start = value_may_follow(line, i, at_value_start);
+      }
+    }
+    return false;
+  }
+
+  // Whether a value may start after line[i]: after a flow bracket or comma, a key's ': ', a
+  // sequence's '- ' or a complex key's '? '. Inside a plain scalar, quotes are ordinary characters.
+  bool value_may_follow(const std::string& line, size_t i, bool at_value_start) {
+    const char c = line[i];
+    if ((c == '[' || c == '{') && (at_value_start || flow_depth_ > 0)) return ++flow_depth_, true;
+    if (flow_depth_ > 0 && (c == ']' || c == '}')) return --flow_depth_, false;
+    if (flow_depth_ > 0 && c == ',') return true;
+    return (c == ':' || ((c == '-' || c == '?') && at_value_start)) && ends_token(line, i);
+  }
+
+  // The index of the quote closing the one at `open`, or npos when the line ends first.
+  static size_t closing_quote(const std::string& line, size_t open) {
+    const char q = line[open];
+    for (size_t i = open + 1; i < line.size(); ++i) {
+      if (q == '"' && line[i] == '\\') ++i;                   // an escape: skip the next character
+      else if (q == '\'' && line[i] == q && i + 1 < line.size() && line[i + 1] == q) ++i;  // ''
+      else if (line[i] == q) return i;
+    }
+    return std::string::npos;
+  }
+
+  int flow_depth_ = 0;
+  bool in_block_ = false;
+  size_t block_indent_ = 0;
+};
+
+YAML::Node parse_yaml(const std::string& path, const std::string& text) {
+  if (const size_t line = QuoteScanner::unclosed_quote_line(text))
+    throw ConfigError(path + ":" + std::to_string(line) +
+                      ": invalid YAML: a quoted value starts on this line and is not closed on it "
+                      "(close the quote; write \\n for a newline inside a value)");
   try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    throw ConfigError(path + ": cannot open config file");
+    return YAML::Load(text);
+  } catch (const YAML::DeepRecursion& e) {
+    throw ConfigError(path + ":" + std::to_string(e.mark.line + 1) + ": invalid YAML: nested deeper than " +
+                      std::to_string(e.depth()) + " levels");
   } catch (const YAML::Exception& e) {
     throw ConfigError(path + ":" + std::to_string(e.mark.line + 1) + ": invalid YAML: " + e.msg);
   }
+}
+
+// A mapping's key as text; ConfigError when it is a list or mapping (YAML's complex keys).
+std::string key_name(const std::string& path, const YAML::Node& key, const std::string& what) {
+  if (!key.IsScalar() && !key.IsNull())
+    throw ConfigError(at(path, key) + ": expected a " + what + " name, got " + shown(key));
+  return key.IsNull() ? std::string() : key.Scalar();
+}
+
+// Names already seen in one mapping, with their lines: a second one is an error naming both.
+class SeenNames {
+ public:
+  void add(const std::string& path, const YAML::Node& key, const std::string& name, const std::string& what) {
+    const int line = key.Mark().line + 1;
+    const auto [it, inserted] = lines_.emplace(name, line);
+    if (!inserted)
+      throw ConfigError(path + ":" + std::to_string(line) + ": " + what + " '" + name + "' is given twice (lines " +
+                        std::to_string(it->second) + " and " + std::to_string(line) + "); keep one");
+  }
+
+ private:
+  std::map<std::string, int> lines_;
+};
+
+void load_section(Loader& loader, const std::string& path, const std::string& section, const YAML::Node& keys) {
+  SeenNames seen;
+  for (const auto& kv : keys) {
+    const std::string key = key_name(path, kv.first, "key");
+    seen.add(path, kv.first, section + "." + key, "key");
+    loader.set(section, key, kv.second, at(path, kv.first));
+  }
+}
+
+void load_file(Loader& loader, const std::string& path) {
+  const YAML::Node root = parse_yaml(path, read_config_text(path));
   if (root.IsNull()) return;  // an empty file: all defaults
   if (!root.IsMap()) throw ConfigError(path + ": expected a mapping of sections at the top level");
+  SeenNames seen;
   for (const auto& sec : root) {
-    const std::string section = sec.first.as<std::string>();
+    const std::string section = key_name(path, sec.first, "section");
     loader.keys_of(section, at(path, sec.first));  // an unknown section, whatever its shape
-    if (sec.second.IsNull()) continue;            // `section:` with nothing under it
+    seen.add(path, sec.first, section, "section");
+    if (sec.second.IsNull()) continue;  // `section:` with nothing under it
     if (!sec.second.IsMap()) {
       throw ConfigError(at(path, sec.first) + ": " + section + ": expected a mapping of keys");
     }
-    for (const auto& kv : sec.second)
-      loader.set(section, kv.first.as<std::string>(), kv.second, at(path, kv.first));
+    load_section(loader, path, section, sec.second);
   }
 }
 

@@ -6,6 +6,11 @@
 // them into ModelArgs, an optimizer, etc. is the trainer's job.
 //
 // Every default is written next to its field; configs/*.yaml show complete files.
+//
+// The YAML is read strictly: a key or section written twice is an error naming both lines (YAML
+// loaders would keep the last one silently), and a quoted value must end on the line it starts
+// (write \n for a newline), so that a forgotten closing quote is reported at the line that opens
+// it instead of swallowing the keys after it.
 #pragma once
 
 #include <cstdint>
@@ -49,9 +54,16 @@ struct FsdpConfig {
   bool use_reentrant = false;
   int model_parallel_size = 1;  // >= 1; > 1 (tensor parallel) not supported yet
   int64_t checkpoint_interval = 0;  // save every N steps; 0 = only the final export
+  // Created if needed and checked for writing at start-up (rank 0), before any training.
   std::string checkpoint_dir = "./checkpoints";
   ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  // How long any collective (and the start-up rendezvous) may wait for the other ranks before
+  // the run stops naming the ranks it waited for; in (0, kMaxCollectiveTimeoutS]. Unset = the
+  // library's default (300 s), or FSDP_COLLECTIVE_TIMEOUT_MS from the environment, which the
+  // library lets win over this key (the trainer then says so).
+  std::optional<double> collective_timeout_s;
 };
+constexpr double kMaxCollectiveTimeoutS = 30.0 * 24 * 3600;  // 30 days
 
 // The model: a preset (tiny | small | medium, as fsdp::models::ModelArgs::preset) and optional
 // overrides of each ModelArgs field; an unset override keeps the preset's value.
@@ -96,9 +108,17 @@ struct TrainingConfig {
   int64_t micro_batch_size = 4;             // > 0, rows per rank per micro-batch
   int64_t gradient_accumulation_steps = 1;  // > 0, micro-batches per optimizer step
   int64_t seq_len = 0;                      // 0 = the model's max_seq_len, else > 0
-  double max_grad_norm = 1.0;               // clip_grad_norm_ threshold; 0 = no clipping
+  // clip_grad_norm_ threshold; 0 = no clipping. The global gradient norm is computed every
+  // step either way, and a step whose gradient norm or loss is NaN or infinite stops the run
+  // before the optimizer steps (PyTorch's clip_grad_norm_(error_if_nonfinite=True)): exit 3,
+  // naming the step; nothing of that step is applied or saved.
+  double max_grad_norm = 1.0;
   int64_t seed = 0;                         // model initialisation (same on every rank)
-  std::string resume = "auto";              // auto (latest complete checkpoint) | never | <path>
+  // auto: the checkpoint `latest` names under fsdp_config.checkpoint_dir; when that is missing
+  // or incomplete, the newest complete step_<N> (saying so); when checkpoints exist but none is
+  // complete, the run stops with an error instead of starting over. never: start from step 0.
+  // <path>: that checkpoint, which must be complete.
+  std::string resume = "auto";
   int64_t keep_checkpoints = 2;             // >= 0; newest checkpoints kept (0 = all)
   // The trained model as one file: auto = <checkpoint_dir>/model.pt (PyTorch format), none, or a
   // path (ending in .safetensors: a safetensors directory of that name; else PyTorch format).
@@ -136,8 +156,9 @@ struct TrainConfig {
 
 // Reads yaml_path (empty = defaults only), then applies overrides in order, each
 // "--section.key=value" with value in YAML syntax (so lists work: --optimizer.betas=[0.9,0.95]).
-// Throws ConfigError on a missing or malformed file, unknown sections or keys, wrong types and
-// out-of-range values.
+// Throws ConfigError on a missing or malformed file, unknown sections or keys, a key or section
+// given twice in the file, wrong types and out-of-range values; file errors name the file (and
+// the line). Never throws anything else for bad input.
 TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides = {});
 
 // Throws ConfigError naming every key set to a capability that does not exist yet.

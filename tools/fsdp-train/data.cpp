@@ -6,7 +6,9 @@
 #include <ATen/TensorOperators.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 
 namespace fsdp {
@@ -100,13 +102,24 @@ void write_token_file(const std::string& path, const std::vector<uint32_t>& ids,
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error(path + ": cannot rename " + tmp);
 }
 
-std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary | std::ios::ate);
+namespace {
+
+// The whole file; throws naming it when it is missing, a directory or unreadable.
+std::string read_whole_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::runtime_error(path + ": is a directory, not a token file (data.path)");
+  std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(path + ": cannot open the token file (data.path)");
-  std::string bytes(static_cast<size_t>(f.tellg()), '\0');
-  f.seekg(0);
-  if (!f.read(bytes.data(), static_cast<std::streamsize>(bytes.size())))
-    throw std::runtime_error(path + ": reading the token file failed");
+  std::ostringstream bytes;
+  bytes << f.rdbuf();
+  if (f.bad()) throw std::runtime_error(path + ": reading the token file failed");
+  return bytes.str();
+}
+
+// The header's fields, checked against each other and the file's size without overflowing
+// (a damaged header can hold any 64-bit value).
+TokenFileHeader checked_header(const std::string& path, const std::string& bytes) {
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
   if (bytes.size() < kHeaderBytes || std::memcmp(p, kMagic, 8) != 0)
     throw std::runtime_error(path + ": not a token file (no FSDPTOK header); make one with `fsdp-train tokenize`");
@@ -118,13 +131,27 @@ std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path) 
   if (h.version != 1) throw std::runtime_error(path + ": token file version " + std::to_string(h.version) + " (this build reads 1)");
   if (h.token_bytes != 2 && h.token_bytes != 4)
     throw std::runtime_error(path + ": " + std::to_string(h.token_bytes) + " bytes per token (expected 2 or 4)");
-  if (bytes.size() != kHeaderBytes + h.num_tokens * h.token_bytes)
-    throw std::runtime_error(path + ": the header says " + std::to_string(h.num_tokens) + " tokens of " +
-                             std::to_string(h.token_bytes) + " bytes but the file has " +
-                             std::to_string(bytes.size() - kHeaderBytes) + " bytes of tokens (truncated?)");
+  const uint64_t max_vocab = uint64_t{1} << (8 * h.token_bytes);  // ids are token_bytes wide
+  if (h.vocab_size == 0 || h.vocab_size > max_vocab)
+    throw std::runtime_error(path + ": the header's vocabulary size (offset 16) is " + std::to_string(h.vocab_size) +
+                             "; expected 1 to " + std::to_string(max_vocab) + " for " +
+                             std::to_string(h.token_bytes) + "-byte ids (a damaged header?)");
+  const uint64_t payload = bytes.size() - kHeaderBytes;
+  if (h.num_tokens > payload / h.token_bytes || h.num_tokens * h.token_bytes != payload)
+    throw std::runtime_error(path + ": the header's token count (offset 24) is " + std::to_string(h.num_tokens) +
+                             " tokens of " + std::to_string(h.token_bytes) + " bytes but the file has " +
+                             std::to_string(payload) + " bytes of tokens (truncated or damaged?)");
+  return h;
+}
+
+}  // namespace
+
+std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path) {
+  const std::string bytes = read_whole_file(path);
+  const TokenFileHeader h = checked_header(path, bytes);
   at::Tensor ids = at::empty({static_cast<int64_t>(h.num_tokens)}, at::TensorOptions().dtype(at::kLong));
   int64_t* out = ids.data_ptr<int64_t>();
-  const unsigned char* q = p + kHeaderBytes;
+  const unsigned char* q = reinterpret_cast<const unsigned char*>(bytes.data()) + kHeaderBytes;
   for (uint64_t i = 0; i < h.num_tokens; ++i, q += h.token_bytes) {
     const uint64_t id = h.token_bytes == 2 ? get<uint16_t>(q) : get<uint32_t>(q);
     if (id >= h.vocab_size)

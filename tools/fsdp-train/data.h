@@ -40,7 +40,9 @@ struct TokenFileHeader {
 // Writes ids (each < vocab_size) as a token file, choosing 2-byte ids when vocab_size <= 65536.
 void write_token_file(const std::string& path, const std::vector<uint32_t>& ids, uint64_t vocab_size);
 // Reads a token file whole: the header and the ids as an int64 tensor [N]. Throws
-// std::runtime_error naming the file and what is wrong (magic, version, size, an id >= vocab).
+// std::runtime_error naming the file and what is wrong (a directory, magic, version, a
+// vocabulary size outside 1..2^(8 * bytes per token), a token count that does not match the
+// file's size, an id >= vocab); header values are checked without overflowing.
 std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path);
 
 // Byte-level tokenizer: every byte of the text is one token (vocabulary 256).

@@ -6,15 +6,16 @@
 // Without a launcher it trains as one process (world size 1). See README.md and configs/.
 #include "config.h"
 #include "data.h"
+#include "errors.h"
 #include "stop_signal.h"
 #include "trainer.h"
 
-#include <c10/util/Exception.h>
-
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <iterator>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -26,23 +27,41 @@ const char* kUsage =
     "Trains the Transformer as CONFIG.yaml says (see configs/); every key can be overridden on the\n"
     "command line, e.g. --training.steps=20 --optimizer.betas=[0.9,0.95]. --trace is\n"
     "--logging.trace=true. Start it with fsdprun for several ranks.\n"
-    "tokenize: turns any file into a byte-level token file (vocabulary 256).\n";
+    "tokenize: turns any file into a byte-level token file (vocabulary 256).\n"
+    "Exit codes: 0 done, 1 runtime error, 2 configuration error, 3 non-finite loss or gradient\n"
+    "norm (the step is not applied), 128+N stopped by signal N (after saving a checkpoint).\n";
 
 int tokenize(int argc, char** argv) {
   if (argc != 4) {
     std::cerr << "fsdp-train tokenize: expected INPUT and OUTPUT\n" << kUsage;
     return fsdp::train::kExitConfig;
   }
+  std::error_code ec;
+  if (std::filesystem::is_directory(argv[2], ec)) {
+    std::cerr << "fsdp-train tokenize: " << argv[2] << " is a directory; expected a file to tokenize\n";
+    return fsdp::train::kExitError;
+  }
   std::ifstream in(argv[2], std::ios::binary);
   if (!in) {
     std::cerr << "fsdp-train tokenize: cannot open " << argv[2] << "\n";
     return fsdp::train::kExitError;
   }
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  const std::string text = bytes.str();
   fsdp::train::write_token_file(argv[3], fsdp::train::byte_tokens(text), 256);
   std::cout << "fsdp-train tokenize: " << text.size() << " byte tokens (vocab 256) from " << argv[2] << " -> "
             << argv[3] << "\n";
   return fsdp::train::kExitOk;
+}
+
+// "rank R: " when this process is one of several ranks (the launcher's RANK / WORLD_SIZE), so
+// that each rank's line says whose it is; "" for a single process.
+std::string rank_prefix() {
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (!rank || !world || std::string(world) == "1") return "";
+  return "rank " + std::string(rank) + ": ";
 }
 
 }  // namespace
@@ -60,7 +79,10 @@ int main(int argc, char** argv) {
         return kExitOk;
       }
       if (arg == "--trace") overrides.push_back("--logging.trace=true");
-      else if (arg.rfind("--", 0) == 0) overrides.push_back(arg);
+      else if (arg.rfind("--", 0) == 0 && arg.find('.') != std::string::npos) overrides.push_back(arg);
+      else if (!arg.empty() && arg[0] == '-')
+        throw ConfigError("command line: unknown option '" + arg + "' (fsdp-train takes --section.key=value, " +
+                          "--trace and -h/--help)");
       else if (config_path.empty()) config_path = arg;
       else throw ConfigError("command line: a second config file '" + arg + "' (only one is read)");
     }
@@ -69,13 +91,10 @@ int main(int argc, char** argv) {
     install_stop_signal_handlers();
     return run_training(cfg);
   } catch (const ConfigError& e) {
-    std::cerr << "fsdp-train: configuration error: " << e.what() << "\n";
+    std::cerr << "fsdp-train: " << rank_prefix() << "configuration error: " << e.what() << "\n";
     return kExitConfig;
-  } catch (const c10::Error& e) {
-    std::cerr << "fsdp-train: error: " << e.what_without_backtrace() << "\n";
-    return kExitError;
   } catch (const std::exception& e) {
-    std::cerr << "fsdp-train: error: " << e.what() << "\n";
+    std::cerr << "fsdp-train: " << rank_prefix() << "error: " << error_text(e) << "\n";
     return kExitError;
   }
 }

@@ -25,7 +25,7 @@ struct StepReport {
   int64_t step = 0;            // 1-based
   int64_t steps = 0;           // of the run
   double loss = 0;             // global-batch mean
-  double grad_norm = 0;        // global, before clipping; NaN when not computed
+  double grad_norm = 0;        // global, before clipping (computed every step)
   double lr = 0;
   double step_s = 0;           // forward + backward + optimizer on this rank
   double forward_s = 0, backward_s = 0, optimizer_s = 0;

@@ -6,14 +6,20 @@
 //
 // Per optimizer step every rank runs k = gradient_accumulation_steps micro-batches; only the
 // last one reduce-scatters (set_requires_gradient_sync), so k micro-batches of B rows give the
-// gradients of one batch of kB rows. Then clip_grad_norm_, AdamW, and ONE small all-gather of
-// every rank's numbers (loss, memory, a stop request) that the log line, the non-finite check
-// and the signal stop all use, so that every rank takes the same decision at the same step.
+// gradients of one batch of kB rows. Then the global gradient norm, and ONE small all-gather of
+// every rank's step numbers (loss, gradient norm, a stop request, a failed background save)
+// BEFORE the optimizer steps: every rank takes the same decision at the same step, and a
+// non-finite step is never applied. Then clipping and AdamW. The other ranks' memory numbers
+// are gathered only for the steps rank 0 prints.
 #include "trainer.h"
 
+#include "agreement.h"
 #include "checkpoint_state.h"
 #include "data.h"
+#include "errors.h"
+#include "model_size.h"
 #include "report.h"
+#include "resume.h"
 #include "sample.h"
 #include "schedule.h"
 #include "stop_signal.h"
@@ -36,14 +42,20 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 namespace fsdp {
@@ -76,6 +88,52 @@ int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a) {
   return seq;
 }
 
+// Before anything is allocated: a model or batch this machine cannot hold (model_size.h).
+void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t seq, const RendezvousInfo& env) {
+  const ModelSizes m{a.n_layers, a.vocab_size, a.max_seq_len, a.dim, a.n_heads};
+  const StepSizes s{env.world_size, env.local_world_size, cfg.training.micro_batch_size,
+                    cfg.training.gradient_accumulation_steps, seq};
+  check_fits_in_memory(m, s, machine_memory_bytes());
+}
+
+InitOptions init_options(const FsdpConfig& f) {
+  InitOptions o;
+  if (f.collective_timeout_s)
+    o.timeout(std::chrono::milliseconds(static_cast<int64_t>(std::llround(*f.collective_timeout_s * 1000))));
+  return o;
+}
+
+// Why the checkpoint directory cannot take checkpoints ("" when it can): created if needed,
+// then a probe file written and removed.
+std::string checkpoint_dir_problem(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) return dir + " exists and is not a directory";
+  fs::create_directories(dir, ec);
+  if (ec) return "cannot create " + dir + " (" + ec.message() + ")";
+  const std::string probe = dir + "/.fsdp-train-probe-" + std::to_string(::getpid());
+  bool written = false;
+  {
+    std::ofstream f(probe);
+    written = static_cast<bool>(f << "probe\n" << std::flush);
+  }
+  const int err = errno;
+  fs::remove(probe, ec);
+  return written ? "" : "cannot write in " + dir + " (" + std::strerror(err) + ")";
+}
+
+// The parameters of an init_from file that hold NaN or infinite values, as "name (n of m)".
+std::vector<std::string> non_finite_tensors(const TensorStateDict& sd) {
+  std::vector<std::string> bad;
+  for (const auto& item : sd) {
+    const at::Tensor& t = item.value();
+    if (!t.is_floating_point()) continue;
+    const int64_t n = t.numel() - t.isfinite().sum().item<int64_t>();
+    if (n > 0) bad.push_back(item.key() + " (" + std::to_string(n) + " of " + std::to_string(t.numel()) + ")");
+  }
+  return bad;
+}
+
 std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelArgs& a) {
   if (cfg.data.source == "synthetic") return synthetic_data(a.vocab_size, cfg.data.data_seed);
   std::unique_ptr<DataSource> d = token_file_data(cfg.data.path, cfg.data.data_seed);
@@ -83,6 +141,27 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
     throw ConfigError("data.path " + cfg.data.path + " has a vocabulary of " + std::to_string(d->vocab_size()) +
                       " but model.vocab_size is " + std::to_string(a.vocab_size) + "; raise model.vocab_size");
   return d;
+}
+
+// model.init_from: a file (ConfigError naming the key otherwise) that loads as a state dict
+// (errors name the key and the file) of finite values.
+TensorStateDict init_state_dict(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) throw ConfigError("model.init_from: " + path + " does not exist");
+  if (std::filesystem::is_directory(path, ec))
+    throw ConfigError("model.init_from: " + path + " is a directory; expected a file written by torch.save");
+  TensorStateDict sd;
+  try {
+    sd = load_pytorch_state_dict(path);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("model.init_from " + path + ": " + error_text(e));
+  }
+  const std::vector<std::string> bad = non_finite_tensors(sd);
+  if (bad.empty()) return sd;
+  std::string list;
+  for (const auto& b : bad) list += (list.empty() ? "" : ", ") + b;
+  throw std::runtime_error("model.init_from " + path + ": " + std::to_string(bad.size()) +
+                           " tensor(s) hold NaN or infinite values: " + list + "; training cannot start from them");
 }
 
 std::string resolved_export_path(const TrainConfig& cfg) {
@@ -111,13 +190,27 @@ struct CommSeconds {
   double all_gather, all_gather_wait, reduce_scatter, reduce_scatter_wait;
 };
 
-// Every rank's `fields` numbers, rank after rank (a collective over the world).
-std::vector<double> all_gather_numbers(const std::vector<double>& mine, int world_size) {
-  at::Tensor all = at::empty({static_cast<int64_t>(world_size * mine.size())}, at::kDouble);
-  world()->all_gather_into(all, at::tensor(mine, at::kDouble))->wait();
-  const double* p = all.data_ptr<double>();
-  return std::vector<double>(p, p + all.numel());
+// A number for a message: NaN and infinities spelled out (a stream writes "-nan").
+std::string shown(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::ostringstream s;
+  s << v;
+  return s.str();
 }
+
+// The global gradient norm without clipping: an infinite max_norm never scales.
+double global_grad_norm(const std::vector<at::Tensor>& parameters) { return clip_grad_norm_(parameters, INFINITY); }
+
+// What every rank decided about a step from everyone's numbers (the same on every rank).
+struct StepVotes {
+  double loss = 0;               // the global-batch mean
+  double grad_norm = 0;          // rank 0's (all ranks computed the same all-reduced norm)
+  bool non_finite = false;       // any rank's loss or gradient norm is NaN or infinite
+  bool stop_requested = false;   // a rank received SIGTERM/SIGINT
+  std::vector<int> save_failed;  // the ranks whose background save failed
+  std::vector<double> local_losses;
+};
 
 // ---------------------------------------------------------------------- the run
 
@@ -128,19 +221,27 @@ class Run {
 
  private:
   void set_up();
+  void join_job(const RendezvousInfo& env);
+  void check_checkpoint_dir();
   void shard_model();
   void resume();
+  std::string agreed_resume_dir();
+  void load_resume_checkpoint(const std::string& dir);
   void start_logging();
   int train();
-  void save_checkpoint(int64_t step, bool async);
-  StepReport train_step(int64_t step);
+  std::string save_checkpoint(int64_t step, bool async);
+  void poll_background_save();
+  StepReport compute_step(int64_t step);
+  StepVotes vote_on_step(const StepReport& r);
+  void apply_step(StepReport& r);
   void set_learning_rate(double lr);
   double forward_backward(const at::Tensor& batch, int64_t micro, StepReport& r);
-  double optimizer_step();
-  std::vector<RankStep> gather_rank_numbers(const RankStep& mine, bool stop_requested, bool* any_stop);
-  bool report_step(StepReport& r);
-  int stop_non_finite(int64_t step, double loss);
+  void clip_and_step(double grad_norm);
+  void report_step(StepReport& r, const StepVotes& votes);
+  int stop_non_finite(int64_t step, const StepVotes& votes);
+  int stop_on_failed_save(int64_t step, const StepVotes& votes);
   int stop_on_signal(int64_t step);
+  std::string last_good_checkpoint();
   void write_trace();
   void finish(int64_t last_step);
   void export_and_sample();
@@ -153,6 +254,10 @@ class Run {
     if (rank_ != 0) return;
     if (console_) console_->line(text);
     else std::cout << text << "\n" << std::flush;  // before the console exists (resume)
+  }
+  // One line on stderr from this rank, whichever it is.
+  void print_error(const std::string& text) const {
+    std::cerr << "fsdp-train: rank " << rank_ << ": " << text << "\n" << std::flush;
   }
 
   const TrainConfig& cfg_;
@@ -173,6 +278,9 @@ class Run {
   int64_t done_steps_ = 0;  // optimizer steps done so far
   int64_t tokens_seen_ = 0;
   int64_t last_saved_step_ = -1;
+  std::string last_saved_dir_;     // the checkpoint of last_saved_step_ (resumed from or saved)
+  int64_t background_step_ = -1;   // the step the latest background save is writing
+  std::string save_error_;         // this rank's failed background save, as poll() reported it
   std::vector<double> losses_, step_times_;
   CollectiveStats comm_before_;
 };
@@ -192,14 +300,14 @@ void Run::set_up() {
   check_against_launcher(cfg_, env.world_size, env.local_rank);
   args_ = model_args_of(cfg_.model);
   seq_ = seq_len_of(cfg_, args_);
+  check_memory(cfg_, args_, seq_, env);
   batch_ = cfg_.training.micro_batch_size;
   accumulation_ = cfg_.training.gradient_accumulation_steps;
   schedule_ = lr_schedule(cfg_);
   data_ = data_of(cfg_, args_);
 
-  init_process_group(env);
-  rank_ = get_rank();
-  world_ = get_world_size();
+  join_job(env);
+  check_checkpoint_dir();
   mesh_ = init_device_mesh("cpu", {world_});
   shard_model();
 
@@ -209,6 +317,27 @@ void Run::set_up() {
       torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   checkpoints_ = std::make_unique<CheckpointManager>(cfg_.fsdp_config.checkpoint_dir,
                                                      static_cast<int>(cfg_.training.keep_checkpoints));
+}
+
+// The process group, with fsdp_config.collective_timeout_s; the library lets
+// FSDP_COLLECTIVE_TIMEOUT_MS win over it, and then the run says so rather than ignore the key.
+void Run::join_job(const RendezvousInfo& env) {
+  init_process_group(env, init_options(cfg_.fsdp_config));
+  rank_ = get_rank();
+  world_ = get_world_size();
+  const char* from_env = std::getenv("FSDP_COLLECTIVE_TIMEOUT_MS");
+  if (!cfg_.fsdp_config.collective_timeout_s || !from_env) return;
+  std::ostringstream note;
+  note << "fsdp-train: note: FSDP_COLLECTIVE_TIMEOUT_MS=" << from_env << " in the environment sets the collective "
+       << "timeout; fsdp_config.collective_timeout_s (" << *cfg_.fsdp_config.collective_timeout_s << " s) is not used";
+  print(note.str());
+}
+
+// At start-up rather than at the first save, which can be hours in: rank 0 creates the
+// directory and writes a probe file, and every rank stops together when that fails.
+void Run::check_checkpoint_dir() {
+  const std::string problem = from_rank0(rank_ == 0 ? checkpoint_dir_problem(cfg_.fsdp_config.checkpoint_dir) : "");
+  if (!problem.empty()) throw ConfigError("fsdp_config.checkpoint_dir: " + problem);
 }
 
 // Every block is its own FSDP unit, the root holds the rest (embeddings, final norm, output).
@@ -224,28 +353,88 @@ void Run::shard_model() {
   FullyShardOptions root_options = FullyShardOptions().mesh(mesh_);
   if (!reshard) root_options.reshard_after_forward(false);
   root_ = fully_shard(model_, root_options);
-  if (!cfg_.model.init_from.empty()) load_full_state_dict(*model_, load_pytorch_state_dict(cfg_.model.init_from));
+  if (cfg_.model.init_from.empty()) return;
+  const std::string& path = cfg_.model.init_from;
+  const TensorStateDict sd = init_state_dict(path);
+  try {
+    load_full_state_dict(*model_, sd);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("model.init_from " + path + ": " + error_text(e));
+  }
 }
 
-void Run::save_checkpoint(int64_t step, bool async) {
+// Returns the directory written: with async, the one being written in the background.
+std::string Run::save_checkpoint(int64_t step, bool async) {
   const ShardedStateDict sd = checkpoint_state(*model_, *optimizer_, mesh_, {done_steps_, tokens_seen_});
-  if (async) checkpoints_->save_async(step, sd);
-  else checkpoints_->save(step, sd);
+  std::string dir = cfg_.fsdp_config.checkpoint_dir + "/step_" + std::to_string(step);
+  if (async) {
+    checkpoints_->save_async(step, sd);
+    background_step_ = step;
+  } else {
+    dir = checkpoints_->save(step, sd);
+  }
   last_saved_step_ = step;
+  last_saved_dir_ = dir;
+  return dir;
 }
 
-// training.resume: auto = the latest complete checkpoint (if any), never, or a checkpoint path.
+// A failed background save is noticed at the next step, not at the next save.
+void Run::poll_background_save() {
+  if (!save_error_.empty()) return;
+  try {
+    checkpoints_->poll();
+  } catch (const std::exception& e) {
+    save_error_ = error_text(e);
+  }
+}
+
+// training.resume: rank 0 chooses (resume.h) and says what it found; every rank then loads the
+// same checkpoint, or every rank stops naming the ranks that could not.
 void Run::resume() {
-  const std::string& r = cfg_.training.resume;
-  std::optional<std::string> dir;
-  if (r == "auto") dir = checkpoints_->latest();
-  else if (r != "never") dir = r;
-  if (!dir) return;
-  const TrainerCounters counters = load_checkpoint_state(*dir, *model_, *optimizer_, mesh_);
-  start_step_ = done_steps_ = counters.steps_done;
-  tokens_seen_ = counters.tokens_seen;
+  const std::string dir = agreed_resume_dir();
+  if (dir.empty()) return;
+  load_resume_checkpoint(dir);
+  print("resumed from " + dir + " at step " + std::to_string(start_step_));
+}
+
+// Rank 0's choice, on every rank: "D<dir>", or "C<message>" / "E<message>" for a configuration
+// / runtime error that every rank then throws.
+std::string Run::agreed_resume_dir() {
+  std::string mine;
+  if (rank_ == 0) {
+    try {
+      const ResumeChoice c = resume_choice(cfg_.training.resume, *checkpoints_, cfg_.fsdp_config.checkpoint_dir);
+      for (const auto& note : c.notes) print(note);
+      mine = "D" + c.dir;
+    } catch (const ConfigError& e) {
+      mine = "C" + std::string(e.what());
+    } catch (const std::exception& e) {
+      mine = "E" + error_text(e);
+    }
+  }
+  const std::string decided = from_rank0(mine);
+  const std::string text = decided.substr(1);
+  const std::string seen_by = rank_ == 0 ? text : "rank 0 found no checkpoint to resume from (see its message)";
+  if (decided[0] == 'C') throw ConfigError(seen_by);
+  if (decided[0] == 'E') throw std::runtime_error(seen_by);
+  return text;
+}
+
+void Run::load_resume_checkpoint(const std::string& dir) {
+  std::string why;
+  const bool readable = CheckpointManager::is_complete(dir, &why);
+  throw_unless_every_rank_ok(readable ? "" : why, "cannot resume from " + dir + ", which rank 0 chose");
+  std::string problem;
+  try {
+    const TrainerCounters counters = load_checkpoint_state(dir, *model_, *optimizer_, mesh_);
+    start_step_ = done_steps_ = counters.steps_done;
+    tokens_seen_ = counters.tokens_seen;
+  } catch (const std::exception& e) {
+    problem = error_text(e);
+  }
+  throw_unless_every_rank_ok(problem, "cannot load the checkpoint " + dir);
   last_saved_step_ = start_step_;
-  print("resumed from " + *dir + " at step " + std::to_string(start_step_));
+  last_saved_dir_ = dir;
 }
 
 // The console, this rank's JSONL file and the opening line.
@@ -277,7 +466,8 @@ int Run::main() {
   return train();
 }
 
-// The loop, from the step after start_step_ to training.steps; returns the exit code.
+// The loop, from the step after start_step_ to training.steps; returns the exit code. A step
+// is computed, voted on by every rank, and only then applied.
 int Run::train() {
   if (cfg_.logging.trace) {
     trace::start();
@@ -286,11 +476,15 @@ int Run::train() {
   comm_before_ = mesh_.get_group(0)->stats();
   const int64_t interval = cfg_.fsdp_config.checkpoint_interval;
   for (int64_t step = start_step_ + 1; step <= cfg_.training.steps; ++step) {
-    StepReport r = train_step(step);
+    StepReport r = compute_step(step);
+    poll_background_save();
+    const StepVotes votes = vote_on_step(r);
+    if (votes.non_finite) return stop_non_finite(step, votes);
+    if (!votes.save_failed.empty()) return stop_on_failed_save(step, votes);
+    apply_step(r);
     done_steps_ = step;
-    const bool stop_requested = report_step(r);
-    if (!std::isfinite(r.loss)) return stop_non_finite(step, r.loss);
-    if (stop_requested) return stop_on_signal(step);
+    report_step(r, votes);
+    if (votes.stop_requested) return stop_on_signal(step);
     if (interval > 0 && step % interval == 0 && step < cfg_.training.steps) save_checkpoint(step, /*async=*/true);
   }
   finish(cfg_.training.steps);
@@ -326,22 +520,24 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
   return loss.item<double>();
 }
 
-// Clipping (when training.max_grad_norm > 0) and AdamW; returns the gradient norm before
-// clipping, NaN when not computed.
-double Run::optimizer_step() {
+// Clipping with the norm already computed (as clip_grad_norm_ scales: max_norm / (norm + 1e-6)
+// when below 1), then AdamW.
+void Run::clip_and_step(double grad_norm) {
   trace::Span span("compute", "optimizer");
-  const double grad_norm = cfg_.training.max_grad_norm > 0
-                               ? clip_grad_norm_(model_->parameters(), cfg_.training.max_grad_norm)
-                               : NAN;
+  const double max_norm = cfg_.training.max_grad_norm;
+  const double coef = max_norm / (grad_norm + 1e-6);
+  if (max_norm > 0 && coef < 1.0)
+    for (auto& p : model_->parameters())
+      if (p.grad().defined()) p.mutable_grad().mul_(coef);
   optimizer_->step();
   // Drop the gradients rather than zeroing them (PyTorch's zero_grad(set_to_none=True)): the
   // next backward's reduce-scatter writes fresh ones, and forward runs without them in memory.
   for (auto& group : optimizer_->param_groups())
     for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
-  return grad_norm;
 }
 
-StepReport Run::train_step(int64_t step) {
+// Forward, backward and the global gradient norm of step `step`; nothing applied yet.
+StepReport Run::compute_step(int64_t step) {
   StepReport r;
   r.step = step;
   r.steps = cfg_.training.steps;
@@ -356,9 +552,12 @@ StepReport Run::train_step(int64_t step) {
   double loss_sum = 0;
   for (int64_t m = 0; m < accumulation_; ++m) loss_sum += forward_backward(batch, m, r);
   r.loss = loss_sum;  // this rank's mean over its rows (the micro-batch losses are already / k)
-  const double o0 = now_seconds();
-  r.grad_norm = optimizer_step();
-  r.optimizer_s = now_seconds() - o0;
+  const double n0 = now_seconds();
+  {
+    trace::Span span("compute", "grad_norm");
+    r.grad_norm = global_grad_norm(model_->parameters());
+  }
+  r.optimizer_s = now_seconds() - n0;
   r.step_s = now_seconds() - t0;
 
   const CommSeconds comm(comm_start, mesh_.get_group(0)->stats());
@@ -366,63 +565,117 @@ StepReport Run::train_step(int64_t step) {
   r.ag_wait_s = comm.all_gather_wait;
   r.rs_busy_s = comm.reduce_scatter;
   r.rs_wait_s = comm.reduce_scatter_wait;
-
-  tokens_seen_ += tokens_per_step();
-  r.tokens_seen = tokens_seen_;
-  r.tokens_per_s = tokens_per_step() / r.step_s;
   return r;
 }
 
-std::vector<RankStep> Run::gather_rank_numbers(const RankStep& mine, bool stop_requested, bool* any_stop) {
-  constexpr size_t kFields = 5;
+// The per-step all-gather: every rank's loss, gradient norm, stop request and failed save.
+StepVotes Run::vote_on_step(const StepReport& r) {
+  constexpr size_t kFields = 4;
   const std::vector<double> all = all_gather_numbers(
-      {mine.local_loss, mine.live_mib, mine.peak_mib, mine.rss_mib, stop_requested ? 1.0 : 0.0}, world_);
-  std::vector<RankStep> ranks(world_);
-  *any_stop = false;
-  for (size_t q = 0; q < ranks.size(); ++q) {
+      {r.loss, r.grad_norm, stop_signal() != 0 ? 1.0 : 0.0, save_error_.empty() ? 0.0 : 1.0});
+  StepVotes v;
+  v.grad_norm = all[1];
+  for (int q = 0; q < world_; ++q) {
     const double* p = all.data() + q * kFields;
-    ranks[q] = RankStep{p[0], p[1], p[2], p[3]};
-    *any_stop = *any_stop || p[4] != 0.0;
+    v.local_losses.push_back(p[0]);
+    v.loss += p[0] / world_;
+    v.non_finite = v.non_finite || !std::isfinite(p[0]) || !std::isfinite(p[1]);
+    v.stop_requested = v.stop_requested || p[2] != 0.0;
+    if (p[3] != 0.0) v.save_failed.push_back(q);
   }
-  return ranks;
+  return v;
 }
 
-// Turns r.loss (this rank's) into the global-batch mean and logs the step. Returns whether any
-// rank was asked to stop by a signal.
-bool Run::report_step(StepReport& r) {
+// Clipping and AdamW, timed into r, and the step's token counts.
+void Run::apply_step(StepReport& r) {
+  const double o0 = now_seconds();
+  clip_and_step(r.grad_norm);
+  const double o = now_seconds() - o0;
+  r.optimizer_s += o;
+  r.step_s += o;
+  tokens_seen_ += tokens_per_step();
+  r.tokens_seen = tokens_seen_;
+  r.tokens_per_s = tokens_per_step() / r.step_s;
+}
+
+// Logs an applied step: the JSONL line of every rank, and rank 0's step line, for which the
+// other ranks' memory numbers are gathered (only on the steps it prints).
+void Run::report_step(StepReport& r, const StepVotes& votes) {
   const RankStep mine{r.loss, memory::allocated_bytes() / kMiB, memory::max_allocated_bytes() / kMiB,
                       memory::current_rss_bytes() / kMiB};
-  bool stop = false;
-  r.ranks = gather_rank_numbers(mine, stop_signal() != 0, &stop);
-  double loss = 0;
-  for (const RankStep& q : r.ranks) loss += q.local_loss;
-  r.loss = loss / world_;
+  r.loss = votes.loss;
+  r.ranks.assign(world_, RankStep{});
+  for (int q = 0; q < world_; ++q) r.ranks[q].local_loss = votes.local_losses[q];
+  r.ranks[rank_] = mine;
+  const bool printed = r.step % cfg_.logging.log_interval == 0 || r.step == cfg_.training.steps;
+  if (printed) {
+    const std::vector<double> all = all_gather_numbers({mine.live_mib, mine.peak_mib, mine.rss_mib});
+    for (int q = 0; q < world_; ++q)
+      r.ranks[q] = RankStep{votes.local_losses[q], all[3 * q], all[3 * q + 1], all[3 * q + 2]};
+  }
   losses_.push_back(r.loss);
   step_times_.push_back(r.step_s);
   jsonl_.write(r, rank_);
-  if (rank_ == 0) {
-    if (r.step % cfg_.logging.log_interval == 0 || r.step == cfg_.training.steps) console_->step_line(r);
-    else console_->progress(r.step);
-  }
-  return stop;
+  if (rank_ != 0) return;
+  if (printed) console_->step_line(r);
+  else console_->progress(r.step);
 }
 
-int Run::stop_non_finite(int64_t step, double loss) {
-  print("fsdp-train: stopping: the loss is " + std::to_string(loss) + " at step " + std::to_string(step) +
-        " (non-finite). Nothing is saved from this step; the last checkpoint is " +
-        (last_saved_step_ >= 0 ? "step " + std::to_string(last_saved_step_) : std::string("none")) +
-        ". Lower optimizer.lr or set training.max_grad_norm.");
-  checkpoints_->wait();
+// After any background save has ended: the newest complete checkpoint as rank 0 sees it
+// ("none" when there is none; "" on the other ranks). Every checkpoint saved holds finite
+// values only: a non-finite step is never applied.
+std::string Run::last_good_checkpoint() {
+  try {
+    checkpoints_->wait();
+  } catch (const std::exception& e) {
+    if (save_error_.empty()) save_error_ = error_text(e);
+  }
+  if (rank_ != 0) return "";
+  const CheckpointManager::Scan scan = checkpoints_->scan();
+  const std::optional<std::string> dir = scan.latest_complete ? scan.latest_complete : scan.newest_complete;
+  return dir ? *dir : std::string("none");
+}
+
+// Every rank gets here at the same step (the votes are the same everywhere). The step was not
+// applied: no optimizer step, nothing saved.
+int Run::stop_non_finite(int64_t step, const StepVotes& votes) {
+  const std::string good = last_good_checkpoint();
+  std::ostringstream msg;
+  msg << "fsdp-train: stopping at step " << step << ": the loss is " << shown(votes.loss) << " and the gradient norm is "
+      << shown(votes.grad_norm) << " (non-finite); this step was not applied (no optimizer step) and nothing of it is "
+      << "saved. The last good checkpoint is " << good << ". Lower optimizer.lr";
+  if (cfg_.training.max_grad_norm > 0) msg << " (clipping at training.max_grad_norm cannot help a non-finite norm)";
+  else msg << " or set training.max_grad_norm (clipping is off)";
+  msg << ", then run again with training.resume: auto.";
+  print(msg.str());
   write_trace();
   return kExitNonFinite;
 }
 
-// Every rank gets here at the same step (the stop request travels with the step's numbers).
+// Every rank stops at the same step (the failed save travels with the step's votes), each with
+// one line; the checkpoint before the failed one stays complete and resumable.
+int Run::stop_on_failed_save(int64_t step, const StepVotes& votes) {
+  const std::string good = last_good_checkpoint();
+  std::string ranks;
+  for (int q : votes.save_failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+  const std::string saved = "the checkpoint of step " + std::to_string(background_step_);
+  std::string line = !save_error_.empty()
+                         ? "saving " + saved + " failed: " + save_error_
+                         : "stopping at step " + std::to_string(step) + ": rank(s) " + ranks + " failed saving " + saved;
+  if (rank_ == 0)
+    line += "; stopped at step " + std::to_string(step) + " (not applied); the last complete checkpoint is " + good +
+            ": fix the cause and run again with training.resume: auto";
+  print_error(line);
+  write_trace();
+  return kExitError;
+}
+
+// Every rank gets here at the same step (the stop request travels with the step's votes).
 int Run::stop_on_signal(int64_t step) {
-  save_checkpoint(step, /*async=*/false);
+  const std::string dir = save_checkpoint(step, /*async=*/false);
   const int sig = stop_signal() ? stop_signal() : SIGTERM;  // another rank's signal
   print("fsdp-train: stop requested (signal " + std::to_string(sig) + "): saved step " + std::to_string(step) +
-        " to " + *checkpoints_->latest() + "; run again with training.resume: auto to continue");
+        " to " + dir + "; run again with training.resume: auto to continue");
   write_trace();
   return 128 + sig;
 }
@@ -439,7 +692,7 @@ void Run::write_trace() {
 void Run::finish(int64_t last_step) {
   if (cfg_.fsdp_config.checkpoint_interval > 0 && last_saved_step_ != last_step) save_checkpoint(last_step, false);
   checkpoints_->wait();
-  if (last_saved_step_ == last_step) print("checkpoint: " + *checkpoints_->latest());
+  if (last_saved_step_ == last_step) print("checkpoint: " + last_saved_dir_);
   write_trace();
   if (last_step > start_step_) write_summary(last_step - start_step_);
   export_and_sample();
@@ -500,7 +753,7 @@ void Run::write_summary(int64_t steps_run) {
   s.steps_run = steps_run;
   s.warmup = summary_warmup_steps(cfg_.logging.summary_warmup, step_times_.size());
   const RankTotals mine = my_totals(s.warmup);
-  const std::vector<double> all = all_gather_numbers(mine.to_vector(), world_);
+  const std::vector<double> all = all_gather_numbers(mine.to_vector());
   if (rank_ != 0) return;
   for (int q = 0; q < world_; ++q) s.ranks.push_back(RankTotals::from(all.data() + q * RankTotals::kFields));
   s.median_step_s = mine.median_step_s;

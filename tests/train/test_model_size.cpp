@@ -1,0 +1,89 @@
+// test_model_size.cpp — the memory estimate that rejects, at configuration time, a model or
+// batch the machine cannot hold (tools/fsdp-train/model_size.h). No torch.
+#include "config.h"
+#include "model_size.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+using namespace fsdp::train;
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+ModelSizes tiny() { return ModelSizes{2, 8, 16, 16, 4}; }  // ModelArgs::preset("tiny")
+StepSizes two_ranks() { return StepSizes{2, 2, 4, 1, 16}; }
+
+// The ConfigError's message, or "" when none is thrown.
+std::string rejection(const ModelSizes& m, const StepSizes& s, double mem = 16 * kGiB) {
+  try {
+    check_fits_in_memory(m, s, mem);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void expect_rejected_naming(const ModelSizes& m, const StepSizes& s, const std::string& key) {
+  const std::string msg = rejection(m, s);
+  ASSERT_FALSE(msg.empty()) << key;
+  EXPECT_EQ(msg.rfind(key + ":", 0), 0u) << msg;  // the key first, as every configuration error
+  for (const char* part : {"per rank", "MemTotal", "16 bytes", "Rule:", "LOCAL_WORLD_SIZE"})
+    EXPECT_NE(msg.find(part), std::string::npos) << part << " not in: " << msg;
+}
+
+}  // namespace
+
+// The counts fsdp-train prints in its first line for the presets (parameters of the whole model).
+TEST(ModelSize, ParameterCountsOfThePresets) {
+  EXPECT_EQ(transformer_parameters(tiny()), 6976);
+  EXPECT_EQ(transformer_parameters({4, 8192, 256, 256, 8}), 7415296);     // small
+  EXPECT_EQ(transformer_parameters({8, 32000, 512, 768, 12}), 106225152);  // medium
+}
+
+TEST(ModelSize, ShippedSizesFitAndTheEstimateIsShardedOverTheWorld) {
+  EXPECT_EQ(rejection(tiny(), two_ranks()), "");
+  EXPECT_EQ(rejection({8, 32000, 512, 768, 12}, StepSizes{2, 2, 4, 1, 512}, 4 * kGiB), "");  // medium on 4 GiB
+  const ModelSizes big{8, 32000, 512, 4096, 32};
+  // 16 bytes per parameter over 1 rank, 4 bytes per parameter (the whole model) over 8.
+  const double p = transformer_parameters(big);
+  EXPECT_GE(bytes_per_rank(big, StepSizes{1, 1, 1, 1, 16}), 16 * p);
+  EXPECT_GE(bytes_per_rank(big, StepSizes{8, 8, 1, 1, 16}), 4 * p);
+  EXPECT_LT(bytes_per_rank(big, StepSizes{8, 8, 1, 1, 16}), 16 * p / 2);
+}
+
+TEST(ModelSize, EnormousSizesAreRejectedNamingTheKey) {
+  expect_rejected_naming({2, 8, 16, 1000000000, 4}, two_ranks(), "model.dim");
+  expect_rejected_naming({2, 1000000000000, 16, 16, 4}, two_ranks(), "model.vocab_size");
+  expect_rejected_naming({1000000000, 8, 16, 16, 4}, two_ranks(), "model.n_layers");
+  expect_rejected_naming({2, 8, 1000000000000, 16, 4}, two_ranks(), "model.max_seq_len");
+  expect_rejected_naming(tiny(), StepSizes{2, 2, 1000000000000, 1, 16}, "training.micro_batch_size");
+  expect_rejected_naming({2, 8, 1000000, 16, 4}, StepSizes{2, 2, 4, 1, 1000000}, "training.seq_len");
+}
+
+// Products far beyond int64 (dim^2, vocab * dim) are computed in double: no overflow, no
+// wrap-around to a small number that would pass.
+TEST(ModelSize, ProductsOverflowingInt64AreRejected) {
+  const int64_t huge = INT64_MAX / 2;
+  expect_rejected_naming({2, 8, 16, huge, 4}, two_ranks(), "model.dim");  // dim^2 overflows
+  expect_rejected_naming({2, huge, 16, 4, 4}, two_ranks(), "model.vocab_size");
+  EXPECT_TRUE(std::isfinite(bytes_per_rank({huge, huge, huge, huge, huge}, StepSizes{huge, huge, huge, huge, huge})));
+  // Unknown machine memory: still rejected beyond 2^63 bytes.
+  EXPECT_NE(rejection({2, huge, 16, huge, 4}, two_ranks(), 0), "");
+  EXPECT_EQ(rejection({2, 1000000, 16, 1024, 4}, two_ranks(), 0), "");
+}
+
+TEST(ModelSize, RanksOnOneMachineShareItsMemory) {
+  const ModelSizes m{8, 32000, 512, 768, 12};
+  const StepSizes one{8, 1, 4, 1, 512}, eight{8, 8, 4, 1, 512};
+  const double per_rank = bytes_per_rank(m, one);
+  EXPECT_EQ(rejection(m, one, 2 * per_rank), "");
+  const std::string msg = rejection(m, eight, 2 * per_rank);
+  EXPECT_NE(msg.find("8 rank(s) on this machine"), std::string::npos) << msg;
+}
+
+TEST(ModelSize, MachineMemoryIsRead) { EXPECT_GT(machine_memory_bytes(), 0); }

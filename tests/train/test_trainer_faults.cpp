@@ -1,0 +1,368 @@
+// End-to-end tests of fsdp-train when something is wrong: broken checkpoints on resume, a rank
+// that cannot read the chosen checkpoint, a non-finite step, a failed background save,
+// init_from files as Python writes them, damaged token files, and the collective timeout. Real
+// processes, mostly two ranks under fsdprun, since the faults are distributed.
+#include "process_harness.h"
+#include "trainer_runs.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <vector>
+
+using namespace process_test;
+using namespace trainer_test;
+namespace fs = std::filesystem;
+
+namespace {
+
+bool contains(const RunResult& r, const std::string& text) {
+  return (r.out + r.err).find(text) != std::string::npos;
+}
+
+// fsdprun exits 1 when its group fails and names the first worker's exit code.
+void expect_workers_exited(const RunResult& r, int code) {
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_TRUE(contains(r, "exited with code " + std::to_string(code))) << describe(r);
+  EXPECT_FALSE(contains(r, "frame #")) << "a C++ backtrace was printed\n" << describe(r);
+}
+
+// 20 steps at W=2 with a checkpoint every 5 steps, keeping 2: ckpt/step_15 and ckpt/step_20.
+std::vector<std::string> keep_two(const std::string& dir, int steps) {
+  return with(base_args(dir, steps), {"--training.keep_checkpoints=2"});
+}
+
+const TempDir& twenty_steps() {
+  static TempDir dir;
+  static bool done = [] {
+    RunResult r = fsdprun.run(under_fsdprun(2, keep_two(dir.path(), 20)), {}, 120);
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return true;
+  }();
+  (void)done;
+  return dir;
+}
+
+// A copy of the 20-step run's directory (checkpoints and metrics) in `to`.
+void copy_twenty_steps(const std::string& to) {
+  fs::copy(twenty_steps().path(), to, fs::copy_options::recursive);
+  ASSERT_TRUE(fs::exists(to + "/ckpt/step_15/metadata.json"));
+  ASSERT_TRUE(fs::exists(to + "/ckpt/step_20/metadata.json"));
+}
+
+// ------------------------------------------------------------------ resume: auto with broken checkpoints
+
+// The defect: this exited 0, restarted at step 1, truncated the metrics and pruned step_15.
+TEST(TrainerFaults, ResumeAutoWithAnIncompleteLatestUsesTheNewestCompleteCheckpoint) {
+  TempDir tmp;
+  const std::string dir = tmp / "run";
+  copy_twenty_steps(dir);
+  fs::remove(dir + "/ckpt/step_20/metadata.json");
+  RunResult r = fsdprun.run(under_fsdprun(2, keep_two(dir, 25)), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(contains(r, "resume: found " + dir + "/ckpt/latest names 'step_20', which")) << describe(r);
+  EXPECT_TRUE(contains(r, "resume: using " + dir + "/ckpt/step_15, the newest complete checkpoint")) << describe(r);
+  EXPECT_TRUE(contains(r, "resumed from " + dir + "/ckpt/step_15 at step 15")) << describe(r);
+  // The metrics are appended to: steps 1-20 of the first run, then 16-25.
+  std::vector<int64_t> want;
+  for (int64_t s = 1; s <= 20; ++s) want.push_back(s);
+  for (int64_t s = 16; s <= 25; ++s) want.push_back(s);
+  EXPECT_EQ(steps_in(dir + "/m0.jsonl"), want);
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/step_20/metadata.json"));  // saved again
+  EXPECT_TRUE(fs::exists(dir + "/ckpt/step_25/metadata.json"));
+  EXPECT_EQ(read_file(dir + "/ckpt/latest").substr(0, 7), "step_25");
+}
+
+TEST(TrainerFaults, ResumeAutoWithABrokenLatestFileUsesTheNewestCompleteCheckpoint) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"missing target", "step_99\n"}, {"empty", ""}, {"garbage", std::string("\x01\xff garbage\n\n", 12)}};
+  for (const auto& [name, latest] : cases) {
+    SCOPED_TRACE(name);
+    TempDir tmp;
+    const std::string dir = tmp / "run";
+    copy_twenty_steps(dir);
+    write_text(dir + "/ckpt/latest", latest);
+    RunResult r = fsdprun.run(under_fsdprun(2, keep_two(dir, 22)), {}, 120);
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r, "resume: found " + dir + "/ckpt/latest")) << describe(r);
+    EXPECT_TRUE(contains(r, "resumed from " + dir + "/ckpt/step_20 at step 20")) << describe(r);
+    EXPECT_EQ(steps_in(dir + "/m0.jsonl").size(), 22u);  // 20 kept + 21, 22
+  }
+}
+
+TEST(TrainerFaults, ResumeAutoWithNoCompleteCheckpointStopsAndStartsNothingOver) {
+  TempDir tmp;
+  const std::string dir = tmp / "run";
+  copy_twenty_steps(dir);
+  fs::remove(dir + "/ckpt/step_15/metadata.json");
+  fs::remove(dir + "/ckpt/step_20/metadata.json");
+  const std::string metrics_before = read_file(dir + "/m0.jsonl");
+  RunResult r = fsdprun.run(under_fsdprun(2, keep_two(dir, 25)), {}, 120);
+  expect_workers_exited(r, 1);
+  EXPECT_TRUE(contains(r, "training.resume: auto: " + dir + "/ckpt holds checkpoints but none is complete")) << describe(r);
+  EXPECT_TRUE(contains(r, dir + "/ckpt/step_15")) << describe(r);
+  EXPECT_TRUE(contains(r, "Nothing was started and nothing deleted")) << describe(r);
+  EXPECT_TRUE(contains(r, "rank 1: error: rank 0 found no checkpoint to resume from")) << describe(r);
+  EXPECT_EQ(read_file(dir + "/m0.jsonl"), metrics_before);  // not truncated
+  for (const char* step : {"step_15", "step_20"})
+    EXPECT_TRUE(fs::exists(dir + "/ckpt/" + step + "/rank_0.data")) << step << " was deleted";
+
+  // Only a `latest` file, naming nothing usable, is still a trace of an earlier run.
+  fs::remove_all(dir + "/ckpt/step_15");
+  fs::remove_all(dir + "/ckpt/step_20");
+  write_text(dir + "/ckpt/latest", "garbage\n");
+  RunResult only_latest = trainer.run(keep_two(dir, 25), {}, 60);
+  EXPECT_EQ(only_latest.exit_code, 1) << describe(only_latest);
+  EXPECT_TRUE(contains(only_latest, "holds checkpoints but none is complete")) << describe(only_latest);
+  EXPECT_TRUE(contains(only_latest, "'garbage'")) << describe(only_latest);
+}
+
+TEST(TrainerFaults, ResumeFromAnIncompleteCheckpointPathIsAConfigurationError) {
+  TempDir tmp;
+  const std::string dir = tmp / "run";
+  copy_twenty_steps(dir);
+  fs::remove(dir + "/ckpt/step_20/rank_1.data");
+  RunResult r = trainer.run(with(keep_two(dir, 25), {"--training.resume=" + dir + "/ckpt/step_20"}), {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_TRUE(contains(r, "training.resume: not a complete checkpoint: " + dir + "/ckpt/step_20")) << describe(r);
+}
+
+// Node-local disks: rank 1 runs in another directory, so the relative checkpoint_dir that rank
+// 0 resumes from does not exist there. Every rank stops, naming rank 1 and the checkpoint.
+TEST(TrainerFaults, ARankThatCannotReadTheChosenCheckpointStopsEveryRankNamingIt) {
+  TempDir tmp;
+  const std::string dir = tmp / "run";
+  copy_twenty_steps(dir);
+  fs::create_directories(tmp / "elsewhere");
+  write_text(tmp / "rank1_elsewhere.sh",
+             "#!/bin/sh\nif [ \"$LOCAL_RANK\" = 1 ]; then cd \"$ELSEWHERE\" || exit 99; fi\nexec \"$@\"\n", true);
+  std::vector<std::string> args = {"--standalone", "--nproc-per-node", "2", tmp / "rank1_elsewhere.sh", trainer.path()};
+  for (const auto& a : with(keep_two(dir, 25), {"--fsdp_config.checkpoint_dir=ckpt"})) args.push_back(a);
+  RunResult r = fsdprun.run(args, {{"ELSEWHERE", tmp / "elsewhere"}}, 120, dir);
+  expect_workers_exited(r, 1);
+  for (const char* rank : {"rank 0", "rank 1"}) {
+    EXPECT_TRUE(contains(r, std::string(rank) + ": error: cannot resume from ckpt/step_20, which rank 0 chose: rank 1: "
+                                                "ckpt/step_20"))
+        << rank << "\n" << describe(r);
+  }
+}
+
+// ------------------------------------------------------------------ a non-finite step
+
+// The defect, as reported: configs/gpl3.yaml at W=2 with lr 1e3 and a checkpoint every step
+// saved a step whose gradient norm was not finite, and named it as the last checkpoint.
+TEST(TrainerFaults, ANonFiniteStepIsNeitherAppliedNorSavedAndTheLastGoodCheckpointResumes) {
+  TempDir dir;
+  RunResult tok = trainer.run({"tokenize", "/usr/share/common-licenses/GPL-3", dir / "gpl3.tokens"}, {}, 30);
+  ASSERT_EQ(tok.exit_code, 0) << describe(tok);
+  const auto args = [&](int steps, const std::string& lr) {
+    return std::vector<std::string>{configs_dir() + "/gpl3.yaml", "--data.path=" + dir / "gpl3.tokens",
+                                    "--optimizer.lr=" + lr, "--fsdp_config.checkpoint_interval=1",
+                                    "--fsdp_config.checkpoint_dir=" + dir / "ckpt", "--training.keep_checkpoints=0",
+                                    "--training.steps=" + std::to_string(steps), "--logging.jsonl=" + dir / "m{rank}.jsonl",
+                                    "--logging.progress=off", "--training.export=none", "--sample.length=0"};
+  };
+  RunResult r = fsdprun.run(under_fsdprun(2, args(20, "1e3")), {}, 180);
+  expect_workers_exited(r, 3);
+  std::smatch m;
+  const std::string out = r.out;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("stopping at step ([0-9]+): the loss is (\\S+) and the gradient "
+                                                   "norm is (\\S+) \\(non-finite\\)")))
+      << describe(r);
+  const int bad = std::stoi(m[1]);
+  ASSERT_GE(bad, 2) << "the first step already failed: no checkpoint to check";
+  EXPECT_TRUE(contains(r, "this step was not applied (no optimizer step) and nothing of it is saved")) << describe(r);
+  const std::string good = dir / ("ckpt/step_" + std::to_string(bad - 1));
+  EXPECT_TRUE(contains(r, "The last good checkpoint is " + good + ".")) << describe(r);
+  // Clipping is on (max_grad_norm 1.0): the advice does not tell to set it.
+  EXPECT_FALSE(contains(r, "or set training.max_grad_norm")) << describe(r);
+  EXPECT_TRUE(contains(r, "clipping at training.max_grad_norm cannot help")) << describe(r);
+  for (int s = bad; s <= 20; ++s) EXPECT_FALSE(fs::exists(dir / ("ckpt/step_" + std::to_string(s)))) << s;
+  for (const char* file : {"m0.jsonl", "m1.jsonl"}) {
+    const auto metrics = read_metrics(dir / file);
+    ASSERT_EQ(metrics.rbegin()->first, bad - 1) << file;  // the bad step is not logged as done
+    for (const auto& [step, v] : metrics) EXPECT_TRUE(std::isfinite(v.loss) && std::isfinite(v.grad_norm)) << step;
+  }
+  // The checkpoint named good is: it loads, and the model it holds (exported by a run that is
+  // already complete at that step) has finite weights only.
+  const auto done = with(args(bad - 1, "1e3"), {"--training.export=" + dir / "good.pt"});
+  RunResult again = fsdprun.run(under_fsdprun(2, done), {}, 180);
+  ASSERT_EQ(again.exit_code, 0) << describe(again);
+  EXPECT_TRUE(contains(again, "resumed from " + good + " at step " + std::to_string(bad - 1))) << describe(again);
+  write_text(dir / "finite.py", "import sys, torch\nsd = torch.load(sys.argv[1])\n"
+                                "assert all(torch.isfinite(t).all() for t in sd.values())\n");
+  EXPECT_EQ(run_python(dir / "finite.py", {dir / "good.pt"}), 0);
+}
+
+// ------------------------------------------------------------------ a failed background save
+
+// A regular file where the checkpoint of step 10 goes makes its background save fail on every
+// rank; the run stops at a step after it, the same on both ranks, with one line per rank, and
+// step 5 stays resumable.
+TEST(TrainerFaults, AFailedBackgroundSaveStopsEveryRankWithOneLineEachAndStep5Resumes) {
+  TempDir dir;
+  fs::create_directories(dir / "ckpt");
+  write_text(dir / "ckpt/step_10", "in the way\n");
+  const auto args = with(base_args(dir.path(), 40), {"--training.resume=never"});
+  RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
+  expect_workers_exited(r, 1);
+  for (const char* rank : {"rank 0", "rank 1"})
+    EXPECT_TRUE(contains(r, std::string(rank) + ": saving the checkpoint of step 10 failed: ")) << rank << "\n" << describe(r);
+  EXPECT_TRUE(contains(r, "the last complete checkpoint is " + dir / "ckpt/step_5")) << describe(r);
+  const int64_t stopped = last_step_in(dir / "m0.jsonl");
+  EXPECT_GE(stopped, 10);
+  EXPECT_LT(stopped, 40);
+  EXPECT_EQ(last_step_in(dir / "m1.jsonl"), stopped) << "the ranks stopped at different steps";
+  EXPECT_TRUE(fs::exists(dir / "ckpt/step_5/metadata.json"));
+
+  fs::remove(dir / "ckpt/step_10");
+  RunResult again = fsdprun.run(under_fsdprun(2, base_args(dir.path(), 40)), {}, 120);
+  ASSERT_EQ(again.exit_code, 0) << describe(again);
+  EXPECT_TRUE(contains(again, "resumed from " + dir / "ckpt/step_5 at step 5")) << describe(again);
+}
+
+// ------------------------------------------------------------------ model.init_from as Python writes it
+
+// A Python model with the trainer's architecture and parameter names (base_args: 2 layers, dim
+// 64, vocab 64, max_seq_len 64), randomly initialised; its state_dict() saved as is (an
+// OrderedDict) and in the bundles training scripts write.
+const char* kPythonModel = R"(import sys, torch, torch.nn as nn
+class Attention(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        for name in ('wq', 'wk', 'wv', 'wo'): setattr(self, name, nn.Linear(dim, dim, bias=False))
+class FeedForward(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attention_norm, self.attention = nn.LayerNorm(dim), Attention(dim)
+        self.ffn_norm, self.feed_forward = nn.LayerNorm(dim), FeedForward(dim)
+class Transformer(nn.Module):
+    def __init__(self, n_layers=2, vocab=64, max_seq_len=64, dim=64):
+        super().__init__()
+        self.tok_embeddings, self.pos_embeddings = nn.Embedding(vocab, dim), nn.Embedding(max_seq_len, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(n_layers))
+        self.norm, self.output = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+torch.manual_seed(7)
+model = Transformer()
+with torch.no_grad():
+    for p in model.parameters(): p.normal_(0, 0.05)
+sd = model.state_dict()
+assert type(sd).__name__ == 'OrderedDict'
+out = sys.argv[1]
+torch.save(sd, out + '/ordered_dict.pt')
+torch.save({'model': sd, 'step': 3}, out + '/model_bundle.pt')
+torch.save({'state_dict': sd, 'optimizer': {}}, out + '/state_dict_bundle.pt')
+bad = model.state_dict()
+bad['norm.weight'][3] = float('nan')
+torch.save(bad, out + '/nan.pt')
+)";
+
+const char* kPythonCompare = R"(import sys, torch
+a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])
+a = a.get('model', a.get('state_dict', a))
+assert list(a.keys()) == list(b.keys()), (list(a.keys()), list(b.keys()))
+for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k
+print('OK', len(a))
+)";
+
+TEST(TrainerFaults, InitFromReadsPythonStateDictsAndBundles) {
+  TempDir dir;
+  write_text(dir / "model.py", kPythonModel);
+  write_text(dir / "compare.py", kPythonCompare);
+  ASSERT_EQ(run_python(dir / "model.py", {dir.path()}), 0);
+  for (const char* name : {"ordered_dict", "model_bundle", "state_dict_bundle"}) {
+    SCOPED_TRACE(name);
+    const std::string file = dir / (std::string(name) + ".pt"), out = dir / (std::string(name) + ".out.pt");
+    const auto args = with(base_args(dir / name, 1),
+                           {"--model.init_from=" + file, "--optimizer.lr=1e-30", "--schedule.min_lr=0",
+                            "--fsdp_config.checkpoint_interval=0", "--training.export=" + out});
+    RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_EQ(run_python(dir / "compare.py", {file, out}), 0);  // a vanishing step exports the same weights
+  }
+}
+
+// The advice used to be "set training.max_grad_norm" even when it was set; weights that are
+// not finite cannot train at all, so the file is refused naming the tensor.
+TEST(TrainerFaults, InitFromWithNonFiniteWeightsIsRefusedNamingTheFileAndTensor) {
+  TempDir dir;
+  write_text(dir / "model.py", kPythonModel);
+  ASSERT_EQ(run_python(dir / "model.py", {dir.path()}), 0);
+  RunResult r = trainer.run(with(base_args(dir.path(), 3), {"--model.init_from=" + dir / "nan.pt"}), {}, 60);
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_TRUE(contains(r, "model.init_from " + dir / "nan.pt" + ": 1 tensor(s) hold NaN or infinite values: "
+                                                                "norm.weight (1 of 64)"))
+      << describe(r);
+  EXPECT_FALSE(contains(r, "max_grad_norm")) << describe(r);
+  EXPECT_EQ(last_step_in(dir / "m0.jsonl"), 0);
+}
+
+// ------------------------------------------------------------------ damaged token files
+
+std::string token_header(uint32_t token_bytes, uint64_t vocab, uint64_t count) {
+  std::string h = std::string("FSDPTOK\0", 8);
+  auto put = [&h](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) h.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  put(1, 4), put(token_bytes, 4), put(vocab, 8), put(count, 8);
+  return h;
+}
+
+TEST(TrainerFaults, TokenFileHeadersThatOverflowNameTheFileAndTheField) {
+  TempDir dir;
+  const uint64_t big = uint64_t{1} << 63;
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {"vocab", token_header(2, big, 4) + std::string(8, '\0'),
+       "the header's vocabulary size (offset 16) is 9223372036854775808; expected 1 to 65536"},
+      {"count", token_header(2, 256, big), "the header's token count (offset 24) is 9223372036854775808"},
+      {"count4", token_header(4, 256, (uint64_t{1} << 62) + 1) + std::string(4, '\0'),
+       "the header's token count (offset 24) is 4611686018427387905"},
+  };
+  for (const auto& [name, bytes, expected] : cases) {
+    SCOPED_TRACE(name);
+    const std::string file = dir / (name + ".tokens");
+    write_text(file, bytes);
+    RunResult r = trainer.run(with(base_args(dir / name, 2),
+                                   {"--model.vocab_size=256", "--data.source=tokens", "--data.path=" + file}),
+                              {}, 60);
+    EXPECT_EQ(r.exit_code, 1) << describe(r);
+    EXPECT_TRUE(contains(r, file + ": " + expected)) << describe(r);
+  }
+}
+
+// ------------------------------------------------------------------ the collective timeout
+
+// Rank 1 starts 30 s late; with collective_timeout_s 2 rank 0 gives up after 2 s (the default
+// would wait 5 minutes).
+TEST(TrainerFaults, CollectiveTimeoutFromTheConfigEndsAWaitForAMissingRank) {
+  TempDir dir;
+  write_text(dir / "rank1_late.sh", "#!/bin/sh\nif [ \"$LOCAL_RANK\" = 1 ]; then sleep 30; fi\nexec \"$@\"\n", true);
+  std::vector<std::string> args = {"--standalone", "--nproc-per-node", "2", dir / "rank1_late.sh", trainer.path()};
+  for (const auto& a : with(base_args(dir.path(), 3), {"--fsdp_config.collective_timeout_s=2"})) args.push_back(a);
+  RunResult r = fsdprun.run(args, {}, 60);
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_LT(r.seconds, 20) << describe(r);
+  EXPECT_TRUE(contains(r, "timed out after 2000 ms")) << describe(r);
+}
+
+TEST(TrainerFaults, TheEnvironmentsTimeoutWinsOverTheKeyAndTheRunSaysSo) {
+  TempDir dir;
+  RunResult r = trainer.run(with(base_args(dir.path(), 1), {"--fsdp_config.collective_timeout_s=5"}),
+                            {{"FSDP_COLLECTIVE_TIMEOUT_MS", "60000"}}, 60);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(contains(r, "note: FSDP_COLLECTIVE_TIMEOUT_MS=60000 in the environment sets the collective timeout; "
+                          "fsdp_config.collective_timeout_s (5"))
+      << describe(r);
+}
+
+}  // namespace

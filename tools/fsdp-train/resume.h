@@ -1,0 +1,31 @@
+// resume.h — which checkpoint training.resume selects. Rank 0 decides (resume_choice) and the
+// trainer shares the decision with every rank, so ranks whose disks differ (node-local
+// checkpoint directories) still agree on one checkpoint, or all fail naming the rank that
+// cannot read it.
+#pragma once
+
+#include <fsdp/checkpoint.h>
+
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace train {
+
+struct ResumeChoice {
+  std::string dir;                 // the checkpoint to load; empty = start from step 0
+  std::vector<std::string> notes;  // what was found and what is used, for rank 0 to print
+};
+
+// training.resume:
+//   never   start from step 0 (whatever the directory holds);
+//   <path>  that checkpoint; ConfigError naming it and what is wrong unless it is complete;
+//   auto    the checkpoint `latest` names when it is complete; else the newest complete
+//           step_<N>, with notes saying what was wrong and what is used instead; else, when
+//           `root` holds a `latest` file or step_* directories, std::runtime_error naming
+//           what was found (nothing is started over, nothing deleted); else step 0.
+// Not collective: reads only small files under root.
+ResumeChoice resume_choice(const std::string& resume, const CheckpointManager& checkpoints, const std::string& root);
+
+}  // namespace train
+}  // namespace fsdp
