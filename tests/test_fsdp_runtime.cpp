@@ -205,7 +205,7 @@ TEST(FsdpRuntime, RootAndNoGradInputGroupsAreReducedAtEndOfBackward) {
     loss_of(model, global.slice(0, 2 * fsdp::get_rank(), 2 * fsdp::get_rank() + 2)).backward();
     auto ref_params = ref->named_parameters();
     for (const std::string name : {"tok_embeddings.weight", "pos_embeddings.weight", "norm.weight", "output.weight"}) {
-      const at::Tensor& p = model->named_parameters()[name];
+      const at::Tensor p = model->named_parameters()[name];  // a copy: the dict is a temporary
       ASSERT_TRUE(p.grad().defined()) << name;
       auto d = fsdp::as_dtensor(p);
       at::Tensor full = fsdp::DTensor::from_local(p.grad(), d.device_mesh(), d.placements(), d.sizes()).full_tensor();
@@ -391,7 +391,9 @@ TEST(FsdpRuntime, TheDefaultMeshFollowsANewProcessGroup) {
   fsdp::init_process_group();
   torch::nn::Linear first(3, 3);
   const auto first_group = fsdp::fully_shard(first).mesh().get_group(0);
+  const fsdp::RendezvousInfo info = fsdp::rendezvous_info();  // a copy: outlives the runtime
   fsdp::destroy_process_group();
+  EXPECT_EQ(info.world_size, 1);
   fsdp::init_process_group();
   torch::nn::Linear second(3, 3);
   const auto second_group = fsdp::fully_shard(second).mesh().get_group(0);

@@ -161,7 +161,9 @@ TEST(Memory, ResetPeakRss) {
   }
   const int64_t peak_after = fsdp::memory::peak_rss_bytes();
   const int64_t rss = fsdp::memory::current_rss_bytes();
-  EXPECT_LE(peak_after, peak_before);
+  // Not above the old peak, give or take pages touched meanwhile (under ASan freed memory stays
+  // in its quarantine, so RSS never drops and the peak sits right at it).
+  EXPECT_LE(peak_after, peak_before + kMiB);
   // After the reset the peak is the current RSS (give or take pages touched meanwhile).
   EXPECT_LT(peak_after, rss + 8 * kMiB);
   EXPECT_GE(peak_after, rss - 8 * kMiB);
