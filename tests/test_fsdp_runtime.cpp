@@ -68,6 +68,22 @@ int64_t training_state_bytes(torch::nn::Module& model, torch::optim::Adam& opt) 
   return n;
 }
 
+// The whole gradient of a sharded parameter, gathered from every rank's shard (collective).
+at::Tensor full_grad_of(const at::Tensor& sharded_param) {
+  auto d = fsdp::as_dtensor(sharded_param);
+  return fsdp::DTensor::from_local(sharded_param.grad(), d.device_mesh(), d.placements(), d.sizes()).full_tensor();
+}
+
+// Every parameter's gathered gradient matches the unsharded reference module's (collective).
+void expect_grads_match(torch::nn::Module& model, torch::nn::Module& ref) {
+  auto ref_params = ref.named_parameters();
+  for (const auto& item : model.named_parameters()) {
+    ASSERT_TRUE(item.value().grad().defined()) << item.key();
+    EXPECT_LT((full_grad_of(item.value()) - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6)
+        << item.key();
+  }
+}
+
 }  // namespace
 
 TEST(FsdpRuntime, CollectiveCountsPerStep) {
@@ -181,10 +197,7 @@ TEST(FsdpRuntime, ClipGradNormMatchesSingleProcess) {
         EXPECT_NEAR(got, expect, 1e-5 * std::max(1.0, expect)) << "norm " << p;
         auto ref_params = ref->named_parameters();
         for (const auto& item : model->named_parameters()) {
-          auto d = fsdp::as_dtensor(item.value());
-          at::Tensor full_grad =
-              fsdp::DTensor::from_local(item.value().grad(), d.device_mesh(), d.placements(), d.sizes()).full_tensor();
-          EXPECT_LT((full_grad - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6)
+          EXPECT_LT((full_grad_of(item.value()) - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6)
               << item.key() << " norm " << p;
         }
       }
@@ -207,9 +220,7 @@ TEST(FsdpRuntime, RootAndNoGradInputGroupsAreReducedAtEndOfBackward) {
     for (const std::string name : {"tok_embeddings.weight", "pos_embeddings.weight", "norm.weight", "output.weight"}) {
       const at::Tensor p = model->named_parameters()[name];  // a copy: the dict is a temporary
       ASSERT_TRUE(p.grad().defined()) << name;
-      auto d = fsdp::as_dtensor(p);
-      at::Tensor full = fsdp::DTensor::from_local(p.grad(), d.device_mesh(), d.placements(), d.sizes()).full_tensor();
-      EXPECT_LT((full - ref_params[name].grad()).abs().max().item<double>(), 1e-6) << name;
+      EXPECT_LT((full_grad_of(p) - ref_params[name].grad()).abs().max().item<double>(), 1e-6) << name;
     }
   });
 }
@@ -311,14 +322,7 @@ TEST(FsdpRuntime, GroupOfModulesGathersOnceWhenItsFirstModuleRunsTwice) {
     EXPECT_EQ(pg->stats()[CollectiveKind::kAllGather].calls, 1) << "only {a, b} resharded after forward";
     EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 2) << "one per group";
 
-    auto ref_params = ref->named_parameters();
-    for (const auto& item : model->named_parameters()) {
-      auto d = fsdp::as_dtensor(item.value());
-      ASSERT_TRUE(item.value().grad().defined()) << item.key();
-      at::Tensor grad = fsdp::DTensor::from_local(item.value().grad(), d.device_mesh(), d.placements(), d.sizes())
-                            .full_tensor();
-      EXPECT_LT((grad - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6) << item.key();
-    }
+    expect_grads_match(*model, *ref);
   });
 }
 
@@ -354,13 +358,7 @@ TEST(FsdpRuntime, UnshardingAChildBeforeTheFirstForwardKeepsTheRoot) {
     loss_of(ref, global).backward();
     const int r = fsdp::get_rank();
     loss_of(model, global.slice(0, 2 * r, 2 * r + 2)).backward();  // the root's forward is still the root
-    auto ref_params = ref->named_parameters();
-    for (const auto& item : model->named_parameters()) {
-      auto d = fsdp::as_dtensor(item.value());
-      at::Tensor grad = fsdp::DTensor::from_local(item.value().grad(), d.device_mesh(), d.placements(), d.sizes())
-                            .full_tensor();
-      EXPECT_LT((grad - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6) << item.key();
-    }
+    expect_grads_match(*model, *ref);
     for (auto& h : handles) {
       if (!(h == handles.back())) {
         EXPECT_EQ(h.unsharded_parameter_bytes(), 0);

@@ -15,14 +15,14 @@ namespace fsdp {
 namespace detail {
 namespace {
 
-RankMajorLayout layout_of(const FSDPParams& params, int64_t parts, int64_t (*piece_of)(const FSDPParam&, int64_t),
-                          int64_t piece_arg) {
+// Row q holds piece q of every parameter, in order; piece_numel[i] is parameter i's piece.
+RankMajorLayout layout_of(int64_t parts, std::vector<int64_t> piece_numel) {
   RankMajorLayout layout;
   layout.parts = parts;
-  for (const auto& p : params) {
+  layout.piece_numel = std::move(piece_numel);
+  for (int64_t n : layout.piece_numel) {
     layout.offset.push_back(layout.row_numel);
-    layout.piece_numel.push_back(piece_of(*p, piece_arg));
-    layout.row_numel += layout.piece_numel.back();
+    layout.row_numel += n;
   }
   return layout;
 }
@@ -38,11 +38,15 @@ void copy_padded(char* dst, const char* src, int64_t numel, int64_t begin, int64
 }  // namespace
 
 RankMajorLayout shard_layout(const FSDPParams& params, int64_t world) {
-  return layout_of(params, world, [](const FSDPParam& p, int64_t) { return p.padded_shard_numel(); }, 0);
+  std::vector<int64_t> pieces;
+  for (const auto& p : params) pieces.push_back(p->padded_shard_numel());
+  return layout_of(world, std::move(pieces));
 }
 
 RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k) {
-  return layout_of(params, k, [](const FSDPParam& p, int64_t parts) { return p.padded_full_numel() / parts; }, k);
+  std::vector<int64_t> pieces;
+  for (const auto& p : params) pieces.push_back(p->padded_full_numel() / k);
+  return layout_of(k, std::move(pieces));
 }
 
 at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout) {
