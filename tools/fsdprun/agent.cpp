@@ -96,7 +96,9 @@ Agent::Outcome Agent::attempt(int k) {
 std::optional<Agent::Outcome> Agent::wait_for_agents(int k) {
   store_->join(k);
   const auto deadline = Clock::now() + seconds(opt_.join_timeout_s);
-  while (store_->joined(k) < opt_.nnodes) {
+  for (;;) {
+    const int64_t joined = store_->joined(k);
+    if (joined >= opt_.nnodes) break;
     if (auto why = store_->shutdown()) {
       say("stopping: " + *why);
       return Outcome::Fatal;
@@ -106,7 +108,7 @@ std::optional<Agent::Outcome> Agent::wait_for_agents(int k) {
                       " timed out waiting for the other nodes";
       say("error: timed out after " + format_seconds(opt_.join_timeout_s) + " waiting for the fsdprun of all " +
           std::to_string(opt_.nnodes) + " nodes to join attempt " + std::to_string(k) + " (" +
-          std::to_string(store_->joined(k)) + " joined; see --join-timeout)");
+          std::to_string(joined) + " joined; see --join-timeout)");
       return Outcome::Fatal;
     }
     nap(kBarrierPollMs);
@@ -176,12 +178,9 @@ std::optional<Agent::Outcome> Agent::hear_peers(WorkerGroup& group, PeerWatch& p
 // A stop signal while the workers are being started: those started so far are stopped
 // like a running group (SIGKILL after the grace period), and no more are started.
 Agent::Outcome Agent::stop_while_starting(WorkerGroup& group, int k) {
-  handled_signals_ = stop_signals_;
-  note_interruption();
-  say("received " + signal_name(stop_signal_) + " while starting the workers of attempt " + std::to_string(k) +
-      " (" + std::to_string(group.started()) + " of " + std::to_string(opt_.nproc_per_node) +
-      " started): stopping them (SIGKILL after " + format_seconds(opt_.stop_grace_s) + ")");
-  group.stop(stop_signal_, opt_.stop_grace_s);
+  forward_stop_signal(group, " while starting the workers of attempt " + std::to_string(k) + " (" +
+                                 std::to_string(group.started()) + " of " + std::to_string(opt_.nproc_per_node) +
+                                 " started): stopping them");
   return Outcome::Interrupted;
 }
 
@@ -218,20 +217,26 @@ GroupSpec Agent::group_spec(int k) const {
 bool Agent::handle_signals(WorkerGroup& group) {
   stop_requested();
   if (stop_signals_ == handled_signals_) return false;
-  handled_signals_ = stop_signals_;
-  note_interruption();
   if (!group.stopping()) {
-    say("received " + signal_name(stop_signal_) + ": stopping the workers (SIGKILL after " +
-        format_seconds(opt_.stop_grace_s) + ")");
-    group.stop(stop_signal_, opt_.stop_grace_s);
+    forward_stop_signal(group, ": stopping the workers");
   } else {
+    acknowledge_stop_signals();
     say("received another stop signal: killing the workers now");
     group.kill_now();
   }
   return true;
 }
 
-void Agent::note_interruption() {
+// Shared by a running group and one being started, so that both say the same
+// "received SIGxxx<what> (SIGKILL after <grace>)" and stop the same way.
+void Agent::forward_stop_signal(WorkerGroup& group, const std::string& what) {
+  acknowledge_stop_signals();
+  say("received " + signal_name(stop_signal_) + what + " (SIGKILL after " + format_seconds(opt_.stop_grace_s) + ")");
+  group.stop(stop_signal_, opt_.stop_grace_s);
+}
+
+void Agent::acknowledge_stop_signals() {
+  handled_signals_ = stop_signals_;
   if (fatal_reason_.empty())
     fatal_reason_ = "the fsdprun of node " + std::to_string(opt_.node_rank) + " received " + signal_name(stop_signal_);
 }

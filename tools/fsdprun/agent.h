@@ -42,7 +42,11 @@ class Agent {
   Outcome wait_for_peers(int k);
   GroupSpec group_spec(int k) const;
   bool handle_signals(WorkerGroup& group);
-  void note_interruption();
+  // Says so and sends the first stop signal to the workers (SIGKILL after the grace period).
+  void forward_stop_signal(WorkerGroup& group, const std::string& what);
+  // The worker group has been told of every stop signal so far; the first one becomes
+  // the reason given to the other agents, unless there is one already.
+  void acknowledge_stop_signals();
   void report_failures(const std::vector<WorkerFailure>& failures, int k) const;
   void announce_stop(int k, const std::string& why);
   void leave_store(bool wait_for_others);

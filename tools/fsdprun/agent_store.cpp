@@ -118,13 +118,6 @@ c10d::TCPStoreOptions store_options(int port, bool server, Ms timeout) {
   return o;
 }
 
-// Before the server's thread starts, its accepted sockets are set to drop stalled
-// clients (see store_server_hooks.cpp).
-std::unique_ptr<c10d::TCPStore> start_server(const std::string& host, int port, Ms timeout) {
-  limit_stalls_on_port(port);
-  return std::make_unique<c10d::TCPStore>(host, store_options(port, true, timeout));
-}
-
 }  // namespace
 
 AgentStore::AgentStore(const Options& opt, const std::function<bool()>& keep_waiting)
@@ -146,9 +139,11 @@ void AgentStore::host(const Options& opt) {
   }
   port_ = opt.master_port;
   const std::string what = "cannot host the agent store on port " + std::to_string(port_);
+  // Also gives the server's sockets the timeouts that drop stalled clients.
   StoreServerBind watch_bind(/*loopback_only=*/false);
   try {
-    store_ = start_server(opt.master_addr, port_, seconds(opt.join_timeout_s));
+    store_ = std::make_unique<c10d::TCPStore>(opt.master_addr,
+                                              store_options(port_, /*server=*/true, seconds(opt.join_timeout_s)));
   } catch (const std::exception& e) {
     if (!watch_bind.address_in_use()) throw std::runtime_error(what + ": " + message_of(e));
     throw std::runtime_error(what +
@@ -162,8 +157,10 @@ void AgentStore::host_on_loopback(const Options& opt) {
   for (int i = 0; i < kStandalonePortTries && !store_; ++i) {
     port_ = free_loopback_port();
     try {
-      StoreServerBind loopback_only(/*loopback_only=*/true);  // the store's wildcard bind becomes 127.0.0.1
-      store_ = start_server("127.0.0.1", port_, seconds(opt.join_timeout_s));
+      // The store's wildcard bind becomes 127.0.0.1; its sockets drop stalled clients.
+      StoreServerBind loopback_only(/*loopback_only=*/true);
+      store_ = std::make_unique<c10d::TCPStore>("127.0.0.1",
+                                                store_options(port_, /*server=*/true, seconds(opt.join_timeout_s)));
     } catch (const std::exception& e) {
       last_error = message_of(e);  // port taken in between: try another
     }

@@ -38,14 +38,14 @@ std::optional<PeerNews> PeerWatch::take_news() {
 void PeerWatch::report_failure(const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (reported_ || heard_ || !report_.empty()) return;
+    if (done_ || !report_.empty()) return;
     report_ = why;
   }
   wake_.notify_all();
 }
 
 void PeerWatch::publish(PeerNews news) {
-  heard_ = true;
+  done_ = true;
   news_ = std::move(news);
   const char byte = 1;
   ssize_t ignored = write(pipe_[1], &byte, 1);
@@ -72,7 +72,7 @@ void PeerWatch::loop() {
   const auto interval = std::chrono::duration<double>(interval_s_);
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    if (reported_ || heard_) {  // nothing left to do but wait for the end
+    if (done_) {  // nothing left to do but wait for the end
       wake_.wait(lock, [this] { return quit_; });
       return;
     }
@@ -82,7 +82,7 @@ void PeerWatch::loop() {
     lock.unlock();
     std::optional<PeerNews> news = ask_store(report);
     lock.lock();
-    reported_ = !report.empty();
+    if (!report.empty()) done_ = true;
     if (news) publish(std::move(*news));
   }
 }

@@ -55,8 +55,7 @@ class PeerWatch {
   std::condition_variable wake_;
   bool quit_ = false;
   std::string report_;             // a failure to publish, empty if none
-  bool reported_ = false;  // this node reported: no more polling
-  bool heard_ = false;     // news arrived: no more polling
+  bool done_ = false;      // this node reported, or news arrived: no more polling
   std::optional<PeerNews> news_;  // not taken yet
   std::thread thread_;
 };

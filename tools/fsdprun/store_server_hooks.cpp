@@ -1,36 +1,41 @@
-// Why this file exists: LibTorch's TCPStore server creates, binds and accepts its
-// sockets itself and offers no option for what fsdprun needs from them. So the fsdprun
-// executable defines bind(), accept() and accept4(); they are exported (ENABLE_EXPORTS,
-// i.e. -rdynamic), so the dynamic linker resolves libtorch's calls to these definitions
-// rather than libc's, which they call in turn (dlsym RTLD_NEXT). Everything that is not
-// the store's passes through unchanged.
+// Why this file exists: LibTorch's TCPStore server creates and binds its sockets itself
+// and offers no option for what fsdprun needs from them. So the fsdprun executable
+// defines bind(); it is exported (ENABLE_EXPORTS, i.e. -rdynamic), so the dynamic linker
+// resolves libtorch's calls to this definition rather than libc's, which it calls in
+// turn (dlsym RTLD_NEXT). Every bind() outside a StoreServerBind passes through unchanged.
+// While one lives, the only socket bound is the store's listener: the store's own client
+// in the same constructor connects without binding.
 //
-// bind(): with --standalone the store must be reachable from this machine only, but
+// Loopback: with --standalone the store must be reachable from this machine only, but
 // LibTorch 1.13's server always listens on the wildcard address (its listen op resolves
 // getaddrinfo(nullptr, port, AI_PASSIVE), giving 0.0.0.0 or the dual-stack ::). While a
 // StoreServerBind(loopback_only) lives, a wildcard address is rewritten to loopback. It
 // also remembers an EADDRINUSE, so that fsdprun can say "port in use" in its own words
 // instead of parsing LibTorch's message.
 //
-// accept()/accept4(): the server of LibTorch 1.13 (TCPStoreMasterDaemon, and the
-// non-libuv backend of 2.x) is one thread that polls all client sockets and, once one is
-// readable, reads the whole request with blocking recv() calls. A client that sends the
-// first bytes of a request and then nothing stops that thread, and so the store, for
-// every other client, for as long as it likes. The accepted sockets of the store get
-// SO_RCVTIMEO and SO_SNDTIMEO here: a recv() (or send()) that makes no progress for
-// kStalledRequestTimeoutMs fails with EAGAIN, which LibTorch turns into an exception;
-// the server catches exceptions of a request, closes that client's socket, forgets its
-// waits and goes on serving the others. Legitimate clients are not affected: the server
-// reads only after poll() said the socket is readable, and a client sends a request in
-// one go, so a recv() waits at most for the rest of a request already on its way; waits
-// (WAIT, and the waits inside GET) are kept on the server without a blocking read; a
-// reply blocks send() only while the client's receive buffer is full. The timeout is
-// per call, so a large value that keeps flowing is never cut off. The libuv backend of
-// 2.x reads without blocking and has no such stall; there the options have no effect.
+// Stalled clients: the server of LibTorch 1.13 (TCPStoreMasterDaemon, and the non-libuv
+// backend of 2.x) is one thread that polls all client sockets and, once one is readable,
+// reads the whole request with blocking recv() calls. A client that sends the first
+// bytes of a request and then nothing stops that thread, and so the store, for every
+// other client, for as long as it likes. So the store's listener gets SO_RCVTIMEO and
+// SO_SNDTIMEO before it is bound; on Linux a socket returned by accept() inherits both
+// from its listener, so every client connection has them without fsdprun touching
+// accept(). A recv() (or send()) that makes no progress for kStalledRequestTimeoutMs then
+// fails with EAGAIN, which LibTorch turns into an exception; the server catches
+// exceptions of a request, closes that client's socket, forgets its waits and goes on
+// serving the others. On the listener itself the receive timeout would bound a blocking
+// accept(), but the daemon calls accept() only after poll() reported the listener
+// readable, i.e. with a connection already queued, so accepting never waits for it.
+// Legitimate clients are not affected: the server reads only after poll() said the
+// socket is readable, and a client sends a request in one go, so a recv() waits at most
+// for the rest of a request already on its way; waits (WAIT, and the waits inside GET)
+// are kept on the server without a blocking read; a reply blocks send() only while the
+// client's receive buffer is full. The timeout is per call, so a large value that keeps
+// flowing is never cut off. The libuv backend of 2.x reads without blocking and has no
+// such stall; there the options have no effect.
 
 #include "store_server_hooks.h"
 
-#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -45,39 +50,27 @@ namespace {
 std::atomic<int> g_loopback_only{0};
 std::atomic<int> g_binding{0};              // StoreServerBind instances alive
 std::atomic<bool> g_address_in_use{false};  // a bind failed with EADDRINUSE meanwhile
-std::atomic<int> g_store_port{0};           // 0: no store port to protect yet
 
-int local_port(int fd) {
-  sockaddr_storage addr{};
-  socklen_t len = sizeof addr;
-  if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return -1;
-  if (addr.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(addr).sin_port);
-  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(addr).sin6_port);
-  return -1;
-}
+bool binding() { return g_binding.load() > 0; }
+bool loopback_only() { return g_loopback_only.load() > 0; }
 
-// Called by the hooks below; errno is kept, as the callers of bind() and accept() look at it.
+// Called by bind() below; errno is kept, as the callers of bind() look at it.
 void after_bind(int result) {
-  if (result != 0 && errno == EADDRINUSE && g_binding > 0) g_address_in_use = true;
+  if (result != 0 && errno == EADDRINUSE && binding()) g_address_in_use = true;
 }
 
-void after_accept(int conn) {
-  const int port = g_store_port.load();
-  if (conn < 0 || port == 0) return;
+// Before the real bind(), so that the listener has the options before any connection
+// can be queued on it. Best effort: a socket that refuses them only loses the protection
+// against stalled clients. errno is kept, for the same reason as in after_bind().
+void limit_stalls(int fd) {
   const int saved = errno;
-  if (local_port(conn) != port) {
-    errno = saved;
-    return;
-  }
   timeval tv{};
   tv.tv_sec = kStalledRequestTimeoutMs / 1000;
   tv.tv_usec = (kStalledRequestTimeoutMs % 1000) * 1000;
-  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   errno = saved;
 }
-
-bool loopback_only() { return g_loopback_only.load() > 0; }
 
 }  // namespace
 
@@ -93,8 +86,6 @@ StoreServerBind::~StoreServerBind() {
 }
 
 bool StoreServerBind::address_in_use() const { return g_address_in_use; }
-
-void limit_stalls_on_port(int port) { g_store_port = port; }
 
 }  // namespace fsdprun
 
@@ -114,7 +105,7 @@ bool is_v6_only(int fd) {
 // The loopback counterpart of a wildcard address; other addresses are returned as they are.
 sockaddr_storage loopback_for(const sockaddr* addr, socklen_t len, int fd) {
   sockaddr_storage out{};
-  std::memcpy(&out, addr, std::min<std::size_t>(len, sizeof out));
+  std::memcpy(&out, addr, len);  // bind() passes larger addresses through unchanged
   if (addr->sa_family == AF_INET && len >= sizeof(sockaddr_in)) {
     auto& in4 = reinterpret_cast<sockaddr_in&>(out);
     if (in4.sin_addr.s_addr == htonl(INADDR_ANY)) in4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -144,6 +135,7 @@ extern "C" int bind(int fd, const struct sockaddr* addr, socklen_t len) noexcept
     errno = ENOSYS;
     return -1;
   }
+  if (fsdprun::binding()) fsdprun::limit_stalls(fd);
   int result;
   if (!fsdprun::loopback_only() || addr == nullptr || len > sizeof(sockaddr_storage)) {
     result = real(fd, addr, len);
@@ -153,28 +145,4 @@ extern "C" int bind(int fd, const struct sockaddr* addr, socklen_t len) noexcept
   }
   fsdprun::after_bind(result);
   return result;
-}
-
-extern "C" int accept(int fd, struct sockaddr* __restrict addr, socklen_t* __restrict len) {
-  using AcceptFn = int (*)(int, struct sockaddr*, socklen_t*);
-  static const AcceptFn real = next_definition<AcceptFn>("accept");
-  if (real == nullptr) {
-    errno = ENOSYS;
-    return -1;
-  }
-  const int conn = real(fd, addr, len);
-  fsdprun::after_accept(conn);
-  return conn;
-}
-
-extern "C" int accept4(int fd, struct sockaddr* __restrict addr, socklen_t* __restrict len, int flags) {
-  using Accept4Fn = int (*)(int, struct sockaddr*, socklen_t*, int);
-  static const Accept4Fn real = next_definition<Accept4Fn>("accept4");
-  if (real == nullptr) {
-    errno = ENOSYS;
-    return -1;
-  }
-  const int conn = real(fd, addr, len, flags);
-  fsdprun::after_accept(conn);
-  return conn;
 }

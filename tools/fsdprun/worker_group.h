@@ -61,9 +61,9 @@ class WorkerGroup {
   bool start(const std::function<bool()>& keep_going);
   // How many workers have been started.
   std::size_t started() const { return workers_.size(); }
-  // Waits up to timeout_ms (-1: no limit) for worker output or for one of wake_fds to
-  // become readable, and forwards the output that arrived. Does not read wake_fds;
-  // negative entries are ignored.
+  // Waits up to timeout_ms for worker output or for one of wake_fds to become readable,
+  // and forwards the output that arrived. Does not read wake_fds; negative entries are
+  // ignored.
   void pump(int timeout_ms, const std::vector<int>& wake_fds);
   // Reaps exited workers (their buffered output is forwarded first) and returns those
   // that failed, unless the group is being stopped (then exits are expected).
