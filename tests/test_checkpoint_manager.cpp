@@ -126,16 +126,24 @@ TEST(CheckpointManager, ScanAndIsCompleteReportEveryStateOfTheRoot) {
       {"step_99\n", root + "/latest names 'step_99', which does not exist"},
       {std::string(5000, 's'), root + "/latest cannot be read or is longer than 4096 bytes: it does not name a step "
                                "directory"},
+      // A path to a complete checkpoint, but not a step directory's name.
+      {"step_10/../step_10", root + "/latest names 'step_10/../step_10', which is not a step directory of this root"},
+      {"step_30", root + "/latest names 'step_30', which has no metadata.json (an incomplete save)"},
+      {" step_10\n", ""},
       {"step_10", ""}};
   for (const auto& [content, finding] : cases) {
     write_text(root + "/latest", content);
     scan = manager.scan();
     EXPECT_TRUE(scan.has_latest_file);
+    // latest() reads `latest` as scan() does: it names a complete checkpoint exactly when the
+    // scan finds `latest_complete`.
     if (finding.empty()) {
       EXPECT_EQ(scan.latest_complete, root + "/step_10");
+      EXPECT_EQ(manager.latest(), root + "/step_10") << "latest = '" << content << "'";
     } else {
       EXPECT_FALSE(scan.latest_complete.has_value());
       EXPECT_TRUE(has_finding(scan, finding)) << "latest = '" << content << "':" << all_findings(scan);
+      EXPECT_FALSE(manager.latest().has_value()) << "latest = '" << content << "'";
     }
   }
   // `latest` behind the newest complete checkpoint, missing, or not a file.
@@ -148,8 +156,10 @@ TEST(CheckpointManager, ScanAndIsCompleteReportEveryStateOfTheRoot) {
   EXPECT_FALSE(scan.has_latest_file);
   EXPECT_EQ(scan.newest_complete, root + "/step_40");
   EXPECT_TRUE(has_finding(scan, root + "/latest is missing; the newest complete checkpoint is " + root + "/step_40"));
+  EXPECT_FALSE(manager.latest().has_value());
   fs::create_directory(root + "/latest");
   EXPECT_TRUE(has_finding(manager.scan(), root + "/latest is not a regular file")) << all_findings(manager.scan());
+  EXPECT_FALSE(manager.latest().has_value());
   fs::remove(root + "/latest");
   const std::string file_root = root + "/step_40/rank_0.data";
   EXPECT_TRUE(has_finding(fsdp::CheckpointManager(file_root).scan(), file_root + " is not a directory"));
@@ -317,4 +327,23 @@ TEST(CheckpointManager, AFailedSaveLeavesNoTemporariesAndReportsOneLinePerRank) 
     EXPECT_EQ(manager.latest(), root + "/async/step_2");
   });
   if (!fsdp::testing::is_child()) fs::remove_all(root);
+}
+
+TEST(CheckpointManager, ASaveRemovesTheTemporariesAKilledSaveLeft) {
+  WorldOfOne w("mgr_stale");
+  const std::string dir = w.root + "/ckpt";
+  fs::create_directories(dir);
+  // Ours: a killed save's data files (of any rank) and metadata. The save itself writes (and
+  // renames) rank_0's and the metadata's temporaries, so rank_1's, of a rank this world of one
+  // does not have, is what shows that they are removed. Not ours: left alone.
+  const std::set<std::string> ours = {"rank_0.data.tmp", "rank_1.data.tmp", "metadata.json.tmp"};
+  const std::set<std::string> not_ours = {"notes.tmp", "rank_x.data.tmp", "rank_01.data.tmp", "rank_0.data.tmp.tmp",
+                                          ".tmp"};
+  for (const auto& name : ours) write_text(dir + "/" + name, "left by a killed save");
+  for (const auto& name : not_ours) write_text(dir + "/" + name, "someone else's");
+  fsdp::save_checkpoint(dir, state());
+  std::set<std::string> expected = {"metadata.json", "rank_0.data"};
+  expected.insert(not_ours.begin(), not_ours.end());
+  EXPECT_EQ(names_in(dir), expected);
+  EXPECT_TRUE(fsdp::CheckpointManager::is_complete(dir));
 }

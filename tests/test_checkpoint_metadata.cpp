@@ -3,6 +3,7 @@
 // escapes. A fuzzer mutates a real checkpoint's metadata and checks that every load either
 // returns exactly the saved data or throws c10::Error.
 #include "harness/multiprocess.h"
+#include "src/checkpoint/checkpoint_metadata.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/device_mesh.h>
@@ -121,6 +122,19 @@ void expect_rejected(const Bench& bench, const json& meta, const std::vector<std
 }
 
 }  // namespace
+
+// The one parser of data file names (the metadata reader and the cleanup of a killed save's
+// temporaries both use it) accepts exactly what data_file_name writes.
+TEST(CheckpointMetadata, DataFileNamesParseExactlyAsWritten) {
+  for (int64_t r : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{123}, int64_t{999999999999999999}}) {
+    EXPECT_EQ(fsdp::detail::rank_of_data_file(fsdp::detail::data_file_name(r)), r);
+  }
+  for (const char* name : {"rank_.data", "rank_01.data", "rank_-1.data", "rank_+1.data", "rank_1.data.tmp",
+                           "rank_1", "Rank_1.data", "rank_1x.data", "rank_ 1.data", "rank_1000000000000000000.data",
+                           "x/rank_1.data", ""}) {
+    EXPECT_EQ(fsdp::detail::rank_of_data_file(name), -1) << name;
+  }
+}
 
 TEST(CheckpointMetadata, ChunksMustTileEveryShapeExactly) {
   Bench bench("meta_tiling");

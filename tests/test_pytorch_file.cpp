@@ -9,11 +9,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 namespace fs = std::filesystem;
@@ -137,6 +139,29 @@ std::string hex_of(const at::Tensor& t) {
   return out;
 }
 
+// While alive, files this process writes may not grow past `bytes` (a full disk, for it alone):
+// a write past that fails with EFBIG instead of raising SIGXFSZ.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    previous_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit limited = saved_;
+    limited.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &limited);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, previous_handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit saved_{};
+  void (*previous_handler_)(int) = nullptr;
+};
+
 }  // namespace
 
 TEST_F(StateDictPyTorchFile, EveryStateDictPythonSavesLoadsBitwise) {
@@ -222,4 +247,28 @@ TEST_F(StateDictPyTorchFile, WhatThisLibrarySavesLoadsBack) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find(under_file), std::string::npos) << e.what();
   }
   EXPECT_EQ(fsdp::load_pytorch_state_dict(dir_ + "/ours.pt").size(), sd.size());
+
+  // A save to the same path that fails partway (the disk fills up while it writes) names the
+  // file, leaves the old ours.pt whole and no temporary behind.
+  fsdp::TensorStateDict other;
+  other.insert("f", at::randn({64, 64}));  // a different file, larger than ours.pt
+  const uintmax_t old_size = fs::file_size(dir_ + "/ours.pt");
+  try {
+    FileSizeLimit full(static_cast<rlim_t>(old_size / 2));
+    fsdp::save_pytorch_state_dict(other, dir_ + "/ours.pt");
+    ADD_FAILURE() << "expected the save to fail";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find(dir_ + "/ours.pt.tmp"), std::string::npos) << what;
+    EXPECT_NE(what.find("File too large"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(fs::exists(dir_ + "/ours.pt.tmp"));
+  EXPECT_EQ(fs::file_size(dir_ + "/ours.pt"), old_size);
+  fsdp::TensorStateDict kept;
+  ASSERT_NO_THROW(kept = fsdp::load_pytorch_state_dict(dir_ + "/ours.pt"));
+  ASSERT_EQ(kept.keys(), sd.keys());
+  for (const auto& item : sd) {
+    EXPECT_EQ(kept[item.key()].scalar_type(), item.value().scalar_type()) << item.key();
+    EXPECT_EQ(hex_of(kept[item.key()]), hex_of(item.value())) << item.key();
+  }
 }

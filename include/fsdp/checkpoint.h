@@ -88,8 +88,9 @@ class CheckpointManager {
   // (none was started, it succeeded, or its error was already thrown by poll() or wait()).
   bool poll();
 
-  // The directory `latest` names, or nullopt when there is no complete checkpoint yet.
-  // Not collective; reads one small file.
+  // The directory `latest` names, or nullopt when there is no complete checkpoint yet. `latest`
+  // is read as scan() reads it (trimmed, and only an exact step_<N> counts); the directory must
+  // hold a metadata.json. Not collective; reads one small file.
   std::optional<std::string> latest() const;
 
   // What the root holds, for resuming: where `latest` points and whether that is complete, and
@@ -126,7 +127,7 @@ class CheckpointManager {
   static int64_t step_of(const std::string& dir);
 
  private:
-  struct Background;  // checkpoint.cpp
+  struct Background;  // checkpoint_manager.cpp
   std::string root_;
   int keep_;
   std::unique_ptr<Background> background_;

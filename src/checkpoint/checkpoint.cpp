@@ -96,8 +96,6 @@ void check_data_files(const std::string& dir, const detail::CheckpointMetadata& 
       if (key == "?" && c.file == p->file && (p->actual < 0 || c.byte_offset + c.byte_length > p->actual)) key = name;
     }
   }
-  TORCH_CHECK(p->actual >= 0 || p->predicate != "is missing", "fsdp::load_checkpoint: data file '", p->path,
-              "' listed in '", meta.path, "' is missing (it holds key '", key, "')");
   TORCH_CHECK(p->actual < 0, "fsdp::load_checkpoint: data file '", p->path, "' is truncated or overwritten: ",
               p->actual, " bytes, '", meta.path, "' says ", p->recorded, " (key '", key, "' is affected)");
   TORCH_CHECK(false, "fsdp::load_checkpoint: data file '", p->path, "' listed in '", meta.path, "' ", p->predicate,
@@ -253,13 +251,16 @@ int write_all(int fd, const char* bytes, size_t n) {
   return 0;
 }
 
-// Removes the temporary files a save killed midway left in `dir` (ours only: *.tmp of our names).
+// Removes the temporary files a save killed midway left in `dir` (ours only: <name>.tmp for
+// metadata.json and the rank_<r>.data names, parsed as the metadata reader parses them).
 void remove_stale_temporaries(const fs::path& dir) {
+  const std::string tmp = ".tmp";
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    const bool ours = name == std::string(kMetadataFile) + ".tmp" ||
-                      (name.rfind("rank_", 0) == 0 && name.size() > 9 && name.substr(name.size() - 9) == ".data.tmp");
+    if (name.size() <= tmp.size() || name.compare(name.size() - tmp.size(), tmp.size(), tmp) != 0) continue;
+    const std::string target = name.substr(0, name.size() - tmp.size());
+    const bool ours = target == kMetadataFile || detail::rank_of_data_file(target) >= 0;
     std::error_code remove_ec;
     if (ours) fs::remove(it->path(), remove_ec);
   }

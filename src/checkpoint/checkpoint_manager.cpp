@@ -146,41 +146,73 @@ std::string trimmed(const std::string& s) {
   return s.substr(first, s.find_last_not_of(space) - first + 1);
 }
 
-// Fills the `latest` part of a scan.
-void scan_latest(const fs::path& root, CheckpointManager::Scan* s) {
+// What incompleteness() said of the directory `latest` names, so that scan_steps need not
+// check that directory a second time.
+struct LatestDirCheck {
+  std::string name;                // its name, step_<N>
+  std::optional<std::string> why;  // nullopt: complete
+};
+
+// The step directory `latest` names (root/<name>), when `latest` is a regular file of at most
+// kLatestMaxBytes whose content, trimmed, is exactly step_<N>; nothing otherwise.
+std::optional<std::string> read_latest_name(const fs::path& file) {
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) return std::nullopt;
+  const std::optional<std::string> text = read_small_file(file, kLatestMaxBytes);
+  if (!text) return std::nullopt;
+  std::string name = trimmed(*text);
+  if (!parse_step_dir_name(name)) return std::nullopt;
+  return name;
+}
+
+// Fills the `latest` part of a scan. Returns what it found of the directory `latest` names,
+// when it got as far as checking one.
+std::optional<LatestDirCheck> scan_latest(const fs::path& root, CheckpointManager::Scan* s) {
   const fs::path file = root / "latest";
   const std::string name = file.string();
   std::error_code ec;
   const fs::file_status status = fs::status(file, ec);
-  if (!fs::exists(status)) return;
+  if (!fs::exists(status)) return std::nullopt;
   s->has_latest_file = true;
-  if (!fs::is_regular_file(status)) return s->findings.push_back(name + " is not a regular file");
+  if (!fs::is_regular_file(status)) {
+    s->findings.push_back(name + " is not a regular file");
+    return std::nullopt;
+  }
   const std::optional<std::string> text = read_small_file(file, kLatestMaxBytes);
   if (!text) {
-    return s->findings.push_back(name + " cannot be read or is longer than " + std::to_string(kLatestMaxBytes) +
-                                 " bytes: it does not name a step directory");
+    s->findings.push_back(name + " cannot be read or is longer than " + std::to_string(kLatestMaxBytes) +
+                          " bytes: it does not name a step directory");
+    return std::nullopt;
   }
   s->latest_target = trimmed(*text);
   const std::string target = "'" + detail::printable(s->latest_target) + "'";
-  if (s->latest_target.empty()) return s->findings.push_back(name + " is empty");
+  if (s->latest_target.empty()) {
+    s->findings.push_back(name + " is empty");
+    return std::nullopt;
+  }
   if (!parse_step_dir_name(s->latest_target)) {
-    return s->findings.push_back(name + " names " + target + ", which is not a step directory of this root");
+    s->findings.push_back(name + " names " + target + ", which is not a step directory of this root");
+    return std::nullopt;
   }
   const fs::path dir = root / s->latest_target;
-  if (const auto why = incompleteness(dir)) return s->findings.push_back(name + " names " + target + ", which " + *why);
-  s->latest_complete = dir.string();
+  LatestDirCheck check{s->latest_target, incompleteness(dir)};
+  if (check.why) s->findings.push_back(name + " names " + target + ", which " + *check.why);
+  else s->latest_complete = dir.string();
+  return check;
 }
 
-// Fills the step directories' part of a scan; `latest` has been read.
-void scan_steps(const fs::path& root, CheckpointManager::Scan* s) {
+// Fills the step directories' part of a scan; `latest` has been read, and `latest_dir` is what
+// scan_latest found of the directory it names.
+void scan_steps(const fs::path& root, const std::optional<LatestDirCheck>& latest_dir, CheckpointManager::Scan* s) {
   std::error_code ec;
   const std::vector<StepDir> steps = list_step_dirs(root, ec);
   if (ec) s->findings.push_back("cannot list " + root.string() + ": " + ec.message());
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    const std::optional<std::string> why = incompleteness(it->path);
+    const bool named_by_latest = latest_dir && it->path.filename() == latest_dir->name;
+    const std::optional<std::string> why = named_by_latest ? latest_dir->why : incompleteness(it->path);
     if (!why && !s->newest_complete) s->newest_complete = it->path.string();
     // The directory `latest` names was reported with it.
-    if (why && it->path.filename() != s->latest_target) s->findings.push_back(it->path.string() + " " + *why);
+    if (why && !named_by_latest) s->findings.push_back(it->path.string() + " " + *why);
   }
   const std::string latest = (root / "latest").string();
   if (!s->has_latest_file && s->newest_complete) {
@@ -253,10 +285,10 @@ void CheckpointManager::save_async(int64_t step, const ShardedStateDict& state_d
 }
 
 std::optional<std::string> CheckpointManager::latest() const {
-  std::ifstream f(fs::path(root_) / "latest");
-  std::string name;
-  if (!f || !(f >> name)) return std::nullopt;
-  const fs::path dir = fs::path(root_) / name;
+  // Read as scan() reads it, so that the two never disagree on what `latest` names.
+  const std::optional<std::string> name = read_latest_name(fs::path(root_) / "latest");
+  if (!name) return std::nullopt;
+  const fs::path dir = fs::path(root_) / *name;
   std::error_code ec;
   if (!fs::exists(dir / kMetadataFile, ec)) return std::nullopt;
   return dir.string();
@@ -272,8 +304,8 @@ CheckpointManager::Scan CheckpointManager::scan() const {
     s.findings.push_back(root_ + " is not a directory");
     return s;
   }
-  scan_latest(root, &s);
-  scan_steps(root, &s);
+  const std::optional<LatestDirCheck> latest_dir = scan_latest(root, &s);
+  scan_steps(root, latest_dir, &s);
   return s;
 }
 

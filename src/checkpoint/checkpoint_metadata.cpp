@@ -14,7 +14,6 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
-#include <numeric>
 
 namespace fsdp {
 namespace detail {
@@ -37,23 +36,6 @@ std::optional<at::ScalarType> dtype_named(const std::string& name) {
     if (name == c10::toString(t)) return t;
   }
   return std::nullopt;
-}
-
-// r for a name that is exactly rank_<r>.data (r written as the writer writes it); -1 otherwise.
-int64_t rank_of_data_file(const std::string& name) {
-  const std::string prefix = "rank_", suffix = ".data";
-  if (name.size() <= prefix.size() + suffix.size() || name.compare(0, prefix.size(), prefix) != 0 ||
-      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
-    return -1;
-  }
-  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
-  if (digits.size() > 18 || (digits.size() > 1 && digits[0] == '0') ||
-      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return -1;
-  }
-  int64_t rank = 0;
-  for (char c : digits) rank = rank * 10 + (c - '0');  // at most 18 digits: no overflow
-  return rank;
 }
 
 // Where a value is, for messages: "field 'files'", "key 'w', field 'chunks[0].offsets'".
@@ -309,6 +291,22 @@ json read_json(const fs::path& meta, const std::string& who) {
 }  // namespace
 
 std::string data_file_name(int64_t rank) { return "rank_" + std::to_string(rank) + ".data"; }
+
+int64_t rank_of_data_file(const std::string& name) {
+  const std::string prefix = "rank_", suffix = ".data";
+  if (name.size() <= prefix.size() + suffix.size() || name.compare(0, prefix.size(), prefix) != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+    return -1;
+  }
+  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (digits.size() > 18 || (digits.size() > 1 && digits[0] == '0') ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return -1;
+  }
+  int64_t rank = 0;
+  for (char c : digits) rank = rank * 10 + (c - '0');  // at most 18 digits: no overflow
+  return rank;
+}
 
 std::string printable(const std::string& s) {
   std::string out;

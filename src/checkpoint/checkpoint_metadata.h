@@ -24,6 +24,10 @@ constexpr int64_t kCheckpointBlockBytes = int64_t{1} << 20;  // the CRC-32 granu
 // The name of rank r's data file.
 std::string data_file_name(int64_t rank);
 
+// r for a name that is exactly rank_<r>.data, r written as data_file_name writes it (no sign,
+// no leading zeros, at most 18 digits); -1 for any other name.
+int64_t rank_of_data_file(const std::string& name);
+
 // Untrusted text (a key, a file name) for a one-line message: control bytes escaped as \xNN,
 // cut after 80 bytes.
 std::string printable(const std::string& s);

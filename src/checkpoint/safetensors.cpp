@@ -20,6 +20,8 @@
 #include <tuple>
 #include <vector>
 
+#include <unistd.h>
+
 // Tensors are written and read as raw memory; the format is little-endian.
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "fsdp safetensors support assumes a little-endian host"
@@ -85,10 +87,17 @@ class AtomicFile {
     write(c.data_ptr(), c.nbytes());
   }
   uint64_t written() const { return written_; }
+  // The bytes reach the disk before the rename: otherwise a crash soon after could leave `path`
+  // naming a file whose data was never written.
   void commit() {
-    const bool flushed = std::fflush(f_.get()) == 0;
+    TORCH_CHECK(std::fflush(f_.get()) == 0, "fsdp::save_safetensors: writing '", tmp_, "' failed: ",
+                std::strerror(errno));
+    TORCH_CHECK(::fsync(::fileno(f_.get())) == 0, "fsdp::save_safetensors: fsync of '", tmp_, "' failed: ",
+                std::strerror(errno));
     const bool closed = std::fclose(f_.release()) == 0;
-    TORCH_CHECK(flushed && closed, "fsdp::save_safetensors: writing '", tmp_, "' failed: ", std::strerror(errno));
+    const int close_errno = errno;
+    if (!closed) std::remove(tmp_.c_str());  // not committed
+    TORCH_CHECK(closed, "fsdp::save_safetensors: writing '", tmp_, "' failed: ", std::strerror(close_errno));
     TORCH_CHECK(std::rename(tmp_.c_str(), path_.c_str()) == 0, "fsdp::save_safetensors: renaming '", tmp_, "' to '",
                 path_, "' failed: ", std::strerror(errno));
   }

@@ -28,8 +28,7 @@ namespace detail {
 struct PyValue {
   enum class Kind { kNone, kBool, kInt, kFloat, kStr, kTuple, kList, kDict, kTensor, kStorage, kGlobal, kOpaque };
   Kind kind = Kind::kNone;
-  int64_t integer = 0;  // kBool, kInt
-  double real = 0;      // kFloat
+  int64_t integer = 0;  // kBool, kInt (a kFloat's value is read past: nothing needs it)
   std::string text;     // kStr; kGlobal and kOpaque: the Python name, "module.qualname"
   // kTuple, kList: the elements; kDict: key, value, key, value, ... in insertion order.
   std::vector<std::shared_ptr<PyValue>> items;
