@@ -38,7 +38,9 @@ void expect_rejected_naming(const ModelSizes& m, const StepSizes& s, const std::
 
 }  // namespace
 
-// The counts fsdp-train prints in its first line for the presets (parameters of the whole model).
+// The formula's counts for the presets (parameters of the whole model). fsdp-train prints the
+// count of the model it builds; Trainer.PrintsTheWholeModelsParameterCountWhichTheFormulaGives
+// (test_trainer.cpp) checks that it is the formula's.
 TEST(ModelSize, ParameterCountsOfThePresets) {
   EXPECT_EQ(transformer_parameters(tiny()), 6976);
   EXPECT_EQ(transformer_parameters({4, 8192, 256, 256, 8}), 7415296);     // small

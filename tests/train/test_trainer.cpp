@@ -1,5 +1,6 @@
 // End-to-end tests of fsdp-train: the real program, started directly or by fsdprun, with real
 // ranks on loopback. Losses come from the per-rank JSONL metrics.
+#include "model_size.h"
 #include "process_harness.h"
 #include "trainer_runs.h"
 
@@ -244,6 +245,27 @@ TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaitsAndSafetensorsExport) {
     EXPECT_GE(names["all_gather"], 3 * 3);  // 2 blocks + root per forward (and backward)
     EXPECT_EQ(names["reduce_scatter"], 3 * 3);
   }
+}
+
+// ------------------------------------------------------------------ the parameter count
+
+// The count of the first line and of logging.summary_json is the whole model's, not a rank's
+// shards, and the one model_size.h's formula gives (test_model_size.cpp checks the formula for
+// the presets; the memory estimate is built on it). Sizes of no preset, so that nothing cancels.
+TEST(Trainer, PrintsTheWholeModelsParameterCountWhichTheFormulaGives) {
+  TempDir dir;
+  const auto args = with(base_args(dir.path(), 1),
+                         {"--model.n_layers=3", "--model.vocab_size=40", "--model.max_seq_len=24", "--model.dim=32",
+                          "--model.n_heads=4", "--training.seq_len=24", "--fsdp_config.checkpoint_interval=0",
+                          "--logging.summary_json=" + dir / "summary.json"});
+  RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto want = static_cast<int64_t>(fsdp::train::transformer_parameters({3, 40, 24, 32, 4}));
+  EXPECT_NE(r.out.find("fsdp-train: " + std::to_string(want) + " parameters (3 layers, dim 32, 4 heads, vocab 40"),
+            std::string::npos)
+      << "expected " << want << " parameters\n" << describe(r);
+  const auto summary = nlohmann::json::parse(read_file(dir / "summary.json"));
+  EXPECT_EQ(summary.at("params").get<int64_t>(), want);
 }
 
 // ------------------------------------------------------------------ bad configurations

@@ -363,6 +363,28 @@ TEST(TrainerFaults, TheEnvironmentsTimeoutWinsOverTheKeyAndTheRunSaysSo) {
   EXPECT_TRUE(contains(r, "note: FSDP_COLLECTIVE_TIMEOUT_MS=60000 in the environment sets the collective timeout; "
                           "fsdp_config.collective_timeout_s (5"))
       << describe(r);
+
+  // The note is true: rank 1 starts 5 s late, which the key's 2 s would not wait for (see the
+  // test above), and the environment's 60 s does.
+  write_text(dir / "rank1_late.sh", "#!/bin/sh\nif [ \"$LOCAL_RANK\" = 1 ]; then sleep 5; fi\nexec \"$@\"\n", true);
+  std::vector<std::string> args = {"--standalone", "--nproc-per-node", "2", dir / "rank1_late.sh", trainer.path()};
+  for (const auto& a : with(base_args(dir / "late", 3), {"--fsdp_config.collective_timeout_s=2"})) args.push_back(a);
+  RunResult late = fsdprun.run(args, {{"FSDP_COLLECTIVE_TIMEOUT_MS", "60000"}}, 120);
+  EXPECT_EQ(late.exit_code, 0) << describe(late);
+  EXPECT_FALSE(contains(late, "timed out")) << describe(late);
+  EXPECT_TRUE(contains(late, "FSDP_COLLECTIVE_TIMEOUT_MS=60000 in the environment sets the collective timeout; "
+                             "fsdp_config.collective_timeout_s (2 s) is not used"))
+      << describe(late);
+}
+
+// The library ignores an empty FSDP_COLLECTIVE_TIMEOUT_MS, so the key is in force and the run
+// does not claim otherwise.
+TEST(TrainerFaults, AnEmptyTimeoutVariableLeavesTheKeyInForce) {
+  TempDir dir;
+  RunResult r = trainer.run(with(base_args(dir.path(), 1), {"--fsdp_config.collective_timeout_s=5"}),
+                            {{"FSDP_COLLECTIVE_TIMEOUT_MS", ""}}, 60);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_FALSE(contains(r, "FSDP_COLLECTIVE_TIMEOUT_MS")) << describe(r);
 }
 
 }  // namespace

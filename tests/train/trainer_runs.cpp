@@ -55,7 +55,7 @@ std::map<int64_t, StepMetrics> read_metrics(const std::string& path) {
     const auto j = nlohmann::json::parse(line);
     StepMetrics m;
     m.loss = j.at("loss").get<double>();
-    if (j.contains("grad_norm")) m.grad_norm = j.at("grad_norm").get<double>();
+    m.grad_norm = j.at("grad_norm").get<double>();  // every applied step has one
     steps[j.at("step").get<int64_t>()] = m;
   }
   return steps;

@@ -5,8 +5,9 @@
 
 #include <ATen/Functions.h>
 
-#include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 
 namespace fsdp {
@@ -19,21 +20,36 @@ std::vector<double> all_gather_numbers(const std::vector<double>& mine) {
   return std::vector<double>(p, p + all.numel());
 }
 
-// Lengths first, then every string padded to the longest (the transport moves equal pieces).
+// Lengths first, then each rank's bytes, exactly as many as it has.
 std::vector<std::string> all_gather_strings(const std::string& mine) {
   const std::vector<double> lengths = all_gather_numbers({static_cast<double>(mine.size())});
-  const auto longest = static_cast<int64_t>(std::max(1.0, *std::max_element(lengths.begin(), lengths.end())));
-  at::Tensor in = at::zeros({longest}, at::kByte);
-  std::memcpy(in.data_ptr<uint8_t>(), mine.data(), mine.size());
-  at::Tensor all = at::empty({longest * static_cast<int64_t>(lengths.size())}, at::kByte);
-  world()->all_gather_into(all, in)->wait();
+  std::vector<int64_t> counts;
+  for (double n : lengths) counts.push_back(static_cast<int64_t>(n));
+  at::Tensor in = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
+  if (!mine.empty()) std::memcpy(in.data_ptr<uint8_t>(), mine.data(), mine.size());
+  at::Tensor all = at::empty({std::accumulate(counts.begin(), counts.end(), int64_t{0})}, at::kByte);
+  world()->all_gather_v(all, in, counts)->wait();
   std::vector<std::string> out;
-  const auto* p = reinterpret_cast<const char*>(all.data_ptr<uint8_t>());
-  for (size_t q = 0; q < lengths.size(); ++q) out.emplace_back(p + q * longest, static_cast<size_t>(lengths[q]));
+  const auto* p = reinterpret_cast<const char*>(all.data_ptr<uint8_t>());  // null when every string is empty
+  int64_t offset = 0;
+  for (int64_t n : counts) {
+    out.push_back(n > 0 ? std::string(p + offset, static_cast<size_t>(n)) : std::string());
+    offset += n;
+  }
   return out;
 }
 
-std::string from_rank0(const std::string& text) { return all_gather_strings(text).at(0); }
+// The length first, so that every rank can make room for the bytes.
+std::string from_rank0(const std::string& text) {
+  at::Tensor length = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  world()->broadcast(length, 0)->wait();
+  const int64_t n = length.item<int64_t>();
+  if (n == 0) return "";  // every rank knows n, so every rank skips the second broadcast
+  at::Tensor bytes = at::empty({n}, at::kByte);
+  if (get_rank() == 0) std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), static_cast<size_t>(n));
+  world()->broadcast(bytes, 0)->wait();
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(n));
+}
 
 void throw_unless_every_rank_ok(const std::string& problem, const std::string& what) {
   const std::vector<std::string> all = all_gather_strings(problem);

@@ -6,13 +6,13 @@
 // caller prefixes where the value came from and the key's full name.
 #include "config.h"
 
+#include "read_file.h"
+
 #include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -315,15 +315,12 @@ std::string at(const std::string& file, const YAML::Node& n) {
 
 // The whole file, or ConfigError naming it (missing, a directory, unreadable).
 std::string read_config_text(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    throw ConfigError(path + ": is a directory, not a config file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(path + ": cannot open config file");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw ConfigError(path + ": reading the config file failed");
-  return text.str();
+  try {
+    return read_file(path, {path + ": is a directory, not a config file", path + ": cannot open config file",
+                            path + ": reading the config file failed"});
+  } catch (const std::runtime_error& e) {
+    throw ConfigError(e.what());
+  }
 }
 
 // Quoted values that do not end on their line. yaml-cpp accepts a quoted scalar running over

@@ -1,14 +1,14 @@
 // data.cpp — synthetic and token-file data for fsdp-train, and the token file format.
 #include "data.h"
 
+#include "read_file.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 
 #include <cstring>
-#include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <stdexcept>
 
 namespace fsdp {
@@ -105,16 +105,9 @@ void write_token_file(const std::string& path, const std::vector<uint32_t>& ids,
 namespace {
 
 // The whole file; throws naming it when it is missing, a directory or unreadable.
-std::string read_whole_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    throw std::runtime_error(path + ": is a directory, not a token file (data.path)");
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(path + ": cannot open the token file (data.path)");
-  std::ostringstream bytes;
-  bytes << f.rdbuf();
-  if (f.bad()) throw std::runtime_error(path + ": reading the token file failed");
-  return bytes.str();
+std::string token_file_bytes(const std::string& path) {
+  return read_file(path, {path + ": is a directory, not a token file (data.path)",
+                          path + ": cannot open the token file (data.path)", path + ": reading the token file failed"});
 }
 
 // The header's fields, checked against each other and the file's size without overflowing
@@ -147,7 +140,7 @@ TokenFileHeader checked_header(const std::string& path, const std::string& bytes
 }  // namespace
 
 std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path) {
-  const std::string bytes = read_whole_file(path);
+  const std::string bytes = token_file_bytes(path);
   const TokenFileHeader h = checked_header(path, bytes);
   at::Tensor ids = at::empty({static_cast<int64_t>(h.num_tokens)}, at::TensorOptions().dtype(at::kLong));
   int64_t* out = ids.data_ptr<int64_t>();

@@ -7,15 +7,15 @@
 #include "config.h"
 #include "data.h"
 #include "errors.h"
+#include "read_file.h"
 #include "stop_signal.h"
 #include "trainer.h"
 
-#include <cstdlib>
+#include <fsdp/distributed.h>
+
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,32 +36,31 @@ int tokenize(int argc, char** argv) {
     std::cerr << "fsdp-train tokenize: expected INPUT and OUTPUT\n" << kUsage;
     return fsdp::train::kExitConfig;
   }
-  std::error_code ec;
-  if (std::filesystem::is_directory(argv[2], ec)) {
-    std::cerr << "fsdp-train tokenize: " << argv[2] << " is a directory; expected a file to tokenize\n";
+  const std::string input = argv[2];
+  std::string text;
+  try {
+    text = fsdp::train::read_file(input, {input + " is a directory; expected a file to tokenize",
+                                          "cannot open " + input, "reading " + input + " failed"});
+  } catch (const std::runtime_error& e) {
+    std::cerr << "fsdp-train tokenize: " << e.what() << "\n";
     return fsdp::train::kExitError;
   }
-  std::ifstream in(argv[2], std::ios::binary);
-  if (!in) {
-    std::cerr << "fsdp-train tokenize: cannot open " << argv[2] << "\n";
-    return fsdp::train::kExitError;
-  }
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  const std::string text = bytes.str();
   fsdp::train::write_token_file(argv[3], fsdp::train::byte_tokens(text), 256);
   std::cout << "fsdp-train tokenize: " << text.size() << " byte tokens (vocab 256) from " << argv[2] << " -> "
             << argv[3] << "\n";
   return fsdp::train::kExitOk;
 }
 
-// "rank R: " when this process is one of several ranks (the launcher's RANK / WORLD_SIZE), so
-// that each rank's line says whose it is; "" for a single process.
+// "rank R: " when this process is one of several ranks (as any launcher the library knows
+// says: torchrun/fsdprun, OpenMPI, Slurm), so that each rank's line says whose it is; "" for a
+// single process, and when the environment is malformed (the error then says so).
 std::string rank_prefix() {
-  const char* rank = std::getenv("RANK");
-  const char* world = std::getenv("WORLD_SIZE");
-  if (!rank || !world || std::string(world) == "1") return "";
-  return "rank " + std::string(rank) + ": ";
+  try {
+    const fsdp::RendezvousInfo env = fsdp::rendezvous_info_from_env();
+    return env.world_size > 1 ? "rank " + std::to_string(env.rank) + ": " : "";
+  } catch (const std::exception&) {
+    return "";
+  }
 }
 
 }  // namespace

@@ -51,7 +51,7 @@ double now_seconds() {
 std::string format_step_line(const StepReport& r) {
   std::ostringstream s;
   s << "step: " << r.step << "  loss: " << fixed(r.loss, 4);
-  s << "  grad_norm: " << (std::isnan(r.grad_norm) ? std::string("-") : fixed(r.grad_norm, 4));
+  s << "  grad_norm: " << fixed(r.grad_norm, 4);
   char lr[32];
   std::snprintf(lr, sizeof lr, "%.2e", r.lr);
   s << "  lr: " << lr << "  tps: " << grouped(r.tokens_per_s) << "  step_time: " << fixed(r.step_s, 3) << "s";
@@ -196,8 +196,8 @@ void JsonlWriter::write(const StepReport& r, int rank) {
                       {"tokens_seen", r.tokens_seen}, {"live_mib", r.ranks.at(rank).live_mib},
                       {"peak_mib", r.ranks.at(rank).peak_mib}, {"rss_mib", r.ranks.at(rank).rss_mib},
                       {"all_gather_s", r.ag_busy_s}, {"all_gather_wait_s", r.ag_wait_s},
-                      {"reduce_scatter_s", r.rs_busy_s}, {"reduce_scatter_wait_s", r.rs_wait_s}};
-  if (!std::isnan(r.grad_norm)) j["grad_norm"] = r.grad_norm;
+                      {"reduce_scatter_s", r.rs_busy_s}, {"reduce_scatter_wait_s", r.rs_wait_s},
+                      {"grad_norm", r.grad_norm}};
   write_raw(j.dump());
 }
 

@@ -35,8 +35,8 @@ ResumeChoice explicit_checkpoint(const std::string& dir) {
 ResumeChoice latest_or_newest(const CheckpointManager::Scan& scan, const std::string& root) {
   ResumeChoice c;
   for (const auto& f : scan.findings) c.notes.push_back("resume: found " + f);
-  if (scan.latest_complete || scan.newest_complete) {
-    c.dir = scan.latest_complete ? *scan.latest_complete : *scan.newest_complete;
+  if (const std::optional<std::string> dir = resumable_checkpoint(scan)) {
+    c.dir = *dir;
     const char* why = scan.latest_complete ? ", which latest names" : ", the newest complete checkpoint";
     if (!c.notes.empty()) c.notes.push_back("resume: using " + c.dir + why);
     return c;
@@ -50,6 +50,10 @@ ResumeChoice latest_or_newest(const CheckpointManager::Scan& scan, const std::st
 }
 
 }  // namespace
+
+std::optional<std::string> resumable_checkpoint(const CheckpointManager::Scan& scan) {
+  return scan.latest_complete ? scan.latest_complete : scan.newest_complete;
+}
 
 ResumeChoice resume_choice(const std::string& resume, const CheckpointManager& checkpoints, const std::string& root) {
   if (resume == "never") return {};

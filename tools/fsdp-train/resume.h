@@ -6,6 +6,7 @@
 
 #include <fsdp/checkpoint.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,10 @@ struct ResumeChoice {
   std::string dir;                 // the checkpoint to load; empty = start from step 0
   std::vector<std::string> notes;  // what was found and what is used, for rank 0 to print
 };
+
+// The checkpoint a scan offers to continue from: the one `latest` names when it is complete,
+// else the newest complete step_<N>; none when no checkpoint is complete.
+std::optional<std::string> resumable_checkpoint(const CheckpointManager::Scan& scan);
 
 // training.resume:
 //   never   start from step 0 (whatever the directory holds);

@@ -6,11 +6,11 @@
 //
 // Per optimizer step every rank runs k = gradient_accumulation_steps micro-batches; only the
 // last one reduce-scatters (set_requires_gradient_sync), so k micro-batches of B rows give the
-// gradients of one batch of kB rows. Then the global gradient norm, and ONE small all-gather of
-// every rank's step numbers (loss, gradient norm, a stop request, a failed background save)
-// BEFORE the optimizer steps: every rank takes the same decision at the same step, and a
-// non-finite step is never applied. Then clipping and AdamW. The other ranks' memory numbers
-// are gathered only for the steps rank 0 prints.
+// gradients of one batch of kB rows. Then the global gradient norm (clip_grad_norm_, which also
+// clips the gradients), and ONE small all-gather of every rank's step numbers (loss, gradient
+// norm, a stop request, a failed background save) BEFORE the optimizer steps: every rank takes
+// the same decision at the same step, and a non-finite step is never applied. Then AdamW. The
+// other ranks' memory numbers are gathered only for the steps rank 0 prints.
 #include "trainer.h"
 
 #include "agreement.h"
@@ -41,12 +41,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -199,8 +197,16 @@ std::string shown(double v) {
   return s.str();
 }
 
-// The global gradient norm without clipping: an infinite max_norm never scales.
-double global_grad_norm(const std::vector<at::Tensor>& parameters) { return clip_grad_norm_(parameters, INFINITY); }
+// The sharded state dict's tensors have the full parameters' sizes.
+int64_t full_parameter_count(models::Transformer& model) {
+  int64_t n = 0;
+  for (const auto& item : sharded_state_dict(*model)) {
+    int64_t numel = 1;
+    for (int64_t d : item.value().sizes()) numel *= d;
+    n += numel;
+  }
+  return n;
+}
 
 // What every rank decided about a step from everyone's numbers (the same on every rank).
 struct StepVotes {
@@ -229,14 +235,15 @@ class Run {
   void load_resume_checkpoint(const std::string& dir);
   void start_logging();
   int train();
-  std::string save_checkpoint(int64_t step, bool async);
+  std::string save_checkpoint(int64_t step);
+  void save_checkpoint_in_background(int64_t step);
   void poll_background_save();
   StepReport compute_step(int64_t step);
   StepVotes vote_on_step(const StepReport& r);
   void apply_step(StepReport& r);
   void set_learning_rate(double lr);
   double forward_backward(const at::Tensor& batch, int64_t micro, StepReport& r);
-  void clip_and_step(double grad_norm);
+  void optimizer_step();
   void report_step(StepReport& r, const StepVotes& votes);
   int stop_non_finite(int64_t step, const StepVotes& votes);
   int stop_on_failed_save(int64_t step, const StepVotes& votes);
@@ -248,7 +255,6 @@ class Run {
   void write_summary(int64_t steps_run);
   RankTotals my_totals(size_t warmup) const;
   RunShape run_shape();
-  int64_t full_parameter_count();
   int64_t tokens_per_step() const { return static_cast<int64_t>(world_) * accumulation_ * batch_ * seq_; }
   void print(const std::string& text) {
     if (rank_ != 0) return;
@@ -265,6 +271,7 @@ class Run {
   models::ModelArgs args_;
   int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
   LrSchedule schedule_;
+  int64_t parameter_count_ = 0;  // of the whole model, not of this rank's shards
   std::unique_ptr<DataSource> data_;
   DeviceMesh mesh_;
   models::Transformer model_{nullptr};
@@ -278,22 +285,13 @@ class Run {
   int64_t done_steps_ = 0;  // optimizer steps done so far
   int64_t tokens_seen_ = 0;
   int64_t last_saved_step_ = -1;
-  std::string last_saved_dir_;     // the checkpoint of last_saved_step_ (resumed from or saved)
+  std::string last_saved_dir_;     // the checkpoint of last_saved_step_ when resumed from or saved in the
+                                   // foreground (finish() names it; it never runs after a background save)
   int64_t background_step_ = -1;   // the step the latest background save is writing
   std::string save_error_;         // this rank's failed background save, as poll() reported it
   std::vector<double> losses_, step_times_;
   CollectiveStats comm_before_;
 };
-
-int64_t Run::full_parameter_count() {
-  int64_t n = 0;
-  for (const auto& item : sharded_state_dict(*model_)) {
-    int64_t numel = 1;
-    for (int64_t d : item.value().sizes()) numel *= d;
-    n += numel;
-  }
-  return n;
-}
 
 void Run::set_up() {
   const RendezvousInfo env = rendezvous_info_from_env();
@@ -310,6 +308,7 @@ void Run::set_up() {
   check_checkpoint_dir();
   mesh_ = init_device_mesh("cpu", {world_});
   shard_model();
+  parameter_count_ = full_parameter_count(model_);
 
   const auto& o = cfg_.optimizer;
   optimizer_ = std::make_unique<torch::optim::AdamW>(
@@ -321,15 +320,18 @@ void Run::set_up() {
 
 // The process group, with fsdp_config.collective_timeout_s; the library lets
 // FSDP_COLLECTIVE_TIMEOUT_MS win over it, and then the run says so rather than ignore the key.
+// Decided from the timeout in force, not from the variable: the library ignores an empty one.
 void Run::join_job(const RendezvousInfo& env) {
-  init_process_group(env, init_options(cfg_.fsdp_config));
+  const InitOptions options = init_options(cfg_.fsdp_config);
+  init_process_group(env, options);
   rank_ = get_rank();
   world_ = get_world_size();
-  const char* from_env = std::getenv("FSDP_COLLECTIVE_TIMEOUT_MS");
-  if (!cfg_.fsdp_config.collective_timeout_s || !from_env) return;
+  const std::chrono::milliseconds in_force = world()->timeout();
+  if (!cfg_.fsdp_config.collective_timeout_s || in_force == options.timeout()) return;
   std::ostringstream note;
-  note << "fsdp-train: note: FSDP_COLLECTIVE_TIMEOUT_MS=" << from_env << " in the environment sets the collective "
-       << "timeout; fsdp_config.collective_timeout_s (" << *cfg_.fsdp_config.collective_timeout_s << " s) is not used";
+  note << "fsdp-train: note: FSDP_COLLECTIVE_TIMEOUT_MS=" << in_force.count() << " in the environment sets the "
+       << "collective timeout; fsdp_config.collective_timeout_s (" << *cfg_.fsdp_config.collective_timeout_s
+       << " s) is not used";
   print(note.str());
 }
 
@@ -363,19 +365,20 @@ void Run::shard_model() {
   }
 }
 
-// Returns the directory written: with async, the one being written in the background.
-std::string Run::save_checkpoint(int64_t step, bool async) {
-  const ShardedStateDict sd = checkpoint_state(*model_, *optimizer_, mesh_, {done_steps_, tokens_seen_});
-  std::string dir = cfg_.fsdp_config.checkpoint_dir + "/step_" + std::to_string(step);
-  if (async) {
-    checkpoints_->save_async(step, sd);
-    background_step_ = step;
-  } else {
-    dir = checkpoints_->save(step, sd);
-  }
+// Returns the directory written.
+std::string Run::save_checkpoint(int64_t step) {
+  const std::string dir =
+      checkpoints_->save(step, checkpoint_state(*model_, *optimizer_, mesh_, {done_steps_, tokens_seen_}));
   last_saved_step_ = step;
   last_saved_dir_ = dir;
   return dir;
+}
+
+// Training goes on while it is written; a failure is noticed by poll_background_save().
+void Run::save_checkpoint_in_background(int64_t step) {
+  checkpoints_->save_async(step, checkpoint_state(*model_, *optimizer_, mesh_, {done_steps_, tokens_seen_}));
+  background_step_ = step;
+  last_saved_step_ = step;
 }
 
 // A failed background save is noticed at the next step, not at the next save.
@@ -443,7 +446,7 @@ void Run::start_logging() {
   const std::string jsonl = jsonl_path_for_rank(cfg_.logging.jsonl, rank_);
   if (!jsonl.empty()) jsonl_.open(jsonl, /*append=*/start_step_ > 0);
   std::ostringstream hello;
-  hello << "fsdp-train: " << full_parameter_count() << " parameters (" << args_.n_layers << " layers, dim " << args_.dim
+  hello << "fsdp-train: " << parameter_count_ << " parameters (" << args_.n_layers << " layers, dim " << args_.dim
         << ", " << args_.n_heads << " heads, vocab " << args_.vocab_size << ", max_seq_len " << args_.max_seq_len
         << ") sharded over " << world_ << " rank(s), " << to_string(cfg_.fsdp_config.sharding_strategy) << "; "
         << data_->describe() << "; global batch " << world_ * accumulation_ * batch_ << " x " << seq_ << " tokens";
@@ -485,7 +488,7 @@ int Run::train() {
     done_steps_ = step;
     report_step(r, votes);
     if (votes.stop_requested) return stop_on_signal(step);
-    if (interval > 0 && step % interval == 0 && step < cfg_.training.steps) save_checkpoint(step, /*async=*/true);
+    if (interval > 0 && step % interval == 0 && step < cfg_.training.steps) save_checkpoint_in_background(step);
   }
   finish(cfg_.training.steps);
   return kExitOk;
@@ -520,15 +523,9 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
   return loss.item<double>();
 }
 
-// Clipping with the norm already computed (as clip_grad_norm_ scales: max_norm / (norm + 1e-6)
-// when below 1), then AdamW.
-void Run::clip_and_step(double grad_norm) {
+// AdamW on the gradients compute_step has already clipped.
+void Run::optimizer_step() {
   trace::Span span("compute", "optimizer");
-  const double max_norm = cfg_.training.max_grad_norm;
-  const double coef = max_norm / (grad_norm + 1e-6);
-  if (max_norm > 0 && coef < 1.0)
-    for (auto& p : model_->parameters())
-      if (p.grad().defined()) p.mutable_grad().mul_(coef);
   optimizer_->step();
   // Drop the gradients rather than zeroing them (PyTorch's zero_grad(set_to_none=True)): the
   // next backward's reduce-scatter writes fresh ones, and forward runs without them in memory.
@@ -536,7 +533,7 @@ void Run::clip_and_step(double grad_norm) {
     for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
 }
 
-// Forward, backward and the global gradient norm of step `step`; nothing applied yet.
+// Forward, backward, the global gradient norm and clipping of step `step`; nothing applied yet.
 StepReport Run::compute_step(int64_t step) {
   StepReport r;
   r.step = step;
@@ -554,8 +551,13 @@ StepReport Run::compute_step(int64_t step) {
   r.loss = loss_sum;  // this rank's mean over its rows (the micro-batch losses are already / k)
   const double n0 = now_seconds();
   {
+    // The norm before clipping, and the gradients scaled by max_norm / (norm + 1e-6) when that is
+    // below 1; an infinite max_norm (clipping off) never scales. Clipping before the vote is
+    // safe: the gradients of a step the vote stops are never applied, whatever clipping made
+    // of them.
     trace::Span span("compute", "grad_norm");
-    r.grad_norm = global_grad_norm(model_->parameters());
+    const double max_norm = cfg_.training.max_grad_norm;
+    r.grad_norm = clip_grad_norm_(model_->parameters(), max_norm > 0 ? max_norm : INFINITY);
   }
   r.optimizer_s = now_seconds() - n0;
   r.step_s = now_seconds() - t0;
@@ -586,10 +588,10 @@ StepVotes Run::vote_on_step(const StepReport& r) {
   return v;
 }
 
-// Clipping and AdamW, timed into r, and the step's token counts.
+// AdamW, timed into r, and the step's token counts.
 void Run::apply_step(StepReport& r) {
   const double o0 = now_seconds();
-  clip_and_step(r.grad_norm);
+  optimizer_step();
   const double o = now_seconds() - o0;
   r.optimizer_s += o;
   r.step_s += o;
@@ -604,8 +606,8 @@ void Run::report_step(StepReport& r, const StepVotes& votes) {
   const RankStep mine{r.loss, memory::allocated_bytes() / kMiB, memory::max_allocated_bytes() / kMiB,
                       memory::current_rss_bytes() / kMiB};
   r.loss = votes.loss;
+  // Off the printed steps only this rank's entry is read (its JSONL line).
   r.ranks.assign(world_, RankStep{});
-  for (int q = 0; q < world_; ++q) r.ranks[q].local_loss = votes.local_losses[q];
   r.ranks[rank_] = mine;
   const bool printed = r.step % cfg_.logging.log_interval == 0 || r.step == cfg_.training.steps;
   if (printed) {
@@ -632,7 +634,7 @@ std::string Run::last_good_checkpoint() {
   }
   if (rank_ != 0) return "";
   const CheckpointManager::Scan scan = checkpoints_->scan();
-  const std::optional<std::string> dir = scan.latest_complete ? scan.latest_complete : scan.newest_complete;
+  const std::optional<std::string> dir = resumable_checkpoint(scan);
   return dir ? *dir : std::string("none");
 }
 
@@ -672,7 +674,7 @@ int Run::stop_on_failed_save(int64_t step, const StepVotes& votes) {
 
 // Every rank gets here at the same step (the stop request travels with the step's votes).
 int Run::stop_on_signal(int64_t step) {
-  const std::string dir = save_checkpoint(step, /*async=*/false);
+  const std::string dir = save_checkpoint(step);
   const int sig = stop_signal() ? stop_signal() : SIGTERM;  // another rank's signal
   print("fsdp-train: stop requested (signal " + std::to_string(sig) + "): saved step " + std::to_string(step) +
         " to " + dir + "; run again with training.resume: auto to continue");
@@ -690,7 +692,7 @@ void Run::write_trace() {
 }
 
 void Run::finish(int64_t last_step) {
-  if (cfg_.fsdp_config.checkpoint_interval > 0 && last_saved_step_ != last_step) save_checkpoint(last_step, false);
+  if (cfg_.fsdp_config.checkpoint_interval > 0 && last_saved_step_ != last_step) save_checkpoint(last_step);
   checkpoints_->wait();
   if (last_saved_step_ == last_step) print("checkpoint: " + last_saved_dir_);
   write_trace();
@@ -737,7 +739,7 @@ RunShape Run::run_shape() {
   RunShape s;
   s.world = world_;
   s.preset = cfg_.model.preset;
-  s.params = full_parameter_count();
+  s.params = parameter_count_;
   s.batch = batch_;
   s.gradient_accumulation_steps = accumulation_;
   s.seq = seq_;
