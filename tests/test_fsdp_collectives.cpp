@@ -12,6 +12,7 @@ using fsdp::detail::AllGatherResult;
 using fsdp::detail::FSDPParam;
 using fsdp::detail::FSDPParams;
 using fsdp::detail::RankMajorLayout;
+using fsdp::detail::ReduceScatterResult;
 
 namespace {
 
@@ -141,7 +142,7 @@ TEST(FsdpCollectives, ReduceScatterInputIsTheAllGatherLayoutOfTheGradients) {
   const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
   params[0]->unsharded().mutable_grad() = grads.weight.clone();
   params[1]->unsharded().mutable_grad() = grads.bias.clone();
-  at::Tensor input = fsdp::detail::foreach_reduce_copy_in(params, layout);
+  at::Tensor input = fsdp::detail::foreach_reduce_copy_in(params, layout, at::kFloat);
 
   std::vector<FSDPParams> others;
   EXPECT_EQ(values(input), values(gathered_flat_shards(m, layout, &others)));
@@ -150,7 +151,7 @@ TEST(FsdpCollectives, ReduceScatterInputIsTheAllGatherLayoutOfTheGradients) {
 
   // A parameter without a gradient sends zeros in its place.
   params[0]->unsharded().mutable_grad() = grads.weight.clone();
-  at::Tensor no_bias = fsdp::detail::foreach_reduce_copy_in(params, layout).reshape({kWorld, layout.row_numel});
+  at::Tensor no_bias = fsdp::detail::foreach_reduce_copy_in(params, layout, at::kFloat).reshape({kWorld, layout.row_numel});
   EXPECT_EQ(no_bias.select(1, 6).abs().sum().item<float>(), 0.0f);
   EXPECT_EQ(values(no_bias.slice(1, 0, 6).reshape({-1}).slice(0, 0, 15)), values(m.weight));
 }
@@ -162,7 +163,7 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
     const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
     fsdp::detail::init_flat_shard(params, layout);
     at::Tensor reduced = at::arange(layout.row_numel, at::kFloat);
-    fsdp::detail::foreach_reduce_copy_out(reduced, params, layout);
+    fsdp::detail::foreach_reduce_copy_out(ReduceScatterResult{nullptr, reduced}, params, layout, at::kFloat);
     const at::Tensor& wg = params[0]->sharded().grad();
     const at::Tensor& bg = params[1]->sharded().grad();
     ASSERT_TRUE(wg.defined() && bg.defined());
@@ -178,7 +179,7 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
     }
 
     // A second reduction adds to the gradient already there.
-    fsdp::detail::foreach_reduce_copy_out(reduced, params, layout);
+    fsdp::detail::foreach_reduce_copy_out(ReduceScatterResult{nullptr, reduced}, params, layout, at::kFloat);
     if (bg.numel() > 0) {
       EXPECT_EQ(params[1]->sharded().grad().item<float>(), 12.0f);
     }

@@ -28,6 +28,7 @@
 #include <fsdp/device_mesh.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/fsdp_module.h>
+#include <fsdp/mixed_precision.h>
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -63,6 +64,9 @@ struct FullyShardOptions {
   // first use; collective).
   TORCH_ARG(DeviceMesh, mesh);
   TORCH_ARG(ReshardAfterForward, reshard_after_forward);
+  // The dtypes this group computes, communicates and returns in (fsdp/mixed_precision.h).
+  // Default: none; everything runs in the parameters' own dtype.
+  TORCH_ARG(MixedPrecisionPolicy, mp_policy);
 };
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,

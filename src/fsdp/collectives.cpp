@@ -51,7 +51,7 @@ RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k) {
 
 at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout) {
   TORCH_CHECK(!params.empty(), "internal: a flat shard needs at least one parameter");
-  at::Tensor flat = at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->dtype()));
+  at::Tensor flat = at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->orig_dtype()));
   const size_t es = flat.element_size();
   for (size_t i = 0; i < params.size(); ++i) {
     const FSDPParam& p = *params[i];
@@ -66,10 +66,15 @@ at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layo
 
 // ------------------------------------------------------------------------------ all-gather
 
+at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype) {
+  return flat_shard.scalar_type() == dtype ? flat_shard : flat_shard.to(dtype);
+}
+
 AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group) {
   TORCH_CHECK(layout.parts == group.size() && input.numel() == layout.row_numel,
               "internal: all-gather of ", input.numel(), " elements as one of ", layout.parts, " rows of ",
               layout.row_numel, " over a group of ", group.size());
+  if (group.size() == 1) return AllGatherResult{nullptr, input, layout};
   at::Tensor output = at::empty({layout.numel()}, input.options());
   WorkHandle work = group.all_gather_into(output, input);
   return AllGatherResult{std::move(work), std::move(output), layout};
@@ -90,7 +95,7 @@ void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams
 
 at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayout& layout, int64_t index) {
   TORCH_CHECK(index >= 0 && index < layout.parts, "internal: post-forward piece ", index, " of ", layout.parts);
-  at::Tensor shard = at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->dtype()));
+  at::Tensor shard = at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->unsharded_dtype()));
   const size_t es = shard.element_size();
   for (size_t i = 0; i < params.size(); ++i) {
     const size_t piece = static_cast<size_t>(layout.piece_numel[i]) * es;
@@ -103,50 +108,84 @@ at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayo
 
 namespace {
 
-// On one rank the unsharded gradient has the shard's shape already: no copy, no collective.
-void hand_over_gradients(const FSDPParams& params) {
+at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
+// On one rank the unsharded gradient has the shard's shape already: no copy (without a cast),
+// no collective. A cast goes through the reduce dtype, as the reduction would.
+void hand_over_gradients(const FSDPParams& params, const GroupDtypes& dtypes) {
+  at::NoGradGuard no_grad;
   for (const auto& p : params) {
-    at::Tensor g = p->unsharded_grad();
-    if (p->requires_grad() && g.defined()) p->accumulate_sharded_grad(g);
+    at::Tensor g = p->requires_grad() ? p->unsharded_grad_to_reduce() : at::Tensor();
+    if (g.defined()) p->accumulate_sharded_grad(cast_to(cast_to(g, dtypes.reduce), dtypes.orig));
     p->clear_unsharded_grad();
   }
 }
 
+// Piece `q` of `grad` (flat, `numel` elements, any dtype) into `dst` (a slice of the
+// reduce-scatter input of another dtype): a converting copy of the real elements, zeros after.
+void copy_padded_cast(const at::Tensor& dst, const at::Tensor& grad, int64_t numel, int64_t begin) {
+  const int64_t length = dst.numel();
+  const int64_t real = grad.defined() ? std::max<int64_t>(0, std::min(length, numel - begin)) : 0;
+  if (real > 0) dst.narrow(0, 0, real).copy_(grad.narrow(0, begin, real));
+  if (real < length) dst.narrow(0, real, length - real).zero_();
+}
+
 }  // namespace
 
-at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout) {
-  const at::ScalarType dtype = params.front()->dtype();
-  at::Tensor input = at::empty({layout.numel()}, at::TensorOptions().dtype(dtype));
+GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t world) {
+  if (reduce_dtype != at::kHalf) return GradientDivision{ReduceOp::kAvg, 1.0, 1.0};
+  // PyTorch FSDP's rule: double `pre` while it divides the world and world / pre > pre.
+  int64_t pre = 1;
+  while (world % pre == 0 && world / pre > pre) pre *= 2;
+  return GradientDivision{ReduceOp::kSum, static_cast<double>(pre), static_cast<double>(world) / pre};
+}
+
+at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout, at::ScalarType reduce_dtype) {
+  at::NoGradGuard no_grad;
+  at::Tensor input = at::empty({layout.numel()}, at::TensorOptions().dtype(reduce_dtype));
   const size_t es = input.element_size();
   for (size_t i = 0; i < params.size(); ++i) {
     FSDPParam& p = *params[i];
-    at::Tensor g = p.requires_grad() ? p.unsharded_grad() : at::Tensor();
-    TORCH_CHECK(!g.defined() || g.scalar_type() == dtype, "FSDP reduce-scatter expects gradients of dtype ", dtype,
-                " but '", p.fqn(), "' has ", g.scalar_type());
-    if (g.defined()) g = g.contiguous();
-    const char* src = g.defined() ? static_cast<const char*>(g.data_ptr()) : nullptr;
+    at::Tensor g = p.requires_grad() ? p.unsharded_grad_to_reduce() : at::Tensor();
+    TORCH_CHECK(!g.defined() || at::isFloatingType(g.scalar_type()), "FSDP reduce-scatter: the gradient of '",
+                p.fqn(), "' has dtype ", g.scalar_type(), "; only floating-point gradients can be reduced");
+    if (g.defined()) g = g.contiguous().view(-1);
     const int64_t piece = layout.piece_numel[i];
     for (int64_t q = 0; q < layout.parts; ++q) {
-      copy_padded(bytes_of(input) + (q * layout.row_numel + layout.offset[i]) * es, src, p.unsharded_numel(),
-                  q * piece, piece, es);
+      const int64_t at = q * layout.row_numel + layout.offset[i];
+      if (!g.defined() || g.scalar_type() == reduce_dtype) {  // a byte copy; zeros without a gradient
+        const char* src = g.defined() ? static_cast<const char*>(g.data_ptr()) : nullptr;
+        copy_padded(bytes_of(input) + at * es, src, p.unsharded_numel(), q * piece, piece, es);
+      } else {
+        copy_padded_cast(input.narrow(0, at, piece), g, p.unsharded_numel(), q * piece);
+      }
     }
     p.clear_unsharded_grad();
   }
   return input;
 }
 
-ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group) {
+ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group,
+                                   const GroupDtypes& dtypes) {
   if (group.size() == 1) {
-    hand_over_gradients(params);
+    hand_over_gradients(params, dtypes);
     return ReduceScatterResult{};
   }
-  at::Tensor input = foreach_reduce_copy_in(params, layout);
+  at::Tensor input = foreach_reduce_copy_in(params, layout, dtypes.reduce);
+  const GradientDivision division = gradient_division(dtypes.reduce, group.size());
+  if (division.pre != 1.0) input.div_(division.pre);
   at::Tensor output = at::empty({layout.row_numel}, input.options());
-  WorkHandle work = group.reduce_scatter_into(output, input, ReduceOp::kAvg);
-  return ReduceScatterResult{std::move(work), std::move(output)};
+  WorkHandle work = group.reduce_scatter_into(output, input, division.op);
+  return ReduceScatterResult{std::move(work), std::move(output), division.post};
 }
 
-void foreach_reduce_copy_out(const at::Tensor& reduced, const FSDPParams& params, const RankMajorLayout& layout) {
+void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params,
+                             const RankMajorLayout& layout, at::ScalarType orig_dtype) {
+  at::NoGradGuard no_grad;
+  if (result.post_divide != 1.0) result.output.div_(result.post_divide);
+  const at::Tensor reduced = cast_to(result.output, orig_dtype);
   for (size_t i = 0; i < params.size(); ++i) {
     FSDPParam& p = *params[i];
     if (!p.requires_grad()) continue;

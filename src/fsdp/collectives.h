@@ -16,10 +16,15 @@
 // every unsharded parameter ("post-forward shard", one row of the same rank-major layout over k
 // rows), and all-gathers it among k ranks in backward.
 //
-// A mixed-precision cast (into the all-gather input, or into the reduce dtype and back) or a
-// device path with its own streams changes these functions only.
+// Dtypes (common.h GroupDtypes): the flat shard has the parameters' own dtype; the all-gather,
+// the unsharded parameters and the post-forward shard have the compute dtype (a mixed-precision
+// param_dtype: the flat shard is cast into the all-gather input); the reduce-scatter runs in the
+// reduce dtype (gradients are cast into its input) and its output is cast back to the flat
+// shard's dtype before the sharded gradients view it. A device path with its own streams
+// changes these functions only.
 #pragma once
 
+#include "src/fsdp/common.h"
 #include "src/fsdp/fsdp_param.h"
 
 #include <fsdp/process_group.h>
@@ -55,13 +60,16 @@ RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k);
 at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout);
 
 struct AllGatherResult {
-  WorkHandle work;          // null when nothing was issued
-  at::Tensor output;        // rank-major, `layout.numel()` elements
+  WorkHandle work;          // null when nothing is in flight (a group of one rank)
+  at::Tensor output;        // rank-major, `layout.numel()` elements; undefined: no all-gather
   RankMajorLayout layout;   // of `output`
 };
 
+// The all-gather input of a flat shard: the shard itself, or its cast to `dtype` (a new buffer).
+at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype);
 // Issues the all-gather of `input` (one row of `layout`; this rank's row) over `group`, into a
-// new output buffer. Collective over `group`; returns at once.
+// new output buffer. Collective over `group`; returns at once. On one rank nothing is issued and
+// the output is the input.
 AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group);
 // After the all-gather finished: copies each parameter's pieces, in row order, into its
 // unsharded storage (which must be allocated, padded_full_numel elements).
@@ -73,22 +81,38 @@ at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayo
 
 struct ReduceScatterResult {
   WorkHandle work;    // null when nothing was issued (a group of one rank)
-  at::Tensor output;  // this rank's reduced padded shards, in the flat shard's layout
+  at::Tensor output;  // this rank's reduced padded shards, in the flat shard's layout (reduce dtype)
+  double post_divide = 1.0;  // what the output still has to be divided by (fp16: see gradient_division)
 };
 
-// Reduces the unsharded gradients of `params` over `group` (the mean over its ranks, like
-// PyTorch's FSDP) and releases them. Over several ranks: copies them into a rank-major
-// reduce-scatter input (a parameter with no gradient contributes zeros, so every rank sends
-// the same layout) and issues the reduce-scatter; the caller waits, then calls
-// foreach_reduce_copy_out. On one rank the gradient already is the shard's: it is handed to the
-// sharded leaf at once and nothing is issued. Collective over `group`; returns at once.
-ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group);
-// The reduce-scatter input: the all-gather layout in reverse, row q = piece q of every unsharded
-// gradient (zeros for a parameter without one). Releases the unsharded gradients.
-at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout);
-// After the reduce-scatter finished: gives each sharded leaf that requires grad a gradient that
-// is a view of its piece of `reduced` (padding left out), or adds it to the existing one.
-void foreach_reduce_copy_out(const at::Tensor& reduced, const FSDPParams& params, const RankMajorLayout& layout);
+// How the mean over `world` ranks is taken in `reduce_dtype`. fp32 and bf16 average in the
+// collective. fp16 could overflow while summing, so its input is divided by `pre` first and the
+// output by `post` after (pre * post = world; pre about sqrt(world)), both with a SUM.
+struct GradientDivision {
+  ReduceOp op;
+  double pre;
+  double post;
+};
+GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t world);
+
+// Reduces the unsharded gradients of `params` over `group` in `dtypes.reduce` (the mean over its
+// ranks, like PyTorch's FSDP) and releases them. Over several ranks: copies them into a
+// rank-major reduce-scatter input (a parameter with no gradient contributes zeros, so every rank
+// sends the same layout) and issues the reduce-scatter; the caller waits, then calls
+// foreach_reduce_copy_out. On one rank the gradient is the shard's: it is cast (through the
+// reduce dtype) and handed to the sharded leaf at once, and nothing is issued. Collective over
+// `group`; returns at once.
+ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group,
+                                   const GroupDtypes& dtypes);
+// The reduce-scatter input in `reduce_dtype`: the all-gather layout in reverse, row q = piece q
+// of every unsharded gradient (zeros for a parameter without one). Releases the unsharded
+// gradients.
+at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout, at::ScalarType reduce_dtype);
+// After the reduce-scatter finished: finishes the division, casts the output to `orig_dtype` and
+// gives each sharded leaf that requires grad a gradient that is a view of its piece (padding
+// left out), or adds it to the existing one.
+void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params,
+                             const RankMajorLayout& layout, at::ScalarType orig_dtype);
 
 }  // namespace detail
 }  // namespace fsdp

@@ -2,6 +2,8 @@
 // (state.h) and the parameter group (param_group.h). Nothing here talks to a process group.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 namespace fsdp {
 namespace detail {
 
@@ -40,6 +42,14 @@ enum class ShardedState {
   // shards and the group never leaves this state). Entered by the copy-out of an all-gather;
   // left by reshard() or the partial reshard after forward.
   kUnsharded,
+};
+
+// The dtypes of one group's tensors, resolved from its mixed-precision policy at fully_shard
+// (policies.h). Without a policy all three are the parameters' dtype.
+struct GroupDtypes {
+  at::ScalarType orig;       // the sharded leaves and the flat shard (what the optimizer sees)
+  at::ScalarType unsharded;  // the all-gather, the unsharded parameters and their gradients
+  at::ScalarType reduce;     // the reduce-scatter (and no-sync gradient accumulation)
 };
 
 }  // namespace detail

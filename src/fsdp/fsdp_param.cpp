@@ -22,6 +22,7 @@ FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64
               "fully_shard: parameter '", fqn_, "' does not own a contiguous storage of its own (it is a view or "
               "non-contiguous); FSDP frees and refills each parameter's storage, so give it its own (e.g. clone())");
   global_shape_ = u.sizes().vec();
+  orig_dtype_ = u.scalar_type();
   requires_grad_ = u.requires_grad();
   unsharded_numel_ = u.numel();
   row_numel_ = 1;
@@ -71,8 +72,34 @@ void FSDPParam::alias_shard(const at::Tensor& flat_shard, int64_t offset) {
   aliases_shard_ = true;
 }
 
+void FSDPParam::set_unsharded_dtype(at::ScalarType dtype) {
+  TORCH_CHECK(!aliases_shard_, "internal: '", fqn_, "' aliases its shard; its dtype cannot change");
+  free_unsharded();
+  c10::TensorImpl* impl = unsharded_.unsafeGetTensorImpl();
+  impl->set_storage_and_dtype(unsharded_.storage(), caffe2::TypeMeta::fromScalarType(dtype));
+}
+
+void FSDPParam::accumulate_unsharded_grad(at::ScalarType dtype) {
+  at::Tensor g = unsharded_.grad();
+  if (!g.defined()) return;
+  at::NoGradGuard no_grad;
+  if (accumulated_grad_.defined()) {
+    accumulated_grad_.add_(g);  // add_ widens the bf16 operand itself
+  } else {
+    accumulated_grad_ = g.to(dtype);
+  }
+  unsharded_.mutable_grad().reset();
+}
+
+at::Tensor FSDPParam::unsharded_grad_to_reduce() {
+  if (!accumulated_grad_.defined()) return unsharded_.grad();
+  accumulate_unsharded_grad(accumulated_grad_.scalar_type());
+  return accumulated_grad_;
+}
+
 void FSDPParam::clear_unsharded_grad() {
   if (unsharded_.grad().defined()) unsharded_.mutable_grad().reset();
+  accumulated_grad_ = at::Tensor();
 }
 
 void FSDPParam::accumulate_sharded_grad(const at::Tensor& shard_grad) {

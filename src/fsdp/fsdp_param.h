@@ -5,7 +5,9 @@
 // parameters(), named_parameters() and every optimizer see only it. The unsharded face is the
 // original tensor, which the module's member (e.g. LinearImpl::weight) keeps pointing to and
 // autograd computes with; its storage is resized to zero bytes while sharded and refilled in
-// place when gathered, so views that autograd saved stay valid. It never moves.
+// place when gathered, so views that autograd saved stay valid. It never moves. Under a
+// mixed-precision policy the unsharded face takes the compute dtype (e.g. bf16) while the
+// sharded leaf keeps the original one (e.g. fp32), so the optimizer sees only the latter.
 //
 // This file owns no communication and no buffer layout: the group (param_group.h) decides when
 // bytes move, collectives.h where they go, and this record what each parameter is.
@@ -29,9 +31,11 @@ class FSDPParam {
   FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64_t rank);
 
   const std::string& fqn() const { return fqn_; }
-  // The original (global) shape and dtype.
+  // The original (global) shape, and the dtype of the sharded leaf (the original dtype).
   const std::vector<int64_t>& global_shape() const { return global_shape_; }
-  at::ScalarType dtype() const { return unsharded_.scalar_type(); }
+  at::ScalarType orig_dtype() const { return orig_dtype_; }
+  // The dtype of the unsharded face: the compute dtype (orig_dtype() without a policy).
+  at::ScalarType unsharded_dtype() const { return unsharded_.scalar_type(); }
   bool requires_grad() const { return requires_grad_; }
 
   // Chunking over `world` ranks along dim 0 (torch.chunk), each chunk padded to the same size.
@@ -56,12 +60,23 @@ class FSDPParam {
   void alloc_unsharded();
   void free_unsharded();
   char* unsharded_bytes() const;
-  // World size 1: the unsharded tensor aliases the shard (no copies, never freed).
+  // World size 1 without a cast: the unsharded tensor aliases the shard (no copies, never freed).
   bool aliases_shard() const { return aliases_shard_; }
   void alias_shard(const at::Tensor& flat_shard, int64_t offset);
+  // Frees the unsharded storage and gives the unsharded face `dtype` (the policy's param dtype).
+  // The TensorImpl stays the same one, so the module's member keeps working.
+  void set_unsharded_dtype(at::ScalarType dtype);
 
-  // Gradient of the unsharded tensor (full shape) from autograd, and its release.
+  // Gradient of the unsharded tensor (full shape) from autograd.
   at::Tensor unsharded_grad() const { return unsharded_.grad(); }
+  // Without gradient sync: moves autograd's gradient into an accumulator of `dtype` (the reduce
+  // dtype, wider than the compute dtype), adding it to what earlier micro-batches left there.
+  void accumulate_unsharded_grad(at::ScalarType dtype);
+  // The gradient to reduce: the accumulator with autograd's gradient added, if there is an
+  // accumulator; autograd's gradient otherwise; undefined when there is neither.
+  at::Tensor unsharded_grad_to_reduce();
+  bool has_unsharded_grad() const { return unsharded_.grad().defined() || accumulated_grad_.defined(); }
+  // Drops autograd's gradient and the accumulator.
   void clear_unsharded_grad();
   // Adds (or sets) `shard_grad` (shard shape; may alias a reduce-scatter output) as the grad of
   // the sharded leaf.
@@ -71,6 +86,8 @@ class FSDPParam {
   std::string fqn_;
   at::Tensor unsharded_;
   at::Tensor sharded_;
+  at::Tensor accumulated_grad_;  // see accumulate_unsharded_grad
+  at::ScalarType orig_dtype_;
   std::vector<int64_t> global_shape_;
   bool requires_grad_;
   int64_t world_;

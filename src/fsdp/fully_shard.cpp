@@ -3,6 +3,7 @@
 // parameter -> record index behind as_dtensor.
 #include <fsdp/fully_shard.h>
 
+#include "src/fsdp/policies.h"
 #include "src/fsdp/state.h"
 
 #include <fsdp/distributed.h>
@@ -184,6 +185,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                 "; apply it once per module, bottom-up");
   }
   const DeviceMesh mesh = detail::checked_mesh(options);
+  detail::check_mp_policy(options.mp_policy(), mesh);
   std::vector<std::shared_ptr<torch::nn::Module>> managed;
   std::set<const torch::nn::Module*> seen;
   for (const auto& m : modules) detail::collect_managed(m, true, managed, seen);
@@ -194,10 +196,10 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   if (!params.empty()) {
     auto post_forward = detail::post_forward_group(options.reshard_after_forward(), mesh.get_group(0));
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), mesh, prefix.at(modules.front().get()),
-                                                     std::move(post_forward));
+                                                     std::move(post_forward), options.mp_policy());
   }
   auto state = std::make_shared<detail::FSDPState>(modules, std::move(group),
-                                                   options.reshard_after_forward().is_unset());
+                                                   options.reshard_after_forward().is_unset(), options.mp_policy());
   if (state->group()) detail::register_shards(managed, state);
   detail::register_state(modules, state);
   return make_fsdp_module(state);

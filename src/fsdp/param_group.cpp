@@ -2,6 +2,8 @@
 // when it issues or waits for a collective (the collectives themselves: collectives.cpp).
 #include "src/fsdp/param_group.h"
 
+#include "src/fsdp/policies.h"
+
 #include <fsdp/trace.h>
 
 #include <c10/util/Exception.h>
@@ -30,30 +32,35 @@ void CommContext::finish_reductions(bool wait_all) {
     PendingReduction& r = reductions.front();
     if (!wait_all && !r.result.work->is_completed()) break;
     wait_traced(r.result.work, "reduce_scatter", r.group->module_fqn());
-    r.group->finish_reduction(r.result.output);
+    r.group->finish_reduction(r.result);
     reductions.pop_front();
   }
 }
 
 FSDPParamGroup::FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
-                               std::shared_ptr<ProcessGroup> post_forward_group)
+                               std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy)
     : params_(std::move(params)),
       mesh_(std::move(mesh)),
       shard_group_(mesh_.get_group(0)),
       module_fqn_(std::move(module_fqn)),
       post_forward_group_(std::move(post_forward_group)) {
   TORCH_CHECK(!params_.empty(), "FSDPParamGroup needs at least one parameter");
-  const at::ScalarType dtype = params_.front()->dtype();
+  const at::ScalarType dtype = params_.front()->orig_dtype();
   for (const auto& p : params_) {
-    TORCH_CHECK(p->dtype() == dtype, "fully_shard: parameters of one group must share a dtype, but '",
-                params_.front()->fqn(), "' is ", dtype, " and '", p->fqn(), "' is ", p->dtype(),
+    TORCH_CHECK(p->orig_dtype() == dtype, "fully_shard: parameters of one group must share a dtype, but '",
+                params_.front()->fqn(), "' is ", dtype, " and '", p->fqn(), "' is ", p->orig_dtype(),
                 "; convert the module (module->to(dtype)) before fully_shard, or shard them in separate calls");
   }
+  dtypes_ = resolve_group_dtypes(mp_policy, dtype);
   shard_layout_ = shard_layout(params_, shard_group_->size());
   flat_shard_ = init_flat_shard(params_, shard_layout_);
-  if (shard_group_->size() == 1) {
+  if (dtypes_.unsharded != dtypes_.orig) {
+    // The unsharded faces compute in the policy's dtype; each unshard casts into the all-gather.
+    for (auto& p : params_) p->set_unsharded_dtype(dtypes_.unsharded);
+  } else if (shard_group_->size() == 1) {
     // Nothing to gather, ever: the unsharded tensors alias the shards and stay unsharded.
     for (size_t i = 0; i < params_.size(); ++i) params_[i]->alias_shard(flat_shard_, shard_layout_.offset[i]);
+    unsharded_aliases_shard_ = true;
     sharded_state_ = ShardedState::kUnsharded;
   } else {
     free_unsharded_params();
@@ -68,13 +75,14 @@ void FSDPParamGroup::unshard() {
     pending_all_gather_ = foreach_all_gather(post_forward_shard_, post_forward_layout(params_, post_forward_group_->size()),
                                              *post_forward_group_);
   } else {
-    pending_all_gather_ = foreach_all_gather(flat_shard_, shard_layout_, *shard_group_);
+    pending_all_gather_ =
+        foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded), shard_layout_, *shard_group_);
   }
 }
 
 void FSDPParamGroup::wait_for_unshard() {
   if (!has_pending_unshard()) return;
-  wait_traced(pending_all_gather_.work, "all_gather", module_fqn_);
+  if (pending_all_gather_.work) wait_traced(pending_all_gather_.work, "all_gather", module_fqn_);
   for (auto& p : params_) p->alloc_unsharded();
   foreach_all_gather_copy_out(pending_all_gather_, params_);
   pending_all_gather_ = AllGatherResult{};
@@ -82,12 +90,15 @@ void FSDPParamGroup::wait_for_unshard() {
   sharded_state_ = ShardedState::kUnsharded;
 }
 
+// An all-gather nobody will use: let it land, then drop it.
+void FSDPParamGroup::drop_pending_all_gather() {
+  if (pending_all_gather_.work) pending_all_gather_.work->wait();
+  pending_all_gather_ = AllGatherResult{};
+}
+
 void FSDPParamGroup::reshard() {
-  if (has_pending_unshard()) {  // an all-gather nobody will use: let it land, then drop it
-    pending_all_gather_.work->wait();
-    pending_all_gather_ = AllGatherResult{};
-  }
-  if (shard_group_->size() == 1) return;  // the unsharded tensors are the shards
+  drop_pending_all_gather();
+  if (unsharded_aliases_shard_) return;  // the unsharded tensors are the shards
   if (sharded_state_ == ShardedState::kUnsharded) free_unsharded_params();
   post_forward_shard_ = at::Tensor();
   sharded_state_ = ShardedState::kSharded;
@@ -99,7 +110,7 @@ void FSDPParamGroup::free_unsharded_params() {
 
 // Keeps only this rank's 1/k of every unsharded param, for a backward all-gather among k ranks.
 void FSDPParamGroup::reshard_to_post_forward_shard() {
-  if (sharded_state_ != ShardedState::kUnsharded || shard_group_->size() == 1) return;
+  if (sharded_state_ != ShardedState::kUnsharded || unsharded_aliases_shard_) return;
   post_forward_shard_ = copy_post_forward_shard(params_, post_forward_layout(params_, post_forward_group_->size()),
                                                 post_forward_group_->rank());
   free_unsharded_params();
@@ -163,14 +174,24 @@ int64_t FSDPParamGroup::pop_post_forward_index() {
 
 bool FSDPParamGroup::has_unsharded_grads() const {
   for (const auto& p : params_) {
-    if (p->requires_grad() && p->unsharded_grad().defined()) return true;
+    if (p->requires_grad() && p->has_unsharded_grad()) return true;
   }
   return false;
 }
 
+// No sync: the unsharded grads keep accumulating until a backward that reduces, in the reduce
+// dtype when it is wider than the compute dtype (bf16 micro-batch grads summed in fp32).
+void FSDPParamGroup::keep_unsynced_grads() {
+  if (dtypes_.reduce == dtypes_.unsharded) return;  // autograd accumulates them in place
+  for (auto& p : params_) {
+    if (p->requires_grad()) p->accumulate_unsharded_grad(dtypes_.reduce);
+  }
+}
+
 void FSDPParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
-  if (!reduce_grads_ || !has_unsharded_grads()) {  // no sync: the unsharded grads keep accumulating
+  if (!reduce_grads_ || !has_unsharded_grads()) {
+    if (!reduce_grads_) keep_unsynced_grads();
     if (reshard_after_backward_) reshard();
     return;
   }
@@ -179,20 +200,17 @@ void FSDPParamGroup::post_backward() {
               "' before lazy initialisation");
   // The gradients are tensors of their own: the parameters can be freed before the copy-in.
   if (reshard_after_backward_) reshard();
-  ReduceScatterResult result = foreach_reduce(params_, shard_layout_, *shard_group_);
+  ReduceScatterResult result = foreach_reduce(params_, shard_layout_, *shard_group_, dtypes_);
   if (!result.work) return;  // one rank: the grads were handed over, nothing in flight
   comm_->reductions.push_back({std::move(result), this});
 }
 
-void FSDPParamGroup::finish_reduction(const at::Tensor& reduced) {
-  foreach_reduce_copy_out(reduced, params_, shard_layout_);
+void FSDPParamGroup::finish_reduction(const ReduceScatterResult& reduced) {
+  foreach_reduce_copy_out(reduced, params_, shard_layout_, dtypes_.orig);
 }
 
 void FSDPParamGroup::finalize_backward() {
-  if (has_pending_unshard()) {  // a prefetch for a module that did not run backward
-    pending_all_gather_.work->wait();
-    pending_all_gather_ = AllGatherResult{};
-  }
+  drop_pending_all_gather();  // a prefetch for a module that did not run backward
   post_forward_indices_.clear();
   training_state_ = TrainingState::kIdle;
 }

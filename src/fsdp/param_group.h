@@ -14,6 +14,7 @@
 #include "src/fsdp/fsdp_param.h"
 
 #include <fsdp/device_mesh.h>
+#include <fsdp/mixed_precision.h>
 #include <fsdp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -54,8 +55,9 @@ class FSDPParamGroup {
   // `post_forward_group` says how the group reshards after forward (see
   // set_post_forward_group). Copies every parameter's shard into the group's flat shard and
   // frees the unsharded storage (on a mesh of one rank the unsharded tensors alias the shards).
+  // `mp_policy` gives the dtypes of the group's collectives and unsharded parameters.
   FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
-                 std::shared_ptr<ProcessGroup> post_forward_group);
+                 std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy);
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
@@ -63,12 +65,13 @@ class FSDPParamGroup {
   const DeviceMesh& mesh() const { return mesh_; }
   const std::shared_ptr<ProcessGroup>& shard_group() const { return shard_group_; }
   const std::string& module_fqn() const { return module_fqn_; }
+  const GroupDtypes& dtypes() const { return dtypes_; }
   void set_module_fqn(std::string fqn) { module_fqn_ = std::move(fqn); }
   void set_comm_context(CommContext* ctx) { comm_ = ctx; }
 
   TrainingState training_state() const { return training_state_; }
   ShardedState sharded_state() const { return sharded_state_; }
-  bool has_pending_unshard() const { return pending_all_gather_.work != nullptr; }
+  bool has_pending_unshard() const { return pending_all_gather_.output.defined(); }
 
   // How post-forward reshards: null keeps the parameters unsharded until backward; the shard
   // group frees them; a smaller group (made by fully_shard for reshard_after_forward = k) keeps
@@ -104,13 +107,15 @@ class FSDPParamGroup {
   int64_t pop_post_forward_index();
 
   // Gradients of a finished reduce-scatter -> the sharded params' grads.
-  void finish_reduction(const at::Tensor& reduced);
+  void finish_reduction(const ReduceScatterResult& reduced);
 
   // Bytes of unsharded parameter storage currently allocated (0 when resharded).
   int64_t unsharded_bytes() const;
 
  private:
   bool has_unsharded_grads() const;
+  void keep_unsynced_grads();
+  void drop_pending_all_gather();
   void free_unsharded_params();
   void reshard_post_forward();
   void reshard_to_post_forward_shard();
@@ -121,8 +126,11 @@ class FSDPParamGroup {
   std::string module_fqn_;
   CommContext* comm_ = nullptr;
 
+  GroupDtypes dtypes_;
   RankMajorLayout shard_layout_;  // of the flat shard, the all-gather and the reduce-scatter
   at::Tensor flat_shard_;         // this rank's padded shard of every param; the leaves view it
+  // One rank, no cast: the unsharded tensors are the shards, never gathered or freed.
+  bool unsharded_aliases_shard_ = false;
 
   std::shared_ptr<ProcessGroup> post_forward_group_;  // see set_post_forward_group
   at::Tensor post_forward_shard_;                     // kShardedPostForward: this rank's 1/k

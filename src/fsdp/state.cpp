@@ -4,6 +4,8 @@
 // the inputs, and the root's end-of-backward callback from the autograd engine.
 #include "src/fsdp/state.h"
 
+#include "src/fsdp/policies.h"
+
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -98,8 +100,11 @@ std::shared_ptr<FSDPState> find_state_by_id(int64_t id) {
 // ------------------------------------------------------------------------------ set-up
 
 FSDPState::FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
-                     bool auto_reshard_after_forward)
-    : id_(g_next_state_id++), group_(std::move(group)), auto_reshard_after_forward_(auto_reshard_after_forward) {
+                     bool auto_reshard_after_forward, MixedPrecisionPolicy mp_policy)
+    : id_(g_next_state_id++),
+      group_(std::move(group)),
+      auto_reshard_after_forward_(auto_reshard_after_forward),
+      mp_policy_(std::move(mp_policy)) {
   for (const auto& m : modules) modules_.push_back(m);
 }
 
@@ -163,7 +168,20 @@ bool FSDPState::is_module_of_this_state(const torch::nn::Module& module) const {
 
 // ------------------------------------------------------------------------------ forward
 
+// Every call of one of this state's modules casts, the re-run of a forward during backward too,
+// so that a recomputation sees the dtypes the forward saw.
+void FSDPState::cast_forward_inputs(std::vector<at::Tensor>& inputs) const {
+  if (mp_policy_.cast_forward_inputs() && mp_policy_.param_dtype()) {
+    cast_floating_tensors(inputs, *mp_policy_.param_dtype());
+  }
+}
+
+void FSDPState::cast_forward_outputs(std::vector<at::Tensor>& outputs) const {
+  if (mp_policy_.output_dtype()) cast_floating_tensors(outputs, *mp_policy_.output_dtype());
+}
+
 std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs) {
+  cast_forward_inputs(inputs);
   if (training_state_ == TrainingState::kPreBackward) {
     // A forward re-run during backward (activation recomputation): parameters must be present.
     if (group_) {
@@ -205,13 +223,17 @@ void FSDPState::hook_inputs_for_post_backward(std::vector<at::Tensor>& inputs) {
 }
 
 void FSDPState::post_forward(const torch::nn::Module& module, std::vector<at::Tensor>& outputs) {
-  if (training_state_ == TrainingState::kPreBackward) return;
+  if (training_state_ == TrainingState::kPreBackward) {
+    cast_forward_outputs(outputs);
+    return;
+  }
   TORCH_CHECK(is_module_of_this_state(module), "internal: post-forward of a module that is not managed by this FSDP "
               "state ('", fqn_, "')");
   modules_to_run_forward_.erase(&module);
   const bool round_done = modules_to_run_forward_.empty();
   if (group_ && round_done) group_->post_forward();
   hook_outputs_for_pre_backward(outputs);
+  cast_forward_outputs(outputs);  // after the hooks, so the cast's gradient reaches them
   if (round_done) training_state_ = TrainingState::kIdle;
   if (ctx_ && ctx_->iter_forward_root == this) root_post_forward();
 }

@@ -8,6 +8,7 @@
 #include "src/fsdp/param_group.h"
 
 #include <fsdp/fsdp_module.h>
+#include <fsdp/mixed_precision.h>
 
 #include <torch/nn/module.h>
 
@@ -35,8 +36,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // `auto_reshard_after_forward`: reshard_after_forward was left unset, so the group's
   // post-forward resharding (already set up by fully_shard) is turned off if this state
   // becomes a root: backward needs the root's parameters again at once.
+  // `mp_policy` also says how forward inputs and outputs are cast.
   FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
-            bool auto_reshard_after_forward);
+            bool auto_reshard_after_forward, MixedPrecisionPolicy mp_policy);
   ~FSDPState();
 
   int64_t id() const { return id_; }
@@ -68,6 +70,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   bool is_module_of_this_state(const torch::nn::Module& module) const;
+  void cast_forward_inputs(std::vector<at::Tensor>& inputs) const;
+  void cast_forward_outputs(std::vector<at::Tensor>& outputs) const;
   void hook_inputs_for_post_backward(std::vector<at::Tensor>& inputs);
   void hook_outputs_for_pre_backward(std::vector<at::Tensor>& outputs);
   void finish_group_forward();
@@ -81,6 +85,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
   std::unique_ptr<FSDPParamGroup> group_;
   bool auto_reshard_after_forward_;
+  MixedPrecisionPolicy mp_policy_;
   std::string fqn_;
   std::optional<bool> is_root_;  // set by lazy init
   std::shared_ptr<StateContext> ctx_;

@@ -1,0 +1,31 @@
+// policies.h — what fully_shard's policies mean at run time: the mixed-precision policy's checks,
+// the dtypes it gives a group, and its casts of forward inputs and outputs.
+#pragma once
+
+#include "src/fsdp/common.h"
+
+#include <fsdp/device_mesh.h>
+#include <fsdp/mixed_precision.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace fsdp {
+namespace detail {
+
+// Throws, naming the field, when a dtype of `policy` is not floating point, or when its
+// param_dtype needs kernels the mesh's device lacks (fp16 matmul on CPU in LibTorch 1.13).
+void check_mp_policy(const MixedPrecisionPolicy& policy, const DeviceMesh& mesh);
+
+// The dtypes of a group whose parameters have dtype `orig`, as FSDP2 resolves them: a
+// param_dtype equal to `orig`, or any cast of integer/bool parameters, is no cast; an unset
+// reduce_dtype, or one equal to the requested param_dtype, reduces in the gradients' dtype.
+GroupDtypes resolve_group_dtypes(const MixedPrecisionPolicy& policy, at::ScalarType orig);
+
+// Replaces every defined floating-point tensor of `tensors` by its cast to `dtype` (an autograd
+// op, so gradients flow back in the original dtype). Integer and bool tensors are left alone.
+void cast_floating_tensors(std::vector<at::Tensor>& tensors, at::ScalarType dtype);
+
+}  // namespace detail
+}  // namespace fsdp
