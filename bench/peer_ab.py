@@ -6,7 +6,7 @@ ours then peer, --pairs times (A B A B A B). Both use the same preset,
 per-rank batch, sequence length, steps, world size, data, optimizer math
 (Adam, lr 1e-3, no clipping, constant LR, dropout 0) and the same starting
 weights. The script writes every raw JSON to --out and prints a markdown table,
-also saved as <out>/table.md.
+also saved as <out>/table.md. The peer is bench/peer/peer_fsdp1.py (--peer-dir).
 
     /usr/bin/python3 bench/peer_ab.py                                  # tiny,small x W=1,2 x 3 pairs
     /usr/bin/python3 bench/peer_ab.py --presets small --worlds 2 --pairs 5
@@ -14,6 +14,46 @@ also saved as <out>/table.md.
     /usr/bin/python3 bench/peer_ab.py --out bench/results/peer_ab/DIR --report-only
     /usr/bin/python3 bench/peer_ab.py --dry-run                        # print the commands only
     /usr/bin/python3 bench/peer_ab.py --presets small --worlds 2 --baseline-build-dir ../old/build
+
+    /usr/bin/python3 bench/peer_ab.py --presets small,medium --worlds 1,2 --dtypes fp32,bf16
+
+Mixed precision (--dtypes fp32,bf16; default fp32 only). Each pair then runs, in this order:
+ours fp32, ours bf16, peer fp32, peer bf16. Ours bf16 = fsdp-train with
+--fsdp_config.mixed_precision=true (param bf16, reduce fp32, fp32 master weights); peer bf16 =
+peer_fsdp1.py --mixed-precision bf16 (FSDP1's MixedPrecision(param_dtype=bfloat16,
+reduce_dtype=float32, buffer_dtype=bfloat16)). The fp32 table, its targets and Δloss are as
+without --dtypes; a second table gives tokens/s ratios within each pair (ours bf16 / ours fp32,
+peer bf16 / peer fp32, ours bf16 / peer bf16), peak RSS per rank per dtype, and the largest
+loss difference of ours bf16 against ours fp32 and against peer bf16 (no target: bf16 rounds).
+Run names of bf16 runs end in _bf16; fp32 runs keep the names they had before.
+
+Matmul fraction and MFU (both estimates). At the start of a run the script runs
+<build-dir>/bench/bench_matmul --json once per thread count a rank uses (OMP_NUM_THREADS =
+OPENBLAS_NUM_THREADS = cores / W) at the products of each preset's model (shapes below) and at
+2048^3, for each dtype, and records the GFLOP/s in meta.json (raw: matmul_t<T>.json). From the
+model in src/models/transformer.cpp (= bench/peer/model.py), per rank and step, with B the
+per-rank batch, T the sequence length, M = B*T, d = dim, h = n_heads, d/h = head_dim, L = n_layers,
+V = vocab_size, the forward matmuls are
+    per block: wq, wk, wv, wo          4 x (M x d) @ (d x d)
+               feed_forward w1, w2     (M x d) @ (d x 4d), (M x 4d) @ (4d x d)
+               scores = Q K^T          B*h x (T x d/h) @ (d/h x T)     (causal mask applied after:
+               out = P V               B*h x (T x T) @ (T x d/h)        the full T x T is computed)
+    once:      output head             (M x d) @ (d x V)
+    FLOP_fwd  = L * (24 M d^2 + 4 B T^2 d) + 2 M d V
+    FLOP_step = 3 * FLOP_fwd   (backward: the gradient of each matmul's two inputs, two matmuls
+                                of the same size; embeddings, norms, softmax, GELU, the loss and
+                                Adam are not counted)
+and the derived columns are
+    matmul fraction = (sum over those products of 3 * count * FLOP / bench_matmul's GFLOP/s at
+                       that product's shape) / step time
+                    = "the time the matmuls would take at bench_matmul's rate / step time",
+                      an estimate: bench_matmul times (A @ B) with both operands contiguous, in
+                      one process before the runs, while the step also runs the transposed
+                      variants (x W^T forward, W^T and x^T products backward), and at W = 2 the
+                      other rank runs on the other core at the same time;
+    MFU             = FLOP_step / step time / peak, peak = the best GFLOP/s bench_matmul measured
+                      for that dtype at the rank's thread count (over all its shapes);
+bf16 runs use the bf16 rates, fp32 runs the fp32 rates. --no-matmul skips the measurement.
 
 With --baseline-build-dir every pair becomes a triple: the baseline build of fsdp-train
 ("base"), then ours, then the peer, and the table adds ours/base ratios: how a change of
@@ -27,9 +67,10 @@ under /usr/bin/python3, the interpreter that has torch.
 Files in --out:
   meta.json                          settings, machine, BLAS, versions
   init_<preset>.pt                   starting weights (peer --save-init)
-  <preset>_w<W>_p<k>_<side>.json     the program's raw JSON (side = base | ours | peer)
-  <preset>_w<W>_p<k>_<side>.run.json command, environment, exit code, wall time, status
-  <preset>_w<W>_p<k>_<side>.log      stdout + stderr
+  <preset>_w<W>_p<k>_<side>[_bf16].json     the program's raw JSON (side = base | ours | peer)
+  <preset>_w<W>_p<k>_<side>[_bf16].run.json command, environment, exit code, wall time, status
+  <preset>_w<W>_p<k>_<side>[_bf16].log      stdout + stderr
+  matmul_t<T>.json, matmul_t<T>.log  bench_matmul's JSON and output at T threads
   table.md                           the report
 """
 
@@ -60,6 +101,19 @@ PRESETS = {
     "medium": dict(batch=2, steps=4, warmup=1, seq=512, timeout=3600),
 }
 INIT_TIMEOUT = {"tiny": 300, "small": 600, "medium": 1800}
+
+# The presets' model dimensions (fsdp::models::ModelArgs::preset = bench/peer/model.py PRESETS).
+MODEL = {
+    "tiny": dict(n_layers=2, dim=16, n_heads=4, vocab_size=8),
+    "small": dict(n_layers=4, dim=256, n_heads=8, vocab_size=8192),
+    "medium": dict(n_layers=8, dim=768, n_heads=12, vocab_size=32000),
+}
+
+DTYPES = ("fp32", "bf16")
+OURS_DTYPE_OVERRIDES = {"fp32": [], "bf16": ["--fsdp_config.mixed_precision=true"]}
+PEER_DTYPE_ARGS = {"fp32": [], "bf16": ["--mixed-precision", "bf16"]}
+MATMUL_TIMEOUT = 1200
+MATMUL_PEAK_N = 2048  # bench_matmul also times N^3 at this N: part of the "peak" for the MFU
 
 # The step-time, memory and loss targets; judged at W = 2 only.
 TARGET_WORLD = 2
@@ -190,12 +244,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 # --------------------------------------------------------------------------- commands
 
-def peer_cmd(a, cell: dict, json_out: str) -> list[str]:
+def peer_cmd(a, cell: dict, json_out: str, dtype: str = "fp32") -> list[str]:
     return [PY, os.path.join(a.peer_dir, "peer_fsdp1.py"),
             "--mode", "fsdp1", "--world", str(cell["world"]), "--preset", cell["preset"],
             "--batch", str(cell["batch"]), "--seq", str(cell["seq"]), "--steps", str(cell["steps"]),
             "--warmup", str(cell["warmup"]), "--lr", "1e-3", "--seed", str(SEED),
-            "--data-seed", str(DATA_SEED), "--init-from", cell["init"], "--json-out", json_out]
+            "--data-seed", str(DATA_SEED), "--init-from", cell["init"], "--json-out", json_out,
+            *PEER_DTYPE_ARGS[dtype]]
 
 
 def sides_of(meta_or_args) -> tuple:
@@ -203,7 +258,7 @@ def sides_of(meta_or_args) -> tuple:
     return (("base",) if base else ()) + SIDES
 
 
-def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str) -> list[str]:
+def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype: str = "fp32") -> list[str]:
     p = cell["preset"]
     return [os.path.join(build_dir, "tools", "fsdprun", "fsdprun"), "--standalone",
             "--nproc-per-node", str(cell["world"]),
@@ -220,7 +275,8 @@ def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str) -> lis
             "--data.source=synthetic", f"--data.data_seed={DATA_SEED}",
             "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={ckpt_dir}",
             "--logging.progress=off", "--logging.log_interval=1000000",
-            f"--logging.summary_json={json_out}", f"--logging.summary_warmup={cell['warmup']}"]
+            f"--logging.summary_json={json_out}", f"--logging.summary_warmup={cell['warmup']}",
+            *OURS_DTYPE_OVERRIDES[dtype]]
 
 
 def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
@@ -229,17 +285,169 @@ def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
             "--save-init", path]
 
 
+# --------------------------------------------------------------------------- matmul rates
+
+def matmul_products(preset: str, batch: int, seq: int) -> list[dict]:
+    """The forward matmuls of one rank's training step (see the module docstring): count per
+    forward, and the product as bench_matmul takes it (batch 0 = a 2-D product)."""
+    m = MODEL[preset]
+    L, d, h, V = m["n_layers"], m["dim"], m["n_heads"], m["vocab_size"]
+    M, hd = batch * seq, d // h
+    return [
+        dict(name="wq, wk, wv, wo", count=4 * L, batch=0, m=M, k=d, n=d),
+        dict(name="feed_forward w1", count=L, batch=0, m=M, k=d, n=4 * d),
+        dict(name="feed_forward w2", count=L, batch=0, m=M, k=4 * d, n=d),
+        dict(name="scores Q K^T", count=L, batch=batch * h, m=seq, k=hd, n=seq),
+        dict(name="P V", count=L, batch=batch * h, m=seq, k=seq, n=hd),
+        dict(name="output head", count=1, batch=0, m=M, k=d, n=V),
+    ]
+
+
+def shape_str(p: dict) -> str:
+    return (f"{p['batch']}x" if p["batch"] else "") + f"{p['m']}x{p['k']}x{p['n']}"
+
+
+def product_flop(p: dict) -> int:
+    return 2 * max(p["batch"], 1) * p["m"] * p["k"] * p["n"]
+
+
+def step_flop(preset: str, batch: int, seq: int) -> int:
+    """FLOP_step = 3 * (L * (24 M d^2 + 4 B T^2 d) + 2 M d V), per rank."""
+    flop = 3 * sum(p["count"] * product_flop(p) for p in matmul_products(preset, batch, seq))
+    m = MODEL[preset]
+    L, d, V, M = m["n_layers"], m["dim"], m["vocab_size"], batch * seq
+    assert flop == 3 * (L * (24 * M * d * d + 4 * batch * seq * seq * d) + 2 * M * d * V)
+    return flop
+
+
+def matmul_threads(worlds) -> list[int]:
+    return sorted({threads_for(w) for w in worlds})
+
+
+def matmul_bin(a) -> str:
+    return a.matmul_bin or os.path.join(a.build_dir, "bench", "bench_matmul")
+
+
+def matmul_cmd(a, threads: int, cells: list[dict]) -> list[str]:
+    shapes = sorted({shape_str(p) for c in cells for p in matmul_products(c["preset"], c["batch"], c["seq"])})
+    dtypes = [d for d in DTYPES if d in a.dtypes]
+    return [matmul_bin(a), "--json", "--threads", str(threads), "--dtypes", ",".join(dtypes), "--reps", "3",
+            "--n", str(MATMUL_PEAK_N), "--shapes", ",".join(shapes)]
+
+
+def ensure_matmul(a, cells: list[dict], meta: dict) -> None:
+    """Runs bench_matmul once per thread count a rank uses (unless stored with the same command),
+    writing matmul_t<T>.json; records a summary in meta["matmul"]."""
+    for t in matmul_threads(a.worlds):
+        cmd = matmul_cmd(a, t, cells)
+        path, log_path = os.path.join(a.out, f"matmul_t{t}.json"), os.path.join(a.out, f"matmul_t{t}.log")
+        env = dict(os.environ, OMP_NUM_THREADS=str(t), OPENBLAS_NUM_THREADS=str(t))
+        print(f"[matmul] threads {t}: OMP_NUM_THREADS={t} OPENBLAS_NUM_THREADS={t} {shlex.join(cmd)}", flush=True)
+        if a.dry_run:
+            continue
+        stored = load_matmul(a.out, t)
+        if stored is not None and stored.get("_cmd") == cmd and not a.force:
+            print(f"[matmul] threads {t}: stored", flush=True)
+        else:
+            if not os.path.exists(cmd[0]):
+                print(f"[matmul] threads {t}: no {cmd[0]} (build the bench_matmul target); "
+                      "no matmul fraction or MFU", flush=True)
+                continue
+            t0 = time.time()
+            try:
+                r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=MATMUL_TIMEOUT)
+                rc, out_s, err_s = r.returncode, r.stdout, r.stderr
+            except subprocess.TimeoutExpired as e:
+                def text(x):
+                    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                rc, out_s, err_s = None, text(e.stdout), text(e.stderr) + f"\ntimeout after {MATMUL_TIMEOUT}s"
+            with open(log_path, "w") as fh:
+                fh.write(f"# {utc_now()}\n# {shlex.join(cmd)}\n# rc={rc}\n{out_s}{err_s}")
+            res = None
+            for line in reversed(out_s.splitlines()):  # the JSON object is the last line
+                if line.startswith("{"):
+                    try:
+                        res = json.loads(line)
+                    except ValueError:
+                        pass
+                    break
+            if res is None:
+                print(f"[matmul] threads {t}: FAILED rc={rc}; see {os.path.basename(log_path)}", flush=True)
+                continue
+            res.update(_cmd=cmd, _rc=rc, _wall_s=round(time.time() - t0, 1))
+            write_json(path, res)
+            stored = res
+            print(f"[matmul] threads {t}: rc={rc} in {time.time() - t0:.0f}s"
+                  + ("" if res.get("ok") else " -- a numeric check FAILED (rates still used)"), flush=True)
+        meta.setdefault("matmul", {})[str(t)] = {
+            "cmd": shlex.join(cmd), "rc": stored.get("_rc"), "ok": stored.get("ok"),
+            "kernels": sorted({f"{x['dtype']}: {x.get('kernel', '?')}" for x in stored.get("results", [])}),
+            "gflops": {d: {x.get("shape", str(x["n"])): x["gflops"] for x in stored.get("results", [])
+                           if x["dtype"] == d} for d in a.dtypes},
+        }
+
+
+def load_matmul(out: str, threads: int) -> dict | None:
+    path = os.path.join(out, f"matmul_t{threads}.json")
+    try:
+        return load_json(path) if os.path.exists(path) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _gflops(r: dict) -> float:
+    """GFLOP/s of one bench_matmul row, from its best time where it has one (more digits)."""
+    if r.get("best_s") and "m" in r and "k" in r:
+        return 2.0 * max(r.get("batch", 0), 1) * r["m"] * r["k"] * r["n"] / r["best_s"] / 1e9
+    return r["gflops"]
+
+
+def matmul_estimate(out: str, meta: dict, cell: dict, dtype: str, step_s: float | None) -> dict:
+    """{flop, mm_s, frac, mfu, peak} for one cell and dtype at a step time (None when unknown)."""
+    flop = step_flop(cell["preset"], cell["batch"], cell["seq"])
+    est = {"flop": flop, "mm_s": None, "frac": None, "mfu": None, "peak": None, "note": ""}
+    t = (meta.get("threads_per_rank") or {}).get(str(cell["world"]))
+    mm = load_matmul(out, t) if t is not None else None
+    if mm is None:
+        return est
+    rows = [r for r in mm.get("results", []) if r.get("dtype") == dtype and r.get("at_threads") == t]
+    rate = {r.get("shape", str(r["n"])): _gflops(r) for r in rows}
+    if rows:
+        est["peak"] = max(rate.values())
+    products = matmul_products(cell["preset"], cell["batch"], cell["seq"])
+    if all(shape_str(p) in rate and rate[shape_str(p)] > 0 for p in products):
+        est["mm_s"] = sum(3 * p["count"] * product_flop(p) / (rate[shape_str(p)] * 1e9) for p in products)
+    if not mm.get("ok", True):
+        est["note"] = "bench_matmul check failed"
+    if step_s:
+        if est["mm_s"] is not None:
+            est["frac"] = est["mm_s"] / step_s
+        if est["peak"]:
+            est["mfu"] = flop / step_s / (est["peak"] * 1e9)
+    return est
+
+
 # --------------------------------------------------------------------------- running
 
-def run_name(cell: dict, pair: int, side: str) -> str:
-    return f"{cell['preset']}_w{cell['world']}_p{pair}_{side}"
+def run_name(cell: dict, pair: int, side: str, dtype: str = "fp32") -> str:
+    return f"{cell['preset']}_w{cell['world']}_p{pair}_{side}" + ("" if dtype == "fp32" else f"_{dtype}")
 
 
 SETTING_KEYS = ("preset", "world", "batch", "seq", "steps", "warmup")
 
 
-def settings(cell: dict) -> dict:
-    return {k: cell[k] for k in SETTING_KEYS}
+def settings(cell: dict, dtype: str = "fp32") -> dict:
+    out = {k: cell[k] for k in SETTING_KEYS}
+    if dtype != "fp32":  # fp32 runs keep the settings (and names) they had before --dtypes
+        out["dtype"] = dtype
+    return out
+
+
+def run_order(sides, dtypes) -> list[tuple[str, str]]:
+    """(side, dtype) in the order run inside one pair: base (fp32 only), then ours fp32, ours bf16,
+    peer fp32, peer bf16 (those of `dtypes`)."""
+    return [(side, d) for side in sides for d in (("fp32",) if side == "base" else dtypes)
+            if side != "base" or "fp32" in dtypes]
 
 
 def ensure_init(a, preset: str, seq: int) -> str | None:
@@ -259,23 +467,24 @@ def ensure_init(a, preset: str, seq: int) -> str | None:
     return path
 
 
-def run_side(a, cell: dict, pair: int, side: str) -> None:
-    name = run_name(cell, pair, side)
+def run_side(a, cell: dict, pair: int, side: str, dtype: str = "fp32") -> None:
+    name = run_name(cell, pair, side, dtype)
     json_path = os.path.join(a.out, name + ".json")
     rec_path = os.path.join(a.out, name + ".run.json")
     if not a.force and os.path.exists(rec_path) and os.path.exists(json_path):
         rec = load_json(rec_path)
-        if rec.get("status") == "ok" and rec.get("settings") == settings(cell):
+        if rec.get("status") == "ok" and rec.get("settings") == settings(cell, dtype):
             print(f"[skip] {name}: stored", flush=True)
             return
     env = run_env(cell["world"])
     ckpt_dir = None
     if side in ("ours", "base"):
         ckpt_dir = tempfile.mkdtemp(prefix="peer_ab_ckpt_")
-        cmd = ours_cmd(a, cell, json_path, ckpt_dir, a.build_dir if side == "ours" else a.baseline_build_dir)
+        cmd = ours_cmd(a, cell, json_path, ckpt_dir, a.build_dir if side == "ours" else a.baseline_build_dir,
+                       dtype)
         cwd = REPO
     else:
-        cmd = peer_cmd(a, cell, json_path)
+        cmd = peer_cmd(a, cell, json_path, dtype)
         cwd = a.peer_dir
     env_shown = {k: env[k] for k in ENV_KEYS if k in env}
     print(f"[run] {name}: {' '.join(f'{k}={v}' for k, v in env_shown.items() if 'THREADS' in k)} "
@@ -303,7 +512,8 @@ def run_side(a, cell: dict, pair: int, side: str) -> None:
             status = "no-json"
         elif "median_step_s" not in res:
             status = "bad-json"
-    rec = {"name": name, "side": side, "pair": pair, "settings": settings(cell), "status": status,
+    rec = {"name": name, "side": side, "dtype": dtype, "pair": pair, "settings": settings(cell, dtype),
+           "status": status,
            "rc": rc, "wall_s": round(wall, 1), "timeout_s": cell["timeout"], "started": started,
            "cmd": cmd, "cwd": cwd, "env": env_shown}
     write_json(rec_path, rec)
@@ -356,6 +566,11 @@ def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
         "baseline_build_dir": a.baseline_build_dir,
         "baseline_commit": source_commit(a.baseline_build_dir) if a.baseline_build_dir else None,
         "pairs": a.pairs,
+        "dtypes": a.dtypes,
+        "ours_dtype_overrides": {d: OURS_DTYPE_OVERRIDES[d] for d in a.dtypes},
+        "peer_dtype_args": {d: PEER_DTYPE_ARGS[d] for d in a.dtypes},
+        "matmul_bin": None if a.no_matmul else matmul_bin(a),
+        "step_flop_per_rank": {c["preset"]: step_flop(c["preset"], c["batch"], c["seq"]) for c in cells},
         "only": a.only,
         "cells": cells,
         "optimizer": "Adam lr 1e-3 betas (0.9,0.999) eps 1e-8, weight decay 0, no clipping, constant LR",
@@ -366,15 +581,15 @@ def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
 
 # --------------------------------------------------------------------------- report
 
-def load_side(out: str, cell: dict, pair: int, side: str) -> tuple[str, dict | None]:
-    name = run_name(cell, pair, side)
+def load_side(out: str, cell: dict, pair: int, side: str, dtype: str = "fp32") -> tuple[str, dict | None]:
+    name = run_name(cell, pair, side, dtype)
     rec_path = os.path.join(out, name + ".run.json")
     json_path = os.path.join(out, name + ".json")
     if not os.path.exists(rec_path):
         return "not run", None
     rec = load_json(rec_path)
     status = rec.get("status", "?")
-    if rec.get("settings") not in (None, settings(cell)):
+    if rec.get("settings") not in (None, settings(cell, dtype)):
         return "other settings", None
     if status != "ok":
         if status == "failed":
@@ -406,6 +621,13 @@ def med(xs):
 
 def fmt(x, spec: str, missing: str = "–") -> str:
     return missing if x is None else format(x, spec)
+
+
+def pct(x) -> str:
+    """A fraction as a percentage with 2 significant digits ("–" when unknown)."""
+    if x is None:
+        return "–"
+    return f"{100 * x:.0f} %" if 100 * x >= 10 else f"{100 * x:.2g} %"
 
 
 def verdict(value, target) -> str:
@@ -448,7 +670,7 @@ def render(out: str, meta: dict) -> str:
         f"OPENBLAS_CORETYPE={meta['env'].get('OPENBLAS_CORETYPE')}, "
         f"OPENBLAS_L2_SIZE={meta['env'].get('OPENBLAS_L2_SIZE')}; OMP_NUM_THREADS = OPENBLAS_NUM_THREADS "
         f"per rank: {', '.join(f'W={w}: {t}' for w, t in meta['threads_per_rank'].items())}; "
-        f"pairs per cell: {pairs} (order {', '.join(sides)})" +
+        f"pairs per cell: {pairs} (order {', '.join(f'{x} {d}' if d != 'fp32' or len(meta.get('dtypes') or ['fp32']) > 1 else x for x, d in run_order(sides, meta.get('dtypes') or ['fp32']))})" +
         (f"; base = `{meta['baseline_build_dir']}` at commit {meta.get('baseline_commit')}" if "base" in sides else ""),
         "",
     ]
@@ -523,22 +745,133 @@ def render(out: str, meta: dict) -> str:
             f"{'; '.join(notes)} |")
     if "base" in sides:
         lines += baseline_table(out, cells, pairs)
-    lines += comm_table(out, cells, pairs)
-    lines += ["", f"Runs (in the order run: for each pair, {', then '.join(sides)}):", "",
-              "| preset | W | pair | side | status | median step s | tok/s | peak RSS MiB per rank | "
+    dtypes = meta.get("dtypes") or ["fp32"]
+    if "bf16" in dtypes:
+        lines += mixed_precision_table(out, cells, pairs)
+    lines += derived_table(out, meta, cells, pairs, sides, dtypes)
+    lines += comm_table(out, cells, pairs, dtypes)
+    order = run_order(sides, dtypes)
+    lines += ["", "Runs (in the order run: for each pair, "
+              f"{', then '.join(side if d == 'fp32' and len(dtypes) == 1 else f'{side} {d}' for side, d in order)}):",
+              "",
+              "| preset | W | pair | side | dtype | status | median step s | tok/s | peak RSS MiB per rank | "
               "final loss | threads | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for cell, k, side, st, r in run_rows:
-        if r is None:
-            lines.append(f"| {cell['preset']} | {cell['world']} | {k} | {side} | {st} | | | | | | |")
-            continue
-        rss_l = r.get("peak_rss_mib_per_rank")
-        rss_s = " / ".join(f"{float(x):.0f}" for x in rss_l) if isinstance(rss_l, list) else fmt(rss_l, ".0f")
-        lines.append(
-            f"| {cell['preset']} | {cell['world']} | {k} | {side} | ok | {r['median_step_s']:.4g} | "
-            f"{fmt(r.get('tokens_per_s'), '.0f')} | {rss_s} | {_final(r)} | {r.get('torch_threads', '?')} | "
-            f"{fmt(r.get('_wall_s'), '.0f')} |")
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in cells:
+        for k in range(1, pairs + 1):
+            for side, d in order:
+                st, r = load_side(out, cell, k, side, d)
+                if r is None:
+                    lines.append(f"| {cell['preset']} | {cell['world']} | {k} | {side} | {d} | {st} | | | | | | |")
+                    continue
+                rss_l = r.get("peak_rss_mib_per_rank")
+                rss_s = " / ".join(f"{float(x):.0f}" for x in rss_l) if isinstance(rss_l, list) else fmt(rss_l, ".0f")
+                lines.append(
+                    f"| {cell['preset']} | {cell['world']} | {k} | {side} | {d} | ok | {r['median_step_s']:.4g} | "
+                    f"{fmt(r.get('tokens_per_s'), '.0f')} | {rss_s} | {_final(r)} | {r.get('torch_threads', '?')} | "
+                    f"{fmt(r.get('_wall_s'), '.0f')} |")
     return "\n".join(lines) + "\n"
+
+
+def pair_ratios(out: str, cell: dict, pairs: int, num: tuple, den: tuple) -> list[float]:
+    """tokens/s of run `num` / tokens/s of run `den` ((side, dtype) each), within every pair where both ran."""
+    ratios = []
+    for k in range(1, pairs + 1):
+        n, d = load_side(out, cell, k, *num)[1], load_side(out, cell, k, *den)[1]
+        if n is not None and d is not None and n.get("tokens_per_s") and d.get("tokens_per_s"):
+            ratios.append(n["tokens_per_s"] / d["tokens_per_s"])
+    return ratios
+
+
+def first_pair_dloss(out: str, cell: dict, pairs: int, x: tuple, y: tuple):
+    for k in range(1, pairs + 1):
+        rx, ry = load_side(out, cell, k, *x)[1], load_side(out, cell, k, *y)[1]
+        if rx is not None and ry is not None:
+            return loss_diff(rx, ry)[0]
+    return None
+
+
+def mixed_precision_table(out: str, cells: list, pairs: int) -> list:
+    """bf16 (mixed precision) against fp32, and ours against the peer in bf16."""
+    lines = ["", "Mixed precision: bf16 compute, fp32 master weights and gradient reduction (ours: "
+             "`--fsdp_config.mixed_precision=true`; peer: FSDP1 `MixedPrecision(param_dtype=bfloat16, "
+             "reduce_dtype=float32, buffer_dtype=bfloat16)`). Ratios are of tokens/s (> 1: the first is faster), "
+             "median over pairs of the ratio within each pair (per-pair values in brackets); tok/s and RSS (peak "
+             "per rank, max over ranks) are medians over runs; Δloss = max over steps of the loss difference, first "
+             "pair with both runs ok (no target: bf16 rounds).", "",
+             "| preset | W | ours fp32 tok/s | ours bf16 tok/s | ours bf16/fp32 | peer fp32 tok/s | peer bf16 tok/s | "
+             "peer bf16/fp32 | ours bf16 / peer bf16 | ours RSS MiB fp32 / bf16 | peer RSS MiB fp32 / bf16 | "
+             "Δloss ours bf16 vs fp32 | Δloss ours bf16 vs peer bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio_cell(rs: list) -> str:
+        return f"{fmt(med(rs), '.3f')} [{', '.join(f'{x:.2f}' for x in rs)}]" if rs else "–"
+
+    for cell in cells:
+        tok, rss = {}, {}
+        for side in SIDES:
+            for d in DTYPES:
+                runs = [r for r in (load_side(out, cell, k, side, d)[1] for k in range(1, pairs + 1)) if r is not None]
+                tok[side, d] = med([r.get("tokens_per_s") for r in runs])
+                rss[side, d] = med([max_rss(r) for r in runs])
+        if tok["ours", "bf16"] is None and tok["peer", "bf16"] is None:
+            continue
+        lines.append(
+            f"| {cell['preset']} | {cell['world']} | {fmt(tok['ours', 'fp32'], '.0f')} | "
+            f"{fmt(tok['ours', 'bf16'], '.0f')} | "
+            f"{ratio_cell(pair_ratios(out, cell, pairs, ('ours', 'bf16'), ('ours', 'fp32')))} | "
+            f"{fmt(tok['peer', 'fp32'], '.0f')} | {fmt(tok['peer', 'bf16'], '.0f')} | "
+            f"{ratio_cell(pair_ratios(out, cell, pairs, ('peer', 'bf16'), ('peer', 'fp32')))} | "
+            f"{ratio_cell(pair_ratios(out, cell, pairs, ('ours', 'bf16'), ('peer', 'bf16')))} | "
+            f"{fmt(rss['ours', 'fp32'], '.0f')} / {fmt(rss['ours', 'bf16'], '.0f')} | "
+            f"{fmt(rss['peer', 'fp32'], '.0f')} / {fmt(rss['peer', 'bf16'], '.0f')} | "
+            f"{fmt(first_pair_dloss(out, cell, pairs, ('ours', 'bf16'), ('ours', 'fp32')), '.2e')} | "
+            f"{fmt(first_pair_dloss(out, cell, pairs, ('ours', 'bf16'), ('peer', 'bf16')), '.2e')} |")
+    return lines
+
+
+def derived_table(out: str, meta: dict, cells: list, pairs: int, sides, dtypes) -> list:
+    """Matmul fraction and MFU per (cell, side, dtype), from the analytic FLOP count and bench_matmul."""
+    threads = sorted({t for t in (meta.get("threads_per_rank") or {}).values()})
+    mms = {t: load_matmul(out, t) for t in threads}
+    if not any(mms.values()):
+        return []
+    lines = ["", "Matmul share of the step, estimated: FLOP/step/rank = 3 (L (24 M d² + 4 B T² d) + 2 M d V) "
+             "(forward + backward of the Linear layers, Q K^T and P V; M = B T); matmul s = that FLOP at "
+             "bench_matmul's GFLOP/s for each product's shape, dtype and the rank's thread count; matmul fraction "
+             "= matmul s / step s (an estimate: the time the matmuls would take at bench_matmul's rate, over the "
+             "step time); MFU = FLOP/step / step s / peak, peak = the best bench_matmul GFLOP/s at that dtype and "
+             "thread count. bench_matmul kernels: " +
+             "; ".join(f"{t} thr: " + ", ".join(sorted({f"{r['dtype']} {r.get('kernel', '?')}"
+                                                       for r in (mm or {}).get("results", [])}))
+                       for t, mm in mms.items() if mm) + ".", "",
+             "| preset | W | side | dtype | GFLOP/step/rank | step s | matmul s at bench_matmul rate | "
+             "matmul fraction | peak GFLOP/s | MFU | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in cells:
+        for side in sides:
+            for d in (("fp32",) if side == "base" else dtypes):
+                runs = [r for r in (load_side(out, cell, k, side, d)[1] for k in range(1, pairs + 1)) if r is not None]
+                step = med([r["median_step_s"] for r in runs])
+                if step is None:
+                    continue
+                e = matmul_estimate(out, meta, cell, d, step)
+                lines.append(
+                    f"| {cell['preset']} | {cell['world']} | {side} | {d} | {e['flop'] / 1e9:.4g} | {step:.4g} | "
+                    f"{fmt(e['mm_s'], '.4g')} | {pct(e['frac'])} | {fmt(e['peak'], '.1f')} | {pct(e['mfu'])} | "
+                    f"{e['note']} |")
+    mm_lines = []
+    for t, mm in mms.items():
+        if not mm:
+            continue
+        for r in mm.get("results", []):
+            mm_lines.append(f"| {t} | {r['dtype']} | {r.get('shape', r['n'])} | {_gflops(r):.3g} | "
+                            f"{r.get('kernel', '?')} | {r.get('max_rel_err', 0):.2e} / {r.get('tol', 0):.2e} |")
+    if mm_lines:
+        lines += ["", "bench_matmul rates used (shape = [batch x] M x K x N):", "",
+                  "| threads | dtype | shape | GFLOP/s | kernel | sampled error / tol |", "|---|---|---|---|---|---|"]
+        lines += mm_lines
+    return lines
 
 
 def baseline_table(out: str, cells: list, pairs: int) -> list:
@@ -563,9 +896,10 @@ def baseline_table(out: str, cells: list, pairs: int) -> list:
     return lines
 
 
-def comm_table(out: str, cells: list, pairs: int) -> list:
+def comm_table(out: str, cells: list, pairs: int, dtypes=("fp32",)) -> list:
     """Where our step time goes at W > 1, from fsdp-train's summary: per step (run totals / steps,
-    mean over ranks), median over the runs; exposed = waited for by the training thread."""
+    mean over ranks), median over the runs; exposed = waited for by the training thread. bf16 runs
+    get their own rows ("<preset> bf16")."""
     fields = ("all_gather_s_per_rank", "all_gather_wait_s_per_rank",
               "reduce_scatter_s_per_rank", "reduce_scatter_wait_s_per_rank")
     lines = ["", "Ours, communication per step (run totals / steps, mean over ranks, median over runs):", "",
@@ -575,18 +909,20 @@ def comm_table(out: str, cells: list, pairs: int) -> list:
     for cell in cells:
         if cell["world"] < 2:
             continue
-        per_run = []
-        for k in range(1, pairs + 1):
-            _, r = load_side(out, cell, k, "ours")
-            if r is None or not all(f in r for f in fields):
+        for d in dtypes:
+            per_run = []
+            for k in range(1, pairs + 1):
+                _, r = load_side(out, cell, k, "ours", d)
+                if r is None or not all(f in r for f in fields):
+                    continue
+                per_step = [statistics.mean(r[f]) / r["steps"] for f in fields]
+                per_run.append([r["median_step_s"]] + per_step)
+            if not per_run:
                 continue
-            per_step = [statistics.mean(r[f]) / r["steps"] for f in fields]
-            per_run.append([r["median_step_s"]] + per_step)
-        if not per_run:
-            continue
-        step, ag, agw, rs, rsw = (med(list(col)) for col in zip(*per_run))
-        lines.append(f"| {cell['preset']} | {cell['world']} | {step:.4g} | {ag:.3f} / {agw:.3f} | "
-                     f"{rs:.3f} / {rsw:.3f} | {100 * (agw + rsw) / step:.0f} % |")
+            step, ag, agw, rs, rsw = (med(list(col)) for col in zip(*per_run))
+            label = cell["preset"] + ("" if d == "fp32" else f" {d}")
+            lines.append(f"| {label} | {cell['world']} | {step:.4g} | {ag:.3f} / {agw:.3f} | "
+                         f"{rs:.3f} / {rsw:.3f} | {100 * (agw + rsw) / step:.0f} % |")
     return lines
 
 
@@ -611,7 +947,13 @@ def parse_args(argv):
     p.add_argument("--build-dir", default=os.path.join(REPO, "build"))
     p.add_argument("--baseline-build-dir", default=None,
                    help="another build of fsdp-cpp (e.g. of the previous commit), run first in every pair")
-    p.add_argument("--peer-dir", default=os.path.normpath(os.path.join(REPO, "..", "shared", "bench", "peer")))
+    p.add_argument("--peer-dir", default=os.path.join(REPO, "bench", "peer"),
+                   help="the peer harness (default bench/peer, fsdp-cpp's copy)")
+    p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16 (default fp32): bf16 runs ours with "
+                   "--fsdp_config.mixed_precision=true and the peer with --mixed-precision bf16")
+    p.add_argument("--matmul-bin", default=None, help="bench_matmul to measure matmul rates with "
+                   "(default <build-dir>/bench/bench_matmul)")
+    p.add_argument("--no-matmul", action="store_true", help="skip bench_matmul (no matmul fraction or MFU)")
     p.add_argument("--report-only", action="store_true", help="re-render table.md from --out")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--force", action="store_true", help="rerun runs already stored in --out")
@@ -632,6 +974,15 @@ def parse_args(argv):
         if x not in PRESETS:
             p.error(f"unknown preset {x!r}; choose from {', '.join(PRESETS)}")
     a.worlds = [int(x) for x in a.worlds.split(",") if x.strip()]
+    a.dtypes = [x.strip() for x in a.dtypes.split(",") if x.strip()]
+    for x in a.dtypes:
+        if x not in DTYPES:
+            p.error(f"unknown dtype {x!r}; choose from {', '.join(DTYPES)}")
+    a.dtypes = [d for d in DTYPES if d in a.dtypes]  # fp32 runs first in a pair
+    if not a.dtypes:
+        p.error("--dtypes is empty")
+    if a.matmul_bin:
+        a.matmul_bin = os.path.abspath(a.matmul_bin)
     if a.pairs < 1 or any(w < 1 for w in a.worlds):
         p.error("--pairs and --worlds must be >= 1")
     return a
@@ -670,7 +1021,8 @@ def main(argv=None) -> int:
         missing = [x for x in ([os.path.join(a.peer_dir, "peer_fsdp1.py")] +
                                ([] if a.only == "peer" else
                                 [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"),
-                                 os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train")]))
+                                 os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train")]) +
+                               ([] if a.no_matmul else [matmul_bin(a)]))
                    if not os.path.exists(x)]
         if missing:
             print("warning: missing " + ", ".join(missing) + " (those runs will fail)", file=sys.stderr)
@@ -678,6 +1030,10 @@ def main(argv=None) -> int:
         if not a.dry_run:
             write_json(meta_path, meta)
         print(f"[out] {a.out}", flush=True)
+        if not a.no_matmul:
+            ensure_matmul(a, cells, meta)
+            if not a.dry_run:
+                write_json(meta_path, meta)
         sides = [s for s in sides_of(a) if a.only in (None, s) or (s == "base" and a.only == "ours")]
         inits = {}
         for cell in cells:
@@ -691,8 +1047,8 @@ def main(argv=None) -> int:
                 print(f"[skip] {preset} W={cell['world']}: no starting weights", flush=True)
                 continue
             for k in range(1, a.pairs + 1):
-                for side in sides:
-                    run_side(a, cell, k, side)
+                for side, dtype in run_order(sides, a.dtypes):
+                    run_side(a, cell, k, side, dtype)
         if a.dry_run:
             return 0
     table = render(a.out, meta)

@@ -1,0 +1,339 @@
+#!/usr/bin/python3
+"""Peer baseline: train model.Transformer with PyTorch's own FSDP1
+(torch.distributed.fsdp.FullyShardedDataParallel), DDP or a single process,
+on CPU with the gloo backend, using Debian's python3-torch 1.13.1.
+
+Run with /usr/bin/python3 (see README.md). Examples:
+
+    /usr/bin/python3 peer_fsdp1.py --mode single --preset tiny --batch 4 --steps 10
+    /usr/bin/python3 peer_fsdp1.py --mode fsdp1 --world 2 --preset small --batch 8 --steps 8
+    /usr/bin/python3 peer_fsdp1.py --mode fsdp1 --world 2 --preset tiny --mixed-precision bf16
+    /usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+        peer_fsdp1.py --mode fsdp1 --preset tiny --batch 4
+
+Prints one JSON line (rank 0) at the end; see README.md for the fields.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+# Must run before anything imports torch.distributed.fsdp (Python 3.11 vs
+# Debian torch 1.13 dataclass bug; see torch113_compat.py). No file is changed.
+import torch113_compat  # noqa: E402
+
+torch113_compat.install_metadata_import_hook()
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import datetime  # noqa: E402
+import functools  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from model import Transformer, TransformerBlock, add_model_cli_args, count_params, model_args_from_cli  # noqa: E402
+
+MODES = ("single", "ddp", "fsdp1", "fsdp1-grad-op", "fsdp1-no-shard")
+MIXED_PRECISION = ("none", "bf16")
+FSDP_STRATEGY = {"fsdp1": "FULL_SHARD", "fsdp1-grad-op": "SHARD_GRAD_OP", "fsdp1-no-shard": "NO_SHARD"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=MODES, default="single")
+    p.add_argument("--world", type=int, default=None,
+                   help="number of ranks (default 1; under torchrun, taken from WORLD_SIZE)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (B)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: max_seq_len)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2, help="leading steps excluded from the median")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0, help="model-init seed (same on every rank)")
+    p.add_argument("--data-seed", type=int, default=1234,
+                   help="global batch of step s is drawn from torch.Generator seeded data_seed + s")
+    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
+                   help="cores shared by all ranks (threads per rank = max(1, cores // world))")
+    p.add_argument("--threads", type=int, default=None, help="override torch intra-op threads per rank")
+    p.add_argument("--use-orig-params", action="store_true",
+                   help="pass use_orig_params=True to FSDP (torch >= 2.0 only; torch 1.13's FSDP has no "
+                        "such argument and always exposes FlatParameters to the optimizer)")
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="none",
+                   help="bf16: FSDP1's MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32, "
+                        "buffer_dtype=bfloat16) -- bf16 compute, fp32 gradient reduction and fp32 "
+                        "master weights for the optimizer; --mode single does the same by hand "
+                        "with a bf16 working copy of the model (see README.md); not for ddp")
+    p.add_argument("--json-out", default=None, help="also write the JSON line to this file (rank 0)")
+    p.add_argument("--save-init", default=None,
+                   help="rank 0 writes the freshly initialised model's state_dict here with torch.save "
+                        "(FQN -> tensor, before any wrapping), so another implementation can start from the same weights")
+    p.add_argument("--init-from", default=None,
+                   help="load a state_dict saved by torch.save (FQN -> tensor) into the model before wrapping")
+    p.add_argument("--master-port", type=int, default=None, help="port for the spawn/in-process launcher")
+    add_model_cli_args(p)  # --preset, --n-layers, --vocab-size, --max-seq-len, --dim, --n-heads, --dropout-p/--dropout
+    args = p.parse_args(argv)
+    # benchmark/parity default: dropout 0 unless --dropout-p is given explicitly
+    args.model_args = model_args_from_cli(args, dropout_default=0.0)
+    if args.seq is None:
+        args.seq = args.model_args.max_seq_len
+    if args.seq > args.model_args.max_seq_len:
+        p.error(f"--seq {args.seq} > max_seq_len {args.model_args.max_seq_len}")
+    if args.steps <= args.warmup:
+        p.error("--steps must exceed --warmup")
+    if args.mixed_precision != "none" and args.mode == "ddp":
+        p.error("--mixed-precision is for --mode single and the fsdp1 modes")
+    return args
+
+
+def _mib_vmhwm() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0  # kB -> MiB
+    return float("nan")
+
+
+def _mib_ru_maxrss() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: kB -> MiB
+
+
+def global_batch(step: int, args, world: int) -> torch.Tensor:
+    """(world*B, seq+1) int64 tokens for this step; identical on every rank."""
+    g = torch.Generator()
+    g.manual_seed(args.data_seed + step)
+    return torch.randint(0, args.model_args.vocab_size, (world * args.batch, args.seq + 1), generator=g)
+
+
+def wrap_model(model, args, world):
+    """Returns (wrapped_model, info dict)."""
+    info = {}
+    if args.mode == "single":
+        return model, info
+    if args.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model), info
+    # FSDP1
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    info["fsdp_cpu_shim"] = torch113_compat.patch_fsdp_for_cpu_gloo()
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
+    kwargs = {}
+    if args.mixed_precision == "bf16":
+        from torch.distributed.fsdp import MixedPrecision
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                   buffer_dtype=torch.bfloat16)
+    has_uop = "use_orig_params" in inspect.signature(FSDP.__init__).parameters
+    if args.use_orig_params:
+        if not has_uop:
+            raise SystemExit(f"--use-orig-params: FSDP in torch {torch.__version__} has no use_orig_params")
+        kwargs["use_orig_params"] = True
+    with warnings.catch_warnings():
+        # "Module is put on CPU ... recommend passing in device_id" -- CPU is the point here
+        warnings.filterwarnings("ignore", message=".*Module is put on CPU.*")
+        wrapped = FSDP(
+            model,
+            sharding_strategy=getattr(ShardingStrategy, FSDP_STRATEGY[args.mode]),
+            auto_wrap_policy=policy,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            **kwargs,
+        )
+    info.update(
+        sharding_strategy=FSDP_STRATEGY[args.mode],
+        effective_sharding_strategy=wrapped.sharding_strategy.name,  # 1.13 clamps world 1 to NO_SHARD
+        backward_prefetch="BACKWARD_PRE",
+        auto_wrap="transformer_auto_wrap_policy({TransformerBlock})",
+        use_orig_params=kwargs.get("use_orig_params", False) if has_uop else "n/a (torch 1.13: FlatParameter)",
+        mixed_precision=str(kwargs["mixed_precision"]) if "mixed_precision" in kwargs else None,
+        n_fsdp_units=len(FSDP.fsdp_modules(wrapped)),
+    )
+    return wrapped, info
+
+
+class Bf16WorkingCopy:
+    """``--mode single --mixed-precision bf16``: what FSDP1's ``MixedPrecision(param_dtype=bfloat16,
+    reduce_dtype=float32, buffer_dtype=bfloat16)`` does on one rank, done by hand. The model given
+    keeps the fp32 master weights (the optimizer's parameters); a bf16 copy computes. Before every
+    forward the master weights are cast into the copy (FSDP1 casts its full-precision flat
+    parameter into a bf16 one at each unshard); forward and backward run in bf16 (activations,
+    LayerNorm, softmax, GELU included, as under FSDP1's param_dtype); after backward the bf16
+    gradients are cast to fp32 and handed to the master weights (FSDP1 casts them to reduce_dtype
+    for the reduction, then to the parameters' dtype). Not torch.autocast, which would keep
+    LayerNorm/softmax in fp32 and cast weights per op."""
+
+    def __init__(self, master: torch.nn.Module):
+        self.work = copy.deepcopy(master).to(torch.bfloat16)
+        self.pairs = list(zip(master.parameters(), self.work.parameters()))
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for m, w in self.pairs:
+                w.copy_(m)
+        return self.work(inputs)
+
+    def grads_to_master(self) -> None:
+        for m, w in self.pairs:
+            m.grad = None if w.grad is None else w.grad.float()
+            w.grad = None
+
+
+def worker(rank: int, world: int, args, init_method) -> None:
+    threads = args.threads or max(1, args.cores // world)
+    torch.set_num_threads(threads)
+    distributed = args.mode != "single"
+    if distributed:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=60))
+    margs = args.model_args
+    torch.manual_seed(args.seed)  # identical init on every rank
+    model = Transformer(margs)
+    if args.init_from:
+        model.load_state_dict(torch.load(args.init_from, map_location="cpu"), strict=True)
+    if args.save_init and rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.save_init)
+    n_params = count_params(model)
+    model, info = wrap_model(model, args, world)
+    local_numel = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    model.train()
+    forward, working_copy = model, None
+    mp_impl = None
+    if args.mixed_precision == "bf16":
+        mp_impl = ("bf16 working copy of the model (params bfloat16, grads cast to float32, fp32 master "
+                   "weights)" if args.mode == "single" else "FSDP1 " + str(info.get("mixed_precision")))
+    if args.mode == "single" and args.mixed_precision == "bf16":
+        working_copy = Bf16WorkingCopy(model)
+        forward = working_copy
+
+    step_s, losses = [], []
+    lo, hi = rank * args.batch, (rank + 1) * args.batch
+    for step in range(args.steps):
+        tokens = global_batch(step, args, world)[lo:hi]
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = forward(inputs)
+        loss = F.cross_entropy(logits.view(-1, margs.vocab_size), targets.view(-1))
+        loss.backward()
+        if working_copy is not None:
+            working_copy.grads_to_master()
+        opt.step()
+        step_s.append(time.perf_counter() - t0)
+        losses.append(loss.detach().clone())
+        if rank == 0 and os.environ.get("PEER_VERBOSE"):
+            print(f"[rank0] step {step} loss {loss.item():.6f} {step_s[-1]:.3f}s", file=sys.stderr, flush=True)
+
+    median_s = statistics.median(step_s[args.warmup:])
+    loss_t = torch.stack(losses).double()
+    per_rank = {"median_s": median_s, "vmhwm": _mib_vmhwm(), "ru_maxrss": _mib_ru_maxrss(),
+                "local_numel": local_numel}
+    if distributed:
+        dist.all_reduce(loss_t)  # mean over ranks of per-rank mean loss == global-batch mean loss
+        loss_t /= world
+        gathered = [None] * world
+        dist.all_gather_object(gathered, per_rank)
+    else:
+        gathered = [per_rank]
+
+    if rank == 0:
+        tokens_per_step = world * args.batch * args.seq
+        result = {
+            "mode": args.mode,
+            "world": world,
+            "preset": args.preset,
+            "model_args": vars(margs),
+            "params": n_params,
+            "local_param_numel_per_rank": [g["local_numel"] for g in gathered],
+            "batch": args.batch,
+            "global_batch": world * args.batch,
+            "seq": args.seq,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "median_step_s": median_s,
+            "median_step_s_per_rank": [g["median_s"] for g in gathered],
+            "tokens_per_s": tokens_per_step / median_s,
+            "peak_rss_mib_per_rank": [round(g["vmhwm"], 1) for g in gathered],
+            "ru_maxrss_mib_per_rank": [round(g["ru_maxrss"], 1) for g in gathered],
+            "losses": [float(x) for x in loss_t],
+            "final_loss": float(loss_t[-1]),
+            "step_s_rank0": [round(s, 6) for s in step_s],
+            "torch_threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(),
+            "lr": args.lr,
+            "seed": args.seed,
+            "data_seed": args.data_seed,
+            "launcher": args.launcher,
+            "backend": "gloo" if distributed else None,
+            "mixed_precision": args.mixed_precision,
+            "mixed_precision_impl": mp_impl,
+            "fsdp": info or None,
+            "metadata_import_hook": torch113_compat.metadata_hook_status(),
+            "torch_version": torch.__version__,
+            "torch_file": torch.__file__,
+            "python": platform.python_version(),
+        }
+        line = json.dumps(result)
+        print(line, flush=True)
+        if args.json_out:
+            with open(args.json_out, "w") as fh:
+                fh.write(line + "\n")
+    if distributed:
+        dist.barrier()
+        # torch 1.13 + gloo can deadlock in teardown: ~ProcessGroupGloo (run from
+        # Python, GIL held, e.g. when DDP's Reducer or the default group is freed)
+        # joins a gloo worker thread that is itself waiting for the GIL to free a
+        # tensor. Everything is reported already, so leave without destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    env_world = os.environ.get("WORLD_SIZE")
+    if env_world is not None and "RANK" in os.environ and args.mode != "single":
+        # launched by torch.distributed.run / torchrun: one process per rank
+        world, rank = int(env_world), int(os.environ["RANK"])
+        if args.world not in (None, world):
+            raise SystemExit(f"--world {args.world} disagrees with WORLD_SIZE={world}")
+        args.launcher = "torch.distributed.run"
+        worker(rank, world, args, "env://")
+        return
+    world = args.world or 1
+    if args.mode == "single":
+        if world != 1:
+            raise SystemExit("--mode single runs one process; use --world 1")
+        args.launcher = "none"
+        worker(0, 1, args, None)
+        return
+    init_method = f"tcp://127.0.0.1:{args.master_port or _free_port()}"
+    if world == 1:
+        args.launcher = "in-process"
+        worker(0, 1, args, init_method)
+        return
+    import torch.multiprocessing as mp
+    args.launcher = "torch.multiprocessing.spawn"
+    mp.spawn(worker, args=(world, args, init_method), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
