@@ -73,6 +73,13 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   EXPECT_EQ(c.fsdp_config.checkpoint_dir, "./checkpoints");
   EXPECT_NO_THROW(check_against_launcher(c, 8, 5));  // local_rank 0 = every rank's
   expect_error([&] { check_against_launcher(c, 2, 0); }, {"world_size", "8", "2"});
+  // The example's mixed_precision: true runs (bf16); its fp16: true cannot on CPU, so the file
+  // has fp16: false, and the example's value stops the run naming the key.
+  EXPECT_TRUE(c.fsdp_config.mixed_precision);
+  EXPECT_EQ(precision_of(c.fsdp_config).describe(), "param bf16, reduce fp32");
+  EXPECT_FALSE(c.fsdp_config.fp16);
+  expect_error([] { check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.fp16=true"})); },
+               {"fsdp_config.fp16: true", "no fp16 matmul on CPU", "mixed_precision: true"});
 }
 
 TEST(TrainConfig, DefaultsWithoutFile) {
@@ -199,8 +206,6 @@ TEST(TrainConfig, CommandLineErrorsNameKey) {
 
 TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--fsdp_config.mixed_precision=true", "fsdp_config.mixed_precision"},
-      {"--fsdp_config.fp16=true", "fsdp_config.fp16"},
       {"--fsdp_config.activation_checkpointing=true", "fsdp_config.activation_checkpointing"},
       {"--fsdp_config.offload_params=true", "fsdp_config.offload_params"},
       {"--fsdp_config.offload_optimizer_state=true", "fsdp_config.offload_optimizer_state"},
@@ -310,4 +315,63 @@ TEST(TrainConfig, CollectiveTimeout) {
     SCOPED_TRACE(name);  // the shipped configs set it (and document it)
     EXPECT_TRUE(load_config(kConfigs + "/" + name + ".yaml", {}).fsdp_config.collective_timeout_s.has_value());
   }
+}
+
+// ------------------------------------------------------------------ mixed precision
+
+TEST(TrainConfig, MixedPrecisionIsBf16ParamsWithFp32ReductionsAndTheDtypeKeysOverrideIt) {
+  auto precision = [](const std::vector<std::string>& overrides) {
+    const TrainConfig c = load_config(kConfigs + "/tiny.yaml", overrides);  // mixed_precision: false
+    EXPECT_NO_THROW(check_supported(c));
+    return precision_of(c.fsdp_config).describe();
+  };
+  EXPECT_EQ(precision({}), "fp32");
+  EXPECT_FALSE(precision_of(load_config("", {}).fsdp_config).is_mixed());
+  EXPECT_EQ(precision({"--fsdp_config.mixed_precision=true"}), "param bf16, reduce fp32");
+  // The dtypes are the policy: one set alone turns mixed precision on, whatever the switch says...
+  EXPECT_EQ(precision({"--fsdp_config.param_dtype=bfloat16"}), "param bf16, reduce fp32");
+  EXPECT_EQ(precision({"--fsdp_config.reduce_dtype=bfloat16"}), "param fp32, reduce bf16");
+  EXPECT_EQ(precision({"--fsdp_config.reduce_dtype=float16"}), "param fp32, reduce fp16");
+  // ...and overrides what mixed_precision: true would give, down to no policy at all.
+  EXPECT_EQ(precision({"--fsdp_config.mixed_precision=true", "--fsdp_config.reduce_dtype=bfloat16"}),
+            "param bf16, reduce bf16");
+  EXPECT_EQ(precision({"--fsdp_config.mixed_precision=true", "--fsdp_config.param_dtype=float32"}), "fp32");
+  // An empty value unsets a dtype key: mixed_precision decides again.
+  EXPECT_EQ(precision({"--fsdp_config.param_dtype=float32", "--fsdp_config.param_dtype=",
+                       "--fsdp_config.mixed_precision=true"}),
+            "param bf16, reduce fp32");
+  const std::string path = write_yaml("fsdp_config:\n  param_dtype: bfloat16\n  reduce_dtype: float32\n");
+  const FsdpConfig f = load_config(path, {}).fsdp_config;
+  EXPECT_EQ(f.param_dtype, Dtype::kBFloat16);
+  EXPECT_EQ(f.reduce_dtype, Dtype::kFloat32);
+  EXPECT_FALSE(f.mixed_precision);
+}
+
+TEST(TrainConfig, DtypeKeysRejectOtherValuesNamingTheKeyAndTheChoices) {
+  for (const char* key : {"param_dtype", "reduce_dtype"}) {
+    const std::string name = std::string("fsdp_config.") + key;
+    for (const char* bad : {"bf16", "fp32", "float64", "BFloat16", "true"}) {
+      SCOPED_TRACE(name + "=" + bad);
+      expect_error([&] { load_config("", {"--" + name + "=" + bad}); },
+                   {name, "command line", "expected one of float32 | bfloat16 | float16, got '" + std::string(bad)});
+    }
+    expect_cli_error("--" + name + "=[bfloat16]", name + ": expected a string, got a list");
+    expect_file_error("fsdp_config", std::string(key) + ": half", name);
+  }
+}
+
+TEST(TrainConfig, Fp16ComputeOnCpuIsRefusedNamingTheKey) {
+  expect_error([] { check_supported(load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.fp16=true"})); },
+               {"fsdp_config.fp16: true", "LibTorch has no fp16 matmul on CPU", "fsdp_config.mixed_precision: true",
+                "bf16"});
+  expect_error(
+      [] { check_supported(load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.param_dtype=float16"})); },
+      {"fsdp_config.param_dtype: float16", "LibTorch has no fp16 matmul on CPU", "param_dtype: bfloat16"});
+  // Reductions are additions: fp16 is fine there.
+  EXPECT_NO_THROW(check_supported(load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.reduce_dtype=float16"})));
+  EXPECT_NO_THROW(check_supported(load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.mixed_precision=true"})));
+  // Not on CPU, fp16 needs a gradient scaler, which does not exist yet (nor does CUDA here).
+  expect_error(
+      [] { check_supported(load_config("", {"--fsdp_config.fp16=true", "--fsdp_config.device=cuda"})); },
+      {"fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet", "fsdp_config.device: cuda"});
 }

@@ -268,6 +268,104 @@ TEST(Trainer, PrintsTheWholeModelsParameterCountWhichTheFormulaGives) {
   EXPECT_EQ(summary.at("params").get<int64_t>(), want);
 }
 
+// ------------------------------------------------------------------ mixed precision
+
+constexpr int kMixedSteps = 20;  // checkpoints at 5, 10, 15
+
+// A W=2 run of kMixedSteps steps in `dir` with these extra arguments; exits 0.
+RunResult train(const std::string& dir, const std::vector<std::string>& more, const Env& env = {}) {
+  RunResult r = fsdprun.run(under_fsdprun(2, with(base_args(dir, kMixedSteps), more)), env, 120);
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  return r;
+}
+
+bool has(const RunResult& r, const std::string& text) { return r.out.find(text) != std::string::npos; }
+
+// Every model tensor of a checkpoint is stored as fp32, whatever the run computed in.
+void expect_fp32_model(const std::string& checkpoint) {
+  const auto meta = nlohmann::json::parse(read_file(checkpoint + "/metadata.json"));
+  int model_keys = 0;
+  for (const auto& [key, entry] : meta.at("entries").items()) {
+    if (key.rfind("model.", 0) != 0) continue;
+    ++model_keys;
+    EXPECT_EQ(entry.at("dtype"), "Float") << key;
+  }
+  EXPECT_GT(model_keys, 0) << checkpoint;
+}
+
+// The losses of a run resumed at first_step - 1 under another precision: within 0.2 % of the
+// uninterrupted run's (bf16 moves them by about 0.01 % here; a model that lost its trained
+// weights would be about 2 % off), and returns whether any differs at all.
+bool expect_close_losses(const std::map<int64_t, StepMetrics>& got, const std::map<int64_t, StepMetrics>& want,
+                         int64_t first_step, const std::string& what) {
+  EXPECT_EQ(got.size(), static_cast<size_t>(kMixedSteps - first_step + 1)) << what;
+  bool any_differs = false;
+  for (const auto& [step, m] : got) {
+    EXPECT_GE(step, first_step) << what;
+    EXPECT_NEAR(m.loss, want.at(step).loss, 2e-3 * want.at(step).loss) << what << " step " << step;
+    any_differs = any_differs || m.loss != want.at(step).loss;
+  }
+  return any_differs;
+}
+
+// mixed_precision: true computes in bf16 (the opening line, each step line and the summary say
+// so), learns, keeps fp32 master weights in its checkpoints, and a run resumed from one of
+// them continues bitwise as the uninterrupted run did. The CPU flags are replaced by some
+// without native bf16, so the start-up check measures both matmul rates and reports them.
+TEST(Trainer, MixedPrecisionTrainsInBf16AndResumesBitwiseFromItsOwnCheckpoint) {
+  TempDir dir;
+  const std::vector<std::string> bf16 = {"--fsdp_config.mixed_precision=true", "--logging.summary_json=" +
+                                                                                   dir / "whole/summary.json"};
+  const RunResult whole = train(dir / "whole", bf16, {{"FSDP_TRAIN_CPU_FLAGS", "fpu sse2 avx2 avx512f"}});
+  EXPECT_TRUE(has(whole, "rank(s), FULL_SHARD, param bf16, reduce fp32;")) << whole.out;
+  EXPECT_TRUE(has(whole, "precision: param bf16, reduce fp32")) << whole.out;  // the step line
+  EXPECT_TRUE(has(whole, " (param bf16, reduce fp32)\n")) << whole.out;  // the summary line
+  EXPECT_TRUE(has(whole, "this CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag): bf16 matmul "))
+      << whole.out;
+  EXPECT_TRUE(has(whole, " GFLOP/s vs fp32 ")) << whole.out;
+  const auto summary = nlohmann::json::parse(read_file(dir / "whole/summary.json"));
+  EXPECT_EQ(summary.at("param_dtype"), "bfloat16");
+  EXPECT_EQ(summary.at("reduce_dtype"), "float32");
+  const auto want = read_metrics(dir / "whole/m0.jsonl");
+  ASSERT_EQ(want.size(), static_cast<size_t>(kMixedSteps));
+  for (const auto& [step, m] : want) {
+    EXPECT_TRUE(std::isfinite(m.loss) && std::isfinite(m.grad_norm)) << "step " << step;
+  }
+  EXPECT_LT(want.at(kMixedSteps).loss, want.at(1).loss);
+  expect_fp32_model(dir / "whole/ckpt/step_10");
+
+  const RunResult resumed = train(dir / "resumed", with(bf16, {"--training.resume=" + dir / "whole/ckpt/step_10"}));
+  EXPECT_TRUE(has(resumed, "at step 10")) << resumed.out;
+  const auto got = read_metrics(dir / "resumed/m0.jsonl");
+  ASSERT_EQ(got.size(), static_cast<size_t>(kMixedSteps - 10));
+  for (const auto& [step, m] : got) EXPECT_EQ(m.loss, want.at(step).loss) << "step " << step;  // bitwise
+}
+
+// Checkpoints hold the fp32 shards whatever the policy, so a run can change it when it
+// resumes: an fp32 checkpoint continues in bf16, and that run's checkpoint in fp32 again, with
+// losses close to the fp32 run's.
+TEST(Trainer, CheckpointsResumeAcrossAChangeOfPrecision) {
+  TempDir dir;
+  const RunResult fp32 = train(dir / "fp32", {});
+  EXPECT_TRUE(has(fp32, "rank(s), FULL_SHARD, fp32;")) << fp32.out;
+  EXPECT_TRUE(has(fp32, "precision: fp32")) << fp32.out;
+  EXPECT_FALSE(has(fp32, "native bf16")) << "no bf16, no check\n" << fp32.out;
+  const auto want = read_metrics(dir / "fp32/m0.jsonl");
+
+  const RunResult to_bf16 = train(dir / "to_bf16", {"--fsdp_config.param_dtype=bfloat16",
+                                                    "--training.resume=" + dir / "fp32/ckpt/step_10"});
+  EXPECT_TRUE(has(to_bf16, "resumed from") && has(to_bf16, "at step 10")) << to_bf16.out;
+  EXPECT_TRUE(has(to_bf16, "precision: param bf16, reduce fp32")) << to_bf16.out;
+  EXPECT_TRUE(has(to_bf16, "native bf16")) << "the start-up check, whatever this CPU has\n" << to_bf16.out;
+  EXPECT_TRUE(expect_close_losses(read_metrics(dir / "to_bf16/m0.jsonl"), want, 11, "fp32 -> bf16"))
+      << "bf16 gave the fp32 losses bit for bit: the policy did not take effect";
+  expect_fp32_model(dir / "to_bf16/ckpt/step_15");
+
+  const RunResult back = train(dir / "back", {"--training.resume=" + dir / "to_bf16/ckpt/step_15"});
+  EXPECT_TRUE(has(back, "at step 15") && has(back, "precision: fp32")) << back.out;
+  expect_close_losses(read_metrics(dir / "back/m0.jsonl"), want, 16, "bf16 -> fp32");
+}
+
 // ------------------------------------------------------------------ bad configurations
 
 struct BadCase {
@@ -292,8 +390,16 @@ std::vector<BadCase> bad_cases() {
       {"UnknownOverrideKey", "", {"--optimizer.learning_rate=0.1"}, "unknown key 'optimizer.learning_rate'"},
       {"BadBetas", "", {"--optimizer.betas=[0.9]"}, "optimizer.betas: expected a list [beta1, beta2]"},
       {"BetaOutOfRange", "", {"--optimizer.beta2=1.5"}, "optimizer.beta2: must be in [0, 1)"},
-      {"MixedPrecisionUnsupported", "", {"--fsdp_config.mixed_precision=true"},
-       "fsdp_config.mixed_precision: true is not supported yet"},
+      // Mixed precision: dtypes by name, and no fp16 compute on CPU.
+      {"UnknownParamDtype", "", {"--fsdp_config.param_dtype=bf16"},
+       "fsdp_config.param_dtype: expected one of float32 | bfloat16 | float16, got 'bf16'"},
+      {"UnknownReduceDtypeInFile", "fsdp_config:\n  reduce_dtype: double\n", {},
+       "bad.yaml:2: fsdp_config.reduce_dtype: expected one of float32 | bfloat16 | float16, got 'double'"},
+      {"Fp16OnCpu", "", {"--fsdp_config.fp16=true"},
+       "fsdp_config.fp16: true needs fp16 matmuls, and LibTorch has no fp16 matmul on CPU (fsdp_config.device: "
+       "cpu); use fsdp_config.mixed_precision: true instead (bf16 parameters, fp32 reductions)"},
+      {"Float16ParamsOnCpu", "", {"--fsdp_config.param_dtype=float16"},
+       "fsdp_config.param_dtype: float16 needs fp16 matmuls, and LibTorch has no fp16 matmul on CPU"},
       {"HybridShardUnsupported", "", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"},
        "fsdp_config.sharding_strategy: HYBRID_SHARD is not supported yet"},
       {"CudaOnCpuBuild", "", {"--fsdp_config.device=cuda"}, "fsdp_config.device: cuda (this is a CPU build) is not supported yet"},

@@ -31,6 +31,37 @@ const char* to_string(ShardingStrategy s) {
   return "?";
 }
 
+const char* to_string(Dtype d) {
+  switch (d) {
+    case Dtype::kFloat32: return "float32";
+    case Dtype::kBFloat16: return "bfloat16";
+    case Dtype::kFloat16: return "float16";
+  }
+  return "?";
+}
+
+const char* short_name(Dtype d) {
+  switch (d) {
+    case Dtype::kFloat32: return "fp32";
+    case Dtype::kBFloat16: return "bf16";
+    case Dtype::kFloat16: return "fp16";
+  }
+  return "?";
+}
+
+std::string Precision::describe() const {
+  if (!is_mixed()) return "fp32";
+  return std::string("param ") + short_name(param) + ", reduce " + short_name(reduce);
+}
+
+Precision precision_of(const FsdpConfig& f) {
+  Precision p;
+  if (f.mixed_precision) p = Precision{Dtype::kBFloat16, Dtype::kFloat32};
+  if (f.param_dtype) p.param = *f.param_dtype;
+  if (f.reduce_dtype) p.reduce = *f.reduce_dtype;
+  return p;
+}
+
 namespace {
 
 struct Invalid {
@@ -130,6 +161,15 @@ Setter string(std::string& dst) {
 Setter choice(std::string& dst, std::vector<std::string> choices) {
   return [&dst, choices](const YAML::Node& n) { dst = one_of(n, choices); };
 }
+// A null value (`key:` or `--key=`) unsets it: fsdp_config.mixed_precision decides again.
+Setter optional_dtype(std::optional<Dtype>& dst) {
+  return [&dst](const YAML::Node& n) {
+    if (n.IsNull()) return dst.reset();
+    const std::string v = one_of(n, {"float32", "bfloat16", "float16"});
+    for (Dtype d : {Dtype::kFloat32, Dtype::kBFloat16, Dtype::kFloat16})
+      if (v == to_string(d)) dst = d;
+  };
+}
 
 std::vector<Field> fields_of(TrainConfig& c) {
   auto& f = c.fsdp_config;
@@ -151,6 +191,8 @@ std::vector<Field> fields_of(TrainConfig& c) {
        }},
       {"fsdp_config", "shard_optimizer_state", boolean(f.shard_optimizer_state)},
       {"fsdp_config", "mixed_precision", boolean(f.mixed_precision)},
+      {"fsdp_config", "param_dtype", optional_dtype(f.param_dtype)},
+      {"fsdp_config", "reduce_dtype", optional_dtype(f.reduce_dtype)},
       {"fsdp_config", "fp16", boolean(f.fp16)},
       {"fsdp_config", "activation_checkpointing", boolean(f.activation_checkpointing)},
       {"fsdp_config", "device", choice(f.device, {"cpu", "cuda"})},
@@ -491,15 +533,36 @@ TrainConfig load_config(const std::string& yaml_path, const std::vector<std::str
   return cfg;
 }
 
+namespace {
+
+// Why the run cannot compute in fp16 ("" when it can). LibTorch has CPU kernels for bf16
+// matmuls but none for fp16 (addmm is not implemented for 'Half' on CPU), so fp16 compute
+// would fail at the first linear layer; fp16 reductions are only additions and work.
+std::vector<std::string> fp16_compute_problems(const FsdpConfig& f) {
+  std::vector<std::string> bad;
+  const bool cpu = f.device == "cpu";
+  const std::string no_cpu_matmul =
+      " needs fp16 matmuls, and LibTorch has no fp16 matmul on CPU (fsdp_config.device: cpu); ";
+  if (f.fp16 && cpu)
+    bad.push_back("fsdp_config.fp16: true" + no_cpu_matmul +
+                  "use fsdp_config.mixed_precision: true instead (bf16 parameters, fp32 reductions)");
+  else if (f.fp16)
+    bad.push_back("fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet");
+  if (f.param_dtype == Dtype::kFloat16 && cpu)
+    bad.push_back("fsdp_config.param_dtype: float16" + no_cpu_matmul +
+                  "use fsdp_config.param_dtype: bfloat16 (fsdp_config.reduce_dtype: float16 is allowed)");
+  return bad;
+}
+
+}  // namespace
+
 void check_supported(const TrainConfig& cfg) {
   const auto& f = cfg.fsdp_config;
-  std::vector<std::string> bad;
+  std::vector<std::string> bad = fp16_compute_problems(f);
   auto no = [&](bool unsupported, const std::string& what) {
     if (unsupported) bad.push_back(what + " is not supported yet");
   };
   no(!f.shard_optimizer_state, "fsdp_config.shard_optimizer_state: false (FSDP2 always shards it)");
-  no(f.mixed_precision, "fsdp_config.mixed_precision: true");
-  no(f.fp16, "fsdp_config.fp16: true");
   no(f.activation_checkpointing, "fsdp_config.activation_checkpointing: true");
   no(f.offload_params, "fsdp_config.offload_params: true");
   no(f.offload_optimizer_state, "fsdp_config.offload_optimizer_state: true");

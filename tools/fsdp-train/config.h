@@ -36,6 +36,11 @@ enum class ShardingStrategy {
 };
 const char* to_string(ShardingStrategy s);
 
+// A floating-point dtype of fsdp_config.param_dtype / reduce_dtype, without torch types.
+enum class Dtype { kFloat32, kBFloat16, kFloat16 };
+const char* to_string(Dtype d);   // the key's spelling: float32 | bfloat16 | float16
+const char* short_name(Dtype d);  // for logs: fp32 | bf16 | fp16
+
 struct FsdpConfig {
   // -1 = take the launcher's (WORLD_SIZE). Otherwise >= 1 and must match the launcher.
   int world_size = -1;
@@ -44,8 +49,26 @@ struct FsdpConfig {
   int local_rank = -1;
   // FSDP2 always keeps optimizer state on the local shards; false is not supported.
   bool shard_optimizer_state = true;
-  bool mixed_precision = false;           // not supported yet when true
-  bool fp16 = false;                      // not supported yet when true
+  // Mixed precision: one FSDP2 MixedPrecisionPolicy on every fully_shard call (blocks and
+  // root). The parameters the optimizer, checkpoints and exports see stay fp32 (the master
+  // weights); only the all-gathered copies that forward and backward compute with, and the
+  // gradient reduction, change dtype. The loss is computed in fp32 either way.
+  //   mixed_precision: true  = param_dtype bfloat16, reduce_dtype float32 (torchtitan's default)
+  //   param_dtype, reduce_dtype: float32 | bfloat16 | float16, or unset (`key:`) to leave it to
+  //     mixed_precision. Each one set wins over mixed_precision, whatever its value: as in
+  //     torchtitan the dtypes are the policy, so `param_dtype: bfloat16` alone turns bf16 on
+  //     and `param_dtype: float32` turns it off again under mixed_precision: true.
+  // All float32 (the default) is no policy at all. On device cpu, float16 parameters are
+  // refused (LibTorch has no fp16 matmul on CPU); float16 reductions are allowed. The resolved
+  // dtypes: precision_of(). With bf16 parameters, rank 0 checks at start-up that the CPU has
+  // native bf16 and warns with measured rates when it has not (hardware.h).
+  bool mixed_precision = false;
+  std::optional<Dtype> param_dtype;
+  std::optional<Dtype> reduce_dtype;
+  // fp16 parameters with a gradient scaler (PyTorch's GradScaler). Refused on device cpu at
+  // configuration time (no fp16 matmul on CPU; use mixed_precision: true for bf16); not
+  // supported yet elsewhere.
+  bool fp16 = false;
   bool activation_checkpointing = false;  // not supported yet when true
   std::string device = "cpu";             // cpu | cuda (cuda not supported by this CPU build)
   bool offload_params = false;            // not supported yet when true
@@ -161,7 +184,18 @@ struct TrainConfig {
 // the line). Never throws anything else for bad input.
 TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides = {});
 
-// Throws ConfigError naming every key set to a capability that does not exist yet.
+// The dtypes a run computes and reduces in, resolved from fsdp_config (see FsdpConfig).
+struct Precision {
+  Dtype param = Dtype::kFloat32;   // the all-gathered parameters: forward and backward compute
+  Dtype reduce = Dtype::kFloat32;  // the gradients' reduce-scatter
+  bool is_mixed() const { return param != Dtype::kFloat32 || reduce != Dtype::kFloat32; }
+  // "fp32" when nothing changes, else "param bf16, reduce fp32".
+  std::string describe() const;
+};
+Precision precision_of(const FsdpConfig& f);
+
+// Throws ConfigError naming every key set to a capability that does not exist yet, or that
+// this machine cannot run (fp16 compute on device cpu).
 void check_supported(const TrainConfig& cfg);
 
 // Throws ConfigError when fsdp_config.world_size / local_rank are given and differ from the

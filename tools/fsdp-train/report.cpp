@@ -55,6 +55,7 @@ std::string format_step_line(const StepReport& r) {
   char lr[32];
   std::snprintf(lr, sizeof lr, "%.2e", r.lr);
   s << "  lr: " << lr << "  tps: " << grouped(r.tokens_per_s) << "  step_time: " << fixed(r.step_s, 3) << "s";
+  if (!r.precision.empty()) s << "  precision: " << r.precision;
   s << "  memory (live/peak MiB per rank):";
   for (size_t q = 0; q < r.ranks.size(); ++q)
     s << (q ? " |" : "") << " " << fixed(r.ranks[q].live_mib, 1) << "/" << fixed(r.ranks[q].peak_mib, 1);
@@ -82,9 +83,11 @@ double median_after(const std::vector<double>& v, size_t skip) {
 std::string format_summary(const RunSummary& sum) {
   std::ostringstream s;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "summary: %lld steps, loss %.4f -> %.4f\n", static_cast<long long>(sum.steps_run),
+  std::snprintf(buf, sizeof buf, "summary: %lld steps, loss %.4f -> %.4f", static_cast<long long>(sum.steps_run),
                 sum.losses.front(), sum.losses.back());
   s << buf;
+  if (!sum.precision.empty()) s << " (" << sum.precision << ")";
+  s << "\n";
   std::snprintf(buf, sizeof buf, "  median step %.4f s (steps after the first %zu), %s tokens/s\n", sum.median_step_s,
                 sum.warmup, grouped(sum.tokens_per_s).c_str());
   s << buf;
@@ -106,7 +109,8 @@ void write_summary_json(const std::string& path, const RunShape& shape, const Ru
                       {"batch", shape.batch}, {"gradient_accumulation_steps", shape.gradient_accumulation_steps},
                       {"seq", shape.seq}, {"steps", s.steps_run}, {"warmup", s.warmup},
                       {"median_step_s", s.median_step_s}, {"tokens_per_s", s.tokens_per_s}, {"losses", s.losses},
-                      {"step_s_rank0", s.step_s}, {"torch_threads", shape.torch_threads}};
+                      {"step_s_rank0", s.step_s}, {"torch_threads", shape.torch_threads},
+                      {"param_dtype", shape.param_dtype}, {"reduce_dtype", shape.reduce_dtype}};
   j["model_args"] = {{"n_layers", shape.n_layers}, {"vocab_size", shape.vocab_size},
                      {"max_seq_len", shape.max_seq_len}, {"dim", shape.dim},
                      {"n_heads", shape.n_heads}, {"dropout_p", shape.dropout_p}};

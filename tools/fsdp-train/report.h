@@ -31,6 +31,7 @@ struct StepReport {
   double forward_s = 0, backward_s = 0, optimizer_s = 0;
   double tokens_per_s = 0;     // global tokens of the step / this rank's step_s
   int64_t tokens_seen = 0;     // global tokens trained on so far
+  std::string precision;       // the run's dtypes: "fp32" or e.g. "param bf16, reduce fp32"
   std::vector<RankStep> ranks;
   // This rank's collectives of the step: all-gather / reduce-scatter time on the comm thread,
   // and the part the training thread waited for (exposed).
@@ -57,6 +58,7 @@ double median_after(const std::vector<double>& v, size_t skip);
 // The end of a run, as rank 0 reports it.
 struct RunSummary {
   int64_t steps_run = 0;          // steps this process trained (not those before a resume)
+  std::string precision;          // as StepReport::precision
   size_t warmup = 0;              // leading steps left out of median_step_s
   double median_step_s = 0;       // rank 0's
   double tokens_per_s = 0;        // global tokens of a step / median_step_s
@@ -78,6 +80,7 @@ struct RunShape {
   int64_t gradient_accumulation_steps = 1;
   int64_t seq = 0;
   int torch_threads = 1;
+  std::string param_dtype = "float32", reduce_dtype = "float32";  // fsdp_config's spelling
   // The model's ModelArgs.
   int64_t n_layers = 0, vocab_size = 0, max_seq_len = 0, dim = 0, n_heads = 0;
   double dropout_p = 0;
@@ -85,7 +88,7 @@ struct RunShape {
 
 // Writes shape and summary as one JSON object (the keys bench/peer_ab.py reads: world, preset,
 // params, batch, seq, steps, warmup, median_step_s, tokens_per_s, losses, step_s_rank0,
-// model_args and per-rank lists *_per_rank). Throws naming path when it cannot be written.
+// model_args and per-rank lists *_per_rank; and param_dtype, reduce_dtype). Throws naming path when it cannot be written.
 void write_summary_json(const std::string& path, const RunShape& shape, const RunSummary& s);
 
 class Console {

@@ -1,8 +1,8 @@
 // trainer.cpp — one fsdp-train run: the configuration turned into model, sharding, optimizer and
 // data; resume; the training loop; the stops (non-finite loss, signal); and the end of the run
 // (final checkpoint, trace, summary, export, sample). The checkpoint's key layout lives in
-// checkpoint_state.cpp, the LR schedule in schedule.cpp, sampling in sample.cpp and what is
-// printed or written as metrics in report.cpp.
+// checkpoint_state.cpp, the LR schedule in schedule.cpp, sampling in sample.cpp, the start-up
+// check of native bf16 in hardware.cpp and what is printed or written as metrics in report.cpp.
 //
 // Per optimizer step every rank runs k = gradient_accumulation_steps micro-batches; only the
 // last one reduce-scatters (set_requires_gradient_sync), so k micro-batches of B rows give the
@@ -11,12 +11,17 @@
 // norm, a stop request, a failed background save) BEFORE the optimizer steps: every rank takes
 // the same decision at the same step, and a non-finite step is never applied. Then AdamW. The
 // other ranks' memory numbers are gathered only for the steps rank 0 prints.
+//
+// Mixed precision (fsdp_config.mixed_precision, param_dtype, reduce_dtype; config.h) is one
+// MixedPrecisionPolicy given to every fully_shard call; the loss is computed in fp32, and the
+// shards the optimizer and checkpoints hold stay fp32, so a checkpoint resumes under any policy.
 #include "trainer.h"
 
 #include "agreement.h"
 #include "checkpoint_state.h"
 #include "data.h"
 #include "errors.h"
+#include "hardware.h"
 #include "model_size.h"
 #include "report.h"
 #include "resume.h"
@@ -31,6 +36,7 @@
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
+#include <fsdp/mixed_precision.h>
 #include <fsdp/models/transformer.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
@@ -92,6 +98,25 @@ void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t se
   const StepSizes s{env.world_size, env.local_world_size, cfg.training.micro_batch_size,
                     cfg.training.gradient_accumulation_steps, seq};
   check_fits_in_memory(m, s, machine_memory_bytes());
+}
+
+at::ScalarType scalar_type(Dtype d) {
+  switch (d) {
+    case Dtype::kFloat32: return at::kFloat;
+    case Dtype::kBFloat16: return at::kBFloat16;
+    case Dtype::kFloat16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+// FSDP2's policy for the configured dtypes. A dtype left at fp32 stays unset: the parameters
+// are fp32, and FSDP2 computes and reduces in their dtype by default. reduce_dtype unset means
+// "as param_dtype", so it is set whenever it differs from the compute dtype.
+MixedPrecisionPolicy mp_policy_of(const Precision& p) {
+  MixedPrecisionPolicy policy;
+  if (p.param != Dtype::kFloat32) policy.param_dtype(scalar_type(p.param));
+  if (p.reduce != p.param) policy.reduce_dtype(scalar_type(p.reduce));
+  return policy;
 }
 
 InitOptions init_options(const FsdpConfig& f) {
@@ -222,7 +247,7 @@ struct StepVotes {
 
 class Run {
  public:
-  explicit Run(const TrainConfig& cfg) : cfg_(cfg) {}
+  explicit Run(const TrainConfig& cfg) : cfg_(cfg), precision_(precision_of(cfg.fsdp_config)) {}
   int main();
 
  private:
@@ -267,6 +292,7 @@ class Run {
   }
 
   const TrainConfig& cfg_;
+  const Precision precision_;
   int rank_ = 0, world_ = 1;
   models::ModelArgs args_;
   int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
@@ -345,14 +371,18 @@ void Run::check_checkpoint_dir() {
 // Every block is its own FSDP unit, the root holds the rest (embeddings, final norm, output).
 void Run::shard_model() {
   const bool reshard = reshard_after_forward(cfg_);
+  // One policy for every group, the root included (torchtitan's choice): the root's
+  // embeddings, final norm and output head compute in param_dtype too. Its inputs are token
+  // ids, which no policy casts; the model returns fp32 logits, and the loss is fp32.
+  const MixedPrecisionPolicy policy = mp_policy_of(precision_);
   // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
   torch::manual_seed(cfg_.training.seed);
   model_ = models::Transformer(args_);
   for (auto& block : model_->blocks())
-    fully_shard(block, FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard));
+    fully_shard(block, FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy));
   // The root's parameters are needed first in backward, so it keeps them gathered (FSDP2's
   // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
-  FullyShardOptions root_options = FullyShardOptions().mesh(mesh_);
+  FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy);
   if (!reshard) root_options.reshard_after_forward(false);
   root_ = fully_shard(model_, root_options);
   if (cfg_.model.init_from.empty()) return;
@@ -448,9 +478,13 @@ void Run::start_logging() {
   std::ostringstream hello;
   hello << "fsdp-train: " << parameter_count_ << " parameters (" << args_.n_layers << " layers, dim " << args_.dim
         << ", " << args_.n_heads << " heads, vocab " << args_.vocab_size << ", max_seq_len " << args_.max_seq_len
-        << ") sharded over " << world_ << " rank(s), " << to_string(cfg_.fsdp_config.sharding_strategy) << "; "
-        << data_->describe() << "; global batch " << world_ * accumulation_ * batch_ << " x " << seq_ << " tokens";
+        << ") sharded over " << world_ << " rank(s), " << to_string(cfg_.fsdp_config.sharding_strategy) << ", "
+        << precision_.describe() << "; " << data_->describe() << "; global batch " << world_ * accumulation_ * batch_
+        << " x " << seq_ << " tokens";
   print(hello.str());
+  // Only rank 0 probes (its line is the one printed); the others go on to the first step's
+  // all-gather and wait there the ~50 ms it takes.
+  if (rank_ == 0 && precision_.param == Dtype::kBFloat16) print(check_bf16_support());
 }
 
 int Run::main() {
@@ -509,7 +543,9 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
   at::Tensor loss;
   {
     trace::Span span("compute", "forward");
-    at::Tensor logits = call(model_, inputs);
+    // The loss in fp32 whatever the compute dtype (torchtitan's .float()): a bf16 log-softmax
+    // over the vocabulary loses the small differences training follows.
+    const at::Tensor logits = call(model_, inputs).to(at::kFloat);
     loss = torch::nn::functional::cross_entropy(logits.reshape({-1, args_.vocab_size}), targets.reshape({-1}));
     if (accumulation_ > 1) loss = loss / static_cast<double>(accumulation_);
   }
@@ -539,6 +575,7 @@ StepReport Run::compute_step(int64_t step) {
   r.step = step;
   r.steps = cfg_.training.steps;
   r.lr = lr_at(schedule_, step);
+  r.precision = precision_.describe();
   set_learning_rate(r.lr);
   const at::Tensor batch = data_->global_batch(step - 1, world_ * accumulation_ * batch_, seq_);
   const CollectiveStats comm_start = mesh_.get_group(0)->stats();
@@ -744,6 +781,7 @@ RunShape Run::run_shape() {
   s.gradient_accumulation_steps = accumulation_;
   s.seq = seq_;
   s.torch_threads = at::get_num_threads();
+  s.param_dtype = to_string(precision_.param), s.reduce_dtype = to_string(precision_.reduce);
   s.n_layers = args_.n_layers, s.vocab_size = args_.vocab_size, s.max_seq_len = args_.max_seq_len;
   s.dim = args_.dim, s.n_heads = args_.n_heads, s.dropout_p = args_.dropout_p;
   return s;
@@ -753,6 +791,7 @@ RunShape Run::run_shape() {
 void Run::write_summary(int64_t steps_run) {
   RunSummary s;
   s.steps_run = steps_run;
+  s.precision = precision_.describe();
   s.warmup = summary_warmup_steps(cfg_.logging.summary_warmup, step_times_.size());
   const RankTotals mine = my_totals(s.warmup);
   const std::vector<double> all = all_gather_numbers(mine.to_vector());
