@@ -29,12 +29,14 @@
 #include <fsdp/dtensor.h>
 #include <fsdp/fsdp_module.h>
 #include <fsdp/mixed_precision.h>
+#include <fsdp/offload.h>
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +69,9 @@ struct FullyShardOptions {
   // The dtypes this group computes, communicates and returns in (fsdp/mixed_precision.h).
   // Default: none; everything runs in the parameters' own dtype.
   TORCH_ARG(MixedPrecisionPolicy, mp_policy);
+  // Sharded parameters, gradients and optimizer state in host memory (fsdp/offload.h).
+  // Default: none; they live on the mesh's device.
+  TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy) = std::nullopt;
 };
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,

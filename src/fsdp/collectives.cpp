@@ -66,8 +66,8 @@ at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layo
 
 // ------------------------------------------------------------------------------ all-gather
 
-at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype) {
-  return flat_shard.scalar_type() == dtype ? flat_shard : flat_shard.to(dtype);
+at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, const GroupDevices& devices) {
+  return flat_shard.to(devices.compute, dtype, devices.non_blocking);  // no copy when neither changes
 }
 
 AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group) {
@@ -112,13 +112,15 @@ at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
-// On one rank the unsharded gradient has the shard's shape already: no copy (without a cast),
-// no collective. A cast goes through the reduce dtype, as the reduction would.
-void hand_over_gradients(const FSDPParams& params, const GroupDtypes& dtypes) {
+// On one rank the unsharded gradient has the shard's shape already: no copy (without a cast or
+// offload), no collective. A cast goes through the reduce dtype, as the reduction would.
+void hand_over_gradients(const FSDPParams& params, const GroupDtypes& dtypes, const GroupDevices& devices) {
   at::NoGradGuard no_grad;
   for (const auto& p : params) {
     at::Tensor g = p->requires_grad() ? p->unsharded_grad_to_reduce() : at::Tensor();
-    if (g.defined()) p->accumulate_sharded_grad(cast_to(cast_to(g, dtypes.reduce), dtypes.orig));
+    if (g.defined()) {
+      p->accumulate_sharded_grad(cast_to(g, dtypes.reduce).to(devices.shard, dtypes.orig, devices.non_blocking));
+    }
     p->clear_unsharded_grad();
   }
 }
@@ -168,9 +170,9 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayou
 }
 
 ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group,
-                                   const GroupDtypes& dtypes) {
+                                   const GroupDtypes& dtypes, const GroupDevices& devices) {
   if (group.size() == 1) {
-    hand_over_gradients(params, dtypes);
+    hand_over_gradients(params, dtypes, devices);
     return ReduceScatterResult{};
   }
   at::Tensor input = foreach_reduce_copy_in(params, layout, dtypes.reduce);
@@ -182,10 +184,10 @@ ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayo
 }
 
 void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params,
-                             const RankMajorLayout& layout, at::ScalarType orig_dtype) {
+                             const RankMajorLayout& layout, at::ScalarType orig_dtype, const GroupDevices& devices) {
   at::NoGradGuard no_grad;
   if (result.post_divide != 1.0) result.output.div_(result.post_divide);
-  const at::Tensor reduced = cast_to(result.output, orig_dtype);
+  const at::Tensor reduced = result.output.to(devices.shard, orig_dtype, devices.non_blocking);
   for (size_t i = 0; i < params.size(); ++i) {
     FSDPParam& p = *params[i];
     if (!p.requires_grad()) continue;

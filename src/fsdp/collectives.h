@@ -65,8 +65,9 @@ struct AllGatherResult {
   RankMajorLayout layout;   // of `output`
 };
 
-// The all-gather input of a flat shard: the shard itself, or its cast to `dtype` (a new buffer).
-at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype);
+// The all-gather input of a flat shard: the shard itself, or its copy on the compute device
+// (CPU offload) cast to `dtype` (mixed precision), a new buffer.
+at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, const GroupDevices& devices);
 // Issues the all-gather of `input` (one row of `layout`; this rank's row) over `group`, into a
 // new output buffer. Collective over `group`; returns at once. On one rank nothing is issued and
 // the output is the input.
@@ -103,16 +104,16 @@ GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t world);
 // reduce dtype) and handed to the sharded leaf at once, and nothing is issued. Collective over
 // `group`; returns at once.
 ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group,
-                                   const GroupDtypes& dtypes);
+                                   const GroupDtypes& dtypes, const GroupDevices& devices);
 // The reduce-scatter input in `reduce_dtype`: the all-gather layout in reverse, row q = piece q
 // of every unsharded gradient (zeros for a parameter without one). Releases the unsharded
 // gradients.
 at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout, at::ScalarType reduce_dtype);
-// After the reduce-scatter finished: finishes the division, casts the output to `orig_dtype` and
-// gives each sharded leaf that requires grad a gradient that is a view of its piece (padding
-// left out), or adds it to the existing one.
+// After the reduce-scatter finished: finishes the division, casts the output to `orig_dtype` on
+// the shards' device (host memory under CPU offload) and gives each sharded leaf that requires
+// grad a gradient that is a view of its piece (padding left out), or adds it to the existing one.
 void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params,
-                             const RankMajorLayout& layout, at::ScalarType orig_dtype);
+                             const RankMajorLayout& layout, at::ScalarType orig_dtype, const GroupDevices& devices);
 
 }  // namespace detail
 }  // namespace fsdp

@@ -2,6 +2,7 @@
 // (state.h) and the parameter group (param_group.h). Nothing here talks to a process group.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 namespace fsdp {
@@ -50,6 +51,14 @@ struct GroupDtypes {
   at::ScalarType orig;       // the sharded leaves and the flat shard (what the optimizer sees)
   at::ScalarType unsharded;  // the all-gather, the unsharded parameters and their gradients
   at::ScalarType reduce;     // the reduce-scatter (and no-sync gradient accumulation)
+};
+
+// Where one group's tensors live, resolved from its mesh and offload policy at fully_shard.
+// Without CPU offload both are the mesh's device.
+struct GroupDevices {
+  c10::Device compute;  // the all-gather, the unsharded parameters, the reduce-scatter
+  c10::Device shard;    // the flat shard, the sharded parameters and their gradients (host under offload)
+  bool non_blocking;    // copies between the two may run asynchronously (pinned host memory)
 };
 
 }  // namespace detail

@@ -186,6 +186,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   }
   const DeviceMesh mesh = detail::checked_mesh(options);
   detail::check_mp_policy(options.mp_policy(), mesh);
+  detail::check_offload_policy(options.offload_policy());
   std::vector<std::shared_ptr<torch::nn::Module>> managed;
   std::set<const torch::nn::Module*> seen;
   for (const auto& m : modules) detail::collect_managed(m, true, managed, seen);
@@ -196,7 +197,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   if (!params.empty()) {
     auto post_forward = detail::post_forward_group(options.reshard_after_forward(), mesh.get_group(0));
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), mesh, prefix.at(modules.front().get()),
-                                                     std::move(post_forward), options.mp_policy());
+                                                     std::move(post_forward), options.mp_policy(),
+                                                     options.offload_policy());
   }
   auto state = std::make_shared<detail::FSDPState>(modules, std::move(group),
                                                    options.reshard_after_forward().is_unset(), options.mp_policy());

@@ -38,11 +38,14 @@ void CommContext::finish_reductions(bool wait_all) {
 }
 
 FSDPParamGroup::FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
-                               std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy)
+                               std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy,
+                               const std::optional<CPUOffloadPolicy>& offload_policy)
     : params_(std::move(params)),
       mesh_(std::move(mesh)),
       shard_group_(mesh_.get_group(0)),
       module_fqn_(std::move(module_fqn)),
+      devices_(resolve_group_devices(mesh_, offload_policy)),
+      offloaded_(offload_policy.has_value()),
       post_forward_group_(std::move(post_forward_group)) {
   TORCH_CHECK(!params_.empty(), "FSDPParamGroup needs at least one parameter");
   const at::ScalarType dtype = params_.front()->orig_dtype();
@@ -69,14 +72,41 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string m
 
 // ------------------------------------------------------------------------------ all-gather
 
+// The sharded leaves must still be views of the flat shard, on the shards' device: set_data()
+// (e.g. by module->to(dtype or device)) gives a leaf new storage, after which the optimizer
+// would update a tensor no collective reads. Refused before anything is issued, naming them.
+void FSDPParamGroup::check_shards_intact() const {
+  std::string moved, replaced;
+  for (const auto& p : params_) {
+    const at::Tensor& shard = p->sharded();
+    const std::string name = "'" + p->fqn() + "'";
+    if (shard.device() != devices_.shard) {
+      moved += (moved.empty() ? "" : ", ") + name + " on " + shard.device().str();
+    } else if (shard.scalar_type() != dtypes_.orig || !shard.storage().is_alias_of(flat_shard_.storage())) {
+      replaced += (replaced.empty() ? "" : ", ") + name + " (" + c10::toString(shard.scalar_type()) + ")";
+    }
+  }
+  const char* load_in_place = ". Load state dicts into the sharded parameters in place (fsdp::load_sharded_state_dict) "
+                              "instead of moving them.";
+  TORCH_CHECK(moved.empty() || !offloaded_, "fsdp: FSDP parameters should be materialized on CPU when enabling CPU "
+              "offloading (CPUOffloadPolicy), but these of '", module_fqn_, "' are not: ", moved, load_in_place);
+  TORCH_CHECK(moved.empty(), "fsdp: the sharded parameters of '", module_fqn_, "' must stay on ", devices_.shard.str(),
+              ", but these moved: ", moved, load_in_place);
+  TORCH_CHECK(replaced.empty(), "fsdp: the sharded parameters of '", module_fqn_, "' were replaced after fully_shard "
+              "(e.g. by module->to(dtype) or set_data()), so FSDP can no longer gather them: ", replaced, ". Change "
+              "dtypes before fully_shard (or compute in another dtype with a MixedPrecisionPolicy), and load values "
+              "with fsdp::load_sharded_state_dict.");
+}
+
 void FSDPParamGroup::unshard() {
   if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
+  check_shards_intact();
   if (sharded_state_ == ShardedState::kShardedPostForward) {
     pending_all_gather_ = foreach_all_gather(post_forward_shard_, post_forward_layout(params_, post_forward_group_->size()),
                                              *post_forward_group_);
   } else {
     pending_all_gather_ =
-        foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded), shard_layout_, *shard_group_);
+        foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded, devices_), shard_layout_, *shard_group_);
   }
 }
 
@@ -141,6 +171,7 @@ void FSDPParamGroup::drop_unused_forward_prefetch() {
 // ------------------------------------------------------------------------------ hook steps
 
 void FSDPParamGroup::pre_forward() {
+  check_shards_intact();  // also where nothing is gathered (one rank)
   training_state_ = TrainingState::kForward;
   unshard();
   wait_for_unshard();
@@ -200,13 +231,13 @@ void FSDPParamGroup::post_backward() {
               "' before lazy initialisation");
   // The gradients are tensors of their own: the parameters can be freed before the copy-in.
   if (reshard_after_backward_) reshard();
-  ReduceScatterResult result = foreach_reduce(params_, shard_layout_, *shard_group_, dtypes_);
+  ReduceScatterResult result = foreach_reduce(params_, shard_layout_, *shard_group_, dtypes_, devices_);
   if (!result.work) return;  // one rank: the grads were handed over, nothing in flight
   comm_->reductions.push_back({std::move(result), this});
 }
 
 void FSDPParamGroup::finish_reduction(const ReduceScatterResult& reduced) {
-  foreach_reduce_copy_out(reduced, params_, shard_layout_, dtypes_.orig);
+  foreach_reduce_copy_out(reduced, params_, shard_layout_, dtypes_.orig, devices_);
 }
 
 void FSDPParamGroup::finalize_backward() {

@@ -15,12 +15,14 @@
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/mixed_precision.h>
+#include <fsdp/offload.h>
 #include <fsdp/process_group.h>
 
 #include <ATen/core/Tensor.h>
 
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,9 +57,11 @@ class FSDPParamGroup {
   // `post_forward_group` says how the group reshards after forward (see
   // set_post_forward_group). Copies every parameter's shard into the group's flat shard and
   // frees the unsharded storage (on a mesh of one rank the unsharded tensors alias the shards).
-  // `mp_policy` gives the dtypes of the group's collectives and unsharded parameters.
+  // `mp_policy` gives the dtypes of the group's collectives and unsharded parameters, and
+  // `offload_policy` (when set) keeps its shards in host memory.
   FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
-                 std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy);
+                 std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy,
+                 const std::optional<CPUOffloadPolicy>& offload_policy);
   FSDPParamGroup(const FSDPParamGroup&) = delete;
   FSDPParamGroup& operator=(const FSDPParamGroup&) = delete;
 
@@ -66,6 +70,7 @@ class FSDPParamGroup {
   const std::shared_ptr<ProcessGroup>& shard_group() const { return shard_group_; }
   const std::string& module_fqn() const { return module_fqn_; }
   const GroupDtypes& dtypes() const { return dtypes_; }
+  const GroupDevices& devices() const { return devices_; }
   void set_module_fqn(std::string fqn) { module_fqn_ = std::move(fqn); }
   void set_comm_context(CommContext* ctx) { comm_ = ctx; }
 
@@ -116,6 +121,7 @@ class FSDPParamGroup {
   bool has_unsharded_grads() const;
   void keep_unsynced_grads();
   void drop_pending_all_gather();
+  void check_shards_intact() const;
   void free_unsharded_params();
   void reshard_post_forward();
   void reshard_to_post_forward_shard();
@@ -127,6 +133,8 @@ class FSDPParamGroup {
   CommContext* comm_ = nullptr;
 
   GroupDtypes dtypes_;
+  GroupDevices devices_;
+  bool offloaded_ = false;
   RankMajorLayout shard_layout_;  // of the flat shard, the all-gather and the reduce-scatter
   at::Tensor flat_shard_;         // this rank's padded shard of every param; the leaves view it
   // One rank, no cast: the unsharded tensors are the shards, never gathered or freed.

@@ -1,5 +1,5 @@
 // policies.cpp — the mixed-precision policy: its printed form, its checks, the dtypes it resolves
-// to for a group, and the casts at module boundaries.
+// to for a group, and the casts at module boundaries; the CPU offload policy's checks and devices.
 #include "src/fsdp/policies.h"
 
 #include <ATen/ATen.h>
@@ -73,6 +73,17 @@ GroupDtypes resolve_group_dtypes(const MixedPrecisionPolicy& policy, at::ScalarT
   const auto& reduce = policy.reduce_dtype();
   d.reduce = (reduce && reduce != param) ? *reduce : d.unsharded;
   return d;
+}
+
+void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy) {
+  TORCH_CHECK(!policy || !policy->pin_memory(), "fully_shard: ", policy->str(), " needs pinned host memory, which "
+              "needs CUDA, and this build of fsdp-cpp has none; pass fsdp::CPUOffloadPolicy().pin_memory(false)");
+}
+
+GroupDevices resolve_group_devices(const DeviceMesh& mesh, const std::optional<CPUOffloadPolicy>& policy) {
+  const c10::Device compute(mesh.device_type());
+  const c10::Device shard = policy ? c10::Device(c10::kCPU) : compute;
+  return GroupDevices{compute, shard, policy && policy->pin_memory()};
 }
 
 void cast_floating_tensors(std::vector<at::Tensor>& tensors, at::ScalarType dtype) {

@@ -1,14 +1,17 @@
 // policies.h — what fully_shard's policies mean at run time: the mixed-precision policy's checks,
-// the dtypes it gives a group, and its casts of forward inputs and outputs.
+// the dtypes it gives a group and its casts of forward inputs and outputs; the CPU offload
+// policy's checks and the devices it gives a group.
 #pragma once
 
 #include "src/fsdp/common.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/mixed_precision.h>
+#include <fsdp/offload.h>
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <vector>
 
 namespace fsdp {
@@ -22,6 +25,13 @@ void check_mp_policy(const MixedPrecisionPolicy& policy, const DeviceMesh& mesh)
 // param_dtype equal to `orig`, or any cast of integer/bool parameters, is no cast; an unset
 // reduce_dtype, or one equal to the requested param_dtype, reduces in the gradients' dtype.
 GroupDtypes resolve_group_dtypes(const MixedPrecisionPolicy& policy, at::ScalarType orig);
+
+// Throws when `policy` asks for what this build cannot do (pinned memory without CUDA).
+void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy);
+
+// The devices of a group on `mesh`: the shards on the host under CPU offload, else on the mesh's
+// device, which computes either way.
+GroupDevices resolve_group_devices(const DeviceMesh& mesh, const std::optional<CPUOffloadPolicy>& policy);
 
 // Replaces every defined floating-point tensor of `tensors` by its cast to `dtype` (an autograd
 // op, so gradients flow back in the original dtype). Integer and bool tensors are left alone.

@@ -80,6 +80,12 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   EXPECT_FALSE(c.fsdp_config.fp16);
   expect_error([] { check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.fp16=true"})); },
                {"fsdp_config.fp16: true", "no fp16 matmul on CPU", "mixed_precision: true"});
+  // offload_params: true as in the example; the optimizer state goes with the parameters.
+  EXPECT_TRUE(c.fsdp_config.offload_params);
+  EXPECT_TRUE(c.fsdp_config.offload_optimizer_state);
+  expect_error([] {
+    check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.offload_optimizer_state=false"}));
+  }, {"fsdp_config.offload_optimizer_state: false", "differs from fsdp_config.offload_params: true"});
 }
 
 TEST(TrainConfig, DefaultsWithoutFile) {
@@ -207,8 +213,6 @@ TEST(TrainConfig, CommandLineErrorsNameKey) {
 TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--fsdp_config.activation_checkpointing=true", "fsdp_config.activation_checkpointing"},
-      {"--fsdp_config.offload_params=true", "fsdp_config.offload_params"},
-      {"--fsdp_config.offload_optimizer_state=true", "fsdp_config.offload_optimizer_state"},
       {"--fsdp_config.shard_optimizer_state=false", "fsdp_config.shard_optimizer_state"},
       {"--fsdp_config.sharding_strategy=NO_SHARD", "fsdp_config.sharding_strategy: NO_SHARD"},
       {"--fsdp_config.sharding_strategy=HYBRID_SHARD", "fsdp_config.sharding_strategy: HYBRID_SHARD"},
@@ -219,6 +223,14 @@ TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
     SCOPED_TRACE(arg);
     TrainConfig c = load_config(kConfigs + "/tiny.yaml", {arg});  // loads: the value is valid
     expect_error([&] { check_supported(c); }, {key, "not supported yet"});
+  }
+  // The two offload keys go together.
+  EXPECT_NO_THROW(check_supported(load_config(
+      "", {"--fsdp_config.offload_params=true", "--fsdp_config.offload_optimizer_state=true"})));
+  for (const char* arg : {"--fsdp_config.offload_params=true", "--fsdp_config.offload_optimizer_state=true"}) {
+    SCOPED_TRACE(arg);
+    expect_error([&] { check_supported(load_config("", {arg})); },
+                 {"fsdp_config.offload_optimizer_state", "differs from fsdp_config.offload_params"});
   }
   // use_reentrant alone is accepted: it only means something with activation checkpointing.
   EXPECT_NO_THROW(check_supported(load_config("", {"--fsdp_config.use_reentrant=true"})));

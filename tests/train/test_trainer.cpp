@@ -484,3 +484,22 @@ INSTANTIATE_TEST_SUITE_P(Trainer, BadConfig, ::testing::ValuesIn(bad_cases()),
                          [](const ::testing::TestParamInfo<BadCase>& i) { return i.param.name; });
 
 }  // namespace
+
+// offload_params (with offload_optimizer_state) runs FSDP's CPU offload path, which on device
+// cpu copies nothing: the run is bitwise the plain one, says so once, and resumes bitwise.
+TEST(Trainer, OffloadTrainsBitwiseLikeNoOffloadAndResumes) {
+  TempDir dir;
+  const std::vector<std::string> offload = {"--fsdp_config.offload_params=true",
+                                            "--fsdp_config.offload_optimizer_state=true"};
+  train(dir / "plain", {});
+  const RunResult whole = train(dir / "offload", offload);
+  EXPECT_TRUE(has(whole, "offload_params: on device cpu the sharded parameters")) << whole.out;
+  const auto want = read_metrics(dir / "plain/m0.jsonl");
+  const auto got = read_metrics(dir / "offload/m0.jsonl");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [step, m] : got) EXPECT_EQ(m.loss, want.at(step).loss) << "step " << step;
+  train(dir / "resumed", with(offload, {"--training.resume=" + dir / "offload/ckpt/step_10"}));
+  for (const auto& [step, m] : read_metrics(dir / "resumed/m0.jsonl")) {
+    EXPECT_EQ(m.loss, want.at(step).loss) << "step " << step;
+  }
+}

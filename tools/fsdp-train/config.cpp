@@ -564,8 +564,12 @@ void check_supported(const TrainConfig& cfg) {
   };
   no(!f.shard_optimizer_state, "fsdp_config.shard_optimizer_state: false (FSDP2 always shards it)");
   no(f.activation_checkpointing, "fsdp_config.activation_checkpointing: true");
-  no(f.offload_params, "fsdp_config.offload_params: true");
-  no(f.offload_optimizer_state, "fsdp_config.offload_optimizer_state: true");
+  if (f.offload_optimizer_state != f.offload_params) {
+    bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") + (f.offload_optimizer_state ? "true" : "false") +
+                  " differs from fsdp_config.offload_params: " + (f.offload_params ? "true" : "false") +
+                  "; FSDP keeps the optimizer state next to the sharded parameters (CPUOffloadPolicy moves both), "
+                  "so set both keys to the same value");
+  }
   no(f.model_parallel_size > 1,
      "fsdp_config.model_parallel_size: " + std::to_string(f.model_parallel_size) + " (> 1)");
   no(f.device != "cpu", "fsdp_config.device: " + f.device + " (this is a CPU build)");

@@ -71,8 +71,12 @@ struct FsdpConfig {
   bool fp16 = false;
   bool activation_checkpointing = false;  // not supported yet when true
   std::string device = "cpu";             // cpu | cuda (cuda not supported by this CPU build)
-  bool offload_params = false;            // not supported yet when true
-  bool offload_optimizer_state = false;   // not supported yet when true
+  // CPU offload (fsdp::CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
+  // in host memory, the optimizer stepping there. On device cpu they live there already: the
+  // offload path runs with identity copies (rank 0 says so once). FSDP2 keeps the optimizer
+  // state with the sharded parameters, so offload_optimizer_state must equal offload_params.
+  bool offload_params = false;
+  bool offload_optimizer_state = false;
   // Only meaningful with activation_checkpointing (as in PyTorch), so either value is accepted.
   bool use_reentrant = false;
   int model_parallel_size = 1;  // >= 1; > 1 (tensor parallel) not supported yet

@@ -375,14 +375,18 @@ void Run::shard_model() {
   // embeddings, final norm and output head compute in param_dtype too. Its inputs are token
   // ids, which no policy casts; the model returns fp32 logits, and the loss is fp32.
   const MixedPrecisionPolicy policy = mp_policy_of(precision_);
+  // A CPU build has no pinned memory; the copies are identities on a cpu device anyway.
+  std::optional<CPUOffloadPolicy> offload;
+  if (cfg_.fsdp_config.offload_params) offload = CPUOffloadPolicy().pin_memory(false);
   // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
   torch::manual_seed(cfg_.training.seed);
   model_ = models::Transformer(args_);
   for (auto& block : model_->blocks())
-    fully_shard(block, FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy));
+    fully_shard(block,
+                FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload));
   // The root's parameters are needed first in backward, so it keeps them gathered (FSDP2's
   // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
-  FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy);
+  FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
   root_ = fully_shard(model_, root_options);
   if (cfg_.model.init_from.empty()) return;
@@ -485,6 +489,10 @@ void Run::start_logging() {
   // Only rank 0 probes (its line is the one printed); the others go on to the first step's
   // all-gather and wait there the ~50 ms it takes.
   if (rank_ == 0 && precision_.param == Dtype::kBFloat16) print(check_bf16_support());
+  if (rank_ == 0 && cfg_.fsdp_config.offload_params && cfg_.fsdp_config.device == "cpu") {
+    print("fsdp-train: offload_params: on device cpu the sharded parameters, gradients and optimizer state "
+          "already live in host memory; the offload path runs with identity copies");
+  }
 }
 
 int Run::main() {
