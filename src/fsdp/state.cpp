@@ -56,6 +56,8 @@ struct PostBackwardFunction : public torch::autograd::Function<PostBackwardFunct
   }
 };
 
+thread_local RecomputationScope* t_innermost_recomputation = nullptr;
+
 }  // namespace
 
 std::shared_ptr<FSDPState> find_state(const torch::nn::Module& module) {
@@ -95,6 +97,36 @@ std::shared_ptr<FSDPState> find_state_by_id(int64_t id) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.by_id.find(id);
   return it == r.by_id.end() ? nullptr : it->second.lock();
+}
+
+// ------------------------------------------------------------------------------ recomputation
+
+RecomputationScope::RecomputationScope() : enclosing_(t_innermost_recomputation) { t_innermost_recomputation = this; }
+
+RecomputationScope::~RecomputationScope() {
+  t_innermost_recomputation = enclosing_;
+  if (enclosing_) return;  // callbacks are kept by the outermost scope only
+  // The outermost scope is opened by a backward function of the outer backward, which is then
+  // the engine's current backward, so queue_callback succeeds; still, nothing may leave a
+  // destructor.
+  for (auto& cb : end_of_backward_callbacks_) {
+    try {
+      torch::autograd::Engine::get_default_engine().queue_callback(std::move(cb));
+    } catch (...) {
+    }
+  }
+}
+
+RecomputationScope* RecomputationScope::current() { return t_innermost_recomputation; }
+
+void RecomputationScope::queue_end_of_backward_callback(std::function<void()> callback) {
+  RecomputationScope* scope = t_innermost_recomputation;
+  if (!scope) {
+    torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+    return;
+  }
+  while (scope->enclosing_) scope = scope->enclosing_;
+  scope->end_of_backward_callbacks_.push_back(std::move(callback));
 }
 
 // ------------------------------------------------------------------------------ set-up
@@ -182,8 +214,10 @@ void FSDPState::cast_forward_outputs(std::vector<at::Tensor>& outputs) const {
 
 std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs) {
   cast_forward_inputs(inputs);
+  if (RecomputationScope::current()) return pre_recompute(std::move(inputs));
   if (training_state_ == TrainingState::kPreBackward) {
-    // A forward re-run during backward (activation recomputation): parameters must be present.
+    // A forward re-run during backward that is not fsdp::checkpoint's (its graph is not
+    // backpropagated through): parameters must be present.
     if (group_) {
       group_->unshard();
       group_->wait_for_unshard();
@@ -205,6 +239,25 @@ std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, 
   return inputs;
 }
 
+// A forward called again by activation checkpointing, inside backward (RecomputationScope). The
+// recomputed graph is the one this backward goes on through, so it is hooked like a forward's:
+// post-backward on the inputs of the state's first call in the recomputation (its gradient comes
+// last), pre-backward on every output (post_forward). None of the iteration's forward bookkeeping
+// is redone: no root, no forward order or prefetch, no reshard after it (its backward needs the
+// parameters at once), so the recomputation all-gathers once, or uses a backward prefetch.
+std::vector<at::Tensor> FSDPState::pre_recompute(std::vector<at::Tensor> inputs) {
+  TORCH_CHECK(ctx_, "fsdp: an FSDP module ran for the first time in an activation checkpoint's recomputation; a "
+              "checkpointed function must call the same modules when it is recomputed in backward");
+  if (!group_) return inputs;
+  group_->unshard();
+  group_->wait_for_unshard();
+  // Under no-grad (a checkpoint's forward nested in the recomputation) nothing is hooked yet.
+  if (at::GradMode::is_enabled() && RecomputationScope::current()->first_call_of(this)) {
+    hook_inputs_for_post_backward(inputs);
+  }
+  return inputs;
+}
+
 // Only the first module of a group's forward hooks its inputs: its gradient arrives after the
 // backward of every module of the group that ran after it.
 void FSDPState::hook_inputs_for_post_backward(std::vector<at::Tensor>& inputs) {
@@ -223,6 +276,11 @@ void FSDPState::hook_inputs_for_post_backward(std::vector<at::Tensor>& inputs) {
 }
 
 void FSDPState::post_forward(const torch::nn::Module& module, std::vector<at::Tensor>& outputs) {
+  if (RecomputationScope::current()) {  // see pre_recompute
+    hook_outputs_for_pre_backward(outputs);
+    cast_forward_outputs(outputs);
+    return;
+  }
   if (training_state_ == TrainingState::kPreBackward) {
     cast_forward_outputs(outputs);
     return;
@@ -300,7 +358,7 @@ void FSDPState::pre_backward() {
     ctx_->final_callback_queued = true;
     FSDPState* root = ctx_->all_states.empty() ? this : ctx_->all_states.front();
     std::weak_ptr<FSDPState> weak_root = root->weak_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([weak_root] { final_callback(weak_root); });
+    RecomputationScope::queue_end_of_backward_callback([weak_root] { final_callback(weak_root); });
   }
   training_state_ = TrainingState::kPreBackward;
   if (!group_ || group_->training_state() == TrainingState::kPreBackward) return;

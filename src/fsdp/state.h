@@ -12,6 +12,7 @@
 
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -22,6 +23,35 @@ namespace fsdp {
 namespace detail {
 
 class FSDPState;
+
+// Reentrant activation checkpointing (checkpoint_activations.cpp) calls a function again inside
+// backward and backpropagates through that recomputation with a nested backward. It opens one
+// of these on its thread for the recomputation and the nested backward together. While one is
+// open, FSDP modules called are recomputed, not run for a new forward (FSDPState::pre_forward),
+// and the end-of-backward callback is kept for the outer backward: queued from inside the
+// nested one, it would run when the nested one ends.
+class RecomputationScope {
+ public:
+  RecomputationScope();
+  // The outermost scope queues the kept callbacks on the backward it runs in.
+  ~RecomputationScope();
+  RecomputationScope(const RecomputationScope&) = delete;
+  RecomputationScope& operator=(const RecomputationScope&) = delete;
+
+  // The innermost open scope on this thread, or null.
+  static RecomputationScope* current();
+  // True for the first call with grad enabled of one of `state`'s modules in this
+  // recomputation: that call hooks its inputs for post-backward (as the first module of a
+  // forward round does).
+  bool first_call_of(const FSDPState* state) { return states_called_.insert(state).second; }
+  // Runs `callback` at the end of the outermost backward on this thread.
+  static void queue_end_of_backward_callback(std::function<void()> callback);
+
+ private:
+  RecomputationScope* enclosing_;
+  std::set<const FSDPState*> states_called_;
+  std::vector<std::function<void()>> end_of_backward_callbacks_;  // the outermost scope's only
+};
 
 // Shared by every state under one root (made by the root's lazy init).
 struct StateContext {
@@ -72,6 +102,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   bool is_module_of_this_state(const torch::nn::Module& module) const;
   void cast_forward_inputs(std::vector<at::Tensor>& inputs) const;
   void cast_forward_outputs(std::vector<at::Tensor>& outputs) const;
+  std::vector<at::Tensor> pre_recompute(std::vector<at::Tensor> inputs);
   void hook_inputs_for_post_backward(std::vector<at::Tensor>& inputs);
   void hook_outputs_for_pre_backward(std::vector<at::Tensor>& outputs);
   void finish_group_forward();

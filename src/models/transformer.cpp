@@ -95,8 +95,20 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
   TORCH_CHECK(seq <= args_.max_seq_len, "sequence length ", seq, " > max_seq_len ", args_.max_seq_len);
   at::Tensor pos = at::arange(seq, tokens.options().dtype(at::kLong));
   at::Tensor h = fsdp::call(dropout, fsdp::call(tok_embeddings, tokens) + fsdp::call(pos_embeddings, pos));
-  for (auto& block : blocks_) h = fsdp::call(block, h);
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    TransformerBlock& block = blocks_[i];
+    h = is_block_checkpointed(static_cast<int64_t>(i)) ? fsdp::call_checkpointed(checkpoint_options_, block, h)
+                                                       : fsdp::call(block, h);
+  }
   return fsdp::call(output, fsdp::call(norm, h)).to(at::kFloat);
+}
+
+void TransformerImpl::set_activation_checkpointing(int64_t every_k, const CheckpointOptions& options) {
+  TORCH_CHECK(every_k >= 0, "set_activation_checkpointing: every_k=", every_k, " must be >= 0 (0 turns "
+              "checkpointing off, 1 checkpoints every block, k every k-th)");
+  if (every_k > 0) fsdp::detail::check_checkpoint_options(options);  // now, not at the first forward
+  checkpoint_every_k_ = every_k;
+  checkpoint_options_ = options;
 }
 
 int64_t count_parameters(const torch::nn::Module& module) {

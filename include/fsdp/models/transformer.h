@@ -16,7 +16,12 @@
 //   for (auto& block : model->blocks()) fsdp::fully_shard(block);
 //   fsdp::fully_shard(model);
 //   at::Tensor logits = fsdp::call(model, tokens);   // tokens: int64 [batch, seq]
+//
+// model->set_activation_checkpointing(1) recomputes every block's activations in backward
+// instead of keeping them (fsdp/checkpoint_activations.h); 2 every other block.
 #pragma once
+
+#include <fsdp/checkpoint_activations.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -96,6 +101,19 @@ class TransformerImpl : public torch::nn::Module {
   // The blocks, typed (they are also registered as "layers.<i>").
   std::vector<TransformerBlock>& blocks() { return blocks_; }
 
+  // Activation checkpointing of the blocks: block i (from 0) is called through
+  // fsdp::call_checkpointed(options, block, h) when every_k > 0 and (i + 1) % every_k == 0, so 1
+  // checkpoints every block and 2 blocks 1, 3, 5, ... (torchtitan's selective layer
+  // checkpointing counts the same way); 0, the default, none. Results and gradients are those of
+  // the model without checkpointing; forward keeps less memory, backward computes the
+  // checkpointed blocks' forward again. Not collective, but under FSDP every rank must choose
+  // the same. Throws c10::Error for a negative every_k, and for options checkpoint() refuses
+  // (use_reentrant(false)) when every_k > 0.
+  void set_activation_checkpointing(int64_t every_k, const CheckpointOptions& options = CheckpointOptions());
+  bool is_block_checkpointed(int64_t index) const {
+    return checkpoint_every_k_ > 0 && (index + 1) % checkpoint_every_k_ == 0;
+  }
+
   torch::nn::Embedding tok_embeddings{nullptr}, pos_embeddings{nullptr};
   torch::nn::Dropout dropout{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -105,6 +123,8 @@ class TransformerImpl : public torch::nn::Module {
  private:
   ModelArgs args_;
   std::vector<TransformerBlock> blocks_;
+  int64_t checkpoint_every_k_ = 0;
+  CheckpointOptions checkpoint_options_;
 };
 TORCH_MODULE(Transformer);
 
