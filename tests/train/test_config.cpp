@@ -69,6 +69,7 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   EXPECT_EQ(c.fsdp_config.local_rank, 0);
   EXPECT_TRUE(c.fsdp_config.shard_optimizer_state);
   EXPECT_TRUE(c.fsdp_config.use_reentrant);
+  EXPECT_TRUE(c.fsdp_config.activation_checkpointing);
   EXPECT_EQ(c.fsdp_config.checkpoint_interval, 1000);
   EXPECT_EQ(c.fsdp_config.checkpoint_dir, "./checkpoints");
   EXPECT_NO_THROW(check_against_launcher(c, 8, 5));  // local_rank 0 = every rank's
@@ -212,7 +213,6 @@ TEST(TrainConfig, CommandLineErrorsNameKey) {
 
 TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"--fsdp_config.activation_checkpointing=true", "fsdp_config.activation_checkpointing"},
       {"--fsdp_config.shard_optimizer_state=false", "fsdp_config.shard_optimizer_state"},
       {"--fsdp_config.sharding_strategy=NO_SHARD", "fsdp_config.sharding_strategy: NO_SHARD"},
       {"--fsdp_config.sharding_strategy=HYBRID_SHARD", "fsdp_config.sharding_strategy: HYBRID_SHARD"},
@@ -232,6 +232,13 @@ TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
     expect_error([&] { check_supported(load_config("", {arg})); },
                  {"fsdp_config.offload_optimizer_state", "differs from fsdp_config.offload_params"});
   }
+  // Checkpointing is reentrant only.
+  EXPECT_NO_THROW(check_supported(load_config("", {"--fsdp_config.activation_checkpointing=true"})));
+  expect_error([] {
+    check_supported(load_config("", {"--fsdp_config.activation_checkpointing=true", "--fsdp_config.use_reentrant=false"}));
+  }, {"fsdp_config.use_reentrant: false", "saved-tensor hooks"});
+  expect_error([] { load_config("", {"--fsdp_config.activation_checkpointing_every=0"}); },
+               {"fsdp_config.activation_checkpointing_every"});
   // use_reentrant alone is accepted: it only means something with activation checkpointing.
   EXPECT_NO_THROW(check_supported(load_config("", {"--fsdp_config.use_reentrant=true"})));
   expect_error([] { reshard_after_forward(load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD"})); },

@@ -503,3 +503,25 @@ TEST(Trainer, OffloadTrainsBitwiseLikeNoOffloadAndResumes) {
     EXPECT_EQ(m.loss, want.at(step).loss) << "step " << step;
   }
 }
+
+// activation_checkpointing recomputes every (or every k-th) block's forward in backward: the
+// same math, so the losses equal the plain run's, and a checkpointed run resumes bitwise.
+TEST(Trainer, ActivationCheckpointingTrainsLikeWithoutAndResumes) {
+  TempDir dir;
+  train(dir / "plain", {});
+  const auto want = read_metrics(dir / "plain/m0.jsonl");
+  for (const char* every : {"1", "2"}) {
+    SCOPED_TRACE(every);
+    const std::vector<std::string> ac = {"--fsdp_config.activation_checkpointing=true",
+                                         std::string("--fsdp_config.activation_checkpointing_every=") + every};
+    const std::string run = dir / (std::string("ac") + every);
+    train(run, ac);
+    const auto got = read_metrics(run + "/m0.jsonl");
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [step, m] : got) EXPECT_NEAR(m.loss, want.at(step).loss, 1e-6) << "step " << step;
+  }
+  train(dir / "resumed", {"--fsdp_config.activation_checkpointing=true", "--training.resume=" + dir / "ac1/ckpt/step_10"});
+  for (const auto& [step, m] : read_metrics(dir / "resumed/m0.jsonl")) {
+    EXPECT_NEAR(m.loss, want.at(step).loss, 1e-6) << "step " << step;
+  }
+}

@@ -195,6 +195,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"fsdp_config", "reduce_dtype", optional_dtype(f.reduce_dtype)},
       {"fsdp_config", "fp16", boolean(f.fp16)},
       {"fsdp_config", "activation_checkpointing", boolean(f.activation_checkpointing)},
+      {"fsdp_config", "activation_checkpointing_every", int_at_least(f.activation_checkpointing_every, 1)},
       {"fsdp_config", "device", choice(f.device, {"cpu", "cuda"})},
       {"fsdp_config", "offload_params", boolean(f.offload_params)},
       {"fsdp_config", "offload_optimizer_state", boolean(f.offload_optimizer_state)},
@@ -563,7 +564,11 @@ void check_supported(const TrainConfig& cfg) {
     if (unsupported) bad.push_back(what + " is not supported yet");
   };
   no(!f.shard_optimizer_state, "fsdp_config.shard_optimizer_state: false (FSDP2 always shards it)");
-  no(f.activation_checkpointing, "fsdp_config.activation_checkpointing: true");
+  if (f.activation_checkpointing && !f.use_reentrant) {
+    bad.push_back("fsdp_config.use_reentrant: false with fsdp_config.activation_checkpointing: true is not "
+                  "supported: non-reentrant checkpointing needs saved-tensor hooks, which LibTorch's C++ API does "
+                  "not have; set fsdp_config.use_reentrant: true");
+  }
   if (f.offload_optimizer_state != f.offload_params) {
     bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") + (f.offload_optimizer_state ? "true" : "false") +
                   " differs from fsdp_config.offload_params: " + (f.offload_params ? "true" : "false") +

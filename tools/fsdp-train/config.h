@@ -69,7 +69,13 @@ struct FsdpConfig {
   // configuration time (no fp16 matmul on CPU; use mixed_precision: true for bf16); not
   // supported yet elsewhere.
   bool fp16 = false;
-  bool activation_checkpointing = false;  // not supported yet when true
+  // Activation checkpointing (fsdp::call_checkpointed): the checkpointed blocks keep no
+  // activations and recompute their forward in backward. Every activation_checkpointing_every-th
+  // block is checkpointed (1 = every block, 2 = every second one, as torchtitan's selective
+  // layer option counts). Only reentrant checkpointing exists in C++ (LibTorch 1.13 has no
+  // saved-tensor hooks), so activation_checkpointing with use_reentrant: false is refused.
+  bool activation_checkpointing = false;
+  int64_t activation_checkpointing_every = 1;  // >= 1; only meaningful with activation_checkpointing
   std::string device = "cpu";             // cpu | cuda (cuda not supported by this CPU build)
   // CPU offload (fsdp::CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
   // in host memory, the optimizer stepping there. On device cpu they live there already: the
@@ -77,8 +83,9 @@ struct FsdpConfig {
   // state with the sharded parameters, so offload_optimizer_state must equal offload_params.
   bool offload_params = false;
   bool offload_optimizer_state = false;
-  // Only meaningful with activation_checkpointing (as in PyTorch), so either value is accepted.
-  bool use_reentrant = false;
+  // Only meaningful with activation_checkpointing (as in PyTorch), so either value is accepted
+  // without it. Default true, as the FSDP example's configuration has it.
+  bool use_reentrant = true;
   int model_parallel_size = 1;  // >= 1; > 1 (tensor parallel) not supported yet
   int64_t checkpoint_interval = 0;  // save every N steps; 0 = only the final export
   // Created if needed and checked for writing at start-up (rank 0), before any training.

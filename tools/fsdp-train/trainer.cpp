@@ -31,6 +31,7 @@
 
 #include <fsdp/call.h>
 #include <fsdp/checkpoint.h>
+#include <fsdp/checkpoint_activations.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
@@ -381,6 +382,10 @@ void Run::shard_model() {
   // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
   torch::manual_seed(cfg_.training.seed);
   model_ = models::Transformer(args_);
+  if (cfg_.fsdp_config.activation_checkpointing) {
+    model_->set_activation_checkpointing(cfg_.fsdp_config.activation_checkpointing_every,
+                                         CheckpointOptions().use_reentrant(cfg_.fsdp_config.use_reentrant));
+  }
   for (auto& block : model_->blocks())
     fully_shard(block,
                 FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload));
