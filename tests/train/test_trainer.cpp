@@ -525,3 +525,19 @@ TEST(Trainer, ActivationCheckpointingTrainsLikeWithoutAndResumes) {
     EXPECT_NEAR(m.loss, want.at(step).loss, 1e-6) << "step " << step;
   }
 }
+
+// optimizer.fused: FusedAdamW has AdamW's math (the losses agree to float rounding) and its
+// checkpoints, so a fused run's checkpoint resumes under torch::optim::AdamW.
+TEST(Trainer, FusedAdamWTrainsLikeAdamWAndItsCheckpointResumesWithAdamW) {
+  TempDir dir;
+  train(dir / "adamw", {});
+  train(dir / "fused", {"--optimizer.fused=true"});
+  const auto want = read_metrics(dir / "adamw/m0.jsonl");
+  const auto got = read_metrics(dir / "fused/m0.jsonl");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [step, m] : got) EXPECT_NEAR(m.loss, want.at(step).loss, 1e-5) << "step " << step;
+  train(dir / "resumed", {"--training.resume=" + dir / "fused/ckpt/step_10"});
+  for (const auto& [step, m] : read_metrics(dir / "resumed/m0.jsonl")) {
+    EXPECT_NEAR(m.loss, want.at(step).loss, 1e-5) << "step " << step;
+  }
+}

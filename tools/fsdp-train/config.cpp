@@ -249,6 +249,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
        }},
       {"optimizer", "weight_decay", number(o.weight_decay, 0.0, true)},
       {"optimizer", "eps", number(o.eps, 0.0, false)},
+      {"optimizer", "fused", boolean(c.optimizer.fused)},
 
       {"schedule", "warmup_steps", int_at_least(c.schedule.warmup_steps, 0)},
       {"schedule", "min_lr", number(c.schedule.min_lr, 0.0, true)},

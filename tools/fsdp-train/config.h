@@ -127,6 +127,10 @@ struct OptimizerConfig {
   double beta2 = 0.999;        // [0, 1)
   double weight_decay = 0.01;  // >= 0 (torch.optim.AdamW default)
   double eps = 1e-8;           // > 0
+  // fsdp::optim::FusedAdamW (the same math, state and checkpoints as torch::optim::AdamW, one
+  // vectorized pass per FSDP group's flat shard) instead of torch::optim::AdamW. Checkpoints of
+  // either resume with the other.
+  bool fused = false;
 };
 
 // Linear warm-up from 0 to optimizer.lr over warmup_steps, then cosine decay to min_lr over

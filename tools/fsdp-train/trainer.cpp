@@ -36,6 +36,7 @@
 #include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/fused_adamw.h>
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/models/transformer.h>
@@ -338,9 +339,13 @@ void Run::set_up() {
   parameter_count_ = full_parameter_count(model_);
 
   const auto& o = cfg_.optimizer;
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      model_->parameters(),
-      torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  const auto options = torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
+  // FusedAdamW is an AdamW (same state and checkpoints), so the rest of the trainer needs no branch.
+  if (o.fused) {
+    optimizer_ = std::make_unique<optim::FusedAdamW>(model_->parameters(), options);
+  } else {
+    optimizer_ = std::make_unique<torch::optim::AdamW>(model_->parameters(), options);
+  }
   checkpoints_ = std::make_unique<CheckpointManager>(cfg_.fsdp_config.checkpoint_dir,
                                                      static_cast<int>(cfg_.training.keep_checkpoints));
 }
