@@ -163,8 +163,10 @@ class GlooProcessGroup::Exchange {
   }
 
  private:
+  // Rounded up, so that a transfer Gloo gives up on has really outlived the deadline and the
+  // error says "timed out" (truncating let Gloo stop up to 1 ms early).
   std::chrono::milliseconds remaining() const {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(group_.deadline_ - Clock::now());
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(group_.deadline_ - Clock::now());
     return std::max(left, std::chrono::milliseconds(1));
   }
 
@@ -288,7 +290,8 @@ void GlooProcessGroup::execute(const Op& op, int64_t seq) {
 
 // Builds the error for a failed operation, naming the ranks that never arrived when it can.
 void GlooProcessGroup::fail(const Op& op, int64_t seq, const std::string& cause) {
-  const bool timed_out = Clock::now() >= deadline_;
+  // A little slack: Gloo's own timer and this clock may disagree by a few microseconds.
+  const bool timed_out = Clock::now() + std::chrono::milliseconds(2) >= deadline_;
   std::ostringstream msg;
   msg << "fsdp: " << to_string(op.kind) << " #" << seq << " on process group '" << name()
       << "' (global ranks " << ranks_str(global_ranks()) << ", this is group rank " << rank() << ") ";
