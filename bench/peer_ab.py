@@ -16,6 +16,11 @@ also saved as <out>/table.md. The peer is bench/peer/peer_fsdp1.py (--peer-dir).
     /usr/bin/python3 bench/peer_ab.py --presets small --worlds 2 --baseline-build-dir ../old/build
 
     /usr/bin/python3 bench/peer_ab.py --presets small,medium --worlds 1,2 --dtypes fp32,bf16
+    /usr/bin/python3 bench/peer_ab.py --strategy ddp --presets tiny,small --worlds 2   # vs PyTorch DDP
+
+Data parallelism (--strategy ddp): ours runs sharding_strategy NO_SHARD (fsdp::replicate, DDP's
+bucketed gradient all-reduce), the peer runs torch's DistributedDataParallel (--mode ddp); the
+targets are then 0.7x the peer's step time and peak RSS per rank.
 
 Mixed precision (--dtypes fp32,bf16; default fp32 only). Each pair then runs, in this order:
 ours fp32, ours bf16, peer fp32, peer bf16. Ours bf16 = fsdp-train with
@@ -117,8 +122,14 @@ MATMUL_PEAK_N = 2048  # bench_matmul also times N^3 at this N: part of the "peak
 
 # The step-time, memory and loss targets; judged at W = 2 only.
 TARGET_WORLD = 2
-TARGET_STEP_RATIO = {"small": 0.6, "medium": 0.8}  # ours/peer median step time
-TARGET_RSS_RATIO = 0.9  # ours/peer peak RSS per rank
+# What each side runs for --strategy, and the targets judged (ours/peer median step time per
+# preset, ours/peer peak RSS per rank).
+STRATEGIES = {
+    "fsdp": {"ours": [], "peer_mode": "fsdp1", "peer_name": "PyTorch FSDP1",
+             "step_target": {"small": 0.6, "medium": 0.8}, "rss_target": 0.9},
+    "ddp": {"ours": ["--fsdp_config.sharding_strategy=NO_SHARD"], "peer_mode": "ddp", "peer_name": "PyTorch DDP",
+            "step_target": {"tiny": 0.7, "small": 0.7}, "rss_target": 0.7},
+}
 TARGET_LOSS_DIFF = 1e-5  # max |loss_ours - loss_peer| over all steps
 
 LR = 1e-3
@@ -246,7 +257,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def peer_cmd(a, cell: dict, json_out: str, dtype: str = "fp32") -> list[str]:
     return [PY, os.path.join(a.peer_dir, "peer_fsdp1.py"),
-            "--mode", "fsdp1", "--world", str(cell["world"]), "--preset", cell["preset"],
+            "--mode", STRATEGIES[a.strategy]["peer_mode"], "--world", str(cell["world"]), "--preset", cell["preset"],
             "--batch", str(cell["batch"]), "--seq", str(cell["seq"]), "--steps", str(cell["steps"]),
             "--warmup", str(cell["warmup"]), "--lr", "1e-3", "--seed", str(SEED),
             "--data-seed", str(DATA_SEED), "--init-from", cell["init"], "--json-out", json_out,
@@ -276,7 +287,7 @@ def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype:
             "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={ckpt_dir}",
             "--logging.progress=off", "--logging.log_interval=1000000",
             f"--logging.summary_json={json_out}", f"--logging.summary_warmup={cell['warmup']}",
-            *OURS_DTYPE_OVERRIDES[dtype]]
+            *OURS_DTYPE_OVERRIDES[dtype], *STRATEGIES[a.strategy]["ours"]]
 
 
 def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
@@ -567,6 +578,9 @@ def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
         "baseline_commit": source_commit(a.baseline_build_dir) if a.baseline_build_dir else None,
         "pairs": a.pairs,
         "dtypes": a.dtypes,
+        "strategy": a.strategy,
+        "ours_strategy_overrides": STRATEGIES[a.strategy]["ours"],
+        "peer_mode": STRATEGIES[a.strategy]["peer_mode"],
         "ours_dtype_overrides": {d: OURS_DTYPE_OVERRIDES[d] for d in a.dtypes},
         "peer_dtype_args": {d: PEER_DTYPE_ARGS[d] for d in a.dtypes},
         "matmul_bin": None if a.no_matmul else matmul_bin(a),
@@ -660,8 +674,9 @@ def render(out: str, meta: dict) -> str:
     cells = meta["cells"]
     pairs = meta["pairs"]
     sides = sides_of(meta)
+    strategy = STRATEGIES[meta.get("strategy", "fsdp")]
     lines = [
-        "# fsdp-train vs PyTorch FSDP1 (A/B, alternating)",
+        f"# fsdp-train vs {strategy['peer_name']} (A/B, alternating)",
         "",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date_utc']}; CPU: {meta['cpu_model']}; cores: {meta['cores']}; "
@@ -728,7 +743,7 @@ def render(out: str, meta: dict) -> str:
             to, tp = ro.get("torch_threads"), rp.get("torch_threads")
             if to != tp:
                 notes.append(f"torch threads ours {to} ≠ peer {tp}")
-        if runs["peer"]:
+        if runs["peer"] and strategy["peer_mode"] != "ddp":
             eff = (runs["peer"][0].get("fsdp") or {}).get("effective_sharding_strategy")
             if eff and eff != "FULL_SHARD":
                 notes.append(f"peer FSDP1 effective {eff}" + (" (torch 1.13 clamps W=1)" if w == 1 else ""))
@@ -736,11 +751,11 @@ def render(out: str, meta: dict) -> str:
         lines.append(
             f"| {p} | {w} | {cell['batch']} | {cell['seq']} | {cell['steps']} ({cell['warmup']}) | "
             f"{len(ratios)}/{pairs} | {fmt(step['ours'], '.4g')} | {fmt(step['peer'], '.4g')} | "
-            f"{fmt(ratio, '.3f')}{verdict(ratio, TARGET_STEP_RATIO.get(p)) if judged else ''} | "
+            f"{fmt(ratio, '.3f')}{verdict(ratio, strategy['step_target'].get(p)) if judged else ''} | "
             f"{', '.join(f'{x:.3f}' for x in ratios) or '–'} | "
             f"{fmt(tok['ours'], '.0f')} | {fmt(tok['peer'], '.0f')} | "
             f"{fmt(rss['ours'], '.0f')} | {fmt(rss['peer'], '.0f')} | "
-            f"{fmt(rss_ratio, '.3f')}{verdict(rss_ratio, TARGET_RSS_RATIO) if judged else ''} | "
+            f"{fmt(rss_ratio, '.3f')}{verdict(rss_ratio, strategy['rss_target']) if judged else ''} | "
             f"{fmt(dloss, '.2e')}{verdict(dloss, TARGET_LOSS_DIFF) if judged else ''} | "
             f"{'; '.join(notes)} |")
     if "base" in sides:
@@ -951,6 +966,9 @@ def parse_args(argv):
                    help="the peer harness (default bench/peer, fsdp-cpp's copy)")
     p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16 (default fp32): bf16 runs ours with "
                    "--fsdp_config.mixed_precision=true and the peer with --mixed-precision bf16")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="fsdp",
+                   help="fsdp (default): ours FULL_SHARD against the peer's FSDP1; ddp: ours "
+                        "sharding_strategy NO_SHARD (fsdp::replicate) against the peer's DDP (fp32 only)")
     p.add_argument("--matmul-bin", default=None, help="bench_matmul to measure matmul rates with "
                    "(default <build-dir>/bench/bench_matmul)")
     p.add_argument("--no-matmul", action="store_true", help="skip bench_matmul (no matmul fraction or MFU)")
@@ -981,6 +999,8 @@ def parse_args(argv):
     a.dtypes = [d for d in DTYPES if d in a.dtypes]  # fp32 runs first in a pair
     if not a.dtypes:
         p.error("--dtypes is empty")
+    if a.strategy == "ddp" and a.dtypes != ["fp32"]:
+        p.error("--strategy ddp runs fp32 only: the peer's DDP has no mixed-precision mode")
     if a.matmul_bin:
         a.matmul_bin = os.path.abspath(a.matmul_bin)
     if a.pairs < 1 or any(w < 1 for w in a.worlds):
