@@ -214,8 +214,6 @@ TEST(TrainConfig, CommandLineErrorsNameKey) {
 TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--fsdp_config.shard_optimizer_state=false", "fsdp_config.shard_optimizer_state"},
-      {"--fsdp_config.sharding_strategy=NO_SHARD", "fsdp_config.sharding_strategy: NO_SHARD"},
-      {"--fsdp_config.sharding_strategy=HYBRID_SHARD", "fsdp_config.sharding_strategy: HYBRID_SHARD"},
       {"--fsdp_config.model_parallel_size=2", "fsdp_config.model_parallel_size"},
       {"--fsdp_config.device=cuda", "fsdp_config.device"},
   };
@@ -242,7 +240,54 @@ TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   // use_reentrant alone is accepted: it only means something with activation checkpointing.
   EXPECT_NO_THROW(check_supported(load_config("", {"--fsdp_config.use_reentrant=true"})));
   expect_error([] { reshard_after_forward(load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD"})); },
-               {"NO_SHARD", "not supported yet"});
+               {"NO_SHARD", "does not shard"});
+  // NO_SHARD (replicate) has no policies.
+  expect_error([] {
+    check_supported(load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.mixed_precision=true"}));
+  }, {"fsdp_config.mixed_precision", "NO_SHARD is not supported yet"});
+  expect_error([] {
+    check_supported(load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.offload_params=true",
+                                     "--fsdp_config.offload_optimizer_state=true"}));
+  }, {"fsdp_config.offload_params: true with fsdp_config.sharding_strategy: NO_SHARD"});
+  for (const char* s : {"NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"}) {
+    SCOPED_TRACE(s);
+    EXPECT_NO_THROW(check_supported(load_config("", {std::string("--fsdp_config.sharding_strategy=") + s})));
+  }
+}
+
+TEST(TrainConfig, StrategiesAndReplicateDegree) {
+  auto shape = [](std::vector<std::string> args, int world, int local_world) {
+    return data_parallel_shape(load_config("", args), world, local_world);
+  };
+  auto expect_shape = [](DataParallelShape got, int replicate, int shard, bool hybrid) {
+    EXPECT_EQ(got.replicate, replicate);
+    EXPECT_EQ(got.shard, shard);
+    EXPECT_EQ(got.hybrid, hybrid);
+  };
+  expect_shape(shape({}, 4, 4), 1, 4, false);
+  expect_shape(shape({"--fsdp_config.sharding_strategy=SHARD_GRAD_OP"}, 4, 4), 1, 4, false);
+  expect_shape(shape({"--fsdp_config.sharding_strategy=NO_SHARD"}, 4, 4), 4, 1, false);
+  expect_shape(shape({"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.replicate_degree=4"}, 4, 4), 4, 1,
+               false);
+  // HYBRID_SHARD: one replica per node by default (8 ranks, 4 per node), or as configured.
+  expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD"}, 8, 4), 2, 4, true);
+  expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD"}, 4, 4), 1, 4, true);
+  expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"}, 4, 4), 2,
+               2, true);
+  expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD_ZERO2", "--fsdp_config.replicate_degree=4"}, 4, 4),
+               4, 1, true);
+  EXPECT_TRUE(reshard_after_forward(load_config("", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"})));
+  EXPECT_FALSE(reshard_after_forward(load_config("", {"--fsdp_config.sharding_strategy=HYBRID_SHARD_ZERO2"})));
+  // Each wrong degree names the key, the strategy and the world.
+  expect_error([&] { shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=3"}, 4, 4); },
+               {"fsdp_config.replicate_degree: 3 with sharding_strategy HYBRID_SHARD at a world of 4", "divide"});
+  expect_error([&] { shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=8"}, 4, 4); },
+               {"fsdp_config.replicate_degree: 8", "divide"});
+  expect_error([&] { shape({"--fsdp_config.replicate_degree=2"}, 4, 4); },
+               {"fsdp_config.replicate_degree: 2 with sharding_strategy FULL_SHARD", "must be 1"});
+  expect_error([&] { shape({"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.replicate_degree=2"}, 4, 4); },
+               {"fsdp_config.replicate_degree: 2 with sharding_strategy NO_SHARD", "equal the world size"});
+  expect_cli_error("--fsdp_config.replicate_degree=0", "fsdp_config.replicate_degree");
 }
 
 TEST(TrainConfig, CheckAgainstLauncher) {

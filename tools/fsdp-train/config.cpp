@@ -27,6 +27,7 @@ const char* to_string(ShardingStrategy s) {
     case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
     case ShardingStrategy::NO_SHARD: return "NO_SHARD";
     case ShardingStrategy::HYBRID_SHARD: return "HYBRID_SHARD";
+    case ShardingStrategy::HYBRID_SHARD_ZERO2: return "HYBRID_SHARD_ZERO2";
   }
   return "?";
 }
@@ -219,10 +220,18 @@ std::vector<Field> fields_of(TrainConfig& c) {
        }},
       {"fsdp_config", "sharding_strategy",
        [&f](const YAML::Node& n) {
-         std::string v = one_of(n, {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"});
-         for (auto s : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP,
-                        ShardingStrategy::NO_SHARD, ShardingStrategy::HYBRID_SHARD})
+         std::string v =
+             one_of(n, {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"});
+         for (auto s : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD,
+                        ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2})
            if (v == to_string(s)) f.sharding_strategy = s;
+       }},
+      {"fsdp_config", "replicate_degree",
+       [&f](const YAML::Node& n) {
+         if (n.IsNull()) return f.replicate_degree.reset();  // `key:` = the strategy's default
+         int v = to_int32(n);
+         require(v >= 1, "must be >= 1, got " + std::to_string(v));
+         f.replicate_degree = v;
        }},
 
       {"model", "preset", choice(m.preset, {"tiny", "small", "medium"})},
@@ -579,9 +588,16 @@ void check_supported(const TrainConfig& cfg) {
   no(f.model_parallel_size > 1,
      "fsdp_config.model_parallel_size: " + std::to_string(f.model_parallel_size) + " (> 1)");
   no(f.device != "cpu", "fsdp_config.device: " + f.device + " (this is a CPU build)");
-  no(f.sharding_strategy == ShardingStrategy::NO_SHARD ||
-         f.sharding_strategy == ShardingStrategy::HYBRID_SHARD,
-     std::string("fsdp_config.sharding_strategy: ") + to_string(f.sharding_strategy));
+  if (f.sharding_strategy == ShardingStrategy::NO_SHARD) {
+    // fsdp::replicate keeps whole fp32 parameters on the device and has no policies.
+    if (f.mixed_precision || f.param_dtype || f.reduce_dtype)
+      bad.push_back("fsdp_config.mixed_precision / param_dtype / reduce_dtype with fsdp_config.sharding_strategy: "
+                    "NO_SHARD is not supported yet (replicate has no mixed-precision policy); use FULL_SHARD or "
+                    "HYBRID_SHARD for mixed precision, or train NO_SHARD in fp32");
+    if (f.offload_params)
+      bad.push_back("fsdp_config.offload_params: true with fsdp_config.sharding_strategy: NO_SHARD is not "
+                    "supported (replicate keeps whole parameters on the device); use FULL_SHARD or HYBRID_SHARD");
+  }
   if (bad.empty()) return;
   std::string msg = "unsupported configuration:";
   for (const auto& b : bad) msg += "\n  " + b;
@@ -602,12 +618,46 @@ void check_against_launcher(const TrainConfig& cfg, int env_world_size, int env_
 
 bool reshard_after_forward(const TrainConfig& cfg) {
   switch (cfg.fsdp_config.sharding_strategy) {
-    case ShardingStrategy::FULL_SHARD: return true;
-    case ShardingStrategy::SHARD_GRAD_OP: return false;
-    default:
-      throw ConfigError(std::string("fsdp_config.sharding_strategy: ") +
-                        to_string(cfg.fsdp_config.sharding_strategy) + " is not supported yet");
+    case ShardingStrategy::FULL_SHARD:
+    case ShardingStrategy::HYBRID_SHARD: return true;
+    case ShardingStrategy::SHARD_GRAD_OP:
+    case ShardingStrategy::HYBRID_SHARD_ZERO2: return false;
+    case ShardingStrategy::NO_SHARD: break;
   }
+  throw ConfigError(std::string("fsdp_config.sharding_strategy: ") + to_string(cfg.fsdp_config.sharding_strategy) +
+                    " does not shard, so it has no reshard_after_forward");
+}
+
+DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int local_world) {
+  const auto& f = cfg.fsdp_config;
+  const std::string strategy = to_string(f.sharding_strategy);
+  const std::optional<int>& degree = f.replicate_degree;
+  const auto wrong = [&](const std::string& rule) {
+    return ConfigError("fsdp_config.replicate_degree: " + std::to_string(*degree) + " with sharding_strategy " +
+                       strategy + " at a world of " + std::to_string(world) + " rank(s): " + rule);
+  };
+  switch (f.sharding_strategy) {
+    case ShardingStrategy::FULL_SHARD:
+    case ShardingStrategy::SHARD_GRAD_OP:
+      if (degree && *degree != 1)
+        throw wrong("these strategies shard over every rank, so it must be 1 (or unset); use HYBRID_SHARD to "
+                    "replicate");
+      return {1, world, false};
+    case ShardingStrategy::NO_SHARD:
+      if (degree && *degree != world)
+        throw wrong("NO_SHARD replicates the model on every rank, so it must equal the world size (or be unset); "
+                    "use HYBRID_SHARD to shard within replicas");
+      return {world, 1, false};
+    case ShardingStrategy::HYBRID_SHARD:
+    case ShardingStrategy::HYBRID_SHARD_ZERO2: {
+      const int nodes = local_world > 0 && world % local_world == 0 ? world / local_world : 1;
+      const int replicate = degree ? *degree : nodes;
+      if (degree && (replicate > world || world % replicate != 0))
+        throw wrong("it must divide the world size (each replica shards over world / replicate_degree ranks)");
+      return {replicate, world / replicate, true};
+    }
+  }
+  throw ConfigError("fsdp_config.sharding_strategy: unknown value");
 }
 
 }  // namespace train

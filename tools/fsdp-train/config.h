@@ -31,8 +31,9 @@ struct ConfigError : std::runtime_error {
 enum class ShardingStrategy {
   FULL_SHARD,     // params, grads and optimizer state sharded; reshard after forward (ZeRO-3)
   SHARD_GRAD_OP,  // as FULL_SHARD but params stay gathered between forward and backward (ZeRO-2)
-  NO_SHARD,       // replicate everything (DDP-like) — not supported yet
-  HYBRID_SHARD,   // shard within a node, replicate across nodes — not supported yet
+  NO_SHARD,       // replicate everything: data parallelism (fsdp::replicate, DDP's bucketed all-reduce)
+  HYBRID_SHARD,   // FULL_SHARD within each replica group, gradients all-reduced across them (HSDP)
+  HYBRID_SHARD_ZERO2,  // HYBRID_SHARD keeping the parameters gathered from forward to backward
 };
 const char* to_string(ShardingStrategy s);
 
@@ -91,6 +92,11 @@ struct FsdpConfig {
   // Created if needed and checked for writing at start-up (rank 0), before any training.
   std::string checkpoint_dir = "./checkpoints";
   ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  // How many replicas of the model the data-parallel ranks form: HYBRID_SHARD shards each
+  // parameter over world / replicate_degree ranks and replicates it replicate_degree times.
+  // Unset: HYBRID_SHARD* take one replica per node (world / LOCAL_WORLD_SIZE, sharding within a
+  // node as PyTorch's FSDP does); NO_SHARD is the world; FULL_SHARD and SHARD_GRAD_OP are 1.
+  std::optional<int> replicate_degree;
   // How long any collective (and the start-up rendezvous) may wait for the other ranks before
   // the run stops naming the ranks it waited for; in (0, kMaxCollectiveTimeoutS]. Unset = the
   // library's default (300 s), or FSDP_COLLECTIVE_TIMEOUT_MS from the environment, which the
@@ -217,8 +223,20 @@ void check_supported(const TrainConfig& cfg);
 // launcher's environment, saying which and both values.
 void check_against_launcher(const TrainConfig& cfg, int env_world_size, int env_local_rank);
 
-// FULL_SHARD -> true, SHARD_GRAD_OP -> false; the other strategies throw (not supported yet).
+// FULL_SHARD and HYBRID_SHARD -> true; SHARD_GRAD_OP and HYBRID_SHARD_ZERO2 -> false; NO_SHARD
+// has nothing to reshard (throws, naming the strategy).
 bool reshard_after_forward(const TrainConfig& cfg);
+
+// The data-parallel mesh of a run: `replicate` copies of the model, each sharded over `shard`
+// ranks (replicate * shard = world). A 1-D mesh unless the strategy is HYBRID_SHARD*.
+struct DataParallelShape {
+  int replicate = 1;
+  int shard = 1;
+  bool hybrid = false;  // a 2-D (replicate, shard) mesh
+};
+// Validates fsdp_config.replicate_degree against the strategy and the launcher's world
+// (`world` ranks, `local_world` per node); throws ConfigError naming the key and both values.
+DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int local_world);
 
 }  // namespace train
 }  // namespace fsdp

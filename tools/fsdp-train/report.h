@@ -44,7 +44,11 @@ struct RankTotals {
   double peak_tensor_mib = 0;  // peak of tensor bytes
   double median_step_s = 0;
   double ag_s = 0, ag_wait_s = 0, rs_s = 0, rs_wait_s = 0;  // all-gather / reduce-scatter: busy, waited for
-  static constexpr int kFields = 7;
+  double ar_s = 0, ar_wait_s = 0;                            // all-reduce (HSDP, NO_SHARD): busy, waited for
+  // Payload bytes this rank sent over the run, per kind of collective, over every group of the
+  // data-parallel mesh.
+  double ag_bytes = 0, rs_bytes = 0, ar_bytes = 0;
+  static constexpr int kFields = 12;
   std::vector<double> to_vector() const;
   static RankTotals from(const double* fields);
 };

@@ -97,8 +97,9 @@ int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a) {
 // Before anything is allocated: a model or batch this machine cannot hold (model_size.h).
 void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t seq, const RendezvousInfo& env) {
   const ModelSizes m{a.n_layers, a.vocab_size, a.max_seq_len, a.dim, a.n_heads};
+  const DataParallelShape shape = data_parallel_shape(cfg, env.world_size, env.local_world_size);
   const StepSizes s{env.world_size, env.local_world_size, cfg.training.micro_batch_size,
-                    cfg.training.gradient_accumulation_steps, seq};
+                    cfg.training.gradient_accumulation_steps, seq, shape.shard};
   check_fits_in_memory(m, s, machine_memory_bytes());
 }
 
@@ -200,20 +201,44 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// Seconds of all-gather and reduce-scatter between two snapshots of a group's counters: busy on
-// the communication thread, and waited for by the training thread (exposed).
+// Seconds of all-gather, reduce-scatter and all-reduce between two snapshots of the mesh's
+// counters: busy on the communication threads, and waited for by the training thread (exposed);
+// and the payload bytes this rank sent.
 struct CommSeconds {
   CommSeconds(const CollectiveStats& before, const CollectiveStats& after) {
     auto secs = [&](CollectiveKind k, int64_t CollectiveCounters::*ns) {
       return 1e-9 * static_cast<double>(after[k].*ns - before[k].*ns);
     };
+    auto sent = [&](CollectiveKind k) { return static_cast<double>(after[k].bytes_sent - before[k].bytes_sent); };
     all_gather = secs(CollectiveKind::kAllGather, &CollectiveCounters::busy_ns);
     all_gather_wait = secs(CollectiveKind::kAllGather, &CollectiveCounters::blocked_ns);
     reduce_scatter = secs(CollectiveKind::kReduceScatter, &CollectiveCounters::busy_ns);
     reduce_scatter_wait = secs(CollectiveKind::kReduceScatter, &CollectiveCounters::blocked_ns);
+    all_reduce = secs(CollectiveKind::kAllReduce, &CollectiveCounters::busy_ns);
+    all_reduce_wait = secs(CollectiveKind::kAllReduce, &CollectiveCounters::blocked_ns);
+    all_gather_bytes = sent(CollectiveKind::kAllGather);
+    reduce_scatter_bytes = sent(CollectiveKind::kReduceScatter);
+    all_reduce_bytes = sent(CollectiveKind::kAllReduce);
   }
-  double all_gather, all_gather_wait, reduce_scatter, reduce_scatter_wait;
+  double all_gather, all_gather_wait, reduce_scatter, reduce_scatter_wait, all_reduce, all_reduce_wait;
+  double all_gather_bytes, reduce_scatter_bytes, all_reduce_bytes;
 };
+
+// The counters of every process group of `mesh` (one per dim: the shard group and, on a 2-D
+// mesh, the replicate group), summed.
+CollectiveStats mesh_stats(const DeviceMesh& mesh) {
+  CollectiveStats sum;
+  for (int64_t d = 0; d < mesh.ndim(); ++d) {
+    const CollectiveStats s = mesh.get_group(d)->stats();
+    for (int k = 0; k < kNumCollectiveKinds; ++k) {
+      CollectiveCounters& to = sum.by_kind[k];
+      const CollectiveCounters& from = s.by_kind[k];
+      to.calls += from.calls, to.bytes_sent += from.bytes_sent, to.bytes_received += from.bytes_received;
+      to.busy_ns += from.busy_ns, to.blocked_ns += from.blocked_ns;
+    }
+  }
+  return sum;
+}
 
 // A number for a message: NaN and infinities spelled out (a stream writes "-nan").
 std::string shown(double v) {
@@ -528,7 +553,7 @@ int Run::train() {
     trace::start();
     trace::set_thread_name("train");
   }
-  comm_before_ = mesh_.get_group(0)->stats();
+  comm_before_ = mesh_stats(mesh_);
   const int64_t interval = cfg_.fsdp_config.checkpoint_interval;
   for (int64_t step = start_step_ + 1; step <= cfg_.training.steps; ++step) {
     StepReport r = compute_step(step);
@@ -596,7 +621,7 @@ StepReport Run::compute_step(int64_t step) {
   r.precision = precision_.describe();
   set_learning_rate(r.lr);
   const at::Tensor batch = data_->global_batch(step - 1, world_ * accumulation_ * batch_, seq_);
-  const CollectiveStats comm_start = mesh_.get_group(0)->stats();
+  const CollectiveStats comm_start = mesh_stats(mesh_);
   memory::reset_peak_allocated();
 
   trace::Span step_span("compute", "step " + std::to_string(step));
@@ -617,7 +642,7 @@ StepReport Run::compute_step(int64_t step) {
   r.optimizer_s = now_seconds() - n0;
   r.step_s = now_seconds() - t0;
 
-  const CommSeconds comm(comm_start, mesh_.get_group(0)->stats());
+  const CommSeconds comm(comm_start, mesh_stats(mesh_));
   r.ag_busy_s = comm.all_gather;
   r.ag_wait_s = comm.all_gather_wait;
   r.rs_busy_s = comm.reduce_scatter;
@@ -784,9 +809,12 @@ RankTotals Run::my_totals(size_t warmup) const {
   mine.median_step_s = median_after(step_times_, warmup);
   mine.peak_rss_mib = memory::peak_rss_bytes() / kMiB;
   mine.peak_tensor_mib = memory::max_allocated_bytes() / kMiB;
-  const CommSeconds comm(comm_before_, mesh_.get_group(0)->stats());
+  const CommSeconds comm(comm_before_, mesh_stats(mesh_));
   mine.ag_s = comm.all_gather, mine.ag_wait_s = comm.all_gather_wait;
   mine.rs_s = comm.reduce_scatter, mine.rs_wait_s = comm.reduce_scatter_wait;
+  mine.ar_s = comm.all_reduce, mine.ar_wait_s = comm.all_reduce_wait;
+  mine.ag_bytes = comm.all_gather_bytes, mine.rs_bytes = comm.reduce_scatter_bytes;
+  mine.ar_bytes = comm.all_reduce_bytes;
   return mine;
 }
 
