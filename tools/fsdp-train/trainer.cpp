@@ -401,6 +401,10 @@ void Run::check_checkpoint_dir() {
 
 // Every block is its own FSDP unit, the root holds the rest (embeddings, final norm, output).
 void Run::shard_model() {
+  const ShardingStrategy strategy = cfg_.fsdp_config.sharding_strategy;
+  if (strategy != ShardingStrategy::FULL_SHARD && strategy != ShardingStrategy::SHARD_GRAD_OP)
+    throw ConfigError(std::string("fsdp_config.sharding_strategy: ") + to_string(strategy) +
+                      " is not supported yet by fsdp-train");
   const bool reshard = reshard_after_forward(cfg_);
   // One policy for every group, the root included (torchtitan's choice): the root's
   // embeddings, final norm and output head compute in param_dtype too. Its inputs are token
