@@ -31,8 +31,10 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/string_utils.h>
 
+#include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace fsdp {
 namespace compat {
@@ -47,6 +49,18 @@ typename StateMap::key_type optimizer_state_key(const StateMap&, c10::TensorImpl
   } else {
     return impl;
   }
+}
+
+// A post hook on an autograd Node (replicate() hooks each parameter's AccumulateGrad node, the
+// same hook point DDP uses). 1.13 and 2.x both have `uintptr_t Node::add_post_hook(
+// std::unique_ptr<FunctionPostHook>&&)` returning the key `del_post_hook` takes, and
+// `torch::autograd::impl::grad_accumulator(param)`; 2.x also offers
+// Tensor::register_post_accumulate_grad_hook, and its compiled autograd refuses C++ post hooks
+// that do not implement FunctionPostHook::compiled_args (eager backward runs them as 1.13 does).
+// A template, so this header needs no autograd include.
+template <typename Node, typename HookPtr>
+uintptr_t add_post_hook(Node& node, HookPtr&& hook) {
+  return node.add_post_hook(std::forward<HookPtr>(hook));
 }
 
 }  // namespace compat

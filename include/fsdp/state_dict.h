@@ -29,7 +29,8 @@ using TensorStateDict = torch::OrderedDict<std::string, at::Tensor>;
 // order: parameters sharded by fully_shard as their Shard(0) DTensor, whose local tensor IS the
 // live shard (no copy); everything else (buffers, parameters fully_shard did not manage) as a
 // Replicate() DTensor over the same mesh, also sharing storage. No communication. Throws if the
-// model has no parameter sharded by fully_shard.
+// model has no parameter sharded by fully_shard and no module replicated by replicate()
+// (fsdp/replicate.h; a replicated model's entries are all Replicate() over its mesh).
 ShardedStateDict sharded_state_dict(torch::nn::Module& model);
 
 // Writes `state_dict` into `model` in place. Each value may use any placements: a Shard(0)

@@ -8,6 +8,7 @@
 
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/replicate.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -167,8 +168,14 @@ DeviceMesh model_mesh(torch::nn::Module& model) {
   for (const auto& p : model.parameters()) {
     if (is_sharded_parameter(p)) return as_dtensor(p).device_mesh();
   }
-  TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard; apply fsdp::fully_shard "
-              "first, or use the module's own named_parameters()/named_buffers()");
+  // A replicated model (or one with a replicated part): its entries are Replicate() over that mesh.
+  if (is_replicated(model)) return get_replicated_module(model).mesh();
+  for (const auto& m : model.modules(/*include_self=*/false)) {
+    if (is_replicated(*m)) return get_replicated_module(*m).mesh();
+  }
+  TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard and no module replicated "
+              "by replicate; apply fsdp::fully_shard or fsdp::replicate first, or use the module's own "
+              "named_parameters()/named_buffers()");
 }
 
 at::Tensor local_piece_of_full(const at::Tensor& full, bool sharded, const DeviceMesh& mesh) {

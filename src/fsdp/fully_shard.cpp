@@ -7,6 +7,7 @@
 #include "src/fsdp/state.h"
 
 #include <fsdp/distributed.h>
+#include <fsdp/replicate.h>
 
 #include <c10/util/Exception.h>
 
@@ -76,10 +77,11 @@ DeviceMesh default_mesh() {
   return mesh;
 }
 
-// Post-order (children first), not descending into modules another call already manages.
+// Post-order (children first), not descending into modules another call already manages
+// (fully_shard or replicate).
 void collect_managed(const std::shared_ptr<torch::nn::Module>& m, bool top,
                      std::vector<std::shared_ptr<torch::nn::Module>>& out, std::set<const torch::nn::Module*>& seen) {
-  if (!top && find_state(*m)) return;
+  if (!top && (find_state(*m) || is_replicated(*m))) return;
   if (!seen.insert(m.get()).second) return;
   for (const auto& child : m->children()) collect_managed(child, false, out, seen);
   out.push_back(m);
@@ -139,6 +141,8 @@ FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>&
                   "that share it in one call: fully_shard({module_a, module_b})");
       TORCH_CHECK(!index.by_sharded.count(t.unsafeGetTensorImpl()), "fully_shard: parameter '", fqn,
                   "' is already a shard of another FSDP group");
+      TORCH_CHECK(!is_replicated_parameter(t), "fully_shard: parameter '", fqn, "' is reduced by the replicate() of "
+                  "an enclosing module; a module is either sharded or replicated, not both");
       params.push_back(std::make_unique<FSDPParam>(fqn, t, world, rank));
     }
   }
@@ -183,6 +187,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     TORCH_CHECK(m != nullptr, "fully_shard: got a null module");
     TORCH_CHECK(!detail::find_state(*m), "fully_shard: fully_shard was already applied to this ", m->name(),
                 "; apply it once per module, bottom-up");
+    TORCH_CHECK(!is_replicated(*m), "fully_shard: this ", m->name(), " is managed by replicate(); a module is either "
+                "sharded (fully_shard) or replicated (replicate), not both");
   }
   const DeviceMesh mesh = detail::checked_mesh(options);
   detail::check_mp_policy(options.mp_policy(), mesh);
