@@ -77,10 +77,6 @@ fsdp::models::Transformer make_transformer(uint64_t seed) {
 
 double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
 
-int64_t calls(const fsdp::ReplicatedModule& ddp, CollectiveKind kind) {
-  return ddp.mesh().get_group(0)->stats()[kind].calls;
-}
-
 // Trains `model` replicated (rank r made with seed r: replicate() must broadcast rank 0's weights)
 // on this rank's rows and a reference made with seed 0 on the whole global batch, with Adam;
 // checks the loss every step, the all-reduce count per backward and the parameters at the end.
@@ -119,6 +115,11 @@ void expect_parity(const ParityCase& c) {
     EXPECT_EQ(group->stats()[CollectiveKind::kAllReduce].calls, buckets) << c.name << " step " << step;
     EXPECT_EQ(group->stats()[CollectiveKind::kAllGather].calls, 0) << c.name;
     EXPECT_EQ(group->stats()[CollectiveKind::kReduceScatter].calls, 0) << c.name;
+    // The averaged gradients themselves (Adam alone would hide a missing division by W).
+    auto ref_now = reference->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_LT(max_diff(item.value().grad(), ref_now[item.key()].grad()), 1e-5) << c.name << ": " << item.key();
+    }
     opt.step();
 
     at::Tensor mean = loss.detach().clone().reshape({1});
@@ -230,7 +231,9 @@ TEST(Replicate, BucketsRespectTheCapsAndOrder) {
       EXPECT_EQ(sum, b.bytes);
       // Closed once at least the cap: without its last parameter it was below the cap.
       EXPECT_LT(b.bytes - bytes_of[b.parameter_names.back()], cap) << "bucket " << i;
-      if (i + 1 < buckets.size()) EXPECT_GE(b.bytes, cap) << "bucket " << i;
+      if (i + 1 < buckets.size()) {
+        EXPECT_GE(b.bytes, cap) << "bucket " << i;
+      }
       for (const auto& n : b.parameter_names) flat.push_back(n);
     }
     // Every trainable parameter exactly once, in reverse registration order.
@@ -394,6 +397,17 @@ TEST(Replicate, RefusesTwoDMeshesBadCapsAndDoubleManagement) {
       expect_error([&] { fsdp::fully_shard(m->l1); }, "reduced by the replicate() of an enclosing module");
     }
     {
+      // A dtype change after replicate(): the backward fails (on every rank, after reducing
+      // every bucket) saying to change dtypes first.
+      auto m = make_mlp(0, /*with_unused=*/true);
+      fsdp::replicate(m);
+      m->extra->to(at::kDouble);
+      at::Tensor x = mlp_batch(0, 2);
+      expect_error([&] {
+        (mlp_loss(m->forward(x), x) + m->extra->forward(x.to(at::kDouble)).sum().to(at::kFloat)).backward();
+      }, "parameters 'extra.weight', 'extra.bias' changed dtype or device after replicate()");
+    }
+    {
       // fully_shard of a parent leaves a replicated submodule to replicate().
       auto m = make_mlp(0);
       fsdp::replicate(m->l2);
@@ -439,7 +453,9 @@ TEST(Replicate, CheckpointsMoveBetweenReplicateAndFullyShardAcrossWorldSizes) {
       }
       fsdp::ShardedStateDict sd;
       for (const auto& item : fsdp::sharded_state_dict(*model)) {
-        if (replicated) EXPECT_EQ(item.value().placements()[0], fsdp::Replicate()) << item.key();
+        if (replicated) {
+          EXPECT_EQ(item.value().placements()[0], fsdp::Replicate()) << item.key();
+        }
         sd.insert("model." + item.key(), item.value());
       }
       for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, opt)) sd.insert("optim." + item.key(), item.value());
@@ -498,7 +514,9 @@ TEST(Replicate, CheckpointsMoveBetweenReplicateAndFullyShardAcrossWorldSizes) {
     auto a = fsdp::load_pytorch_state_dict(root + "/from_replicate.pt");
     auto b = fsdp::load_pytorch_state_dict(root + "/from_fully_shard.pt");
     for (const auto& item : a) {
-      if (item.key().rfind("model.", 0) == 0) EXPECT_LT(max_diff(item.value(), b[item.key()]), 1e-5) << item.key();
+      if (item.key().rfind("model.", 0) == 0) {
+        EXPECT_LT(max_diff(item.value(), b[item.key()]), 1e-5) << item.key();
+      }
     }
   }
   remove_in_parent(root);

@@ -40,7 +40,9 @@
 // an enclosing replicate(). Buffers are broadcast from rank 0 at replicate() only, not at every
 // forward (DDP's broadcast_buffers): call ReplicatedModule::broadcast_buffers() where a model
 // changes them in forward (e.g. BatchNorm statistics). Apply dtype/device changes (module->to)
-// before replicate(); the buckets keep the dtypes they were built for.
+// before replicate(): LibTorch gives a parameter whose dtype or device changes a new gradient
+// accumulator, which replicate() has not hooked. A backward in which other parameters still
+// reduce fails naming those; if every parameter changed, no hook runs and nothing is reduced.
 //
 // Collective: every rank of the mesh calls replicate() on the same module structure, and runs the
 // same synced backwards. State dicts and checkpoints (fsdp/state_dict.h, fsdp/checkpoint.h) see

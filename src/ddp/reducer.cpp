@@ -230,11 +230,10 @@ void Reducer::end_of_backward() {
   }
   write_gradients(used);
   reset_for_next_backward();
-  if (!deferred_error_.empty()) {
-    const std::string error = std::move(deferred_error_);
-    deferred_error_.clear();
-    TORCH_CHECK(false, error);
-  }
+  const std::string error = std::move(deferred_error_);
+  deferred_error_.clear();
+  check_accumulators_unchanged();
+  TORCH_CHECK(error.empty(), error);
   if (missing.empty() || options_.find_unused_parameters) return;
   std::string names;
   for (size_t i = 0; i < missing.size() && i < 20; ++i) names += (i ? ", '" : "'") + missing[i] + "'";
@@ -246,15 +245,35 @@ void Reducer::end_of_backward() {
               "requires_grad(false) on them before replicate()");
 }
 
+// LibTorch gives a parameter a new gradient accumulator when set_data() changes its dtype or
+// device (module->to(...)); the hooks are on the old one, so its gradients would never arrive.
+void Reducer::check_accumulators_unchanged() const {
+  std::string names;
+  for (const Param& p : params_) {
+    // This reducer holds the accumulator, so the tensor's weak reference to it only ends when
+    // LibTorch drops it.
+    if (torch::autograd::impl::try_get_grad_accumulator(p.tensor) == p.accumulator) continue;
+    names += (names.empty() ? "'" : ", '") + p.fqn + "'";
+  }
+  TORCH_CHECK(names.empty(), "fsdp::replicate: parameters ", names, " changed dtype or device after replicate() "
+              "(module->to(...)), which gave them new gradient accumulators that replicate() does not hook; change "
+              "dtypes and devices before replicate()");
+}
+
 // Parameters whose hook did not fire take part with what param.grad holds (gradients accumulated
 // without sync) or zeros, so that their buckets are reduced on every rank.
 void Reducer::fill_missing_gradients(std::vector<std::string>* missing) {
   for (Param& p : params_) {
     if (p.ready) continue;
     missing->push_back(p.fqn);
-    if (p.tensor.grad().defined()) {
-      copy_into_slot(p);
-    } else {
+    try {
+      if (p.tensor.grad().defined()) {
+        copy_into_slot(p);
+      } else {
+        p.slot.zero_();
+      }
+    } catch (const c10::Error& e) {  // raised after every bucket was reduced
+      if (deferred_error_.empty()) deferred_error_ = e.what_without_backtrace();
       p.slot.zero_();
     }
     p.ready = true;
@@ -285,7 +304,8 @@ void Reducer::write_gradients(const std::vector<bool>& used) {
       } else {
         grad = p.slot.clone();
       }
-    } else if (grad.data_ptr() != p.slot.data_ptr()) {
+    } else if (grad.data_ptr() != p.slot.data_ptr() && grad.scalar_type() == p.slot.scalar_type() &&
+               grad.sizes() == p.slot.sizes()) {  // a mismatch was reported by copy_into_slot
       copy_values(grad, p.slot);
     }
   }

@@ -79,6 +79,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void launch_full_buckets();
   void end_of_backward();
   void fill_missing_gradients(std::vector<std::string>* missing);
+  void check_accumulators_unchanged() const;
   std::vector<bool> globally_used();
   void write_gradients(const std::vector<bool>& used);
   void reset_for_next_backward();
