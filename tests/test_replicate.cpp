@@ -202,6 +202,16 @@ TEST(Replicate, TransformerParity) {
   for (int world : kWorlds) {
     run_distributed(world, [] {
       expect_parity(transformer_case("transformer", fsdp::ReplicateOptions()));
+      // Reentrant activation checkpointing: gradients of the blocks arrive in nested backwards;
+      // the end-of-backward step still runs once, at the end of the outer one.
+      ParityCase checkpointed = transformer_case("transformer, every block checkpointed",
+                                                 fsdp::ReplicateOptions().bucket_cap_mb(2.0 / 1024));
+      checkpointed.make = [](uint64_t seed) {
+        auto t = make_transformer(seed);
+        t->set_activation_checkpointing(1);
+        return t.ptr();
+      };
+      expect_parity(checkpointed);
       expect_parity(transformer_case("transformer, 2 KiB buckets",
                                      fsdp::ReplicateOptions().bucket_cap_mb(2.0 / 1024).first_bucket_cap_mb(0.5 / 1024)));
     });
