@@ -40,6 +40,7 @@
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/models/transformer.h>
+#include <fsdp/replicate.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/trace.h>
@@ -282,6 +283,10 @@ class Run {
   void join_job(const RendezvousInfo& env);
   void check_checkpoint_dir();
   void shard_model();
+  void shard_blocks_and_root(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload);
+  void load_initial_weights();
+  std::string data_parallel_description() const;
+  void set_gradient_sync_for(int64_t micro);
   void resume();
   std::string agreed_resume_dir();
   void load_resume_checkpoint(const std::string& dir);
@@ -326,9 +331,11 @@ class Run {
   LrSchedule schedule_;
   int64_t parameter_count_ = 0;  // of the whole model, not of this rank's shards
   std::unique_ptr<DataSource> data_;
+  DataParallelShape shape_;  // replicas x shards of the data-parallel mesh
   DeviceMesh mesh_;
   models::Transformer model_{nullptr};
-  FSDPModule root_;
+  FSDPModule root_;             // FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD*
+  ReplicatedModule replicated_;  // NO_SHARD
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::unique_ptr<CheckpointManager> checkpoints_;
   std::unique_ptr<Console> console_;
@@ -359,7 +366,10 @@ void Run::set_up() {
 
   join_job(env);
   check_checkpoint_dir();
-  mesh_ = init_device_mesh("cpu", {world_});
+  shape_ = data_parallel_shape(cfg_, world_, env.local_world_size);
+  // HSDP: row-major, so each replica's shard group is world / replicate_degree consecutive ranks.
+  mesh_ = shape_.hybrid ? init_device_mesh("cpu", {shape_.replicate, shape_.shard}, {"replicate", "shard"})
+                        : init_device_mesh("cpu", {world_});
   shard_model();
   parameter_count_ = full_parameter_count(model_);
 
@@ -401,11 +411,6 @@ void Run::check_checkpoint_dir() {
 
 // Every block is its own FSDP unit, the root holds the rest (embeddings, final norm, output).
 void Run::shard_model() {
-  const ShardingStrategy strategy = cfg_.fsdp_config.sharding_strategy;
-  if (strategy != ShardingStrategy::FULL_SHARD && strategy != ShardingStrategy::SHARD_GRAD_OP)
-    throw ConfigError(std::string("fsdp_config.sharding_strategy: ") + to_string(strategy) +
-                      " is not supported yet by fsdp-train");
-  const bool reshard = reshard_after_forward(cfg_);
   // One policy for every group, the root included (torchtitan's choice): the root's
   // embeddings, final norm and output head compute in param_dtype too. Its inputs are token
   // ids, which no policy casts; the model returns fp32 logits, and the loss is fp32.
@@ -420,6 +425,19 @@ void Run::shard_model() {
     model_->set_activation_checkpointing(cfg_.fsdp_config.activation_checkpointing_every,
                                          CheckpointOptions().use_reentrant(cfg_.fsdp_config.use_reentrant));
   }
+  if (cfg_.fsdp_config.sharding_strategy == ShardingStrategy::NO_SHARD) {
+    // Whole parameters on every rank, gradients averaged in buckets during backward (DDP).
+    replicated_ = replicate(model_, ReplicateOptions().mesh(mesh_));
+  } else {
+    shard_blocks_and_root(policy, offload);
+  }
+  load_initial_weights();
+}
+
+// Every block is its own group; the root holds the rest (embeddings, final norm, output). On
+// a 2-D mesh (HYBRID_SHARD*) the same calls shard within each replica.
+void Run::shard_blocks_and_root(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload) {
+  const bool reshard = reshard_after_forward(cfg_);
   for (auto& block : model_->blocks())
     fully_shard(block,
                 FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload));
@@ -428,6 +446,10 @@ void Run::shard_model() {
   FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
   root_ = fully_shard(model_, root_options);
+}
+
+// model.init_from, into whatever the strategy made of the model.
+void Run::load_initial_weights() {
   if (cfg_.model.init_from.empty()) return;
   const std::string& path = cfg_.model.init_from;
   const TensorStateDict sd = init_state_dict(path);
@@ -513,6 +535,16 @@ void Run::load_resume_checkpoint(const std::string& dir) {
   last_saved_dir_ = dir;
 }
 
+// "sharded over 4 rank(s), FULL_SHARD", "replicated on 4 rank(s), NO_SHARD", or for HSDP
+// "sharded over 2 rank(s) in each of 2 replicas, HYBRID_SHARD".
+std::string Run::data_parallel_description() const {
+  const std::string strategy = to_string(cfg_.fsdp_config.sharding_strategy);
+  if (replicated_.valid()) return "replicated on " + std::to_string(world_) + " rank(s), " + strategy;
+  std::string where = "sharded over " + std::to_string(shape_.shard) + " rank(s)";
+  if (shape_.hybrid) where += " in each of " + std::to_string(shape_.replicate) + " replicas";
+  return where + ", " + strategy;
+}
+
 // The console, this rank's JSONL file and the opening line.
 void Run::start_logging() {
   console_ = std::make_unique<Console>(rank_ == 0 ? cfg_.logging.progress : "off", start_step_, cfg_.training.steps);
@@ -521,7 +553,7 @@ void Run::start_logging() {
   std::ostringstream hello;
   hello << "fsdp-train: " << parameter_count_ << " parameters (" << args_.n_layers << " layers, dim " << args_.dim
         << ", " << args_.n_heads << " heads, vocab " << args_.vocab_size << ", max_seq_len " << args_.max_seq_len
-        << ") sharded over " << world_ << " rank(s), " << to_string(cfg_.fsdp_config.sharding_strategy) << ", "
+        << ") " << data_parallel_description() << ", "
         << precision_.describe() << "; " << data_->describe() << "; global batch " << world_ * accumulation_ * batch_
         << " x " << seq_ << " tokens";
   print(hello.str());
@@ -582,9 +614,7 @@ void Run::set_learning_rate(double lr) {
 // Micro-batch `micro` of the step's global batch: forward and backward, timed into r. Returns
 // the micro-batch's loss (already divided by the number of micro-batches).
 double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport& r) {
-  // Gradients are reduce-scattered only after the last micro-batch; before, the unsharded
-  // gradients accumulate on every rank.
-  root_.set_requires_gradient_sync(micro == accumulation_ - 1);
+  set_gradient_sync_for(micro);
   auto [inputs, targets] = micro_batch(batch, rank_, accumulation_, micro, batch_);
   const double f0 = now_seconds();
   at::Tensor loss;
@@ -604,6 +634,22 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
   r.forward_s += b0 - f0;
   r.backward_s += now_seconds() - b0;
   return loss.item<double>();
+}
+
+// Gradient accumulation: the reductions of one step's micro-batches. NO_SHARD all-reduces and
+// FULL_SHARD / SHARD_GRAD_OP reduce-scatter only after the last micro-batch (before, the whole
+// gradients accumulate on every rank). HSDP reduce-scatters every micro-batch, so only 1/shards
+// of the gradients accumulates, and all-reduces across replicas only after the last one.
+void Run::set_gradient_sync_for(int64_t micro) {
+  const bool last = micro == accumulation_ - 1;
+  if (replicated_.valid()) {
+    replicated_.set_requires_gradient_sync(last);
+  } else if (shape_.hybrid) {
+    root_.set_requires_gradient_sync(true);
+    root_.set_requires_all_reduce(last);
+  } else {
+    root_.set_requires_gradient_sync(last);
+  }
 }
 
 // AdamW on the gradients compute_step has already clipped.

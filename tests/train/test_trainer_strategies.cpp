@@ -1,0 +1,124 @@
+// fsdp-train's sharding strategies end to end: each one trains like one process on the global
+// batch, and one checkpoint carries a run across strategies and world sizes.
+#include "process_harness.h"
+#include "trainer_runs.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+using namespace process_test;
+using namespace trainer_test;
+
+namespace {
+
+constexpr int kGlobalBatch = 8;
+constexpr int kSteps = 12;
+
+struct StrategyRun {
+  std::string name;
+  int world;
+  std::vector<std::string> args;
+};
+
+// `world` ranks with kGlobalBatch / (world * accumulation) rows each: the same global batch.
+std::map<int64_t, StepMetrics> train(const std::string& dir, int world, std::vector<std::string> args,
+                                     int accumulation = 1, int steps = kSteps) {
+  args = with(base_args(dir, steps),
+              with({"--training.micro_batch_size=" + std::to_string(kGlobalBatch / (world * accumulation)),
+                    "--training.gradient_accumulation_steps=" + std::to_string(accumulation),
+                    "--fsdp_config.checkpoint_interval=4"},
+                   args));
+  RunResult r = fsdprun.run(under_fsdprun(world, args), {}, 240);
+  EXPECT_EQ(r.exit_code, 0) << dir << ": " << describe(r);
+  return read_metrics(dir + "/m0.jsonl");
+}
+
+void expect_losses_near(const std::map<int64_t, StepMetrics>& got, const std::map<int64_t, StepMetrics>& want,
+                        int64_t first_step, const std::string& what) {
+  ASSERT_EQ(got.size(), static_cast<size_t>(kSteps - first_step + 1)) << what;
+  for (const auto& [step, m] : got) {
+    ASSERT_TRUE(want.count(step)) << what << " step " << step;
+    EXPECT_NEAR(m.loss, want.at(step).loss, 1e-5) << what << " step " << step;
+    EXPECT_NEAR(m.grad_norm, want.at(step).grad_norm, 1e-5) << what << " step " << step;
+  }
+}
+
+// One process on the global batch: what every strategy must reproduce.
+const std::map<int64_t, StepMetrics>& single_process_losses() {
+  static TempDir dir;
+  static const std::map<int64_t, StepMetrics> losses = train(dir.path(), 1, {});
+  return losses;
+}
+
+TEST(TrainerStrategies, EachStrategyTrainsLikeOneProcessOnTheGlobalBatch) {
+  const auto& want = single_process_losses();
+  ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
+  const std::string hybrid = "--fsdp_config.sharding_strategy=HYBRID_SHARD";
+  const std::vector<std::pair<StrategyRun, int>> runs = {
+      {{"SHARD_GRAD_OP W=2", 2, {"--fsdp_config.sharding_strategy=SHARD_GRAD_OP"}}, 1},
+      {{"NO_SHARD W=2", 2, {"--fsdp_config.sharding_strategy=NO_SHARD"}}, 1},
+      {{"NO_SHARD W=4, 2 micro-batches", 4, {"--fsdp_config.sharding_strategy=NO_SHARD"}}, 2},
+      {{"HYBRID_SHARD 2x2", 4, {hybrid, "--fsdp_config.replicate_degree=2"}}, 1},
+      // The reduce-scatter runs every micro-batch, the all-reduce only after the last.
+      {{"HYBRID_SHARD 2x2, 2 micro-batches", 4, {hybrid, "--fsdp_config.replicate_degree=2"}}, 2},
+      {{"HYBRID_SHARD 4x1", 4, {hybrid, "--fsdp_config.replicate_degree=4"}}, 1},
+      {{"HYBRID_SHARD_ZERO2 2x1", 2,
+        {"--fsdp_config.sharding_strategy=HYBRID_SHARD_ZERO2", "--fsdp_config.replicate_degree=2"}}, 1},
+  };
+  TempDir dir;
+  int i = 0;
+  for (const auto& [run, accumulation] : runs) {
+    SCOPED_TRACE(run.name);
+    const auto got = train(dir / std::to_string(i++), run.world, run.args, accumulation);
+    expect_losses_near(got, want, 1, run.name);
+  }
+}
+
+TEST(TrainerStrategies, StartLineNamesTheDataParallelLayout) {
+  TempDir dir;
+  const auto args = with(base_args(dir.path(), 1), {"--fsdp_config.sharding_strategy=HYBRID_SHARD",
+                                                    "--fsdp_config.replicate_degree=2", "--training.micro_batch_size=2"});
+  RunResult r = fsdprun.run(under_fsdprun(4, args), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("sharded over 2 rank(s) in each of 2 replicas, HYBRID_SHARD"), std::string::npos) << r.out;
+  TempDir dir2;
+  r = fsdprun.run(under_fsdprun(2, with(base_args(dir2.path(), 1), {"--fsdp_config.sharding_strategy=NO_SHARD"})), {},
+                  120);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("replicated on 2 rank(s), NO_SHARD"), std::string::npos) << r.out;
+}
+
+// FULL_SHARD at W=2 saves step 4; HYBRID_SHARD 2x2 at W=4 resumes it and saves step 8; NO_SHARD
+// at W=1 resumes that. Each continues with the losses of one process that never stopped.
+// Then the other way: a NO_SHARD checkpoint resumed by FULL_SHARD.
+TEST(TrainerStrategies, OneCheckpointCarriesARunAcrossStrategiesAndWorldSizes) {
+  const auto& want = single_process_losses();
+  TempDir dir;
+  const std::string full = dir / "full", hybrid = dir / "hybrid", replicated = dir / "replicated";
+  const auto first = train(full, 2, {"--fsdp_config.sharding_strategy=FULL_SHARD"});
+  expect_losses_near(first, want, 1, "FULL_SHARD W=2");
+  ASSERT_TRUE(std::filesystem::exists(full + "/ckpt/step_4/metadata.json"));
+
+  const auto second = train(hybrid, 4,
+                            {"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2",
+                             "--training.resume=" + full + "/ckpt/step_4"});
+  expect_losses_near(second, want, 5, "HYBRID_SHARD 2x2 W=4 from FULL_SHARD W=2");
+  ASSERT_TRUE(std::filesystem::exists(hybrid + "/ckpt/step_8/metadata.json"));
+
+  const auto third = train(replicated, 1,
+                           {"--fsdp_config.sharding_strategy=NO_SHARD", "--training.resume=" + hybrid + "/ckpt/step_8"});
+  expect_losses_near(third, want, 9, "NO_SHARD W=1 from HYBRID_SHARD W=4");
+
+  // And from a replicated run into a sharded one: NO_SHARD at W=2 saves step 4, FULL_SHARD at
+  // W=4 resumes it.
+  const auto ddp = train(dir / "ddp", 2, {"--fsdp_config.sharding_strategy=NO_SHARD"});
+  ASSERT_TRUE(std::filesystem::exists(dir / "ddp/ckpt/step_4/metadata.json"));
+  const auto sharded = train(dir / "sharded", 4, {"--training.resume=" + (dir / "ddp/ckpt/step_4")});
+  expect_losses_near(sharded, want, 5, "FULL_SHARD W=4 from NO_SHARD W=2");
+}
+
+}  // namespace
