@@ -426,8 +426,10 @@ void Run::shard_model() {
                                          CheckpointOptions().use_reentrant(cfg_.fsdp_config.use_reentrant));
   }
   if (cfg_.fsdp_config.sharding_strategy == ShardingStrategy::NO_SHARD) {
-    // Whole parameters on every rank, gradients averaged in buckets during backward (DDP).
-    replicated_ = replicate(model_, ReplicateOptions().mesh(mesh_));
+    // Whole parameters on every rank, gradients averaged in buckets during backward (DDP). The
+    // gradients are views of the buckets: backward accumulates into what is all-reduced, so
+    // there is neither a copy nor a second set of gradients in memory.
+    replicated_ = replicate(model_, ReplicateOptions().mesh(mesh_).gradient_as_bucket_view(true));
   } else {
     shard_blocks_and_root(policy, offload);
   }
@@ -658,8 +660,18 @@ void Run::optimizer_step() {
   optimizer_->step();
   // Drop the gradients rather than zeroing them (PyTorch's zero_grad(set_to_none=True)): the
   // next backward's reduce-scatter writes fresh ones, and forward runs without them in memory.
-  for (auto& group : optimizer_->param_groups())
-    for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  // NO_SHARD's gradients are views of its all-reduce buckets, which stay allocated anyway:
+  // zeroed in place they stay views, and the next backward accumulates straight into them.
+  at::NoGradGuard no_grad;
+  for (auto& group : optimizer_->param_groups()) {
+    for (auto& p : group.params()) {
+      if (replicated_.valid() && p.grad().defined()) {
+        p.mutable_grad().zero_();
+      } else {
+        p.mutable_grad() = at::Tensor();
+      }
+    }
+  }
 }
 
 // Forward, backward, the global gradient norm and clipping of step `step`; nothing applied yet.
