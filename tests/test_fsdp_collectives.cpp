@@ -12,6 +12,7 @@ using fsdp::detail::AllGatherResult;
 using fsdp::detail::FSDPParam;
 using fsdp::detail::FSDPParams;
 using fsdp::detail::RankMajorLayout;
+using fsdp::detail::ReducedParams;
 using fsdp::detail::ReduceScatterResult;
 
 const fsdp::detail::GroupDevices kOnCpu{c10::Device(c10::kCPU), c10::Device(c10::kCPU), false};
@@ -142,20 +143,46 @@ TEST(FsdpCollectives, ReduceScatterInputIsTheAllGatherLayoutOfTheGradients) {
   Model grads;  // gradients with the same values as the parameters: the layouts must agree
   FSDPParams params = params_of(m, 0);
   const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
+  const ReducedParams both{0, 1};
+  EXPECT_EQ(fsdp::detail::reduce_scatter_layout(params, both, kWorld).offset, layout.offset);
   params[0]->unsharded().mutable_grad() = grads.weight.clone();
   params[1]->unsharded().mutable_grad() = grads.bias.clone();
-  at::Tensor input = fsdp::detail::foreach_reduce_copy_in(params, layout, at::kFloat);
+  at::Tensor input = fsdp::detail::foreach_reduce_copy_in(params, both, layout, at::kFloat);
 
   std::vector<FSDPParams> others;
   EXPECT_EQ(values(input), values(gathered_flat_shards(m, layout, &others)));
   EXPECT_FALSE(params[0]->unsharded_grad().defined()) << "the unsharded gradients are released";
   EXPECT_FALSE(params[1]->unsharded_grad().defined());
 
-  // A parameter without a gradient sends zeros in its place.
+  // A reduced parameter without a gradient (set_reduce_scatter_unused_params) sends zeros.
   params[0]->unsharded().mutable_grad() = grads.weight.clone();
-  at::Tensor no_bias = fsdp::detail::foreach_reduce_copy_in(params, layout, at::kFloat).reshape({kWorld, layout.row_numel});
+  at::Tensor no_bias =
+      fsdp::detail::foreach_reduce_copy_in(params, both, layout, at::kFloat).reshape({kWorld, layout.row_numel});
   EXPECT_EQ(no_bias.select(1, 6).abs().sum().item<float>(), 0.0f);
   EXPECT_EQ(values(no_bias.slice(1, 0, 6).reshape({-1}).slice(0, 0, 15)), values(m.weight));
+}
+
+TEST(FsdpCollectives, ReduceScatterCarriesOnlyTheReducedParameters) {
+  Model m;
+  FSDPParams params = params_of(m, 0);
+  const ReducedParams bias_only{1};
+  const RankMajorLayout layout = fsdp::detail::reduce_scatter_layout(params, bias_only, kWorld);
+  EXPECT_EQ(layout.piece_numel, (std::vector<int64_t>{1}));
+  EXPECT_EQ(layout.offset, (std::vector<int64_t>{0}));
+  EXPECT_EQ(layout.numel(), kWorld);
+  params[1]->unsharded().mutable_grad() = m.bias.clone();
+  at::Tensor input = fsdp::detail::foreach_reduce_copy_in(params, bias_only, layout, at::kFloat);
+  EXPECT_EQ(values(input), (std::vector<float>{100, 101, 102, 0}));
+
+  // The copy-out gives only the bias a gradient; the weight keeps none.
+  fsdp::detail::init_flat_shard(params, fsdp::detail::shard_layout(params, kWorld));
+  ReduceScatterResult result{nullptr, at::full({1}, 7.0f)};
+  result.params = bias_only;
+  result.layout = layout;
+  fsdp::detail::foreach_reduce_copy_out(result, params, at::kFloat, kOnCpu);
+  EXPECT_FALSE(params[0]->sharded().grad().defined());
+  ASSERT_TRUE(params[1]->sharded().grad().defined());
+  EXPECT_EQ(params[1]->sharded().grad().item<float>(), 7.0f);
 }
 
 TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
@@ -165,7 +192,10 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
     const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
     fsdp::detail::init_flat_shard(params, layout);
     at::Tensor reduced = at::arange(layout.row_numel, at::kFloat);
-    fsdp::detail::foreach_reduce_copy_out(ReduceScatterResult{nullptr, reduced}, params, layout, at::kFloat, kOnCpu);
+    ReduceScatterResult result{nullptr, reduced};
+    result.params = {0, 1};
+    result.layout = layout;
+    fsdp::detail::foreach_reduce_copy_out(result, params, at::kFloat, kOnCpu);
     const at::Tensor& wg = params[0]->sharded().grad();
     const at::Tensor& bg = params[1]->sharded().grad();
     ASSERT_TRUE(wg.defined() && bg.defined());
@@ -181,7 +211,7 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
     }
 
     // A second reduction adds to the gradient already there.
-    fsdp::detail::foreach_reduce_copy_out(ReduceScatterResult{nullptr, reduced}, params, layout, at::kFloat, kOnCpu);
+    fsdp::detail::foreach_reduce_copy_out(result, params, at::kFloat, kOnCpu);
     if (bg.numel() > 0) {
       EXPECT_EQ(params[1]->sharded().grad().item<float>(), 12.0f);
     }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <fsdp/device_mesh.h>
+#include <fsdp/process_group.h>
 
 #include <torch/nn/module.h>
 
@@ -65,6 +66,59 @@ class FSDPModule {
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
   // Whether post-backward frees the gathered parameters (false: the next forward needs no all-gather).
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+
+  // ---- Gradient reduction. Each reduce-scatter is collective over the module's shard group, so
+  // every setter below that changes which reduce-scatters run must be called alike on all ranks.
+
+  // Whether trainable parameters that got no gradient in a backward still join the
+  // reduce-scatter, with zeros (and then get a zero gradient; PyTorch FSDP's newest behaviour).
+  // Default false: only parameters with a gradient are reduced, and a parameter without one
+  // keeps no gradient (or the one it had). Turn it on when the ranks' control flow differs
+  // (a rank skips a block, mixture-of-experts routing): otherwise the rank that skipped a module
+  // issues fewer reduce-scatters and the job fails at the collective timeout. A whole module
+  // a rank's backward did not reach reduces its zeros too. So that equal-sized modules never
+  // pair the wrong reduce-scatters, every rank then issues them in one order: the reverse of
+  // the latest forward (modules that ran no forward last); before a module reduces, any module
+  // due earlier that has not reduced yet reduces first. That needs each rank's backward to
+  // follow this order, as a sequential model's does; a module whose backward finishes while
+  // one due before it is still running is refused with an error. A rank that skips a module
+  // also prefetches differently in backward, so its all-gathers fall between other
+  // reduce-scatters than on the other ranks: on one process group the two kinds would then pair
+  // up wrongly. Use set_separate_reduce_scatter_group too, which gives each kind a sequence of
+  // its own. Frozen parameters (requires_grad false) are never reduced.
+  void set_reduce_scatter_unused_params(bool enable, bool recurse = true);
+  // Whether the next backward is the last before the optimizer step. false (micro-batches to
+  // follow): its end leaves the reduce-scatters pending (their gradients are written as they
+  // finish during later backwards) and keeps the prefetch bookkeeping. The gradients are
+  // complete after the end of the next backward run with true (the default) — the one point the
+  // optimizer may look at them. Shared by every module under the same root; set before the
+  // first forward, the root's value (else a submodule's) applies. Not collective.
+  void set_is_last_backward(bool is_last_backward);
+  // Whether backward all-gathers this module's parameters (this module only; default true).
+  // false: pre-backward and backward prefetch skip the all-gather, for parameters whose values
+  // no gradient needs (an embedding table, an added bias); their gradients still arrive in the
+  // unsharded parameters and are reduced. A backward that does read them fails.
+  void set_unshard_in_backward(bool unshard_in_backward);
+  // Runs reduce-scatters on a process group of their own (a new group over the same ranks, with
+  // its own communication thread), so that a reduce-scatter and the next all-gather no longer
+  // queue behind each other. enable = false goes back to the shard group. Collective when it
+  // creates a group: every rank must call it at the same point of its sequence of group
+  // creations (fsdp::new_group), alike on all ranks. One group is made per call (for the
+  // modules that have none yet); nothing on a mesh of one rank. Blocks until the ranks connect.
+  void set_separate_reduce_scatter_group(bool enable = true, bool recurse = true);
+  // At most `max_buffers` reduce-scatters in flight (default 1, as in PyTorch FSDP): before one
+  // more is issued, the oldest is waited for and its gradients written, which bounds the memory
+  // their inputs hold. More overlaps communication with later backward compute at that memory
+  // cost. Throws c10::Error if max_buffers < 1; a bool does not compile.
+  void set_reduce_scatter_max_input_buffers(int max_buffers, bool recurse = true);
+  void set_reduce_scatter_max_input_buffers(bool, bool recurse = true) = delete;
+
+  // The group this module's reduce-scatters run on: the mesh's shard group, or the one made by
+  // set_separate_reduce_scatter_group (both carry collective counters).
+  std::shared_ptr<ProcessGroup> reduce_scatter_group() const;
+  // Reduce-scatters issued under this module's root whose gradients are not written yet
+  // (0 before the first forward and after the end of the last backward). Not collective.
+  int64_t reductions_in_flight() const;
 
   // The mesh this module's parameters are sharded over (its groups carry the collective counters).
   DeviceMesh mesh() const;

@@ -43,6 +43,12 @@ RankMajorLayout shard_layout(const FSDPParams& params, int64_t world) {
   return layout_of(world, std::move(pieces));
 }
 
+RankMajorLayout reduce_scatter_layout(const FSDPParams& params, const ReducedParams& reduced, int64_t world) {
+  std::vector<int64_t> pieces;
+  for (size_t i : reduced) pieces.push_back(params.at(i)->padded_shard_numel());
+  return layout_of(world, std::move(pieces));
+}
+
 RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k) {
   std::vector<int64_t> pieces;
   for (const auto& p : params) pieces.push_back(p->padded_full_numel() / k);
@@ -113,15 +119,20 @@ at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 // On one rank the unsharded gradient has the shard's shape already: no copy (without a cast or
-// offload), no collective. A cast goes through the reduce dtype, as the reduction would.
-void hand_over_gradients(const FSDPParams& params, const GroupDtypes& dtypes, const GroupDevices& devices) {
+// offload), no collective. A cast goes through the reduce dtype, as the reduction would. A
+// reduced parameter without a gradient gets zeros, as the reduction of zeros would give it.
+void hand_over_gradients(const FSDPParams& params, const ReducedParams& reduced, const GroupDtypes& dtypes,
+                         const GroupDevices& devices) {
   at::NoGradGuard no_grad;
-  for (const auto& p : params) {
-    at::Tensor g = p->requires_grad() ? p->unsharded_grad_to_reduce() : at::Tensor();
+  for (size_t i : reduced) {
+    FSDPParam& p = *params[i];
+    at::Tensor g = p.unsharded_grad_to_reduce();
     if (g.defined()) {
-      p->accumulate_sharded_grad(cast_to(g, dtypes.reduce).to(devices.shard, dtypes.orig, devices.non_blocking));
+      p.accumulate_sharded_grad(cast_to(g, dtypes.reduce).to(devices.shard, dtypes.orig, devices.non_blocking));
+    } else {
+      p.accumulate_sharded_grad(at::zeros(p.sharded_shape(), at::TensorOptions().dtype(dtypes.orig).device(devices.shard)));
     }
-    p->clear_unsharded_grad();
+    p.clear_unsharded_grad();
   }
 }
 
@@ -144,19 +155,22 @@ GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t world) {
   return GradientDivision{ReduceOp::kSum, static_cast<double>(pre), static_cast<double>(world) / pre};
 }
 
-at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout, at::ScalarType reduce_dtype) {
+at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced,
+                                  const RankMajorLayout& layout, at::ScalarType reduce_dtype) {
+  TORCH_CHECK(layout.piece_numel.size() == reduced.size(), "internal: a reduce-scatter layout of ",
+              layout.piece_numel.size(), " pieces for ", reduced.size(), " reduced parameters");
   at::NoGradGuard no_grad;
   at::Tensor input = at::empty({layout.numel()}, at::TensorOptions().dtype(reduce_dtype));
   const size_t es = input.element_size();
-  for (size_t i = 0; i < params.size(); ++i) {
-    FSDPParam& p = *params[i];
-    at::Tensor g = p.requires_grad() ? p.unsharded_grad_to_reduce() : at::Tensor();
+  for (size_t k = 0; k < reduced.size(); ++k) {
+    FSDPParam& p = *params.at(reduced[k]);
+    at::Tensor g = p.unsharded_grad_to_reduce();
     TORCH_CHECK(!g.defined() || at::isFloatingType(g.scalar_type()), "FSDP reduce-scatter: the gradient of '",
                 p.fqn(), "' has dtype ", g.scalar_type(), "; only floating-point gradients can be reduced");
     if (g.defined()) g = g.contiguous().view(-1);
-    const int64_t piece = layout.piece_numel[i];
+    const int64_t piece = layout.piece_numel[k];
     for (int64_t q = 0; q < layout.parts; ++q) {
-      const int64_t at = q * layout.row_numel + layout.offset[i];
+      const int64_t at = q * layout.row_numel + layout.offset[k];
       if (!g.defined() || g.scalar_type() == reduce_dtype) {  // a byte copy; zeros without a gradient
         const char* src = g.defined() ? static_cast<const char*>(g.data_ptr()) : nullptr;
         copy_padded(bytes_of(input) + at * es, src, p.unsharded_numel(), q * piece, piece, es);
@@ -169,33 +183,34 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayou
   return input;
 }
 
-ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group,
+ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
                                    const GroupDtypes& dtypes, const GroupDevices& devices) {
   if (group.size() == 1) {
-    hand_over_gradients(params, dtypes, devices);
+    hand_over_gradients(params, reduced, dtypes, devices);
     return ReduceScatterResult{};
   }
-  at::Tensor input = foreach_reduce_copy_in(params, layout, dtypes.reduce);
+  RankMajorLayout layout = reduce_scatter_layout(params, reduced, group.size());
+  at::Tensor input = foreach_reduce_copy_in(params, reduced, layout, dtypes.reduce);
   const GradientDivision division = gradient_division(dtypes.reduce, group.size());
   if (division.pre != 1.0) input.div_(division.pre);
   at::Tensor output = at::empty({layout.row_numel}, input.options());
   WorkHandle work = group.reduce_scatter_into(output, input, division.op);
-  return ReduceScatterResult{std::move(work), std::move(output), division.post};
+  return ReduceScatterResult{std::move(work), std::move(output), division.post, reduced, std::move(layout)};
 }
 
-void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params,
-                             const RankMajorLayout& layout, at::ScalarType orig_dtype, const GroupDevices& devices) {
+void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params, at::ScalarType orig_dtype,
+                             const GroupDevices& devices) {
   at::NoGradGuard no_grad;
   if (result.post_divide != 1.0) result.output.div_(result.post_divide);
   const at::Tensor reduced = result.output.to(devices.shard, orig_dtype, devices.non_blocking);
-  for (size_t i = 0; i < params.size(); ++i) {
-    FSDPParam& p = *params[i];
-    if (!p.requires_grad()) continue;
+  for (size_t k = 0; k < result.params.size(); ++k) {
+    FSDPParam& p = *params.at(result.params[k]);
     // Shares the reduce-scatter output's storage, padding left out. Not an autograd view:
     // LibTorch's Optimizer::zero_grad() detaches grads in place, which views refuse.
     const std::vector<int64_t> shape = p.sharded_shape();
     at::Tensor grad = at::empty({0}, reduced.options());
-    grad.set_(reduced.storage(), reduced.storage_offset() + layout.offset[i], shape, c10::contiguous_strides(shape));
+    grad.set_(reduced.storage(), reduced.storage_offset() + result.layout.offset[k], shape,
+              c10::contiguous_strides(shape));
     p.accumulate_sharded_grad(grad);
   }
 }

@@ -9,8 +9,9 @@
 //   flat shard (this rank r)   [ p_0 piece r | p_1 piece r | ... ]           one row
 //   all-gather output          row q = rank q's flat shard                     W rows ("rank-major")
 //   unsharded p_i              [ p_i piece 0 | p_i piece 1 | ... ]             real data = the prefix
-//   reduce-scatter input       the all-gather output's layout, filled from the unsharded grads
-//   reduce-scatter output      the flat shard's layout; each sharded grad is a view into it
+//   reduce-scatter input       the all-gather output's layout over the reduced parameters only
+//                              (those with a gradient), filled from their unsharded grads
+//   reduce-scatter output      one row of that layout; each reduced sharded grad is a view into it
 //
 // reshard_after_forward = k (1 < k < W) keeps, between forward and backward, this rank's 1/k of
 // every unsharded parameter ("post-forward shard", one row of the same rank-major layout over k
@@ -80,10 +81,20 @@ void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams
 // into a new flat buffer: the input of the backward all-gather among the post-forward group.
 at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayout& layout, int64_t index);
 
+// The parameters one reduce-scatter carries: indices into the group's params, in group order.
+// Only these get a sharded gradient from it; the others' gradients are left as they are.
+using ReducedParams = std::vector<size_t>;
+
+// The layout of a reduce-scatter over `world` ranks that carries `reduced` of `params`: the
+// shard layout of that subset (a parameter left out takes no room in any row).
+RankMajorLayout reduce_scatter_layout(const FSDPParams& params, const ReducedParams& reduced, int64_t world);
+
 struct ReduceScatterResult {
   WorkHandle work;    // null when nothing was issued (a group of one rank)
-  at::Tensor output;  // this rank's reduced padded shards, in the flat shard's layout (reduce dtype)
+  at::Tensor output;  // this rank's reduced padded shards of `params`, one row of `layout` (reduce dtype)
   double post_divide = 1.0;  // what the output still has to be divided by (fp16: see gradient_division)
+  ReducedParams params;      // which of the group's parameters the output holds
+  RankMajorLayout layout;    // of the reduce-scatter input; `output` is one of its rows
 };
 
 // How the mean over `world` ranks is taken in `reduce_dtype`. fp32 and bf16 average in the
@@ -96,24 +107,27 @@ struct GradientDivision {
 };
 GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t world);
 
-// Reduces the unsharded gradients of `params` over `group` in `dtypes.reduce` (the mean over its
-// ranks, like PyTorch's FSDP) and releases them. Over several ranks: copies them into a
-// rank-major reduce-scatter input (a parameter with no gradient contributes zeros, so every rank
-// sends the same layout) and issues the reduce-scatter; the caller waits, then calls
-// foreach_reduce_copy_out. On one rank the gradient is the shard's: it is cast (through the
-// reduce dtype) and handed to the sharded leaf at once, and nothing is issued. Collective over
-// `group`; returns at once.
-ReduceScatterResult foreach_reduce(const FSDPParams& params, const RankMajorLayout& layout, ProcessGroup& group,
+// Reduces the unsharded gradients of the `reduced` parameters over `group` in `dtypes.reduce`
+// (the mean over its ranks, like PyTorch's FSDP) and releases them. Over several ranks: copies
+// them into a rank-major reduce-scatter input laid out by reduce_scatter_layout (a reduced
+// parameter without a gradient contributes zeros: see set_reduce_scatter_unused_params) and
+// issues the reduce-scatter; the caller waits, then calls foreach_reduce_copy_out. On one rank
+// the gradient is the shard's: it is cast (through the reduce dtype) and handed to the sharded
+// leaf at once (zeros for a reduced parameter without one), and nothing is issued. Every rank
+// must pass the same `reduced` (sizes must match). Collective over `group`; returns at once.
+ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
                                    const GroupDtypes& dtypes, const GroupDevices& devices);
-// The reduce-scatter input in `reduce_dtype`: the all-gather layout in reverse, row q = piece q
-// of every unsharded gradient (zeros for a parameter without one). Releases the unsharded
-// gradients.
-at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const RankMajorLayout& layout, at::ScalarType reduce_dtype);
+// The reduce-scatter input in `reduce_dtype`: the all-gather layout of the reduced subset in
+// reverse, row q = piece q of every reduced parameter's unsharded gradient (zeros for one
+// without a gradient). Releases those unsharded gradients.
+at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced,
+                                  const RankMajorLayout& layout, at::ScalarType reduce_dtype);
 // After the reduce-scatter finished: finishes the division, casts the output to `orig_dtype` on
-// the shards' device (host memory under CPU offload) and gives each sharded leaf that requires
-// grad a gradient that is a view of its piece (padding left out), or adds it to the existing one.
-void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params,
-                             const RankMajorLayout& layout, at::ScalarType orig_dtype, const GroupDevices& devices);
+// the shards' device (host memory under CPU offload) and gives each parameter of
+// `result.params` a gradient that is a view of its piece (padding left out), or adds it to the
+// existing one.
+void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params, at::ScalarType orig_dtype,
+                             const GroupDevices& devices);
 
 }  // namespace detail
 }  // namespace fsdp

@@ -4,9 +4,12 @@
 
 #include "src/fsdp/state.h"
 
+#include <fsdp/distributed.h>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <map>
 
 namespace fsdp {
 
@@ -94,6 +97,59 @@ void FSDPModule::set_reshard_after_backward(bool reshard_after_backward, bool re
   for (FSDPState* st : states(recurse)) {
     if (st->group()) st->group()->set_reshard_after_backward(reshard_after_backward);
   }
+}
+
+void FSDPModule::set_reduce_scatter_unused_params(bool enable, bool recurse) {
+  for (FSDPState* st : states(recurse)) {
+    if (st->group()) st->group()->set_reduce_scatter_unused_params(enable);
+  }
+}
+
+void FSDPModule::set_is_last_backward(bool is_last_backward) {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  state_->set_is_last_backward(is_last_backward);
+}
+
+void FSDPModule::set_unshard_in_backward(bool unshard_in_backward) {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  if (FSDPParamGroup* g = state_->group()) g->set_unshard_in_backward(unshard_in_backward);
+}
+
+// One new group per shard group among the modules (their order is the module tree's, the same
+// on every rank, so every rank creates the same groups in the same order).
+void FSDPModule::set_separate_reduce_scatter_group(bool enable, bool recurse) {
+  std::map<std::vector<int>, std::shared_ptr<ProcessGroup>> made;
+  for (FSDPState* st : states(recurse)) {
+    FSDPParamGroup* g = st->group();
+    if (!g) continue;
+    if (!enable) {
+      g->set_separate_reduce_scatter_group(nullptr);
+      continue;
+    }
+    if (g->has_separate_reduce_scatter_group() || g->shard_group()->size() == 1) continue;
+    std::shared_ptr<ProcessGroup>& group = made[g->shard_group()->global_ranks()];
+    if (!group) group = fsdp::new_group(g->shard_group()->global_ranks());
+    g->set_separate_reduce_scatter_group(group);
+  }
+}
+
+void FSDPModule::set_reduce_scatter_max_input_buffers(int max_buffers, bool recurse) {
+  TORCH_CHECK(max_buffers > 0, "fsdp::FSDPModule::set_reduce_scatter_max_input_buffers: max_buffers must be at "
+              "least 1, got ", max_buffers);
+  for (FSDPState* st : states(recurse)) {
+    if (st->group()) st->group()->set_max_reductions_in_flight(max_buffers);
+  }
+}
+
+std::shared_ptr<ProcessGroup> FSDPModule::reduce_scatter_group() const {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  TORCH_CHECK(state_->group(), "fsdp::FSDPModule::reduce_scatter_group: this FSDP module manages no parameters");
+  return state_->group()->reduce_scatter_group();
+}
+
+int64_t FSDPModule::reductions_in_flight() const {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  return state_->reductions_in_flight();
 }
 
 DeviceMesh FSDPModule::mesh() const {

@@ -25,15 +25,47 @@ void wait_traced(const WorkHandle& work, const char* kind, const std::string& mo
                 trace::Clock::now());
 }
 
+// The process group's error names the op, its sequence number, the group and the missing
+// ranks; this adds which FSDP module's collective it was, and for a reduce-scatter the usual
+// cause: ranks whose backward reached different modules.
+[[noreturn]] void rethrow_naming_module(const CollectiveError& e, const char* kind, const std::string& module_fqn) {
+  std::string msg = std::string(e.what()) + " [the " + kind + " of FSDP module '" +
+                    (module_fqn.empty() ? "<root>" : module_fqn) + "']";
+  if (std::string(kind) == "reduce_scatter") {
+    msg += ". If the ranks' backward passes do not all reach the same FSDP modules (rank-dependent control "
+           "flow, unused parameters), call set_reduce_scatter_unused_params(true) on the root FSDPModule on "
+           "every rank, so that every rank issues the same reduce-scatters";
+  }
+  throw CollectiveError(msg);
+}
+
+void wait_for(const WorkHandle& work, const char* kind, const std::string& module_fqn) {
+  try {
+    wait_traced(work, kind, module_fqn);
+  } catch (const CollectiveError& e) {
+    rethrow_naming_module(e, kind, module_fqn);
+  }
+}
+
 }  // namespace
 
 void CommContext::finish_reductions(bool wait_all) {
   while (!reductions.empty()) {
     PendingReduction& r = reductions.front();
     if (!wait_all && !r.result.work->is_completed()) break;
-    wait_traced(r.result.work, "reduce_scatter", r.group->module_fqn());
-    r.group->finish_reduction(r.result);
+    PendingReduction done = std::move(r);
+    reductions.pop_front();  // first: a failed wait must not leave it to be waited for again
+    wait_for(done.result.work, "reduce_scatter", done.group->module_fqn());
+    done.group->finish_reduction(done.result);
+  }
+}
+
+void CommContext::make_room_for_reduction(int64_t max_in_flight) {
+  while (static_cast<int64_t>(reductions.size()) >= max_in_flight) {
+    PendingReduction oldest = std::move(reductions.front());
     reductions.pop_front();
+    wait_for(oldest.result.work, "reduce_scatter", oldest.group->module_fqn());
+    oldest.group->finish_reduction(oldest.result);
   }
 }
 
@@ -112,7 +144,7 @@ void FSDPParamGroup::unshard() {
 
 void FSDPParamGroup::wait_for_unshard() {
   if (!has_pending_unshard()) return;
-  if (pending_all_gather_.work) wait_traced(pending_all_gather_.work, "all_gather", module_fqn_);
+  if (pending_all_gather_.work) wait_for(pending_all_gather_.work, "all_gather", module_fqn_);
   for (auto& p : params_) p->alloc_unsharded();
   foreach_all_gather_copy_out(pending_all_gather_, params_);
   pending_all_gather_ = AllGatherResult{};
@@ -122,8 +154,9 @@ void FSDPParamGroup::wait_for_unshard() {
 
 // An all-gather nobody will use: let it land, then drop it.
 void FSDPParamGroup::drop_pending_all_gather() {
-  if (pending_all_gather_.work) pending_all_gather_.work->wait();
+  AllGatherResult dropped = std::move(pending_all_gather_);
   pending_all_gather_ = AllGatherResult{};
+  if (dropped.work) wait_for(dropped.work, "all_gather", module_fqn_);
 }
 
 void FSDPParamGroup::reshard() {
@@ -189,9 +222,19 @@ void FSDPParamGroup::post_forward() {
 
 void FSDPParamGroup::pre_backward() {
   if (training_state_ == TrainingState::kPreBackward) return;  // another output's hook got here first
+  TORCH_CHECK(!reduced_ahead_, "fsdp: the gradients of FSDP module '", module_fqn_, "' arrived after it was "
+              "reduce-scattered ahead of its backward (set_reduce_scatter_unused_params keeps every rank's "
+              "reduce-scatters in the reverse order of the forward, and a module that ran forward later than '",
+              module_fqn_, "' finished its backward first). This setting needs the modules' backward passes to "
+              "run in the reverse order of their forward passes, as in a sequential model.");
   training_state_ = TrainingState::kPreBackward;
+  if (!unshard_in_backward_) return;  // its parameters are not needed to compute gradients
   unshard();
   wait_for_unshard();
+}
+
+void FSDPParamGroup::prefetch_in_backward() {
+  if (unshard_in_backward_) unshard();
 }
 
 int64_t FSDPParamGroup::pop_post_forward_index() {
@@ -203,11 +246,30 @@ int64_t FSDPParamGroup::pop_post_forward_index() {
 
 // ------------------------------------------------------------------------------ reduce-scatter
 
-bool FSDPParamGroup::has_unsharded_grads() const {
-  for (const auto& p : params_) {
-    if (p->requires_grad() && p->has_unsharded_grad()) return true;
+void FSDPParamGroup::set_separate_reduce_scatter_group(std::shared_ptr<ProcessGroup> group) {
+  TORCH_CHECK(!group || group->global_ranks() == shard_group_->global_ranks(), "internal: a separate "
+              "reduce-scatter group of FSDP module '", module_fqn_, "' must have the shard group's ranks");
+  separate_reduce_scatter_group_ = std::move(group);
+}
+
+const std::shared_ptr<ProcessGroup>& FSDPParamGroup::reduce_scatter_group() const {
+  return separate_reduce_scatter_group_ ? separate_reduce_scatter_group_ : shard_group_;
+}
+
+void FSDPParamGroup::set_max_reductions_in_flight(int64_t k) {
+  TORCH_CHECK(k > 0, "fsdp: set_reduce_scatter_max_input_buffers needs at least 1 buffer, got ", k);
+  max_reductions_in_flight_ = k;
+}
+
+// The trainable parameters with a gradient, or every trainable one when unused parameters are
+// reduced too. Frozen parameters never take part: they have no gradient on any rank.
+ReducedParams FSDPParamGroup::params_to_reduce() const {
+  ReducedParams reduced;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const FSDPParam& p = *params_[i];
+    if (p.requires_grad() && (reduce_scatter_unused_params_ || p.has_unsharded_grad())) reduced.push_back(i);
   }
-  return false;
+  return reduced;
 }
 
 // No sync: the unsharded grads keep accumulating until a backward that reduces, in the reduce
@@ -221,7 +283,9 @@ void FSDPParamGroup::keep_unsynced_grads() {
 
 void FSDPParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
-  if (!reduce_grads_ || !has_unsharded_grads()) {
+  reduced_in_this_backward_ = true;
+  const ReducedParams reduced = reduce_grads_ ? params_to_reduce() : ReducedParams{};
+  if (reduced.empty()) {
     if (!reduce_grads_) keep_unsynced_grads();
     if (reshard_after_backward_) reshard();
     return;
@@ -231,19 +295,34 @@ void FSDPParamGroup::post_backward() {
               "' before lazy initialisation");
   // The gradients are tensors of their own: the parameters can be freed before the copy-in.
   if (reshard_after_backward_) reshard();
-  ReduceScatterResult result = foreach_reduce(params_, shard_layout_, *shard_group_, dtypes_, devices_);
+  issue_reduce_scatter(reduced);
+}
+
+void FSDPParamGroup::post_backward_ahead() {
+  reduced_ahead_ = true;
+  post_backward();
+}
+
+void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced) {
+  if (comm_) comm_->make_room_for_reduction(max_reductions_in_flight_);
+  ReduceScatterResult result = foreach_reduce(params_, reduced, *reduce_scatter_group(), dtypes_, devices_);
   if (!result.work) return;  // one rank: the grads were handed over, nothing in flight
   comm_->reductions.push_back({std::move(result), this});
 }
 
 void FSDPParamGroup::finish_reduction(const ReduceScatterResult& reduced) {
-  foreach_reduce_copy_out(reduced, params_, shard_layout_, dtypes_.orig, devices_);
+  foreach_reduce_copy_out(reduced, params_, dtypes_.orig, devices_);
+}
+
+void FSDPParamGroup::end_backward() {
+  training_state_ = TrainingState::kIdle;
+  reduced_in_this_backward_ = false;
+  reduced_ahead_ = false;
 }
 
 void FSDPParamGroup::finalize_backward() {
   drop_pending_all_gather();  // a prefetch for a module that did not run backward
   post_forward_indices_.clear();
-  training_state_ = TrainingState::kIdle;
 }
 
 int64_t FSDPParamGroup::unsharded_bytes() const {

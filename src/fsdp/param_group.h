@@ -5,8 +5,11 @@
 // Where each collective is issued and who waits for it (all in param_group.cpp):
 //   all-gather:      unshard() issues it (from pre-forward, pre-backward, a prefetch, or the
 //                    user's FSDPModule::unshard); wait_for_unshard() waits and copies out.
-//   reduce-scatter:  post_backward() issues it; CommContext::finish_reductions() waits (the next
-//                    post-backward, for those already done, and the end of backward, for all).
+//   reduce-scatter:  post_backward() issues it (on reduce_scatter_group()); first,
+//                    CommContext::make_room_for_reduction() waits for the oldest in flight
+//                    when the group's limit is reached. CommContext::finish_reductions() waits
+//                    for the rest (the next post-backward, for those already done, and the
+//                    end of the last backward, for all).
 #pragma once
 
 #include "src/fsdp/collectives.h"
@@ -50,6 +53,9 @@ struct CommContext {
   // Writes the gradients of finished reduce-scatters into the sharded params, in issue order.
   // With wait_all, waits for every pending one; otherwise stops at the first still running.
   void finish_reductions(bool wait_all);
+  // Before a group issues one more reduce-scatter: while `max_in_flight` (>= 1) are pending,
+  // waits for the oldest and writes its gradients, so that at most that many inputs are alive.
+  void make_room_for_reduction(int64_t max_in_flight);
 };
 
 class FSDPParamGroup {
@@ -89,6 +95,19 @@ class FSDPParamGroup {
   void set_reduce_grads(bool reduce) { reduce_grads_ = reduce; }
   void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
 
+  // Gradient-reduction controls of FSDPModule (see fsdp_module.h for their meaning).
+  // Whether trainable parameters without a gradient join the reduce-scatter with zeros.
+  void set_reduce_scatter_unused_params(bool enable) { reduce_scatter_unused_params_ = enable; }
+  bool reduces_unused_params() const { return reduce_scatter_unused_params_; }
+  // Whether pre-backward (and backward prefetch) all-gathers this group.
+  void set_unshard_in_backward(bool unshard) { unshard_in_backward_ = unshard; }
+  // The group reduce-scatters run on: null = the shard group.
+  void set_separate_reduce_scatter_group(std::shared_ptr<ProcessGroup> group);
+  bool has_separate_reduce_scatter_group() const { return separate_reduce_scatter_group_ != nullptr; }
+  const std::shared_ptr<ProcessGroup>& reduce_scatter_group() const;
+  // At most this many reduce-scatters (>= 1) in flight when this group issues one.
+  void set_max_reductions_in_flight(int64_t k);
+
   // Issues the all-gather (no-op if unsharded or already issued). Collective.
   void unshard();
   // Waits for the issued all-gather and makes the unsharded parameters usable.
@@ -105,8 +124,18 @@ class FSDPParamGroup {
   void pre_forward();
   void post_forward();
   void pre_backward();
+  // Backward prefetch: issues the all-gather ahead of this group's pre-backward (unless the
+  // group is not unsharded in backward).
+  void prefetch_in_backward();
   void post_backward();
-  // End of backward: back to IDLE, unconsumed prefetches dropped.
+  // Post-backward ahead of this group's backward, which must then not come in this backward:
+  // a rank-independent reduce-scatter order (FSDPState::reduce_groups_due_before).
+  void post_backward_ahead();
+  // Whether post-backward ran in the current backward (reset by end_backward).
+  bool reduced_in_this_backward() const { return reduced_in_this_backward_; }
+  // End of every backward: back to IDLE.
+  void end_backward();
+  // End of the last backward (is_last_backward): unconsumed prefetches dropped.
   void finalize_backward();
   // Index in CommContext::post_forward_order of this group's latest post-forward, or -1.
   int64_t pop_post_forward_index();
@@ -118,7 +147,8 @@ class FSDPParamGroup {
   int64_t unsharded_bytes() const;
 
  private:
-  bool has_unsharded_grads() const;
+  ReducedParams params_to_reduce() const;
+  void issue_reduce_scatter(const ReducedParams& reduced);
   void keep_unsynced_grads();
   void drop_pending_all_gather();
   void check_shards_intact() const;
@@ -146,6 +176,12 @@ class FSDPParamGroup {
   bool reduce_grads_ = true;
   bool reshard_after_backward_ = true;
   bool prefetched_in_forward_ = false;  // issued by a forward prefetch, not yet consumed
+  bool reduce_scatter_unused_params_ = false;
+  bool unshard_in_backward_ = true;
+  std::shared_ptr<ProcessGroup> separate_reduce_scatter_group_;  // null: the shard group
+  int64_t max_reductions_in_flight_ = 1;  // PyTorch FSDP's default: one reduce-scatter input alive
+  bool reduced_in_this_backward_ = false;
+  bool reduced_ahead_ = false;  // by post_backward_ahead, in this backward
 
   TrainingState training_state_ = TrainingState::kIdle;
   ShardedState sharded_state_ = ShardedState::kSharded;

@@ -159,6 +159,18 @@ void FSDPState::set_reshard_after_forward(bool reshard_after_forward) {
   if (group_) group_->set_post_forward_group(reshard_after_forward ? group_->shard_group() : nullptr);
 }
 
+void FSDPState::set_is_last_backward(bool is_last_backward) {
+  if (ctx_) {
+    ctx_->is_last_backward = is_last_backward;
+  } else {
+    is_last_backward_before_init_ = is_last_backward;
+  }
+}
+
+int64_t FSDPState::reductions_in_flight() const {
+  return ctx_ ? static_cast<int64_t>(ctx_->comm.reductions.size()) : 0;
+}
+
 void FSDPState::lazy_init() {
   if (ctx_) return;
   auto root_module = module();
@@ -187,6 +199,15 @@ void FSDPState::lazy_init() {
     }
     ctx_->all_states.push_back(st.get());
   }
+  // What set_is_last_backward said before there was a shared context: the root's, else the
+  // first state's that was told.
+  for (FSDPState* st : ctx_->all_states) {  // pre-order: the root comes first
+    if (st->is_last_backward_before_init_) {
+      ctx_->is_last_backward = *st->is_last_backward_before_init_;
+      break;
+    }
+  }
+  for (FSDPState* st : ctx_->all_states) st->is_last_backward_before_init_.reset();
   // The root does not reshard after forward by default: backward needs it again at once.
   if (group_ && auto_reshard_after_forward_) group_->set_post_forward_group(nullptr);
 }
@@ -324,7 +345,23 @@ void FSDPState::root_post_forward() {
   }
   ctx_->comm.last_forward_order.swap(ctx_->comm.forward_order);
   ctx_->comm.forward_order.clear();
+  ctx_->canonical_reduce_order = canonical_reduce_order();
   ctx_->iter_forward_root = nullptr;
+}
+
+// See StateContext::canonical_reduce_order. A group that ran forward twice (a shared module)
+// reduces first where its later call's backward ends.
+std::vector<FSDPParamGroup*> FSDPState::canonical_reduce_order() const {
+  std::vector<FSDPParamGroup*> order;
+  const auto& forward = ctx_->comm.last_forward_order;
+  for (auto it = forward.rbegin(); it != forward.rend(); ++it) {
+    if (std::find(order.begin(), order.end(), *it) == order.end()) order.push_back(*it);
+  }
+  for (auto it = ctx_->all_states.rbegin(); it != ctx_->all_states.rend(); ++it) {
+    FSDPParamGroup* g = (*it)->group_.get();
+    if (g && std::find(order.begin(), order.end(), g) == order.end()) order.push_back(g);
+  }
+  return order;
 }
 
 std::vector<FSDPParamGroup*> FSDPState::groups_of(const std::vector<std::weak_ptr<FSDPState>>& states) const {
@@ -374,31 +411,72 @@ void FSDPState::prefetch_in_backward() {
     FSDPParamGroup* previous = ctx_->comm.post_forward_order[index - 1];
     if (previous != group_.get()) targets.push_back(previous);
   }
-  for (FSDPParamGroup* t : targets) t->unshard();
+  for (FSDPParamGroup* t : targets) t->prefetch_in_backward();
 }
 
 void FSDPState::post_backward() {
   if (!group_) return;
+  if (ctx_ && group_->reduces_unused_params()) reduce_groups_due_before(group_.get());
   group_->post_backward();
   if (ctx_) ctx_->comm.finish_reductions(/*wait_all=*/false);
+}
+
+// Under set_reduce_scatter_unused_params every rank issues every group's reduce-scatter, but a
+// rank whose backward skipped a group would issue that one only at the end of backward, out of
+// the other ranks' order, and equal-sized groups would pair the wrong reduce-scatters. So before
+// `group` reduces, every group due before it in the canonical order (reverse forward order)
+// that has not reduced in this backward reduces now: on a rank that skipped it, with zeros.
+// This assumes each rank's backward follows that order, as a sequential model's does; a group
+// due earlier whose backward is still running breaks it, and is refused.
+void FSDPState::reduce_groups_due_before(FSDPParamGroup* group) {
+  const auto& order = ctx_->canonical_reduce_order;
+  const auto position = std::find(order.begin(), order.end(), group);
+  if (position == order.end()) return;
+  for (auto it = order.begin(); it != position; ++it) {
+    FSDPParamGroup* due = *it;
+    if (!due->reduces_unused_params() || due->reduced_in_this_backward()) continue;
+    TORCH_CHECK(due->training_state() != TrainingState::kPreBackward, "fsdp: set_reduce_scatter_unused_params: "
+                "the backward of FSDP module '", group->module_fqn(), "' finished while that of '",
+                due->module_fqn(), "', which ran forward after it, is still running. Reduce-scatters follow the "
+                "reverse order of the forward on every rank, which needs the modules' backward passes to finish "
+                "in that order (a sequential model); turn the setting off for this model.");
+    due->post_backward_ahead();
+  }
 }
 
 void FSDPState::final_callback(std::weak_ptr<FSDPState> weak_root) {
   auto root = weak_root.lock();
   if (!root || !root->ctx_) return;
   StateContext& ctx = *root->ctx_;
-  // Groups whose post-backward could not fire (inputs that need no grad, e.g. token ids and
-  // the root) reduce now, in a fixed order so every rank issues the same collectives.
+  post_backward_of_unreached_groups(ctx);
+  for (FSDPState* st : ctx.all_states) st->training_state_ = TrainingState::kIdle;
+  if (ctx.is_last_backward) finalize_backward(ctx);
+  for (FSDPState* st : ctx.all_states) {
+    if (st->group_) st->group_->end_backward();
+  }
+  ctx.final_callback_queued = false;
+}
+
+// Groups whose post-backward could not fire (inputs that need no grad, e.g. token ids and the
+// root, or modules this rank's backward did not reach) reduce now, in an order every rank
+// shares: under set_reduce_scatter_unused_params the canonical one, else pre-order.
+void FSDPState::post_backward_of_unreached_groups(StateContext& ctx) {
+  for (FSDPParamGroup* g : ctx.canonical_reduce_order) {
+    if (g->reduces_unused_params() && g->training_state() != TrainingState::kPostBackward) g->post_backward();
+  }
   for (FSDPState* st : ctx.all_states) {
     if (st->group_ && st->group_->training_state() != TrainingState::kPostBackward) st->group_->post_backward();
-    st->training_state_ = TrainingState::kIdle;
   }
+}
+
+// The end of the last backward before the optimizer: every gradient written, prefetches nobody
+// consumed dropped, the backward prefetch order cleared.
+void FSDPState::finalize_backward(StateContext& ctx) {
   ctx.comm.finish_reductions(/*wait_all=*/true);
   for (FSDPState* st : ctx.all_states) {
     if (st->group_) st->group_->finalize_backward();
   }
   ctx.comm.post_forward_order.clear();
-  ctx.final_callback_queued = false;
 }
 
 std::vector<std::string> FSDPState::resharded_modules_below() const {

@@ -58,6 +58,14 @@ struct StateContext {
   std::vector<FSDPState*> all_states;  // pre-order over the root's module tree
   FSDPState* iter_forward_root = nullptr;
   bool final_callback_queued = false;
+  // FSDPModule::set_is_last_backward: whether the next end of backward finalizes (waits for
+  // every reduction, drops unconsumed prefetches and the backward prefetch order).
+  bool is_last_backward = true;
+  // The order every rank's reduce-scatters follow under set_reduce_scatter_unused_params: the
+  // groups in the reverse order of their last pre-forward in the latest forward (all ranks run
+  // the same forwards, or their all-gathers would not match), then the groups that did not run
+  // forward, in reverse pre-order. Set at the end of each forward.
+  std::vector<FSDPParamGroup*> canonical_reduce_order;
   CommContext comm;
 };
 
@@ -92,6 +100,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void set_states_to_backward_prefetch(std::vector<std::weak_ptr<FSDPState>> states);
   // The bool form only, so it never creates a process group: true reshards over the shard group.
   void set_reshard_after_forward(bool reshard_after_forward);
+  // Sets the shared context's flag; before lazy initialisation it is kept here and the shared
+  // context starts from it (the root's, else the first state's in pre-order that was set).
+  void set_is_last_backward(bool is_last_backward);
+  // Reduce-scatters issued under this state's root whose gradients are not yet written.
+  int64_t reductions_in_flight() const;
 
   // Lazy initialisation as the root, from the first pre-forward (no-op once initialised as root
   // or child): collects the states under this module, shares one context with them, names their
@@ -110,7 +123,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void prefetch_next_in_forward();
   void prefetch_in_backward();
   std::vector<FSDPParamGroup*> groups_of(const std::vector<std::weak_ptr<FSDPState>>& states) const;
+  std::vector<FSDPParamGroup*> canonical_reduce_order() const;
+  void reduce_groups_due_before(FSDPParamGroup* group);
   static void final_callback(std::weak_ptr<FSDPState> root);
+  static void post_backward_of_unreached_groups(StateContext& ctx);
+  static void finalize_backward(StateContext& ctx);
 
   const int64_t id_;
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
@@ -119,6 +136,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   MixedPrecisionPolicy mp_policy_;
   std::string fqn_;
   std::optional<bool> is_root_;  // set by lazy init
+  std::optional<bool> is_last_backward_before_init_;  // see set_is_last_backward
   std::shared_ptr<StateContext> ctx_;
   TrainingState training_state_ = TrainingState::kIdle;
   // The modules of this state that have not finished forward in the current round; a round
