@@ -149,7 +149,7 @@ TEST(GradReduction, AParameterWithoutAGradientKeepsNone) {
 }
 
 TEST(GradReduction, OnlyTrainableParametersEnterTheReduceScatter) {
-  for (int world : {2, 3}) {
+  for (int world : {2, 3, 4}) {
     run_distributed(world, [] {
       const int64_t W = fsdp::get_world_size(), r = fsdp::get_rank();
       auto mesh = fsdp::init_device_mesh("cpu", {W});
@@ -275,7 +275,7 @@ TEST(GradReduction, ASkippedBlockWithoutTheSettingFailsAtTheTimeout) {
 // ------------------------------------------------------------------------------ micro-batches
 
 TEST(GradReduction, IsLastBackwardFalseLeavesReductionsPendingUntilTheLastBackward) {
-  for (int world : {1, 2, 3}) {
+  for (int world : {1, 2, 4}) {
     run_distributed(world, [] {
       const int64_t W = fsdp::get_world_size(), r = fsdp::get_rank();
       Chain model(3, true), ref(3, true);

@@ -345,13 +345,13 @@ void FSDPState::root_post_forward() {
   }
   ctx_->comm.last_forward_order.swap(ctx_->comm.forward_order);
   ctx_->comm.forward_order.clear();
-  ctx_->canonical_reduce_order = canonical_reduce_order();
+  ctx_->canonical_reduce_order = compute_canonical_reduce_order();
   ctx_->iter_forward_root = nullptr;
 }
 
 // See StateContext::canonical_reduce_order. A group that ran forward twice (a shared module)
 // reduces first where its later call's backward ends.
-std::vector<FSDPParamGroup*> FSDPState::canonical_reduce_order() const {
+std::vector<FSDPParamGroup*> FSDPState::compute_canonical_reduce_order() const {
   std::vector<FSDPParamGroup*> order;
   const auto& forward = ctx_->comm.last_forward_order;
   for (auto it = forward.rbegin(); it != forward.rend(); ++it) {

@@ -123,7 +123,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   void prefetch_next_in_forward();
   void prefetch_in_backward();
   std::vector<FSDPParamGroup*> groups_of(const std::vector<std::weak_ptr<FSDPState>>& states) const;
-  std::vector<FSDPParamGroup*> canonical_reduce_order() const;
+  std::vector<FSDPParamGroup*> compute_canonical_reduce_order() const;
   void reduce_groups_due_before(FSDPParamGroup* group);
   static void final_callback(std::weak_ptr<FSDPState> root);
   static void post_backward_of_unreached_groups(StateContext& ctx);
