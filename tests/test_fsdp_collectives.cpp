@@ -165,7 +165,7 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
     const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
     fsdp::detail::init_flat_shard(params, layout);
     at::Tensor reduced = at::arange(layout.row_numel, at::kFloat);
-    fsdp::detail::foreach_reduce_copy_out(ReduceScatterResult{nullptr, reduced}, params, layout, at::kFloat, kOnCpu);
+    fsdp::detail::foreach_reduce_copy_out(ReduceScatterResult{nullptr, reduced, {}}, params, layout, at::kFloat, kOnCpu);
     const at::Tensor& wg = params[0]->sharded().grad();
     const at::Tensor& bg = params[1]->sharded().grad();
     ASSERT_TRUE(wg.defined() && bg.defined());
@@ -181,7 +181,7 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
     }
 
     // A second reduction adds to the gradient already there.
-    fsdp::detail::foreach_reduce_copy_out(ReduceScatterResult{nullptr, reduced}, params, layout, at::kFloat, kOnCpu);
+    fsdp::detail::foreach_reduce_copy_out(ReduceScatterResult{nullptr, reduced, {}}, params, layout, at::kFloat, kOnCpu);
     if (bg.numel() > 0) {
       EXPECT_EQ(params[1]->sharded().grad().item<float>(), 12.0f);
     }

@@ -28,11 +28,38 @@ void wait_traced(const WorkHandle& work, const char* kind, const std::string& mo
 }  // namespace
 
 void CommContext::finish_reductions(bool wait_all) {
+  start_all_reduces(wait_all);
+  write_reduced_gradients(wait_all);
+}
+
+// In issue order (the same on every rank, so the replicate group sees the same sequence of
+// all-reduces everywhere): each finished reduce-scatter takes its next step at once, so an HSDP
+// all-reduce starts as soon as its input exists instead of after a later reduce-scatter.
+void CommContext::start_all_reduces(bool wait_all) {
+  for (PendingReduction& r : reductions) {
+    if (r.reduce_scattered) continue;
+    const WorkHandle& work = r.reduce_scatter.work;
+    if (work && !wait_all && !work->is_completed()) return;
+    if (work) wait_traced(work, "reduce_scatter", r.group->module_fqn());
+    r.reduce_scattered = true;
+    r.group->after_reduce_scatter(r);
+  }
+}
+
+// Gradients are written in issue order, each once every collective of its reduction finished.
+// A group with an all-reduce hook waits for the end of backward: when ranks poll, each reaches a
+// finished collective at its own moment, and a hook that runs a blocking collective there could
+// wait for a rank that waits for this one; at the end of backward every rank is at the same point.
+void CommContext::write_reduced_gradients(bool wait_all) {
   while (!reductions.empty()) {
     PendingReduction& r = reductions.front();
-    if (!wait_all && !r.result.work->is_completed()) break;
-    wait_traced(r.result.work, "reduce_scatter", r.group->module_fqn());
-    r.group->finish_reduction(r.result);
+    if (!r.reduce_scattered) return;
+    if (!wait_all && r.group->has_all_reduce_hook()) return;
+    if (r.all_reduce) {
+      if (!wait_all && !r.all_reduce->is_completed()) return;
+      wait_traced(r.all_reduce, "all_reduce", r.group->module_fqn());
+    }
+    if (r.next != PendingReduction::Next::kKeepPartial) r.group->finish_reduction(r);
     reductions.pop_front();
   }
 }
@@ -42,7 +69,9 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string m
                                const std::optional<CPUOffloadPolicy>& offload_policy)
     : params_(std::move(params)),
       mesh_(std::move(mesh)),
-      shard_group_(mesh_.get_group(0)),
+      mesh_info_(mesh_info_of(mesh_)),
+      shard_group_(mesh_info_.shard_group()),
+      replicate_group_(mesh_info_.replicate_group()),
       module_fqn_(std::move(module_fqn)),
       devices_(resolve_group_devices(mesh_, offload_policy)),
       offloaded_(offload_policy.has_value()),
@@ -219,6 +248,23 @@ void FSDPParamGroup::keep_unsynced_grads() {
   }
 }
 
+// The division for this backward, from the group's sizes and the user's settings.
+GradientDivision FSDPParamGroup::current_gradient_division() const {
+  const int64_t replicas = replicate_group_ ? replicate_group_->size() : 1;
+  return gradient_division(dtypes_.reduce, shard_group_->size(), replicas, gradient_divide_factor_,
+                           force_sum_reduction_);
+}
+
+// One rank with nothing to reduce, divide or show a hook: the gradients are the shards' already.
+bool FSDPParamGroup::can_hand_over_gradients(const GradientDivision& division) const {
+  return shard_group_->size() == 1 && !replicate_group_ && !all_reduce_hook_ && division.is_identity();
+}
+
+PendingReduction::Next FSDPParamGroup::next_after_reduce_scatter() const {
+  if (!replicate_group_) return PendingReduction::Next::kWriteGrads;
+  return all_reduce_grads_ ? PendingReduction::Next::kAllReduce : PendingReduction::Next::kKeepPartial;
+}
+
 void FSDPParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
   if (!reduce_grads_ || !has_unsharded_grads()) {
@@ -226,18 +272,66 @@ void FSDPParamGroup::post_backward() {
     if (reshard_after_backward_) reshard();
     return;
   }
+  const GradientDivision division = current_gradient_division();
+  const bool hand_over = can_hand_over_gradients(division);
   // Checked before anything is issued: a reduce-scatter nobody would wait for must not start.
-  TORCH_CHECK(comm_ != nullptr || shard_group_->size() == 1, "internal: post_backward of '", module_fqn_,
+  TORCH_CHECK(comm_ != nullptr || hand_over, "internal: post_backward of '", module_fqn_,
               "' before lazy initialisation");
   // The gradients are tensors of their own: the parameters can be freed before the copy-in.
   if (reshard_after_backward_) reshard();
-  ReduceScatterResult result = foreach_reduce(params_, shard_layout_, *shard_group_, dtypes_, devices_);
-  if (!result.work) return;  // one rank: the grads were handed over, nothing in flight
-  comm_->reductions.push_back({std::move(result), this});
+  if (hand_over) {
+    foreach_reduce_hand_over(params_, dtypes_, devices_);
+    return;
+  }
+  ReduceScatterResult result = foreach_reduce(params_, shard_layout_, *shard_group_, dtypes_.reduce, division);
+  comm_->reductions.push_back(PendingReduction{this, std::move(result), next_after_reduce_scatter(), false, nullptr});
 }
 
-void FSDPParamGroup::finish_reduction(const ReduceScatterResult& reduced) {
-  foreach_reduce_copy_out(reduced, params_, shard_layout_, dtypes_.orig, devices_);
+void FSDPParamGroup::after_reduce_scatter(PendingReduction& r) {
+  switch (r.next) {
+    case PendingReduction::Next::kWriteGrads:
+      return;
+    case PendingReduction::Next::kKeepPartial:
+      keep_partial_reduce_output(r.reduce_scatter.output);
+      return;
+    case PendingReduction::Next::kAllReduce:
+      add_partial_reduce_output(r.reduce_scatter.output);
+      r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
+      return;
+  }
+}
+
+// The first micro-batch's output becomes the partial sum; later ones are added to it.
+void FSDPParamGroup::keep_partial_reduce_output(const at::Tensor& output) {
+  if (partial_reduce_output_.defined()) {
+    partial_reduce_output_.add_(output);
+  } else {
+    partial_reduce_output_ = output;
+  }
+}
+
+// The micro-batches reduce-scattered without all-reduce join this one's all-reduce.
+void FSDPParamGroup::add_partial_reduce_output(const at::Tensor& output) {
+  if (!partial_reduce_output_.defined()) return;
+  output.add_(partial_reduce_output_);
+  partial_reduce_output_ = at::Tensor();
+}
+
+void FSDPParamGroup::run_all_reduce_hook(at::Tensor& output) const {
+  if (!all_reduce_hook_) return;
+  const at::Tensor before = output;
+  all_reduce_hook_(output);
+  TORCH_CHECK(output.defined() && output.numel() == before.numel() && output.scalar_type() == before.scalar_type(),
+              "fsdp: the all-reduce hook of '", module_fqn_, "' must modify the reduce output in place (or replace "
+              "it by a tensor of ", before.numel(), " elements of ", before.scalar_type(), "), but it left ",
+              output.defined() ? std::to_string(output.numel()) + " elements of " + c10::toString(output.scalar_type())
+                               : std::string("an undefined tensor"));
+  if (!output.is_contiguous()) output = output.contiguous();
+}
+
+void FSDPParamGroup::finish_reduction(PendingReduction& r) {
+  run_all_reduce_hook(r.reduce_scatter.output);
+  foreach_reduce_copy_out(r.reduce_scatter, params_, shard_layout_, dtypes_.orig, devices_);
 }
 
 void FSDPParamGroup::finalize_backward() {
