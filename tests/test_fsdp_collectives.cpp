@@ -192,7 +192,7 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
     const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
     fsdp::detail::init_flat_shard(params, layout);
     at::Tensor reduced = at::arange(layout.row_numel, at::kFloat);
-    ReduceScatterResult result{nullptr, reduced};
+    ReduceScatterResult result{nullptr, reduced, {}};
     result.params = {0, 1};
     result.layout = layout;
     fsdp::detail::foreach_reduce_copy_out(result, params, at::kFloat, kOnCpu);

@@ -167,14 +167,14 @@ void expect_matches_reference(Model& model, Model& master, Model& scratch, const
 
 TEST(MixedPrecision, GradientDivisionFollowsPyTorchForFp16) {
   using fsdp::detail::gradient_division;
-  EXPECT_EQ(gradient_division(at::kFloat, 8).op, fsdp::ReduceOp::kAvg);
-  EXPECT_EQ(gradient_division(at::kBFloat16, 8).op, fsdp::ReduceOp::kAvg);
+  EXPECT_EQ(gradient_division(at::kFloat, 8, 1, std::nullopt, false).reduce_scatter_op, fsdp::ReduceOp::kAvg);
+  EXPECT_EQ(gradient_division(at::kBFloat16, 8, 1, std::nullopt, false).reduce_scatter_op, fsdp::ReduceOp::kAvg);
   const std::vector<std::array<double, 3>> fp16 = {{2, 2, 1}, {4, 2, 2}, {8, 4, 2}, {16, 4, 4}, {3, 2, 1.5}, {6, 4, 1.5}};
   for (const auto& c : fp16) {
-    const auto d = gradient_division(at::kHalf, static_cast<int64_t>(c[0]));
-    EXPECT_EQ(d.op, fsdp::ReduceOp::kSum);
-    EXPECT_EQ(d.pre, c[1]) << "world " << c[0];
-    EXPECT_EQ(d.post, c[2]) << "world " << c[0];
+    const auto d = gradient_division(at::kHalf, static_cast<int64_t>(c[0]), 1, std::nullopt, false);
+    EXPECT_EQ(d.reduce_scatter_op, fsdp::ReduceOp::kSum);
+    EXPECT_EQ(d.pre_divide, c[1]) << "world " << c[0];
+    EXPECT_EQ(d.post_divide, c[2]) << "world " << c[0];
   }
 }
 

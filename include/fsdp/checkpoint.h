@@ -14,7 +14,9 @@
 //                   (global offsets and sizes, file, byte offset and length, CRC-32 of each
 //                   1 MiB block). A directory without metadata.json is an incomplete save and
 //                   is never loaded.
-// Replicated values are written once (by the mesh's first rank). Every file is written under a
+// Replicated values are written once: along each mesh dim a value is replicated over, only the
+// first rank writes (a buffer by the mesh's first rank, an HSDP parameter's shard by the first
+// replica). Every file is written under a
 // temporary name (<file>.tmp), fsync'ed and renamed, so a process killed during a save leaves
 // either the previous complete checkpoint or nothing that looks complete. A save that fails
 // removes its temporaries; those of a killed one are removed by the next save into that

@@ -4,8 +4,9 @@
 //
 // Like torch::nn::utils::clip_grad_norm_, but the norm is taken over the whole (global)
 // gradients: each rank reduces its shards locally and ONE all-reduce combines them (sum of
-// |g|^p, or max for the inf-norm) over the parameters' shard group. Collective: every rank of
-// that group calls it with its own shards. Returns the global norm; scales the local
+// |g|^p, or max for the inf-norm) over the parameters' shard group (under HSDP: this
+// replica's, since the replicas hold the same gradients). Collective: every rank of that group
+// calls it with its own shards. Returns the global norm; scales the local
 // gradients in place by max_norm / (norm + 1e-6) when that is below 1.
 #pragma once
 

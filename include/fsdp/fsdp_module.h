@@ -1,5 +1,5 @@
 // fsdp/fsdp_module.h — the handle of a module that fully_shard() was applied to: manual
-// unshard/reshard, prefetch control and gradient-sync control.
+// unshard/reshard, prefetch control, gradient-sync control and how gradients are reduced.
 //
 //   fsdp::FSDPModule root = fsdp::fully_shard(model);
 //   fsdp::FSDPModule same = fsdp::get_fsdp_module(*model);   // reachable from the module
@@ -15,6 +15,9 @@
 
 #include <torch/nn/module.h>
 
+#include <ATen/core/Tensor.h>
+
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -59,9 +62,34 @@ class FSDPModule {
   // In backward, prefetch `modules` instead of the default (the module that ran forward before this one).
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);
 
-  // Whether backward reduce-scatters gradients. false = accumulate unsharded gradients locally
-  // (no communication, more memory) until a backward with true; FSDP1's no_sync.
+  // Whether backward reduce-scatters gradients (and, under HSDP, all-reduces them). false =
+  // accumulate unsharded gradients locally (no communication, more memory) until a backward
+  // with true; FSDP1's no_sync. Sets what set_requires_all_reduce sets, too.
   void set_requires_gradient_sync(bool requires_gradient_sync, bool recurse = true);
+  // HSDP: whether backward all-reduces the reduce-scattered gradients over the replicate group.
+  // false = every backward still reduce-scatters, but the outputs are summed into a buffer of
+  // the module's group and no sharded gradient is written; the first backward with true adds
+  // that sum before its all-reduce. So gradient accumulation over micro-batches can skip the
+  // inter-replica traffic (at 1/shards of the gradients' memory). No effect on a 1-D mesh.
+  void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
+  // Divide this module's gradients by `factor` instead of taking the mean: the sharded
+  // gradient becomes the sum over all data-parallel ranks divided by `factor` (e.g. the number of
+  // tokens of the global batch). This module's group only, not its FSDP submodules. Throws
+  // unless factor is positive and finite.
+  void set_gradient_divide_factor(double factor);
+  // true = this module's collectives only SUM; the division runs as a separate step on the
+  // reduced gradients (for backends without AVG). This module's group only.
+  void set_force_sum_reduction_for_comms(bool enable);
+  // `hook(reduce_output)` is called once per backward for this module's group, at the end of
+  // backward (on every rank at the same point, in the same order, so the hook may run blocking
+  // collectives), with the flat reduced shard (reduce dtype, padding included,
+  // before any remaining division): after the reduce-scatter on a 1-D mesh (where the hook may
+  // all-reduce it over replicas itself, e.g. with a ProcessGroup of its own, in place), after
+  // the all-reduce under HSDP. It may modify the tensor in place or assign one of the same size
+  // and dtype; the sharded gradients are then written from it. An empty function removes the
+  // hook. This module's group only. (PyTorch's `stream` argument has no CPU counterpart and is
+  // not offered.)
+  void set_all_reduce_hook(std::function<void(at::Tensor&)> hook);
   // Runtime change of reshard_after_forward (bool form).
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
   // Whether post-backward frees the gathered parameters (false: the next forward needs no all-gather).

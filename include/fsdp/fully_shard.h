@@ -19,10 +19,22 @@
 // (Shard(0), global shape). All those parameters form one communication group: one all-gather
 // per unshard and one reduce-scatter per backward.
 //
+// HSDP (hybrid sharding): pass a 2-D mesh with dim names, e.g.
+//   auto mesh = fsdp::init_device_mesh("cpu", {replicas, shards}, {"replicate", "shard"});
+// Parameters are sharded over mesh dim 1 (each row of the mesh holds one full copy of the
+// model, split over its `shards` ranks) and replicated over dim 0; their DTensors have
+// placements (Replicate(), Shard(0)). Forward and backward all-gather within the shard group
+// only; backward reduce-scatters over the shard group, then all-reduces the result over the
+// replicate group, so each gradient is the mean over all replicas x shards ranks (see
+// FSDPModule::set_gradient_divide_factor for other divisions). FSDP does not make the replicas
+// equal: start them from the same values, e.g. with fsdp::sync_module_states
+// (fsdp/replicate_sync.h). A mesh of more than 2 dims, or a 2-D mesh without dim names, is an
+// error naming what to pass.
+//
 // Collective: every rank of the mesh calls fully_shard on the same modules in the same order.
-// Allocates this rank's shards and frees the full parameters (except on a mesh of one rank).
-// Only CPU parameters and 1-D meshes are supported by this release; other cases fail with a
-// message that says so.
+// Allocates this rank's shards and frees the full parameters (except on a shard group of one
+// rank). Only CPU parameters are supported by this release; other cases fail with a message
+// that says so.
 #pragma once
 
 #include <fsdp/device_mesh.h>
@@ -44,7 +56,9 @@ namespace fsdp {
 
 // reshard_after_forward: unset (the default: true for non-root modules, false for the root),
 // true, false, or an int k: after forward keep 1/k of each parameter and all-gather among k ranks
-// in backward (k must divide the shard group size; k = world is true, k = 1 is false).
+// in backward (k must divide the shard group size; k = shard group size is true, k = 1 is
+// false). Under HSDP the k ranks are k consecutive ranks of this rank's shard group, within
+// its replica.
 class ReshardAfterForward {
  public:
   ReshardAfterForward() = default;
@@ -86,10 +100,11 @@ FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module,
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
 }
 
-// The DTensor view of a sharded parameter: its local shard, the mesh, placements {Shard(0)} and
-// the global shape. Shares storage with the shard. `param` is either the registered shard (from
-// parameters() / named_parameters()) or the module's member tensor (e.g. linear->weight, which
-// stays the unsharded tensor autograd computes with). Throws if it is neither.
+// The DTensor view of a sharded parameter: its local shard, the mesh, placements {Shard(0)}
+// (HSDP: {Replicate(), Shard(0)}) and the global shape. Shares storage with the shard. `param`
+// is either the registered shard (from parameters() / named_parameters()) or the module's
+// member tensor (e.g. linear->weight, which stays the unsharded tensor autograd computes with).
+// Throws if it is neither.
 DTensor as_dtensor(const at::Tensor& param);
 // True if `param` is a parameter sharded by fully_shard (the registered shard).
 bool is_sharded_parameter(const at::Tensor& param);

@@ -189,16 +189,25 @@ std::vector<std::string> on_all_ranks(ProcessGroup& world, const char* phase,
   return results;
 }
 
+// Whether this rank writes its piece of `d`: along every mesh dim that replicates `d` (all of
+// them for a buffer, the replicate dim of an HSDP parameter) only the first rank does, so every
+// piece is written by exactly one replica.
+bool writes_piece(const DTensor& d) {
+  const std::vector<int64_t> coord = d.device_mesh().coordinate();
+  const std::vector<Placement> placements = d.placements();
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (placements[i].is_replicate() && coord[i] != 0) return false;
+  }
+  return true;
+}
+
 // This rank's pieces, one after another (its data file), and their chunk records.
 std::string pack_pieces(const ShardedStateDict& state_dict, int rank, json* chunks) {
   std::string data;
   for (const auto& item : state_dict) {
     const DTensor& d = item.value();
-    const std::vector<int64_t> coord = d.device_mesh().coordinate();
-    const bool writer = !detail::all_replicate(d.placements()) ||
-                        std::all_of(coord.begin(), coord.end(), [](int64_t c) { return c == 0; });
     at::Tensor local = d.to_local().contiguous();
-    if (!writer || local.numel() == 0) continue;  // replicated values are written once
+    if (!writes_piece(d) || local.numel() == 0) continue;  // each piece is written once
     json c = {{"offsets", json::array()}, {"sizes", json::array()}, {"crc32", json::array()}};
     for (const auto& b : d.local_bounds()) {
       c["offsets"].push_back(b.offset);

@@ -84,10 +84,13 @@ struct ParamRef {
   at::Tensor param;
   bool sharded;
   std::vector<int64_t> global_shape;
+  DeviceMesh mesh;                    // the parameter's (the model's for a parameter fully_shard left whole)
+  std::vector<Placement> placements;  // over `mesh`: all Replicate() for a whole parameter
   torch::optim::OptimizerParamGroup* group;
 };
 
-std::vector<ParamRef> params_in_optimizer(torch::nn::Module& model, torch::optim::Optimizer& opt) {
+std::vector<ParamRef> params_in_optimizer(torch::nn::Module& model, torch::optim::Optimizer& opt,
+                                          const DeviceMesh& mesh) {
   std::unordered_map<const c10::TensorImpl*, torch::optim::OptimizerParamGroup*> group_of;
   for (auto& g : opt.param_groups()) {
     for (auto& p : g.params()) group_of[p.unsafeGetTensorImpl()] = &g;
@@ -96,9 +99,13 @@ std::vector<ParamRef> params_in_optimizer(torch::nn::Module& model, torch::optim
   for (const auto& item : model.named_parameters()) {
     auto it = group_of.find(item.value().unsafeGetTensorImpl());
     if (it == group_of.end()) continue;
-    const bool sharded = is_sharded_parameter(item.value());
-    out.push_back({item.key(), item.value(), sharded,
-                   sharded ? as_dtensor(item.value()).sizes() : item.value().sizes().vec(), it->second});
+    if (!is_sharded_parameter(item.value())) {
+      out.push_back({item.key(), item.value(), false, item.value().sizes().vec(), mesh,
+                     std::vector<Placement>(mesh.ndim(), Replicate()), it->second});
+      continue;
+    }
+    const DTensor d = as_dtensor(item.value());
+    out.push_back({item.key(), item.value(), true, d.sizes(), d.device_mesh(), d.placements(), it->second});
   }
   return out;
 }
@@ -107,8 +114,8 @@ DTensor replicated(const at::Tensor& t, const DeviceMesh& mesh) {
   return DTensor::from_local(t, mesh, std::vector<Placement>(mesh.ndim(), Replicate()));
 }
 
-DTensor like_param(const ParamRef& p, const at::Tensor& local, const DeviceMesh& mesh) {
-  return p.sharded ? DTensor::from_local(local, mesh, {Shard(0)}, p.global_shape) : replicated(local, mesh);
+DTensor like_param(const ParamRef& p, const at::Tensor& local) {
+  return DTensor::from_local(local, p.mesh, p.placements, p.global_shape);
 }
 
 // The state tensors of one parameter, by name, read from LibTorch's state object.
@@ -157,7 +164,7 @@ ShardedStateDict sharded_optimizer_state_dict(torch::nn::Module& model, torch::o
   const DeviceMesh mesh = detail::model_mesh(model);
   ShardedStateDict out;
   auto& states = optimizer.state();
-  for (const ParamRef& p : params_in_optimizer(model, optimizer)) {
+  for (const ParamRef& p : params_in_optimizer(model, optimizer, mesh)) {
     for (const auto& opt : options_of(kind, p.group->options())) {
       out.insert("param_groups." + p.fqn + "." + opt.first, replicated(at::scalar_tensor(opt.second, at::kDouble), mesh));
     }
@@ -165,7 +172,7 @@ ShardedStateDict sharded_optimizer_state_dict(torch::nn::Module& model, torch::o
     if (it == states.end()) continue;
     int64_t step = -1;
     for (const auto& t : state_tensors(kind, *it->second, &step)) {
-      out.insert("state." + p.fqn + "." + t.first, like_param(p, t.second, mesh));
+      out.insert("state." + p.fqn + "." + t.first, like_param(p, t.second));
     }
     if (step >= 0) out.insert("state." + p.fqn + ".step", replicated(at::scalar_tensor(step, at::kLong), mesh));
   }
@@ -176,7 +183,7 @@ void load_sharded_optimizer_state_dict(torch::nn::Module& model, torch::optim::O
                                        const ShardedStateDict& state_dict) {
   const Kind kind = kind_of(optimizer);
   const DeviceMesh mesh = detail::model_mesh(model);
-  const std::vector<ParamRef> params = params_in_optimizer(model, optimizer);
+  const std::vector<ParamRef> params = params_in_optimizer(model, optimizer, mesh);
   const char* what = "fsdp::load_sharded_optimizer_state_dict";
 
   // Check every key first.
@@ -217,7 +224,7 @@ void load_sharded_optimizer_state_dict(torch::nn::Module& model, torch::optim::O
     if (const DTensor* step = state_dict.find("state." + p.fqn + ".step")) l.step = step->to_local().item<int64_t>();
     for (const auto& name : tensor_state_names(kind)) {
       if (const DTensor* d = state_dict.find("state." + p.fqn + "." + name)) {
-        l.tensors[name] = detail::local_piece(*d, p.sharded, mesh).clone(at::MemoryFormat::Contiguous);
+        l.tensors[name] = detail::local_piece(*d, p.mesh, p.placements).clone(at::MemoryFormat::Contiguous);
       }
     }
     loaded.push_back(std::move(l));

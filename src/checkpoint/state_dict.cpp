@@ -27,23 +27,25 @@ struct Target {
   bool sharded = false;
   std::vector<int64_t> global_shape;
   DeviceMesh mesh;
+  std::vector<Placement> placements;  // of `live` over `mesh`: all Replicate() unless sharded
 };
+
+Target whole_target(const std::string& key, const at::Tensor& live, const DeviceMesh& mesh) {
+  return Target{key, live, false, live.sizes().vec(), mesh, std::vector<Placement>(mesh.ndim(), Replicate())};
+}
 
 std::vector<Target> targets_of(torch::nn::Module& model) {
   const DeviceMesh mesh = detail::model_mesh(model);
   std::vector<Target> out;
   for (const auto& item : model.named_parameters()) {
-    Target t{item.key(), item.value(), is_sharded_parameter(item.value()), item.value().sizes().vec(), mesh};
-    if (t.sharded) {
-      DTensor d = as_dtensor(item.value());
-      t.global_shape = d.sizes();
-      t.mesh = d.device_mesh();
+    if (!is_sharded_parameter(item.value())) {
+      out.push_back(whole_target(item.key(), item.value(), mesh));
+      continue;
     }
-    out.push_back(std::move(t));
+    const DTensor d = as_dtensor(item.value());
+    out.push_back(Target{item.key(), item.value(), true, d.sizes(), d.device_mesh(), d.placements()});
   }
-  for (const auto& item : model.named_buffers()) {
-    out.push_back(Target{item.key(), item.value(), false, item.value().sizes().vec(), mesh});
-  }
+  for (const auto& item : model.named_buffers()) out.push_back(whole_target(item.key(), item.value(), mesh));
   return out;
 }
 
@@ -76,7 +78,7 @@ void check_entries(const std::vector<Target>& targets, const Dict& dict, bool st
 }
 
 at::Tensor piece_of(const Target& t, const at::Tensor& full) {
-  return detail::local_piece_of_full(full, t.sharded, t.mesh);
+  return detail::local_piece_of_full(full, t.mesh, t.placements);
 }
 
 void write_all(const std::vector<Target>& targets, const std::vector<at::Tensor>& pieces) {
@@ -178,19 +180,19 @@ DeviceMesh model_mesh(torch::nn::Module& model) {
               "named_parameters()/named_buffers()");
 }
 
-at::Tensor local_piece_of_full(const at::Tensor& full, bool sharded, const DeviceMesh& mesh) {
-  if (!sharded) return full;
-  const ChunkBounds b = chunk_bounds(full.size(0), mesh.size(0), mesh.get_local_rank(0));
-  return full.narrow(0, b.offset, b.length);
+at::Tensor local_piece_of_full(const at::Tensor& full, const DeviceMesh& mesh, const std::vector<Placement>& placements) {
+  if (all_replicate(placements)) return full;
+  const auto bounds = shard_bounds(full.sizes().vec(), mesh.shape(), mesh.coordinate(), placements);
+  at::Tensor piece = full;
+  for (int64_t d = 0; d < full.dim(); ++d) piece = piece.narrow(d, bounds[d].offset, bounds[d].length);
+  return piece;
 }
 
-at::Tensor local_piece(const DTensor& value, bool sharded, const DeviceMesh& mesh) {
-  const auto placements = value.placements();
-  if (sharded && value.device_mesh() == mesh && placements.size() == 1 && placements[0] == Shard(0)) {
-    return value.to_local();
-  }
-  if (all_replicate(placements)) return local_piece_of_full(value.to_local(), sharded, mesh);
-  return local_piece_of_full(value.full_tensor(), sharded, mesh);
+at::Tensor local_piece(const DTensor& value, const DeviceMesh& mesh, const std::vector<Placement>& placements) {
+  const std::vector<Placement> stored = value.placements();
+  if (value.device_mesh() == mesh && stored == placements) return value.to_local();
+  if (all_replicate(stored)) return local_piece_of_full(value.to_local(), mesh, placements);
+  return local_piece_of_full(value.full_tensor(), mesh, placements);
 }
 
 }  // namespace detail
@@ -198,8 +200,7 @@ at::Tensor local_piece(const DTensor& value, bool sharded, const DeviceMesh& mes
 ShardedStateDict sharded_state_dict(torch::nn::Module& model) {
   ShardedStateDict out;
   for (const auto& t : targets_of(model)) {
-    out.insert(t.key, t.sharded ? as_dtensor(t.live)
-                                : DTensor::from_local(t.live, t.mesh, std::vector<Placement>(t.mesh.ndim(), Replicate())));
+    out.insert(t.key, t.sharded ? as_dtensor(t.live) : DTensor::from_local(t.live, t.mesh, t.placements));
   }
   return out;
 }
@@ -216,7 +217,7 @@ void load_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& s
       pieces.emplace_back();
       continue;
     }
-    pieces.push_back(detail::local_piece(*d, t.sharded, t.mesh));
+    pieces.push_back(detail::local_piece(*d, t.mesh, t.placements));
     TORCH_CHECK(pieces.back().sizes() == t.live.sizes(), "fsdp::load_sharded_state_dict: key '", t.key,
                 "': this rank's piece has shape ", pieces.back().sizes(), " but its shard has ", t.live.sizes(),
                 " (the DTensor's local tensor does not match its placements)");

@@ -7,13 +7,15 @@
 namespace fsdp {
 namespace detail {
 
-// This rank's piece of `value` for a live tensor that is either sharded Shard(0) over `mesh`
-// (`sharded`) or whole. A Shard(0) value over the same mesh is used as is; a replicated value
-// is chunked locally; any other layout is gathered first (collective over the value's mesh).
-at::Tensor local_piece(const DTensor& value, bool sharded, const DeviceMesh& mesh);
+// This rank's piece of `value` for a live tensor laid out over `mesh` with `placements` (a
+// sharded parameter's: (Shard(0)) or, under HSDP, (Replicate(), Shard(0)); all Replicate() for a
+// whole tensor). A value with that mesh and those placements is used as is; a replicated value
+// is cut locally; any other layout is gathered first (collective over the value's mesh).
+at::Tensor local_piece(const DTensor& value, const DeviceMesh& mesh, const std::vector<Placement>& placements);
 
-// This rank's torch.chunk piece (dim 0) of a whole tensor, for a live tensor sharded over `mesh`.
-at::Tensor local_piece_of_full(const at::Tensor& full, bool sharded, const DeviceMesh& mesh);
+// This rank's piece (torch.chunk rules, as DTensor cuts it) of a whole tensor, for a live tensor
+// laid out over `mesh` with `placements`. A view of `full`; the whole of it when all replicate.
+at::Tensor local_piece_of_full(const at::Tensor& full, const DeviceMesh& mesh, const std::vector<Placement>& placements);
 
 // True when every placement is Replicate() (the value is whole on every rank).
 bool all_replicate(const std::vector<Placement>& placements);

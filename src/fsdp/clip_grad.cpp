@@ -1,5 +1,7 @@
 #include <fsdp/clip_grad.h>
 
+#include "src/fsdp/mesh_info.h"
+
 #include <fsdp/fully_shard.h>
 
 #include <ATen/ATen.h>
@@ -17,7 +19,8 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   std::vector<at::Tensor> grads;
   for (const auto& p : parameters) {
     if (is_sharded_parameter(p)) {
-      auto g = as_dtensor(p).device_mesh().get_group(0);
+      // Under HSDP the replicas hold the same gradients: the norm sums one replica's shards.
+      auto g = detail::mesh_info_of(as_dtensor(p).device_mesh()).shard_group();
       TORCH_CHECK(!group || group.get() == g.get(), "clip_grad_norm_: the parameters are sharded over different "
                   "process groups; clip each group's parameters separately");
       group = g;

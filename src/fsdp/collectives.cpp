@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace fsdp {
@@ -118,24 +119,6 @@ at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
-// On one rank the unsharded gradient has the shard's shape already: no copy (without a cast or
-// offload), no collective. A cast goes through the reduce dtype, as the reduction would. A
-// reduced parameter without a gradient gets zeros, as the reduction of zeros would give it.
-void hand_over_gradients(const FSDPParams& params, const ReducedParams& reduced, const GroupDtypes& dtypes,
-                         const GroupDevices& devices) {
-  at::NoGradGuard no_grad;
-  for (size_t i : reduced) {
-    FSDPParam& p = *params[i];
-    at::Tensor g = p.unsharded_grad_to_reduce();
-    if (g.defined()) {
-      p.accumulate_sharded_grad(cast_to(g, dtypes.reduce).to(devices.shard, dtypes.orig, devices.non_blocking));
-    } else {
-      p.accumulate_sharded_grad(at::zeros(p.sharded_shape(), at::TensorOptions().dtype(dtypes.orig).device(devices.shard)));
-    }
-    p.clear_unsharded_grad();
-  }
-}
-
 // Piece `q` of `grad` (flat, `numel` elements, any dtype) into `dst` (a slice of the
 // reduce-scatter input of another dtype): a converting copy of the real elements, zeros after.
 void copy_padded_cast(const at::Tensor& dst, const at::Tensor& grad, int64_t numel, int64_t begin) {
@@ -147,12 +130,47 @@ void copy_padded_cast(const at::Tensor& dst, const at::Tensor& grad, int64_t num
 
 }  // namespace
 
-GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t world) {
-  if (reduce_dtype != at::kHalf) return GradientDivision{ReduceOp::kAvg, 1.0, 1.0};
-  // PyTorch FSDP's rule: double `pre` while it divides the world and world / pre > pre.
-  int64_t pre = 1;
-  while (world % pre == 0 && world / pre > pre) pre *= 2;
-  return GradientDivision{ReduceOp::kSum, static_cast<double>(pre), static_cast<double>(world) / pre};
+namespace {
+
+// FSDP2's split of an fp16 division by `factor`: p doubles while it divides `factor` and
+// factor / p > p, so the sum in between stays near the gradients' own magnitude.
+double overflow_safe_pre_divide(double factor) {
+  double p = 1.0;
+  while (std::fmod(factor, p) == 0.0 && factor / p > p) p *= 2.0;
+  return p;
+}
+
+}  // namespace
+
+GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
+                                   std::optional<double> divide_factor, bool force_sum_reduction) {
+  TORCH_CHECK(shard_size >= 1 && replicate_size >= 1, "internal: gradient division over ", shard_size, " x ",
+              replicate_size, " ranks");
+  TORCH_CHECK(!divide_factor || (*divide_factor > 0 && std::isfinite(*divide_factor)), "internal: gradient divide "
+              "factor ", *divide_factor);
+  const bool overflow_risk = reduce_dtype != at::kFloat && reduce_dtype != at::kBFloat16;
+  const int64_t data_parallel = shard_size * replicate_size;
+  GradientDivision d;
+  if (!overflow_risk && !force_sum_reduction) {
+    if (!divide_factor) {
+      if (data_parallel > 1) d.reduce_scatter_op = d.all_reduce_op = ReduceOp::kAvg;
+      return d;
+    }
+    if (*divide_factor == static_cast<double>(shard_size)) {
+      d.reduce_scatter_op = ReduceOp::kAvg;
+    } else {
+      d.premul = 1.0 / *divide_factor;  // PREMUL_SUM(1/F) as defined: scale each input, then SUM
+    }
+    return d;
+  }
+  const double factor = divide_factor ? *divide_factor : static_cast<double>(data_parallel);
+  if (overflow_risk) {
+    d.pre_divide = overflow_safe_pre_divide(factor);
+    d.post_divide = factor / d.pre_divide;
+  } else {
+    d.post_divide = factor;  // one division of the (smaller) output instead of the input
+  }
+  return d;
 }
 
 at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced,
@@ -183,25 +201,45 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams&
   return input;
 }
 
-ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
-                                   const GroupDtypes& dtypes, const GroupDevices& devices) {
-  if (group.size() == 1) {
-    hand_over_gradients(params, reduced, dtypes, devices);
-    return ReduceScatterResult{};
+// On one rank the unsharded gradient has the shard's shape already: no copy (without a cast or
+// offload), no collective. A cast goes through the reduce dtype, as the reduction would. A
+// reduced parameter without a gradient gets zeros, as the reduction of zeros would give it.
+void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& reduced, const GroupDtypes& dtypes,
+                              const GroupDevices& devices) {
+  at::NoGradGuard no_grad;
+  for (size_t i : reduced) {
+    FSDPParam& p = *params.at(i);
+    at::Tensor g = p.unsharded_grad_to_reduce();
+    if (g.defined()) {
+      p.accumulate_sharded_grad(cast_to(g, dtypes.reduce).to(devices.shard, dtypes.orig, devices.non_blocking));
+    } else {
+      p.accumulate_sharded_grad(at::zeros(p.sharded_shape(), at::TensorOptions().dtype(dtypes.orig).device(devices.shard)));
+    }
+    p.clear_unsharded_grad();
   }
+}
+
+ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
+                                   at::ScalarType reduce_dtype, const GradientDivision& division) {
   RankMajorLayout layout = reduce_scatter_layout(params, reduced, group.size());
-  at::Tensor input = foreach_reduce_copy_in(params, reduced, layout, dtypes.reduce);
-  const GradientDivision division = gradient_division(dtypes.reduce, group.size());
-  if (division.pre != 1.0) input.div_(division.pre);
+  at::Tensor input = foreach_reduce_copy_in(params, reduced, layout, reduce_dtype);
+  if (division.pre_divide != 1.0) input.div_(division.pre_divide);
+  if (division.premul != 1.0) input.mul_(division.premul);
+  // One rank: its one row is the reduction of itself (SUM or AVG over one).
+  if (group.size() == 1) return ReduceScatterResult{nullptr, std::move(input), division, reduced, std::move(layout)};
   at::Tensor output = at::empty({layout.row_numel}, input.options());
-  WorkHandle work = group.reduce_scatter_into(output, input, division.op);
-  return ReduceScatterResult{std::move(work), std::move(output), division.post, reduced, std::move(layout)};
+  WorkHandle work = group.reduce_scatter_into(output, input, division.reduce_scatter_op);
+  return ReduceScatterResult{std::move(work), std::move(output), division, reduced, std::move(layout)};
+}
+
+WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group) {
+  return replicate_group.all_reduce(reduced.output, reduced.division.all_reduce_op);
 }
 
 void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params, at::ScalarType orig_dtype,
                              const GroupDevices& devices) {
   at::NoGradGuard no_grad;
-  if (result.post_divide != 1.0) result.output.div_(result.post_divide);
+  if (result.division.post_divide != 1.0) result.output.div_(result.division.post_divide);
   const at::Tensor reduced = result.output.to(devices.shard, orig_dtype, devices.non_blocking);
   for (size_t k = 0; k < result.params.size(); ++k) {
     FSDPParam& p = *params.at(result.params[k]);

@@ -12,6 +12,8 @@
 //   reduce-scatter input       the all-gather output's layout over the reduced parameters only
 //                              (those with a gradient), filled from their unsharded grads
 //   reduce-scatter output      one row of that layout; each reduced sharded grad is a view into it
+//   all-reduce (HSDP)          the reduce-scatter output, in place, over the replicate group
+//                              (W above is the shard group's size)
 //
 // reshard_after_forward = k (1 < k < W) keeps, between forward and backward, this rank's 1/k of
 // every unsharded parameter ("post-forward shard", one row of the same rank-major layout over k
@@ -33,6 +35,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace fsdp {
@@ -89,39 +92,69 @@ using ReducedParams = std::vector<size_t>;
 // shard layout of that subset (a parameter left out takes no room in any row).
 RankMajorLayout reduce_scatter_layout(const FSDPParams& params, const ReducedParams& reduced, int64_t world);
 
-struct ReduceScatterResult {
-  WorkHandle work;    // null when nothing was issued (a group of one rank)
-  at::Tensor output;  // this rank's reduced padded shards of `params`, one row of `layout` (reduce dtype)
-  double post_divide = 1.0;  // what the output still has to be divided by (fp16: see gradient_division)
-  ReducedParams params;      // which of the group's parameters the output holds
-  RankMajorLayout layout;    // of the reduce-scatter input; `output` is one of its rows
-};
-
-// How the mean over `world` ranks is taken in `reduce_dtype`. fp32 and bf16 average in the
-// collective. fp16 could overflow while summing, so its input is divided by `pre` first and the
-// output by `post` after (pre * post = world; pre about sqrt(world)), both with a SUM.
+// How a group's gradients are divided, PyTorch FSDP2's rule. S = shard group size, R = replicate
+// group size (HSDP; 1 otherwise), N = S * R, F = the user's divide factor
+// (FSDPModule::set_gradient_divide_factor). "Overflow risk" = a reduce dtype other than fp32/bf16.
+//
+//   case                                       pre-divide  post-divide  reduce-scatter      all-reduce
+//   fp32/bf16, not forced to sum, no F, N = 1  -           -            SUM                 SUM
+//   fp32/bf16, not forced to sum, no F, N > 1  -           -            AVG                 AVG
+//   fp32/bf16, not forced to sum, F given      -           -            AVG if F == S,      SUM
+//                                                                       else PREMUL_SUM(1/F)
+//   forced to sum (fp32/bf16), F' = F or N     -           F'           SUM                 SUM
+//   overflow risk (fp16), F' = F or N          p           F' / p       SUM                 SUM
+//
+// p starts at 1 and doubles while F' is divisible by p and F' / p > p (about sqrt(F'), so an fp16
+// sum neither overflows nor underflows). The result is the mean over all N ranks without F, the
+// sum over them divided by F with it. ProcessGroup has no PREMUL_SUM (NCCL's "multiply each
+// input by a scalar, then sum"): it is done exactly as defined, the reduce-scatter input
+// multiplied by `premul` = 1/F and then a SUM.
 struct GradientDivision {
-  ReduceOp op;
-  double pre;
-  double post;
-};
-GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t world);
+  double pre_divide = 1.0;   // the reduce-scatter input is divided by it first
+  double premul = 1.0;       // then multiplied by it (PREMUL_SUM's scalar; 1 when not used)
+  ReduceOp reduce_scatter_op = ReduceOp::kSum;
+  ReduceOp all_reduce_op = ReduceOp::kSum;
+  double post_divide = 1.0;  // the reduced output is divided by it last
 
-// Reduces the unsharded gradients of the `reduced` parameters over `group` in `dtypes.reduce`
-// (the mean over its ranks, like PyTorch's FSDP) and releases them. Over several ranks: copies
-// them into a rank-major reduce-scatter input laid out by reduce_scatter_layout (a reduced
-// parameter without a gradient contributes zeros: see set_reduce_scatter_unused_params) and
-// issues the reduce-scatter; the caller waits, then calls foreach_reduce_copy_out. On one rank
-// the gradient is the shard's: it is cast (through the reduce dtype) and handed to the sharded
-// leaf at once (zeros for a reduced parameter without one), and nothing is issued. Every rank
-// must pass the same `reduced` (sizes must match). Collective over `group`; returns at once.
+  // True when the reduction of a single rank is the identity (nothing divided, nothing scaled).
+  bool is_identity() const { return pre_divide == 1.0 && premul == 1.0 && post_divide == 1.0; }
+};
+GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t shard_size, int64_t replicate_size,
+                                   std::optional<double> divide_factor, bool force_sum_reduction);
+
+struct ReduceScatterResult {
+  WorkHandle work;    // null when nothing was issued (a shard group of one rank)
+  at::Tensor output;  // this rank's reduced padded shards of `params`, one row of `layout` (reduce dtype)
+  GradientDivision division;  // what was applied, and what the output still needs (post_divide)
+  ReducedParams params;       // which of the group's parameters the output holds
+  RankMajorLayout layout;     // of the reduce-scatter input; `output` is one of its rows
+};
+
+// Reduces the unsharded gradients of the `reduced` parameters over `group` in `reduce_dtype`,
+// divided as `division` says, and releases them: copies them into a rank-major reduce-scatter
+// input laid out by reduce_scatter_layout (a reduced parameter without a gradient contributes
+// zeros: see set_reduce_scatter_unused_params), applies the pre-division, and issues the
+// reduce-scatter; the caller waits, then calls foreach_reduce_copy_out. On a group of one rank
+// the input (one row) is the output and nothing is issued. Every rank must pass the same
+// `reduced` (sizes must match). Collective over `group`; returns at once.
 ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
-                                   const GroupDtypes& dtypes, const GroupDevices& devices);
+                                   at::ScalarType reduce_dtype, const GradientDivision& division);
+// On a shard group of one rank with nothing else to do (no all-reduce, no division, no hook):
+// each unsharded gradient of the `reduced` parameters has the shard's shape already, so it is
+// cast (through the reduce dtype, as a reduction would) and handed to the sharded leaf at once,
+// without a copy when no cast or offload is needed (zeros for a reduced parameter without
+// one). Not collective.
+void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& reduced, const GroupDtypes& dtypes,
+                              const GroupDevices& devices);
 // The reduce-scatter input in `reduce_dtype`: the all-gather layout of the reduced subset in
 // reverse, row q = piece q of every reduced parameter's unsharded gradient (zeros for one
 // without a gradient). Releases those unsharded gradients.
 at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced,
                                   const RankMajorLayout& layout, at::ScalarType reduce_dtype);
+// HSDP: issues the all-reduce of a finished reduce-scatter's output, in place, over the
+// replicate group with `division.all_reduce_op`. Collective over `replicate_group`; returns at
+// once (it runs on that group's own communication thread, beside the shard group's collectives).
+WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group);
 // After the reduce-scatter finished: finishes the division, casts the output to `orig_dtype` on
 // the shards' device (host memory under CPU offload) and gives each parameter of
 // `result.params` a gradient that is a view of its piece (padding left out), or adds it to the

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 namespace fsdp {
@@ -85,8 +86,30 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
 
 void FSDPModule::set_requires_gradient_sync(bool requires_gradient_sync, bool recurse) {
   for (FSDPState* st : states(recurse)) {
-    if (st->group()) st->group()->set_reduce_grads(requires_gradient_sync);
+    if (!st->group()) continue;
+    st->group()->set_reduce_grads(requires_gradient_sync);
+    st->group()->set_all_reduce_grads(requires_gradient_sync);
   }
+}
+
+void FSDPModule::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
+  for (FSDPState* st : states(recurse)) {
+    if (st->group()) st->group()->set_all_reduce_grads(requires_all_reduce);
+  }
+}
+
+void FSDPModule::set_gradient_divide_factor(double factor) {
+  TORCH_CHECK(factor > 0 && std::isfinite(factor), "fsdp::FSDPModule::set_gradient_divide_factor: the factor must be "
+              "positive and finite, got ", factor);
+  if (FSDPParamGroup* g = states(false).front()->group()) g->set_gradient_divide_factor(factor);
+}
+
+void FSDPModule::set_force_sum_reduction_for_comms(bool enable) {
+  if (FSDPParamGroup* g = states(false).front()->group()) g->set_force_sum_reduction_for_comms(enable);
+}
+
+void FSDPModule::set_all_reduce_hook(std::function<void(at::Tensor&)> hook) {
+  if (FSDPParamGroup* g = states(false).front()->group()) g->set_all_reduce_hook(std::move(hook));
 }
 
 void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recurse) {

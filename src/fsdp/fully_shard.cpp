@@ -3,6 +3,7 @@
 // parameter -> record index behind as_dtensor.
 #include <fsdp/fully_shard.h>
 
+#include "src/fsdp/mesh_info.h"
 #include "src/fsdp/policies.h"
 #include "src/fsdp/state.h"
 
@@ -92,7 +93,9 @@ void collect_managed(const std::shared_ptr<torch::nn::Module>& m, bool top,
 // to keep the parameters unsharded from forward to backward. The one place the option is
 // interpreted. Unset means true here; lazy initialisation turns it off for a root. An int k
 // with 1 < k < shard group size creates the group of this rank's k consecutive shard ranks
-// (collective over them).
+// (collective over them). Under HSDP k stays within this rank's shard group (its replica): each
+// replica's post-forward groups are its own k-rank blocks. (PyTorch's FSDP2 instead views the
+// whole 2-D mesh as rows of k ranks; for k dividing the shard size both give the same blocks.)
 std::shared_ptr<ProcessGroup> post_forward_group(const ReshardAfterForward& option,
                                                  const std::shared_ptr<ProcessGroup>& shard_group) {
   if (option.is_unset()) return shard_group;
@@ -122,9 +125,9 @@ std::unordered_map<const torch::nn::Module*, std::string> module_prefixes(
 // several modules), as records of their sharding over `mesh`.
 FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>& managed,
                           const std::unordered_map<const torch::nn::Module*, std::string>& prefix,
-                          const DeviceMesh& mesh) {
-  const int64_t world = mesh.size(0);
-  const int64_t rank = mesh.get_local_rank(0);
+                          const MeshInfo& mesh) {
+  const int64_t world = mesh.shard_size();
+  const int64_t rank = mesh.shard_rank();
   FSDPParams params;
   std::set<const c10::TensorImpl*> seen;
   ParamIndex& index = param_index();
@@ -170,11 +173,9 @@ void register_shards(const std::vector<std::shared_ptr<torch::nn::Module>>& mana
   }
 }
 
-DeviceMesh checked_mesh(const FullyShardOptions& options) {
-  DeviceMesh mesh = options.mesh().valid() ? options.mesh() : default_mesh();
-  TORCH_CHECK(mesh.ndim() == 1, "fully_shard: a ", mesh.ndim(), "-D mesh (HSDP) is not supported yet by fsdp-cpp; "
-              "pass a 1-D mesh");
-  return mesh;
+// A 1-D mesh (FSDP) or a 2-D mesh with dim names (HSDP: replicate over dim 0, shard over dim 1).
+MeshInfo checked_mesh(const FullyShardOptions& options) {
+  return mesh_info_of(options.mesh().valid() ? options.mesh() : default_mesh());
 }
 
 }  // namespace
@@ -190,7 +191,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     TORCH_CHECK(!is_replicated(*m), "fully_shard: this ", m->name(), " is managed by replicate(); a module is either "
                 "sharded (fully_shard) or replicated (replicate), not both");
   }
-  const DeviceMesh mesh = detail::checked_mesh(options);
+  const detail::MeshInfo mesh_info = detail::checked_mesh(options);
+  const DeviceMesh& mesh = mesh_info.mesh;
   detail::check_mp_policy(options.mp_policy(), mesh);
   detail::check_offload_policy(options.offload_policy());
   std::vector<std::shared_ptr<torch::nn::Module>> managed;
@@ -198,10 +200,10 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   for (const auto& m : modules) detail::collect_managed(m, true, managed, seen);
   const auto prefix = detail::module_prefixes(modules);
 
-  detail::FSDPParams params = detail::collect_params(managed, prefix, mesh);
+  detail::FSDPParams params = detail::collect_params(managed, prefix, mesh_info);
   std::unique_ptr<detail::FSDPParamGroup> group;
   if (!params.empty()) {
-    auto post_forward = detail::post_forward_group(options.reshard_after_forward(), mesh.get_group(0));
+    auto post_forward = detail::post_forward_group(options.reshard_after_forward(), mesh_info.shard_group());
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), mesh, prefix.at(modules.front().get()),
                                                      std::move(post_forward), options.mp_policy(),
                                                      options.offload_policy());
@@ -223,8 +225,8 @@ DTensor as_dtensor(const at::Tensor& param) {
   const auto* entry = index.find_any(param);
   auto state = entry ? entry->state.lock() : nullptr;
   TORCH_CHECK(state && state->group(), "fsdp::as_dtensor: this tensor is not a parameter sharded by fully_shard");
-  return DTensor::from_local(entry->param->sharded(), state->group()->mesh(), {Shard(0)},
-                             entry->param->global_shape());
+  const detail::MeshInfo& mesh = state->group()->mesh_info();
+  return DTensor::from_local(entry->param->sharded(), mesh.mesh, mesh.placements(), entry->param->global_shape());
 }
 
 bool is_sharded_parameter(const at::Tensor& param) {

@@ -8,6 +8,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace fsdp {
 namespace detail {
 namespace {
@@ -50,23 +52,69 @@ void wait_for(const WorkHandle& work, const char* kind, const std::string& modul
 }  // namespace
 
 void CommContext::finish_reductions(bool wait_all) {
+  start_all_reduces(wait_all);
+  write_reduced_gradients(wait_all);
+}
+
+// Waits for `r`'s reduce-scatter and starts what follows it. A failed collective leaves the
+// process group unusable: every pending reduction is dropped, so none is waited for again.
+void CommContext::complete_reduce_scatter(PendingReduction& r) {
+  try {
+    if (r.reduce_scatter.work) wait_for(r.reduce_scatter.work, "reduce_scatter", r.group->module_fqn());
+  } catch (...) {
+    reductions.clear();
+    throw;
+  }
+  r.reduce_scattered = true;
+  r.group->after_reduce_scatter(r);
+}
+
+// In issue order (the same on every rank, so the replicate group sees the same sequence of
+// all-reduces everywhere): each finished reduce-scatter takes its next step at once, so an HSDP
+// all-reduce starts as soon as its input exists instead of after a later reduce-scatter.
+void CommContext::start_all_reduces(bool wait_all) {
+  for (PendingReduction& r : reductions) {
+    if (r.reduce_scattered) continue;
+    const WorkHandle& work = r.reduce_scatter.work;
+    if (work && !wait_all && !work->is_completed()) return;
+    complete_reduce_scatter(r);
+  }
+}
+
+// Gradients are written in issue order, each once every collective of its reduction finished.
+// A group with an all-reduce hook waits for the end of backward: when ranks poll, each reaches a
+// finished collective at its own moment, and a hook that runs a blocking collective there could
+// wait for a rank that waits for this one; at the end of backward every rank is at the same point.
+void CommContext::write_reduced_gradients(bool wait_all) {
   while (!reductions.empty()) {
     PendingReduction& r = reductions.front();
-    if (!wait_all && !r.result.work->is_completed()) break;
+    if (!r.reduce_scattered) return;
+    if (!wait_all && r.group->has_all_reduce_hook()) return;
+    if (r.all_reduce) {
+      if (!wait_all && !r.all_reduce->is_completed()) return;
+      try {
+        wait_for(r.all_reduce, "all_reduce", r.group->module_fqn());
+      } catch (...) {
+        reductions.clear();
+        throw;
+      }
+    }
     PendingReduction done = std::move(r);
-    reductions.pop_front();  // first: a failed wait must not leave it to be waited for again
-    wait_for(done.result.work, "reduce_scatter", done.group->module_fqn());
-    done.group->finish_reduction(done.result);
+    reductions.pop_front();
+    if (done.next != PendingReduction::Next::kKeepPartial) done.group->finish_reduction(done);
   }
 }
 
 void CommContext::make_room_for_reduction(int64_t max_in_flight) {
-  while (static_cast<int64_t>(reductions.size()) >= max_in_flight) {
-    PendingReduction oldest = std::move(reductions.front());
-    reductions.pop_front();
-    wait_for(oldest.result.work, "reduce_scatter", oldest.group->module_fqn());
-    oldest.group->finish_reduction(oldest.result);
+  int64_t unfinished = 0;
+  for (const PendingReduction& r : reductions) unfinished += r.reduce_scattered ? 0 : 1;
+  for (PendingReduction& r : reductions) {
+    if (unfinished < max_in_flight) break;
+    if (r.reduce_scattered) continue;
+    complete_reduce_scatter(r);
+    --unfinished;
   }
+  write_reduced_gradients(false);
 }
 
 FSDPParamGroup::FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
@@ -74,7 +122,9 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string m
                                const std::optional<CPUOffloadPolicy>& offload_policy)
     : params_(std::move(params)),
       mesh_(std::move(mesh)),
-      shard_group_(mesh_.get_group(0)),
+      mesh_info_(mesh_info_of(mesh_)),
+      shard_group_(mesh_info_.shard_group()),
+      replicate_group_(mesh_info_.replicate_group()),
       module_fqn_(std::move(module_fqn)),
       devices_(resolve_group_devices(mesh_, offload_policy)),
       offloaded_(offload_policy.has_value()),
@@ -263,12 +313,21 @@ void FSDPParamGroup::set_max_reductions_in_flight(int64_t k) {
 
 // The trainable parameters with a gradient, or every trainable one when unused parameters are
 // reduced too. Frozen parameters never take part: they have no gradient on any rank.
+// HSDP micro-batches summed before one all-reduce (set_requires_all_reduce(false)) must share a
+// layout, so they carry every trainable parameter too.
 ReducedParams FSDPParamGroup::params_to_reduce() const {
+  const bool partial_sums = replicate_group_ && (!all_reduce_grads_ || partial_reduce_output_.defined());
   ReducedParams reduced;
   for (size_t i = 0; i < params_.size(); ++i) {
     const FSDPParam& p = *params_[i];
-    if (p.requires_grad() && (reduce_scatter_unused_params_ || p.has_unsharded_grad())) reduced.push_back(i);
+    if (p.requires_grad() && (reduce_scatter_unused_params_ || partial_sums || p.has_unsharded_grad()))
+      reduced.push_back(i);
   }
+  // Without unused-parameter reduction, a backward that gave none of them a gradient reduces
+  // nothing, as without HSDP.
+  const bool any_grad = std::any_of(reduced.begin(), reduced.end(),
+                                    [&](size_t i) { return params_[i]->has_unsharded_grad(); });
+  if (partial_sums && !reduce_scatter_unused_params_ && !any_grad) return {};
   return reduced;
 }
 
@@ -281,6 +340,23 @@ void FSDPParamGroup::keep_unsynced_grads() {
   }
 }
 
+// The division for this backward, from the group's sizes and the user's settings.
+GradientDivision FSDPParamGroup::current_gradient_division() const {
+  const int64_t replicas = replicate_group_ ? replicate_group_->size() : 1;
+  return gradient_division(dtypes_.reduce, shard_group_->size(), replicas, gradient_divide_factor_,
+                           force_sum_reduction_);
+}
+
+// One rank with nothing to reduce, divide or show a hook: the gradients are the shards' already.
+bool FSDPParamGroup::can_hand_over_gradients(const GradientDivision& division) const {
+  return shard_group_->size() == 1 && !replicate_group_ && !all_reduce_hook_ && division.is_identity();
+}
+
+PendingReduction::Next FSDPParamGroup::next_after_reduce_scatter() const {
+  if (!replicate_group_) return PendingReduction::Next::kWriteGrads;
+  return all_reduce_grads_ ? PendingReduction::Next::kAllReduce : PendingReduction::Next::kKeepPartial;
+}
+
 void FSDPParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
   reduced_in_this_backward_ = true;
@@ -290,12 +366,18 @@ void FSDPParamGroup::post_backward() {
     if (reshard_after_backward_) reshard();
     return;
   }
+  const GradientDivision division = current_gradient_division();
+  const bool hand_over = can_hand_over_gradients(division);
   // Checked before anything is issued: a reduce-scatter nobody would wait for must not start.
-  TORCH_CHECK(comm_ != nullptr || shard_group_->size() == 1, "internal: post_backward of '", module_fqn_,
+  TORCH_CHECK(comm_ != nullptr || hand_over, "internal: post_backward of '", module_fqn_,
               "' before lazy initialisation");
   // The gradients are tensors of their own: the parameters can be freed before the copy-in.
   if (reshard_after_backward_) reshard();
-  issue_reduce_scatter(reduced);
+  if (hand_over) {
+    foreach_reduce_hand_over(params_, reduced, dtypes_, devices_);
+    return;
+  }
+  issue_reduce_scatter(reduced, division);
 }
 
 void FSDPParamGroup::post_backward_ahead() {
@@ -303,21 +385,63 @@ void FSDPParamGroup::post_backward_ahead() {
   post_backward();
 }
 
-void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced) {
-  if (comm_) comm_->make_room_for_reduction(max_reductions_in_flight_);
-  ReduceScatterResult result = foreach_reduce(params_, reduced, *reduce_scatter_group(), dtypes_, devices_);
-  if (!result.work) return;  // one rank: the grads were handed over, nothing in flight
-  comm_->reductions.push_back({std::move(result), this});
-}
-
-void FSDPParamGroup::finish_reduction(const ReduceScatterResult& reduced) {
-  foreach_reduce_copy_out(reduced, params_, dtypes_.orig, devices_);
+void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const GradientDivision& division) {
+  comm_->make_room_for_reduction(max_reductions_in_flight_);
+  ReduceScatterResult result = foreach_reduce(params_, reduced, *reduce_scatter_group(), dtypes_.reduce, division);
+  comm_->reductions.push_back(PendingReduction{this, std::move(result), next_after_reduce_scatter(), false, nullptr});
 }
 
 void FSDPParamGroup::end_backward() {
   training_state_ = TrainingState::kIdle;
   reduced_in_this_backward_ = false;
   reduced_ahead_ = false;
+}
+
+void FSDPParamGroup::after_reduce_scatter(PendingReduction& r) {
+  switch (r.next) {
+    case PendingReduction::Next::kWriteGrads:
+      return;
+    case PendingReduction::Next::kKeepPartial:
+      keep_partial_reduce_output(r.reduce_scatter.output);
+      return;
+    case PendingReduction::Next::kAllReduce:
+      add_partial_reduce_output(r.reduce_scatter.output);
+      r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
+      return;
+  }
+}
+
+// The first micro-batch's output becomes the partial sum; later ones are added to it.
+void FSDPParamGroup::keep_partial_reduce_output(const at::Tensor& output) {
+  if (partial_reduce_output_.defined()) {
+    partial_reduce_output_.add_(output);
+  } else {
+    partial_reduce_output_ = output;
+  }
+}
+
+// The micro-batches reduce-scattered without all-reduce join this one's all-reduce.
+void FSDPParamGroup::add_partial_reduce_output(const at::Tensor& output) {
+  if (!partial_reduce_output_.defined()) return;
+  output.add_(partial_reduce_output_);
+  partial_reduce_output_ = at::Tensor();
+}
+
+void FSDPParamGroup::run_all_reduce_hook(at::Tensor& output) const {
+  if (!all_reduce_hook_) return;
+  const at::Tensor before = output;
+  all_reduce_hook_(output);
+  TORCH_CHECK(output.defined() && output.numel() == before.numel() && output.scalar_type() == before.scalar_type(),
+              "fsdp: the all-reduce hook of '", module_fqn_, "' must modify the reduce output in place (or replace "
+              "it by a tensor of ", before.numel(), " elements of ", before.scalar_type(), "), but it left ",
+              output.defined() ? std::to_string(output.numel()) + " elements of " + c10::toString(output.scalar_type())
+                               : std::string("an undefined tensor"));
+  if (!output.is_contiguous()) output = output.contiguous();
+}
+
+void FSDPParamGroup::finish_reduction(PendingReduction& r) {
+  run_all_reduce_hook(r.reduce_scatter.output);
+  foreach_reduce_copy_out(r.reduce_scatter, params_, dtypes_.orig, devices_);
 }
 
 void FSDPParamGroup::finalize_backward() {

@@ -5,16 +5,22 @@
 // Where each collective is issued and who waits for it (all in param_group.cpp):
 //   all-gather:      unshard() issues it (from pre-forward, pre-backward, a prefetch, or the
 //                    user's FSDPModule::unshard); wait_for_unshard() waits and copies out.
-//   reduce-scatter:  post_backward() issues it (on reduce_scatter_group()); first,
-//                    CommContext::make_room_for_reduction() waits for the oldest in flight
-//                    when the group's limit is reached. CommContext::finish_reductions() waits
-//                    for the rest (the next post-backward, for those already done, and the
-//                    end of the last backward, for all).
+//   reduce-scatter:  post_backward() issues it (on reduce_scatter_group(): the shard group, or
+//                    its own group); first, CommContext::make_room_for_reduction() waits for
+//                    the oldest reduce-scatter in flight when the group's limit is reached.
+//                    CommContext::finish_reductions() waits for the rest (the next
+//                    post-backward, for those already done, and the end of the last backward,
+//                    for all) and hands each to after_reduce_scatter().
+//   all-reduce:      HSDP only: after_reduce_scatter() issues it over the replicate group as soon
+//                    as the reduce-scatter finished, so it runs on that group's own thread beside
+//                    the next reduce-scatter and all-gather; finish_reductions() waits for it
+//                    before finish_reduction() writes the sharded gradients.
 #pragma once
 
 #include "src/fsdp/collectives.h"
 #include "src/fsdp/common.h"
 #include "src/fsdp/fsdp_param.h"
+#include "src/fsdp/mesh_info.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/mixed_precision.h>
@@ -24,6 +30,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,6 +40,20 @@ namespace fsdp {
 namespace detail {
 
 class FSDPParamGroup;
+
+// One group's gradient reduction, from its post-backward until its gradients are written.
+struct PendingReduction {
+  // What follows the reduce-scatter: writing the sharded gradients (FSDP), an all-reduce over the
+  // replicate group first (HSDP), or keeping the output as a partial sum for a later backward
+  // (HSDP with set_requires_all_reduce(false)).
+  enum class Next { kWriteGrads, kAllReduce, kKeepPartial };
+
+  FSDPParamGroup* group;
+  ReduceScatterResult reduce_scatter;
+  Next next;
+  bool reduce_scattered = false;  // its reduce-scatter was waited for and `next` was started
+  WorkHandle all_reduce;          // Next::kAllReduce: issued once the reduce-scatter finished
+};
 
 // Shared by every group under one root (created by the root's lazy init).
 struct CommContext {
@@ -44,18 +65,22 @@ struct CommContext {
   std::vector<FSDPParamGroup*> forward_order;
   std::vector<FSDPParamGroup*> last_forward_order;
 
-  struct PendingReduction {
-    ReduceScatterResult result;
-    FSDPParamGroup* group;
-  };
   std::deque<PendingReduction> reductions;  // in issue order
 
-  // Writes the gradients of finished reduce-scatters into the sharded params, in issue order.
-  // With wait_all, waits for every pending one; otherwise stops at the first still running.
+  // Moves every pending reduction on as far as it can, in issue order: a finished reduce-scatter
+  // starts its all-reduce (HSDP), and a reduction whose collectives finished writes its
+  // gradients. With wait_all, waits for everything; otherwise waits for nothing.
   void finish_reductions(bool wait_all);
-  // Before a group issues one more reduce-scatter: while `max_in_flight` (>= 1) are pending,
-  // waits for the oldest and writes its gradients, so that at most that many inputs are alive.
+  // Before a group issues one more reduce-scatter: while `max_in_flight` (>= 1) reduce-scatters
+  // are unfinished, waits for the oldest and starts what follows it (its all-reduce, or the
+  // writing of its gradients), so that at most that many reduce-scatter inputs are alive. An
+  // HSDP all-reduce already issued keeps running.
   void make_room_for_reduction(int64_t max_in_flight);
+
+ private:
+  void complete_reduce_scatter(PendingReduction& r);
+  void start_all_reduces(bool wait_all);
+  void write_reduced_gradients(bool wait_all);
 };
 
 class FSDPParamGroup {
@@ -73,7 +98,10 @@ class FSDPParamGroup {
 
   const FSDPParams& params() const { return params_; }
   const DeviceMesh& mesh() const { return mesh_; }
+  const MeshInfo& mesh_info() const { return mesh_info_; }
   const std::shared_ptr<ProcessGroup>& shard_group() const { return shard_group_; }
+  // HSDP: the group gradients are all-reduced over after the reduce-scatter; null otherwise.
+  const std::shared_ptr<ProcessGroup>& replicate_group() const { return replicate_group_; }
   const std::string& module_fqn() const { return module_fqn_; }
   const GroupDtypes& dtypes() const { return dtypes_; }
   const GroupDevices& devices() const { return devices_; }
@@ -94,6 +122,17 @@ class FSDPParamGroup {
   // gradients keep accumulating) and whether it frees the unsharded parameters.
   void set_reduce_grads(bool reduce) { reduce_grads_ = reduce; }
   void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
+  // HSDP: whether the reduce-scatter output is all-reduced over the replicate group (false: it is
+  // summed into the partial reduce output and no sharded gradient is written). No effect on FSDP.
+  void set_all_reduce_grads(bool all_reduce) { all_reduce_grads_ = all_reduce; }
+  // The division of gradients (collectives.h gradient_division): a custom factor (nullopt: the
+  // default mean), and SUM-only collectives with the division done separately.
+  void set_gradient_divide_factor(std::optional<double> factor) { gradient_divide_factor_ = factor; }
+  void set_force_sum_reduction_for_comms(bool force_sum) { force_sum_reduction_ = force_sum; }
+  // Called with every reduce output once its collectives finished, before the last division and
+  // before the sharded gradients are written, at the end of backward. Empty: none.
+  void set_all_reduce_hook(std::function<void(at::Tensor&)> hook) { all_reduce_hook_ = std::move(hook); }
+  bool has_all_reduce_hook() const { return static_cast<bool>(all_reduce_hook_); }
 
   // Gradient-reduction controls of FSDPModule (see fsdp_module.h for their meaning).
   // Whether trainable parameters without a gradient join the reduce-scatter with zeros.
@@ -140,16 +179,25 @@ class FSDPParamGroup {
   // Index in CommContext::post_forward_order of this group's latest post-forward, or -1.
   int64_t pop_post_forward_index();
 
-  // Gradients of a finished reduce-scatter -> the sharded params' grads.
-  void finish_reduction(const ReduceScatterResult& reduced);
+  // After `r`'s reduce-scatter finished: issues its all-reduce, or folds it into the partial
+  // reduce output, as r.next says (CommContext::finish_reductions).
+  void after_reduce_scatter(PendingReduction& r);
+  // After all of `r`'s collectives finished: the all-reduce hook, then the sharded params' grads.
+  void finish_reduction(PendingReduction& r);
 
   // Bytes of unsharded parameter storage currently allocated (0 when resharded).
   int64_t unsharded_bytes() const;
 
  private:
   ReducedParams params_to_reduce() const;
-  void issue_reduce_scatter(const ReducedParams& reduced);
+  void issue_reduce_scatter(const ReducedParams& reduced, const GradientDivision& division);
   void keep_unsynced_grads();
+  GradientDivision current_gradient_division() const;
+  bool can_hand_over_gradients(const GradientDivision& division) const;
+  PendingReduction::Next next_after_reduce_scatter() const;
+  void keep_partial_reduce_output(const at::Tensor& output);
+  void add_partial_reduce_output(const at::Tensor& output);
+  void run_all_reduce_hook(at::Tensor& output) const;
   void drop_pending_all_gather();
   void check_shards_intact() const;
   void free_unsharded_params();
@@ -158,7 +206,9 @@ class FSDPParamGroup {
 
   FSDPParams params_;
   DeviceMesh mesh_;
+  MeshInfo mesh_info_;
   std::shared_ptr<ProcessGroup> shard_group_;
+  std::shared_ptr<ProcessGroup> replicate_group_;  // HSDP only
   std::string module_fqn_;
   CommContext* comm_ = nullptr;
 
@@ -174,6 +224,13 @@ class FSDPParamGroup {
   at::Tensor post_forward_shard_;                     // kShardedPostForward: this rank's 1/k
 
   bool reduce_grads_ = true;
+  bool all_reduce_grads_ = true;
+  std::optional<double> gradient_divide_factor_;
+  bool force_sum_reduction_ = false;
+  std::function<void(at::Tensor&)> all_reduce_hook_;
+  // HSDP without all-reduce: the sum of the reduce-scatter outputs not all-reduced yet (reduce
+  // dtype, the flat shard's layout); added before the next all-reduce. Undefined when none.
+  at::Tensor partial_reduce_output_;
   bool reshard_after_backward_ = true;
   bool prefetched_in_forward_ = false;  // issued by a forward prefetch, not yet consumed
   bool reduce_scatter_unused_params_ = false;
