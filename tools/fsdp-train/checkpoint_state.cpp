@@ -36,7 +36,9 @@ ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimi
   for (const auto& item : sharded_state_dict(model)) sd.insert(kModelPrefix + item.key(), item.value());
   for (const auto& item : sharded_optimizer_state_dict(model, optimizer))
     sd.insert(kOptimPrefix + item.key(), item.value());
-  auto replicated = [&](const at::Tensor& t) { return DTensor::from_local(t, mesh, {Replicate()}); };
+  auto replicated = [&](const at::Tensor& t) {
+    return DTensor::from_local(t, mesh, std::vector<Placement>(mesh.ndim(), Replicate()));
+  };
   const std::vector<int64_t> numbers{counters.steps_done, counters.tokens_seen};
   sd.insert(kCountersKey, replicated(at::tensor(numbers, at::kLong)));
   sd.insert(kRngKey, replicated(at::detail::getDefaultCPUGenerator().get_state()));
