@@ -268,6 +268,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"training", "micro_batch_size", int_at_least(t.micro_batch_size, 1)},
       {"training", "gradient_accumulation_steps", int_at_least(t.gradient_accumulation_steps, 1)},
       {"training", "seq_len", int_at_least(t.seq_len, 0)},
+      {"training", "loss_chunks", int_at_least(t.loss_chunks, 1)},
       {"training", "max_grad_norm", number(t.max_grad_norm, 0.0, true)},
       {"training", "seed", [&t](const YAML::Node& n) { t.seed = to_int(n); }},
       {"training", "resume",
