@@ -39,7 +39,8 @@ Transformer make_transformer(double dropout, int64_t checkpoint_every_k) {
 }
 
 at::Tensor tokens(int64_t step) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + step + 1000 * fsdp::get_rank());
+  const int64_t rank = fsdp::is_initialized() ? fsdp::get_rank() : 0;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + step + 1000 * rank);
   return at::randint(0, kVocab, {2, kSeq}, gen);
 }
 
@@ -128,7 +129,9 @@ TEST(ChunkedLoss, EqualsTheWholeLogitsLossAndGradsUnsharded) {
 
       EXPECT_EQ(got.scalar_type(), at::kFloat) << what;
       EXPECT_EQ(got.dim(), 0) << what;
-      if (chunks == 1) EXPECT_TRUE(at::equal(got, want)) << what;
+      if (chunks == 1) {
+        EXPECT_TRUE(at::equal(got, want)) << what;
+      }
       EXPECT_LT(std::abs(got.item<double>() - want.item<double>()), 1e-6) << what;
       expect_same_grads(*model, *ref, /*sharded=*/false, what);
 
@@ -171,7 +174,7 @@ TEST(ChunkedLoss, ForwardKeepsOnePiecesLogitsAtATime) {
 TEST(ChunkedLoss, RefusesBadPiecesAndTargets) {
   auto model = make_transformer(0.0, 0);
   const at::Tensor toks = tokens(0);
-  for (int64_t chunks : {0, -1, kSeq + 1}) {
+  for (int64_t chunks : {int64_t{0}, int64_t{-1}, kSeq + 1}) {
     try {
       chunked_loss(model, toks, targets_of(toks), chunks);
       ADD_FAILURE() << "chunks=" << chunks << " was accepted";
