@@ -408,6 +408,8 @@ std::vector<BadCase> bad_cases() {
       {"WorldSizeMismatch", "", {"--fsdp_config.world_size=4"}, "fsdp_config.world_size is 4 but the launcher started 2", 2},
       {"SeqLongerThanModel", "", {"--training.seq_len=999"}, "training.seq_len (999) is longer than model.max_seq_len (16)"},
       {"LossChunksZero", "", {"--training.loss_chunks=0"}, "training.loss_chunks: must be >= 1, got 0"},
+      {"LossChunksWithNoShard", "", {"--training.loss_chunks=2", "--fsdp_config.sharding_strategy=NO_SHARD"},
+       "training.loss_chunks: 2 (> 1) with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
       {"LossChunksMoreThanPositions", "", {"--training.seq_len=8", "--training.loss_chunks=9"},
        "training.loss_chunks (9) is more than the sequence has positions (training.seq_len 8)"},
       {"HeadsDoNotDivideDim", "", {"--model.n_heads=5"}, "model.dim (16) must be divisible by model.n_heads (5)"},

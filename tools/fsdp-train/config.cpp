@@ -580,6 +580,13 @@ void check_supported(const TrainConfig& cfg) {
                   "supported: non-reentrant checkpointing needs saved-tensor hooks, which LibTorch's C++ API does "
                   "not have; set fsdp_config.use_reentrant: true");
   }
+  if (cfg.training.loss_chunks > 1 && f.sharding_strategy == ShardingStrategy::NO_SHARD) {
+    bad.push_back("training.loss_chunks: " + std::to_string(cfg.training.loss_chunks) +
+                  " (> 1) with fsdp_config.sharding_strategy: NO_SHARD is not supported: every piece's "
+                  "checkpointed backward gives the output head's weight another gradient, and fsdp::replicate "
+                  "all-reduces a bucket at its parameters' first gradient; use training.loss_chunks: 1 or a "
+                  "sharded strategy");
+  }
   if (f.offload_optimizer_state != f.offload_params) {
     bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") + (f.offload_optimizer_state ? "true" : "false") +
                   " differs from fsdp_config.offload_params: " + (f.offload_params ? "true" : "false") +
