@@ -1,6 +1,8 @@
 #!/usr/bin/python3
 """Peak tensor memory and step time of fsdp-train with activation checkpointing: none, every
-block, every second block, in alternating runs of the same configuration.
+block, every second block, and every block with the loss in pieces of the sequence
+(training.loss_chunks: each piece's logits checkpointed), in alternating runs of the same
+configuration.
 
 For each setting, rank 0's JSONL metrics give, per step, the live tensor bytes after the step
 (the sharded-state floor: parameters, gradients and optimizer state of this rank's shards) and
@@ -9,6 +11,7 @@ steps), its ratio to no checkpointing, and the median step time and its ratio.
 
     /usr/bin/python3 bench/activation_memory.py --out bench/results/activation_memory/DIR
     /usr/bin/python3 bench/activation_memory.py --preset medium --world 2 --seq 512 --batch 2 --steps 4 --pairs 1
+    /usr/bin/python3 bench/activation_memory.py --out DIR --settings "none,every block + loss in 8 pieces"
 
 Only the standard library is needed. OPENBLAS_CORETYPE is passed through (see docs/blas.md).
 """
@@ -29,6 +32,10 @@ SETTINGS = {  # name -> fsdp-train overrides
     "every block": ["--fsdp_config.activation_checkpointing=true", "--fsdp_config.activation_checkpointing_every=1"],
     "every 2nd block": ["--fsdp_config.activation_checkpointing=true",
                         "--fsdp_config.activation_checkpointing_every=2"],
+    "every block + loss in 8 pieces": ["--fsdp_config.activation_checkpointing=true",
+                                       "--fsdp_config.activation_checkpointing_every=1", "--training.loss_chunks=8"],
+    "every block + loss in 32 pieces": ["--fsdp_config.activation_checkpointing=true",
+                                        "--fsdp_config.activation_checkpointing_every=1", "--training.loss_chunks=32"],
 }
 
 
@@ -76,12 +83,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the figures")
-    p.add_argument("--pairs", type=int, default=1, help="rounds of the three settings, in alternation")
+    p.add_argument("--pairs", type=int, default=1, help="rounds of the settings, in alternation")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help="comma-separated names of the settings to run; 'none' (the baseline) is always run")
     a = p.parse_args()
+    names = ["none"] + [n.strip() for n in a.settings.split(",") if n.strip() and n.strip() != "none"]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        sys.exit(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
     os.makedirs(a.out, exist_ok=True)
-    results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    results: dict[str, list[dict]] = {name: [] for name in names}
     for pair in range(1, a.pairs + 1):
-        for name in SETTINGS:
+        for name in names:
             results[name].append(run(a, name, pair))
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

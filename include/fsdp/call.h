@@ -43,27 +43,56 @@
 
 namespace fsdp {
 
+namespace detail {
+
+// The body of fsdp::call and fsdp::call_method: `invoke(args...)` runs the module's entry point;
+// around it pre-forward and post-forward when the module is an FSDP module.
+template <typename Result, typename ModulePtr, typename Invoke, typename... Args>
+Result call_with_hooks(ModulePtr& module, Invoke invoke, Args&&... args) {
+  FSDPState* state = state_of(*module);
+  if (state == nullptr) return invoke(std::forward<Args>(args)...);
+
+  std::vector<at::Tensor> inputs = pre_forward(*state, *module, tensor_args(args...));
+  ArgSubstituter substitute{inputs};
+  // A braced list evaluates left to right, so replacements are taken in argument order.
+  std::tuple<decltype(substitute(std::forward<Args>(args)))...> call_args{substitute(std::forward<Args>(args))...};
+  try {
+    Result result = std::apply(invoke, std::move(call_args));
+    run_post_forward(*state, *module, result);
+    return result;
+  } catch (...) {
+    rethrow_forward_error(*state);
+  }
+}
+
+}  // namespace detail
+
 // Calls module->forward(args...) with FSDP's hooks around it when the module is an FSDP module.
 // `module` is a ModuleHolder (e.g. torch::nn::Linear) or a std::shared_ptr to a module.
 // Not thread-safe with respect to other calls into the same FSDP tree.
 template <typename ModulePtr, typename... Args>
 auto call(ModulePtr& module, Args&&... args) -> decltype(module->forward(std::forward<Args>(args)...)) {
   using Result = decltype(module->forward(std::forward<Args>(args)...));
-  detail::FSDPState* state = detail::state_of(*module);
-  if (state == nullptr) return module->forward(std::forward<Args>(args)...);
+  return detail::call_with_hooks<Result>(
+      module, [&module](auto&&... a) -> Result { return module->forward(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
+}
 
-  std::vector<at::Tensor> inputs = detail::pre_forward(*state, *module, detail::tensor_args(args...));
-  detail::ArgSubstituter substitute{inputs};
-  // A braced list evaluates left to right, so replacements are taken in argument order.
-  std::tuple<decltype(substitute(std::forward<Args>(args)))...> call_args{substitute(std::forward<Args>(args))...};
-  try {
-    Result result = std::apply([&](auto&&... a) { return module->forward(std::forward<decltype(a)>(a)...); },
-                               std::move(call_args));
-    detail::run_post_forward(*state, *module, result);
-    return result;
-  } catch (...) {
-    detail::rethrow_forward_error(*state);
-  }
+// fsdp::call for an entry point other than forward (PyTorch's register_fsdp_forward_method):
+// calls (*module.*method)(args...) with the same pre-forward and post-forward around it, so that
+// a module may offer several methods that each act as its forward for FSDP (lazy
+// initialisation, all-gather, hooks on the inputs and outputs). `method` is a pointer to a
+// member function of the module's class, named with all its parameters (no defaults):
+//   at::Tensor loss = fsdp::call_method(model, &fsdp::models::TransformerImpl::forward_loss,
+//                                       tokens, targets, int64_t{8});
+// On a module that fully_shard() was not applied to, it is exactly the member call.
+template <typename ModulePtr, typename Method, typename... Args>
+auto call_method(ModulePtr& module, Method method, Args&&... args)
+    -> decltype(((*module).*method)(std::forward<Args>(args)...)) {
+  using Result = decltype(((*module).*method)(std::forward<Args>(args)...));
+  return detail::call_with_hooks<Result>(
+      module, [&module, method](auto&&... a) -> Result { return ((*module).*method)(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
 }
 
 }  // namespace fsdp

@@ -6,9 +6,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/nn/functional/loss.h>
 
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 namespace fsdp {
 namespace models {
@@ -90,7 +93,7 @@ TransformerImpl::TransformerImpl(const ModelArgs& args) : args_(args) {
   output = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(args.dim, args.vocab_size).bias(false)));
 }
 
-at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
+at::Tensor TransformerImpl::hidden_states(const at::Tensor& tokens) {
   const int64_t seq = tokens.size(1);
   TORCH_CHECK(seq <= args_.max_seq_len, "sequence length ", seq, " > max_seq_len ", args_.max_seq_len);
   at::Tensor pos = at::arange(seq, tokens.options().dtype(at::kLong));
@@ -100,7 +103,65 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
     h = is_block_checkpointed(static_cast<int64_t>(i)) ? fsdp::call_checkpointed(checkpoint_options_, block, h)
                                                        : fsdp::call(block, h);
   }
+  return h;
+}
+
+namespace {
+
+// The logits of hidden states h: final norm, output head, in fp32 whatever the compute dtype.
+at::Tensor head_logits(torch::nn::LayerNorm& norm, torch::nn::Linear& output, const at::Tensor& h) {
   return fsdp::call(output, fsdp::call(norm, h)).to(at::kFloat);
+}
+
+// [start, length) along the sequence of each of `chunks` pieces of seq positions: seq / chunks
+// each, the first seq % chunks one longer.
+std::vector<std::pair<int64_t, int64_t>> sequence_pieces(int64_t seq, int64_t chunks) {
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  const int64_t base = seq / chunks, longer = seq % chunks;
+  for (int64_t c = 0, start = 0; c < chunks; ++c) {
+    const int64_t length = base + (c < longer ? 1 : 0);
+    pieces.emplace_back(start, length);
+    start += length;
+  }
+  return pieces;
+}
+
+constexpr int64_t kIgnoreIndex = -100;  // cross_entropy's default
+
+}  // namespace
+
+at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
+  return head_logits(norm, output, hidden_states(tokens));
+}
+
+at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks) {
+  TORCH_CHECK(targets.sizes() == tokens.sizes(), "forward_loss: targets have shape ", targets.sizes(),
+              " but tokens ", tokens.sizes(), "; give one target per token");
+  const int64_t seq = tokens.size(1), vocab = args_.vocab_size;
+  TORCH_CHECK(chunks >= 1 && chunks <= seq, "forward_loss: chunks=", chunks, " must be in [1, ", seq,
+              "] (at most one piece per position of the sequence)");
+  at::Tensor h = hidden_states(tokens);
+  if (chunks == 1) {
+    return torch::nn::functional::cross_entropy(head_logits(norm, output, h).reshape({-1, vocab}),
+                                                targets.reshape({-1}));
+  }
+  // Each piece's summed loss, divided once by the count of all targets (those not ignored):
+  // the mean over every token, however unequal the pieces.
+  auto piece_loss = [norm = norm, output = output, vocab](const at::Tensor& h_piece,
+                                                          const at::Tensor& t_piece) mutable {
+    return torch::nn::functional::cross_entropy(
+        head_logits(norm, output, h_piece).reshape({-1, vocab}), t_piece.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(kIgnoreIndex));
+  };
+  const CheckpointOptions options = CheckpointOptions().preserve_rng_state(false);
+  at::Tensor total;
+  for (const auto& [start, length] : sequence_pieces(seq, chunks)) {
+    at::Tensor piece = fsdp::checkpoint(options, piece_loss, h.narrow(1, start, length),
+                                        targets.narrow(1, start, length));
+    total = total.defined() ? total + piece : piece;
+  }
+  const double counted = (targets != kIgnoreIndex).sum().item<double>();
+  return total / counted;
 }
 
 void TransformerImpl::set_activation_checkpointing(int64_t every_k, const CheckpointOptions& options) {

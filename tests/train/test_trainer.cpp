@@ -407,6 +407,11 @@ std::vector<BadCase> bad_cases() {
       {"ModelParallelUnsupported", "", {"--fsdp_config.model_parallel_size=2"}, "model_parallel_size: 2 (> 1) is not supported yet"},
       {"WorldSizeMismatch", "", {"--fsdp_config.world_size=4"}, "fsdp_config.world_size is 4 but the launcher started 2", 2},
       {"SeqLongerThanModel", "", {"--training.seq_len=999"}, "training.seq_len (999) is longer than model.max_seq_len (16)"},
+      {"LossChunksZero", "", {"--training.loss_chunks=0"}, "training.loss_chunks: must be >= 1, got 0"},
+      {"LossChunksWithNoShard", "", {"--training.loss_chunks=2", "--fsdp_config.sharding_strategy=NO_SHARD"},
+       "training.loss_chunks: 2 (> 1) with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
+      {"LossChunksMoreThanPositions", "", {"--training.seq_len=8", "--training.loss_chunks=9"},
+       "training.loss_chunks (9) is more than the sequence has positions (training.seq_len 8)"},
       {"HeadsDoNotDivideDim", "", {"--model.n_heads=5"}, "model.dim (16) must be divisible by model.n_heads (5)"},
       {"TokensWithoutPath", "", {"--data.source=tokens"}, "data.path: required when data.source is tokens"},
       {"MissingTokenFile", "", {"--data.source=tokens", "--data.path=/nonexistent/x.tokens"},
@@ -525,6 +530,25 @@ TEST(Trainer, ActivationCheckpointingTrainsLikeWithoutAndResumes) {
   for (const auto& [step, m] : read_metrics(dir / "resumed/m0.jsonl")) {
     EXPECT_NEAR(m.loss, want.at(step).loss, 1e-6) << "step " << step;
   }
+}
+
+// training.loss_chunks computes the loss a piece of the sequence at a time, each piece's head
+// and loss checkpointed: the same math up to float rounding, so the losses follow the
+// one-piece run's, here with unequal pieces (64 positions in 5) and checkpointed blocks; a
+// chunked run resumes bitwise from its own checkpoint.
+TEST(Trainer, LossChunksTrainLikeTheWholeLogitsAndResumeBitwise) {
+  TempDir dir;
+  train(dir / "plain", {});
+  const auto want = read_metrics(dir / "plain/m0.jsonl");
+  const std::vector<std::string> chunked = {"--training.loss_chunks=5", "--fsdp_config.activation_checkpointing=true"};
+  train(dir / "chunked", chunked);
+  const auto got = read_metrics(dir / "chunked/m0.jsonl");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [step, m] : got) EXPECT_NEAR(m.loss, want.at(step).loss, 1e-5) << "step " << step;
+  train(dir / "resumed", with(chunked, {"--training.resume=" + dir / "chunked/ckpt/step_10"}));
+  const auto resumed = read_metrics(dir / "resumed/m0.jsonl");
+  EXPECT_FALSE(resumed.empty());
+  for (const auto& [step, m] : resumed) EXPECT_EQ(m.loss, got.at(step).loss) << "step " << step;
 }
 
 // optimizer.fused: FusedAdamW has AdamW's math (the losses agree to float rounding) and its

@@ -268,6 +268,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"training", "micro_batch_size", int_at_least(t.micro_batch_size, 1)},
       {"training", "gradient_accumulation_steps", int_at_least(t.gradient_accumulation_steps, 1)},
       {"training", "seq_len", int_at_least(t.seq_len, 0)},
+      {"training", "loss_chunks", int_at_least(t.loss_chunks, 1)},
       {"training", "max_grad_norm", number(t.max_grad_norm, 0.0, true)},
       {"training", "seed", [&t](const YAML::Node& n) { t.seed = to_int(n); }},
       {"training", "resume",
@@ -578,6 +579,13 @@ void check_supported(const TrainConfig& cfg) {
     bad.push_back("fsdp_config.use_reentrant: false with fsdp_config.activation_checkpointing: true is not "
                   "supported: non-reentrant checkpointing needs saved-tensor hooks, which LibTorch's C++ API does "
                   "not have; set fsdp_config.use_reentrant: true");
+  }
+  if (cfg.training.loss_chunks > 1 && f.sharding_strategy == ShardingStrategy::NO_SHARD) {
+    bad.push_back("training.loss_chunks: " + std::to_string(cfg.training.loss_chunks) +
+                  " (> 1) with fsdp_config.sharding_strategy: NO_SHARD is not supported: every piece's "
+                  "checkpointed backward gives the output head's weight another gradient, and fsdp::replicate "
+                  "all-reduces a bucket at its parameters' first gradient; use training.loss_chunks: 1 or a "
+                  "sharded strategy");
   }
   if (f.offload_optimizer_state != f.offload_params) {
     bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") + (f.offload_optimizer_state ? "true" : "false") +

@@ -152,6 +152,13 @@ struct TrainingConfig {
   int64_t micro_batch_size = 4;             // > 0, rows per rank per micro-batch
   int64_t gradient_accumulation_steps = 1;  // > 0, micro-batches per optimizer step
   int64_t seq_len = 0;                      // 0 = the model's max_seq_len, else > 0
+  // The loss over the sequence in this many pieces (in [1, seq_len]), each one's final norm,
+  // output head and fp32 cross-entropy checkpointed (TransformerImpl::forward_loss): the whole
+  // [micro_batch_size, seq_len, vocab] logits, their log-softmax and gradient are never in
+  // memory, one piece's at a time instead, for one more forward of the output head in backward.
+  // The loss and gradients are the same up to float rounding. 1 = the whole logits at once.
+  // Independent of fsdp_config.activation_checkpointing, which leaves it at 1.
+  int64_t loss_chunks = 1;
   // clip_grad_norm_ threshold; 0 = no clipping. The global gradient norm is computed every
   // step either way, and a step whose gradient norm or loss is NaN or infinite stops the run
   // before the optimizer steps (PyTorch's clip_grad_norm_(error_if_nonfinite=True)): exit 3,

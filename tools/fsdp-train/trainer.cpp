@@ -92,6 +92,10 @@ int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a) {
   if (seq > a.max_seq_len)
     throw ConfigError("training.seq_len (" + std::to_string(seq) + ") is longer than model.max_seq_len (" +
                       std::to_string(a.max_seq_len) + ")");
+  if (cfg.training.loss_chunks > seq)
+    throw ConfigError("training.loss_chunks (" + std::to_string(cfg.training.loss_chunks) +
+                      ") is more than the sequence has positions (training.seq_len " + std::to_string(seq) +
+                      "); use at most one piece per position");
   return seq;
 }
 
@@ -624,8 +628,8 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
     trace::Span span("compute", "forward");
     // The loss in fp32 whatever the compute dtype (torchtitan's .float()): a bf16 log-softmax
     // over the vocabulary loses the small differences training follows.
-    const at::Tensor logits = call(model_, inputs).to(at::kFloat);
-    loss = torch::nn::functional::cross_entropy(logits.reshape({-1, args_.vocab_size}), targets.reshape({-1}));
+    // training.loss_chunks > 1 computes it a piece of the sequence at a time (forward_loss).
+    loss = call_method(model_, &models::TransformerImpl::forward_loss, inputs, targets, cfg_.training.loss_chunks);
     if (accumulation_ > 1) loss = loss / static_cast<double>(accumulation_);
   }
   const double b0 = now_seconds();

@@ -19,6 +19,13 @@
 //
 // model->set_activation_checkpointing(1) recomputes every block's activations in backward
 // instead of keeping them (fsdp/checkpoint_activations.h); 2 every other block.
+//
+// forward_loss computes the training loss without the whole logits ever in memory: the
+// sequence in `chunks` pieces, each one's final norm, output head and fp32 cross-entropy
+// checkpointed, so that backward recomputes one chunk's logits at a time:
+//
+//   at::Tensor loss = fsdp::call_method(model, &fsdp::models::TransformerImpl::forward_loss,
+//                                       tokens, targets, int64_t{8});
 #pragma once
 
 #include <fsdp/checkpoint_activations.h>
@@ -96,6 +103,18 @@ class TransformerImpl : public torch::nn::Module {
   explicit TransformerImpl(const ModelArgs& args);
   // tokens: int64 [batch, seq] with seq <= max_seq_len. Returns float32 logits [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& tokens);
+  // The mean fp32 cross-entropy of forward(tokens) against targets (int64 [batch, seq] class
+  // indices; -100 is ignored, as cross_entropy's default ignore_index), computed in `chunks`
+  // pieces of the sequence: pieces of seq / chunks positions, the first seq % chunks one longer.
+  // chunks = 1 is exactly cross_entropy(forward(tokens).reshape({-1, vocab}), targets.reshape({-1})).
+  // With chunks > 1 each piece's final norm, output head and loss run under fsdp::checkpoint
+  // (without RNG state: they draw no random numbers), so only one piece's logits, log-softmax
+  // and logits' gradient exist at a time, in forward and in backward; the loss and gradients
+  // are those of chunks = 1 up to float rounding, the backward computes the head's forward once
+  // more. Call it through fsdp::call_method on an FSDP root so that FSDP's hooks run as for
+  // forward. Throws c10::Error unless 1 <= chunks <= seq, or when targets' shape differs from
+  // tokens'.
+  at::Tensor forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks);
 
   const ModelArgs& args() const { return args_; }
   // The blocks, typed (they are also registered as "layers.<i>").
@@ -121,6 +140,9 @@ class TransformerImpl : public torch::nn::Module {
   torch::nn::Linear output{nullptr};
 
  private:
+  // Embeddings and blocks: the input of the final norm.
+  at::Tensor hidden_states(const at::Tensor& tokens);
+
   ModelArgs args_;
   std::vector<TransformerBlock> blocks_;
   int64_t checkpoint_every_k_ = 0;
