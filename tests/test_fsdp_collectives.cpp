@@ -176,7 +176,8 @@ TEST(FsdpCollectives, ReduceScatterCarriesOnlyTheReducedParameters) {
 
   // The copy-out gives only the bias a gradient; the weight keeps none.
   fsdp::detail::init_flat_shard(params, fsdp::detail::shard_layout(params, kWorld));
-  ReduceScatterResult result{nullptr, at::full({1}, 7.0f)};
+  ReduceScatterResult result;
+  result.output = at::full({1}, 7.0f);
   result.params = bias_only;
   result.layout = layout;
   fsdp::detail::foreach_reduce_copy_out(result, params, at::kFloat, kOnCpu);
@@ -192,7 +193,8 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
     const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
     fsdp::detail::init_flat_shard(params, layout);
     at::Tensor reduced = at::arange(layout.row_numel, at::kFloat);
-    ReduceScatterResult result{nullptr, reduced, {}};
+    ReduceScatterResult result;
+    result.output = reduced;
     result.params = {0, 1};
     result.layout = layout;
     fsdp::detail::foreach_reduce_copy_out(result, params, at::kFloat, kOnCpu);

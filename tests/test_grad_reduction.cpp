@@ -99,7 +99,9 @@ void expect_grads_match(torch::nn::Module& model, torch::nn::Module& ref) {
   for (const auto& item : model.named_parameters()) {
     const at::Tensor& want = ref_params[item.key()].grad();
     ASSERT_EQ(item.value().grad().defined(), want.defined()) << item.key();
-    if (want.defined()) EXPECT_LT(max_diff(full_grad_of(item.value()), want), 1e-5) << item.key();
+    if (want.defined()) {
+      EXPECT_LT(max_diff(full_grad_of(item.value()), want), 1e-5) << item.key();
+    }
   }
 }
 
@@ -445,7 +447,9 @@ TEST(GradReduction, MaxInputBuffersBoundsTheReductionsInFlight) {
             written += sharded(*model, "blocks" + std::to_string(i) + ".weight").grad().defined() ? 1 : 0;
           }
           EXPECT_GE(written, reduced - k) << "issuing one more reduce-scatter first finishes the oldest";
-          if (W > 1 && k == 1) EXPECT_EQ(written, reduced - in_flight);
+          if (W > 1 && k == 1) {
+            EXPECT_EQ(written, reduced - in_flight);
+          }
         };
         loss_of(model, r, 0, -1).backward();
         EXPECT_EQ(reduced, 3) << "blocks 3, 2 and 1 (block 0's input needs no gradient)";
