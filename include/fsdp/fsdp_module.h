@@ -135,7 +135,8 @@ class FSDPModule {
   // modules that have none yet); nothing on a mesh of one rank. Blocks until the ranks connect.
   void set_separate_reduce_scatter_group(bool enable = true, bool recurse = true);
   // At most `max_buffers` reduce-scatters in flight (default 1, as in PyTorch FSDP): before one
-  // more is issued, the oldest is waited for and its gradients written, which bounds the memory
+  // more is issued, the oldest is waited for and its gradients written (under HSDP its
+  // all-reduce is started, and goes on beside the next reduce-scatter), which bounds the memory
   // their inputs hold. More overlaps communication with later backward compute at that memory
   // cost. Throws c10::Error if max_buffers < 1; a bool does not compile.
   void set_reduce_scatter_max_input_buffers(int max_buffers, bool recurse = true);
