@@ -4,6 +4,7 @@
 #include <fsdp/replicate.h>
 
 #include "src/ddp/reducer.h"
+#include "src/tensor/default_mesh.h"
 
 #include <fsdp/distributed.h>
 #include <fsdp/fsdp_module.h>
@@ -62,23 +63,8 @@ Registry& registry() {
   return *r;
 }
 
-// A 1-D mesh over the world, made on first use and again after the process group was
-// destroyed and initialised anew (the old mesh's groups are dead then).
-DeviceMesh default_mesh() {
-  static std::mutex mu;
-  static DeviceMesh mesh;
-  static std::weak_ptr<ProcessGroup> made_for;
-  std::lock_guard<std::mutex> lock(mu);
-  const std::shared_ptr<ProcessGroup> current = world();
-  if (!mesh.valid() || made_for.lock() != current) {
-    mesh = init_device_mesh("cpu", {current->size()});
-    made_for = current;
-  }
-  return mesh;
-}
-
 DeviceMesh checked_mesh(const ReplicateOptions& options) {
-  DeviceMesh mesh = options.mesh().valid() ? options.mesh() : default_mesh();
+  DeviceMesh mesh = options.mesh().valid() ? options.mesh() : default_world_mesh();
   TORCH_CHECK(mesh.ndim() == 1, "fsdp::replicate: got a ", mesh.ndim(), "-D mesh; replicate() takes a 1-D mesh (for "
               "replicas of a sharded model use fully_shard; to replicate over one dim of a larger mesh pass "
               "mesh[\"<dim name>\"])");

@@ -6,6 +6,7 @@
 #include "src/fsdp/mesh_info.h"
 #include "src/fsdp/policies.h"
 #include "src/fsdp/state.h"
+#include "src/tensor/default_mesh.h"
 
 #include <fsdp/distributed.h>
 #include <fsdp/replicate.h>
@@ -61,21 +62,6 @@ struct ParamIndex {
 ParamIndex& param_index() {
   static ParamIndex* index = new ParamIndex();
   return *index;
-}
-
-// A 1-D mesh over the world, made on first use and again after the process group was
-// destroyed and initialised anew (the old mesh's groups are dead then).
-DeviceMesh default_mesh() {
-  static std::mutex mu;
-  static DeviceMesh mesh;
-  static std::weak_ptr<ProcessGroup> made_for;  // the world group `mesh` was made in
-  std::lock_guard<std::mutex> lock(mu);
-  const std::shared_ptr<ProcessGroup> current = world();
-  if (!mesh.valid() || made_for.lock() != current) {
-    mesh = init_device_mesh("cpu", {current->size()});
-    made_for = current;
-  }
-  return mesh;
 }
 
 // Post-order (children first), not descending into modules another call already manages
@@ -175,7 +161,7 @@ void register_shards(const std::vector<std::shared_ptr<torch::nn::Module>>& mana
 
 // A 1-D mesh (FSDP) or a 2-D mesh with dim names (HSDP: replicate over dim 0, shard over dim 1).
 MeshInfo checked_mesh(const FullyShardOptions& options) {
-  return mesh_info_of(options.mesh().valid() ? options.mesh() : default_mesh());
+  return mesh_info_of(options.mesh().valid() ? options.mesh() : default_world_mesh());
 }
 
 }  // namespace

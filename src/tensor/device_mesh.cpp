@@ -1,11 +1,14 @@
 // DeviceMesh: rank layout arithmetic and the per-dimension process groups.
 #include <fsdp/device_mesh.h>
 
+#include "src/tensor/default_mesh.h"
+
 #include <fsdp/distributed.h>
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
+#include <mutex>
 #include <set>
 #include <sstream>
 
@@ -160,4 +163,20 @@ std::string DeviceMesh::str() const {
   return s.str();
 }
 
+namespace detail {
+
+DeviceMesh default_world_mesh() {
+  static std::mutex mu;
+  static DeviceMesh mesh;
+  static std::weak_ptr<ProcessGroup> made_for;  // the world group `mesh` was made in
+  std::lock_guard<std::mutex> lock(mu);
+  const std::shared_ptr<ProcessGroup> current = world();
+  if (!mesh.valid() || made_for.lock() != current) {
+    mesh = init_device_mesh("cpu", {current->size()});
+    made_for = current;
+  }
+  return mesh;
+}
+
+}  // namespace detail
 }  // namespace fsdp
