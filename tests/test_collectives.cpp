@@ -9,8 +9,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <csignal>
 #include <fstream>
+#include <string>
 #include <thread>
 
 #include <signal.h>
@@ -270,6 +272,24 @@ TEST(Collectives, AMissingRankTimesOutWithANamedError) {
   }
 }
 
+// The pid written to `pid_file` once that process is stopped (state T in /proc/<pid>/stat), or 0
+// when that does not happen within `limit`. Polled: on a loaded machine the stop can come late.
+int wait_until_stopped(const std::string& pid_file, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    int pid = 0;
+    std::ifstream(pid_file) >> pid;
+    if (pid > 0) {
+      std::string stat;
+      std::getline(std::ifstream("/proc/" + std::to_string(pid) + "/stat"), stat);
+      const size_t paren = stat.rfind(')');  // "pid (comm) state ...": comm may hold spaces
+      if (paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'T') return pid;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return 0;
+}
+
 // A rank that entered a collective and then stopped (SIGSTOP) looks as if it arrived; the
 // others' timeout must still name it, from its missing heartbeat.
 TEST(Collectives, AStoppedRankIsNamedByTheOthersTimeout) {
@@ -291,7 +311,9 @@ TEST(Collectives, AStoppedRankIsNamedByTheOthersTimeout) {
       EXPECT_THROW(work->wait(), fsdp::CollectiveError);
       return;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(800));  // rank 2 is stopped by now
+    // Only once rank 2 is stopped: entering earlier, a slow rank 2 could still finish the
+    // all-gather with us.
+    ASSERT_GT(wait_until_stopped(pid_file, std::chrono::seconds(30)), 0) << "rank 2 did not stop";
     auto work = pg->all_gather_into(out, at::ones({4}));
     try {
       work->wait();
