@@ -281,6 +281,12 @@ void GlooProcessGroup::execute(const Op& op, int64_t seq) {
       case CollectiveKind::kBroadcast: broadcast(op, seq); break;
       case CollectiveKind::kBarrier: barrier(seq); break;
     }
+    // The waits are bounded by the deadline only while this process runs. One that was stopped
+    // (SIGSTOP, a debugger) past it can find its peers' bytes already buffered and complete,
+    // while those peers have timed out and declared the group unusable: it fails as they did.
+    if (Clock::now() > deadline_) {
+      fail(op, seq, "completed only after the deadline; this process did not run for part of it");
+    }
   } catch (const CollectiveError&) {
     throw;
   } catch (const std::exception& e) {
