@@ -1,6 +1,6 @@
 // Parameters FSDP does not reduce, across real processes: ignored parameters (left plain, their
 // gradients synchronized by the user), frozen parameters (gathered for forward, never reduced,
-// frozen and unfrozen between iterations), and unused ones (a module never called, an output
+// frozen and unfrozen between iterations, also under HSDP and mixed precision), and unused ones (a module never called, an output
 // the loss does not use). Each is trained beside a single-process reference on the global batch.
 #include "harness/multiprocess.h"
 
@@ -9,6 +9,7 @@
 #include <fsdp/distributed.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/mixed_precision.h>
 #include <fsdp/state_dict.h>
 
 #include <ATen/ATen.h>
@@ -57,12 +58,15 @@ struct Sharding {
   std::function<std::vector<at::Tensor>(Net&)> ignored_in_root = [](Net&) { return std::vector<at::Tensor>{}; };
 };
 
-void shard(Net& model, const fsdp::DeviceMesh& mesh, const Sharding& s = Sharding()) {
-  auto opts = fsdp::FullyShardOptions().mesh(mesh);
+void shard(Net& model, const fsdp::FullyShardOptions& opts, const Sharding& s = Sharding()) {
   for (int i = 0; i < 3; ++i) fsdp::fully_shard(model->layers[i], fsdp::FullyShardOptions(opts).ignored_params(s.ignored_in_layer(model, i)));
   fsdp::fully_shard(model->aux, opts);
   fsdp::fully_shard(model->never, opts);
   fsdp::fully_shard(model, fsdp::FullyShardOptions(opts).ignored_params(s.ignored_in_root(model)));
+}
+
+void shard(Net& model, const fsdp::DeviceMesh& mesh, const Sharding& s = Sharding()) {
+  shard(model, fsdp::FullyShardOptions().mesh(mesh), s);
 }
 
 at::Tensor global_batch(int64_t step, int64_t world) {
@@ -314,38 +318,83 @@ TEST(FrozenParams, BitFitReduceScattersOnlyBiasBytes) {
   }
 }
 
-// Layer 0 is frozen on even steps and layer 1 on odd ones, set on the registered shards between
-// iterations; one iteration is preceded by a forward under NoGradGuard. Each backward reduces
-// only the unfrozen layers, and training matches the reference that freezes the same.
+namespace {
+
+// Layer 0 is frozen on even steps and layer 1 on odd ones, set on the registered shards (and on
+// the reference's parameters) before each step; step 3 is preceded by a forward under
+// NoGradGuard. Each backward reduce-scatters over `rs_group` only the unfrozen layer of the two,
+// layer2 and the root.
+void train_with_alternating_frozen_layers(const fsdp::FullyShardOptions& opts,
+                                          const std::shared_ptr<fsdp::ProcessGroup>& rs_group) {
+  Net model, ref;
+  shard(model, opts);
+  StepHooks hooks;
+  auto frozen_layer = [](int64_t step) { return "layer" + std::to_string(step % 2) + "."; };
+  hooks.before_step = [&](torch::nn::Module& m, int64_t step) {
+    for (auto& item : m.named_parameters()) {
+      const bool in_layer01 = item.key().rfind("layer0.", 0) == 0 || item.key().rfind("layer1.", 0) == 0;
+      if (in_layer01) item.value().set_requires_grad(item.key().rfind(frozen_layer(step), 0) != 0);
+    }
+    rs_group->reset_stats();
+  };
+  hooks.no_grad_forward_before = [](int64_t step) { return step == 3; };
+  hooks.check_step = [&](Net& m, int64_t step) {
+    const std::string frozen = frozen_layer(step);
+    const std::string trained = "layer" + std::to_string(1 - step % 2) + ".";
+    EXPECT_TRUE(param(*m, trained + "weight").grad().defined()) << "step " << step;
+    if (step == 0) { EXPECT_FALSE(param(*m, frozen + "weight").grad().defined()); }
+    if (rs_group->size() > 1) {
+      EXPECT_EQ(rs_group->stats()[CollectiveKind::kReduceScatter].calls, 3) << "step " << step;
+    }
+  };
+  train_in_parity(model, ref, 6, hooks);
+}
+
+}  // namespace
+
 TEST(FrozenParams, FreezingAndUnfreezingBetweenIterationsMatchesTheReference) {
   for (int world : {1, 2, 3, 4}) {
     run_distributed(world, [] {
-      const int64_t W = fsdp::get_world_size();
-      auto mesh = fsdp::init_device_mesh("cpu", {W});
-      Net model, ref;
-      shard(model, mesh);
-      auto pg = mesh.get_group(0);
-      StepHooks hooks;
-      auto frozen_layer = [](int64_t step) { return "layer" + std::to_string(step % 2) + "."; };
-      hooks.before_step = [&](torch::nn::Module& m, int64_t step) {
-        for (auto& item : m.named_parameters()) {
-          const bool in_layer01 = item.key().rfind("layer0.", 0) == 0 || item.key().rfind("layer1.", 0) == 0;
-          if (in_layer01) item.value().set_requires_grad(item.key().rfind(frozen_layer(step), 0) != 0);
-        }
-        pg->reset_stats();
-      };
-      hooks.no_grad_forward_before = [](int64_t step) { return step == 3; };
-      hooks.check_step = [&](Net& m, int64_t step) {
-        const std::string frozen = frozen_layer(step);
-        const std::string trained = "layer" + std::to_string(1 - step % 2) + ".";
-        EXPECT_TRUE(param(*m, trained + "weight").grad().defined()) << "step " << step;
-        if (step == 0) { EXPECT_FALSE(param(*m, frozen + "weight").grad().defined()); }
-        // The unfrozen layer of 0/1, layer2 and the root reduce; the frozen layer does not.
-        if (W > 1) { EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 3) << "step " << step; }
-      };
-      train_in_parity(model, ref, 6, hooks);
+      auto mesh = fsdp::init_device_mesh("cpu", {fsdp::get_world_size()});
+      train_with_alternating_frozen_layers(fsdp::FullyShardOptions().mesh(mesh), mesh.get_group(0));
     });
   }
+}
+
+// The same under HSDP (2 replicas x 2 shards), where trainable parameters without a gradient
+// may join partial sums: frozen ones never do.
+TEST(FrozenParams, FreezingAndUnfreezingUnderHsdpMatchesTheReference) {
+  run_distributed(4, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+    train_with_alternating_frozen_layers(fsdp::FullyShardOptions().mesh(mesh), mesh.get_group(1));
+  });
+}
+
+// Under a mixed-precision policy the unsharded faces are bf16 tensors of their own; they follow
+// the fp32 shards' requires_grad all the same, and the gradients of what trains stay fp32.
+TEST(FrozenParams, FreezingFollowsTheShardsUnderMixedPrecision) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    auto mp = fsdp::MixedPrecisionPolicy().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat);
+    Net model;
+    shard(model, fsdp::FullyShardOptions().mesh(mesh).mp_policy(mp));
+    auto pg = mesh.get_group(0);
+    for (int64_t step = 0; step < 2; ++step) {
+      const std::string frozen = step == 0 ? "layer0." : "layer1.", trained = step == 0 ? "layer1." : "layer0.";
+      for (auto& item : model->named_parameters()) {
+        if (item.key().rfind("layer0.", 0) == 0 || item.key().rfind("layer1.", 0) == 0) {
+          item.value().mutable_grad().reset();
+          item.value().set_requires_grad(item.key().rfind(frozen, 0) != 0);
+        }
+      }
+      pg->reset_stats();
+      loss_of(model, local_batch(step)).backward();
+      EXPECT_FALSE(param(*model, frozen + "weight").grad().defined()) << "step " << step;
+      ASSERT_TRUE(param(*model, trained + "weight").grad().defined()) << "step " << step;
+      EXPECT_EQ(param(*model, trained + "weight").grad().scalar_type(), at::kFloat);
+      EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 3) << "step " << step;
+    }
+  });
 }
 
 // ------------------------------------------------------------------------------ unused params
