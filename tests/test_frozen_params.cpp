@@ -1,7 +1,8 @@
 // Parameters FSDP does not reduce, across real processes: ignored parameters (left plain, their
 // gradients synchronized by the user), frozen parameters (gathered for forward, never reduced,
-// frozen and unfrozen between iterations, also under HSDP and mixed precision), and unused ones (a module never called, an output
-// the loss does not use). Each is trained beside a single-process reference on the global batch.
+// frozen and unfrozen between iterations, also under HSDP and mixed precision), and unused ones
+// (a module never called, an output the loss does not use). Each is trained beside a
+// single-process reference on the global batch.
 #include "harness/multiprocess.h"
 
 #include <fsdp/call.h>
@@ -36,7 +37,9 @@ constexpr int64_t kRowsPerRank = 2;
 struct NetImpl : torch::nn::Module {
   NetImpl() {
     torch::manual_seed(11);
-    for (int i = 0; i < 3; ++i) layers.push_back(register_module("layer" + std::to_string(i), torch::nn::Linear(kDim, kDim)));
+    for (int i = 0; i < 3; ++i) {
+      layers.push_back(register_module("layer" + std::to_string(i), torch::nn::Linear(kDim, kDim)));
+    }
     aux = register_module("aux", torch::nn::Linear(kDim, 2));
     never = register_module("never", torch::nn::Linear(kDim, kDim));
     head = register_module("head", torch::nn::Linear(kDim, 1));
@@ -52,14 +55,17 @@ struct NetImpl : torch::nn::Module {
 TORCH_MODULE(Net);
 
 // fully_shard on each layer, aux and never (with `ignored` where they belong), then the root,
-// whose group holds head. `ignored_in(i)` gives the ignored params of the call on layer i.
+// whose group holds head: the ignored params of the call on layer i, and of the root's call.
 struct Sharding {
-  std::function<std::vector<at::Tensor>(Net&, int)> ignored_in_layer = [](Net&, int) { return std::vector<at::Tensor>{}; };
-  std::function<std::vector<at::Tensor>(Net&)> ignored_in_root = [](Net&) { return std::vector<at::Tensor>{}; };
+  using Tensors = std::vector<at::Tensor>;
+  std::function<Tensors(Net&, int)> ignored_in_layer = [](Net&, int) { return Tensors{}; };
+  std::function<Tensors(Net&)> ignored_in_root = [](Net&) { return Tensors{}; };
 };
 
 void shard(Net& model, const fsdp::FullyShardOptions& opts, const Sharding& s = Sharding()) {
-  for (int i = 0; i < 3; ++i) fsdp::fully_shard(model->layers[i], fsdp::FullyShardOptions(opts).ignored_params(s.ignored_in_layer(model, i)));
+  for (int i = 0; i < 3; ++i) {
+    fsdp::fully_shard(model->layers[i], fsdp::FullyShardOptions(opts).ignored_params(s.ignored_in_layer(model, i)));
+  }
   fsdp::fully_shard(model->aux, opts);
   fsdp::fully_shard(model->never, opts);
   fsdp::fully_shard(model, fsdp::FullyShardOptions(opts).ignored_params(s.ignored_in_root(model)));
@@ -176,7 +182,7 @@ TEST(IgnoredParams, StayPlainTrainWithTheUsersAllReduceAndRoundTripThroughCheckp
       Net model, ref;
       const at::Tensor l1_weight = model->layers[1]->weight, head_weight = model->head->weight;
       Sharding s;
-      s.ignored_in_layer = [](Net& m, int i) { return i == 1 ? m->layers[1]->parameters() : std::vector<at::Tensor>{}; };
+      s.ignored_in_layer = [](Net& m, int i) { return i == 1 ? m->layers[1]->parameters() : Sharding::Tensors{}; };
       s.ignored_in_root = [](Net& m) { return std::vector<at::Tensor>{m->head->weight}; };
       shard(model, mesh, s);
 
@@ -265,7 +271,8 @@ TEST(IgnoredParams, ACallWhoseEveryParameterIsIgnoredCreatesNoGroup) {
         fsdp::fully_shard(other, fsdp::FullyShardOptions().mesh(mesh).ignored_params({other->weight, at::Tensor()}));
         ADD_FAILURE() << "expected an error";
       } catch (const c10::Error& e) {
-        EXPECT_NE(std::string(e.what()).find("ignored_params[1] is an undefined tensor"), std::string::npos) << e.what();
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("ignored_params[1] is an undefined tensor"), std::string::npos) << msg;
       }
     });
   }
