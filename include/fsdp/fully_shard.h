@@ -31,6 +31,21 @@
 // (fsdp/replicate_sync.h). A mesh of more than 2 dims, or a 2-D mesh without dim names, is an
 // error naming what to pass.
 //
+// Frozen parameters: set requires_grad on the registered shards (the tensors parameters() and
+// named_parameters() return after fully_shard). The module's member (e.g. linear->weight) takes
+// the shard's flag at each forward, so freezing or unfreezing between iterations applies from
+// the next forward; setting it on the member instead is overwritten there. Frozen parameters
+// are gathered for forward like the others but never reduced: a reduce-scatter carries only
+// the parameters that got a gradient (a group with none issues none), and a parameter without
+// one keeps no gradient (FSDPModule::set_reduce_scatter_unused_params changes that for
+// trainable ones).
+//
+// Dtypes and devices: convert the module before fully_shard (module->to(at::kDouble), then
+// fully_shard). LibTorch's module->to(dtype or device) afterwards gives the registered shards
+// new storage that FSDP no longer gathers from or reduces into; the next forward or unshard
+// of each affected FSDP module throws, naming its parameters. To compute in another dtype, use
+// a MixedPrecisionPolicy (mp_policy) instead.
+//
 // Collective: every rank of the mesh calls fully_shard on the same modules in the same order.
 // Allocates this rank's shards and frees the full parameters (except on a shard group of one
 // rank). Only CPU parameters are supported by this release; other cases fail with a message
@@ -86,6 +101,17 @@ struct FullyShardOptions {
   // Sharded parameters, gradients and optimizer state in host memory (fsdp/offload.h).
   // Default: none; they live on the mesh's device.
   TORCH_ARG(std::optional<CPUOffloadPolicy>, offload_policy) = std::nullopt;
+  // Parameters this call leaves alone: not sharded, not gathered, not reduced. They stay the
+  // plain tensors their modules registered (parameters() returns them as they are, and
+  // fsdp::is_sharded_parameter is false for them), and the modules' forward uses them as they
+  // are. A call whose every parameter is ignored creates no group (it still registers the
+  // module, so it may be a root or a child). Their gradients are not synchronized: the user
+  // reduces them (e.g. an all-reduce over fsdp::world() after backward) or keeps them
+  // rank-local. State dicts hold them as whole tensors (Replicate() DTensors in
+  // sharded_state_dict; a checkpoint stores the first rank's copy), so keep them equal on every
+  // rank if they are to be saved. Pass the tensors parameters() returns before fully_shard;
+  // a tensor that is not a parameter of the modules this call manages has no effect.
+  TORCH_ARG(std::vector<at::Tensor>, ignored_params);
 };
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,

@@ -23,7 +23,6 @@ FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64
               "non-contiguous); FSDP frees and refills each parameter's storage, so give it its own (e.g. clone())");
   global_shape_ = u.sizes().vec();
   orig_dtype_ = u.scalar_type();
-  requires_grad_ = u.requires_grad();
   unsharded_numel_ = u.numel();
   row_numel_ = 1;
   for (int64_t d = 1; d < u.dim(); ++d) row_numel_ *= u.size(d);
@@ -45,8 +44,12 @@ void FSDPParam::init_sharded(const at::Tensor& flat_shard, int64_t offset) {
   const std::vector<int64_t> shape = sharded_shape();
   at::Tensor s = at::empty({0}, flat_shard.options());
   s.set_(flat_shard.storage(), flat_shard.storage_offset() + offset, shape, c10::contiguous_strides(shape));
-  s.set_requires_grad(requires_grad_);
+  s.set_requires_grad(unsharded_.requires_grad());
   sharded_ = std::move(s);
+}
+
+void FSDPParam::copy_requires_grad_from_shard() {
+  if (unsharded_.requires_grad() != sharded_.requires_grad()) unsharded_.set_requires_grad(sharded_.requires_grad());
 }
 
 bool FSDPParam::is_unsharded_allocated() const { return aliases_shard_ || unsharded_.storage().nbytes() > 0; }

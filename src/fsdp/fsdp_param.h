@@ -36,7 +36,12 @@ class FSDPParam {
   at::ScalarType orig_dtype() const { return orig_dtype_; }
   // The dtype of the unsharded face: the compute dtype (orig_dtype() without a policy).
   at::ScalarType unsharded_dtype() const { return unsharded_.scalar_type(); }
-  bool requires_grad() const { return requires_grad_; }
+  // Whether the unsharded face takes a gradient: the sharded leaf's requires_grad as of the
+  // latest copy_requires_grad_from_shard (the forward that produced this backward's graph).
+  bool requires_grad() const { return unsharded_.requires_grad(); }
+  // The user freezes and unfreezes the registered shard (module->parameters()); the unsharded
+  // face autograd computes with follows it at each forward.
+  void copy_requires_grad_from_shard();
 
   // Chunking over `world` ranks along dim 0 (torch.chunk), each chunk padded to the same size.
   int64_t padded_shard_numel() const { return padded_shard_numel_; }  // identical on every rank
@@ -89,7 +94,6 @@ class FSDPParam {
   at::Tensor accumulated_grad_;  // see accumulate_unsharded_grad
   at::ScalarType orig_dtype_;
   std::vector<int64_t> global_shape_;
-  bool requires_grad_;
   int64_t world_;
   int64_t unsharded_numel_;
   int64_t row_numel_;

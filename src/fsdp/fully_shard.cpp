@@ -107,15 +107,28 @@ std::unordered_map<const torch::nn::Module*, std::string> module_prefixes(
   return prefix;
 }
 
+using TensorSet = std::set<const c10::TensorImpl*>;
+
+// The tensors of FullyShardOptions::ignored_params, by identity.
+TensorSet ignored_set(const std::vector<at::Tensor>& ignored) {
+  TensorSet out;
+  for (size_t i = 0; i < ignored.size(); ++i) {
+    TORCH_CHECK(ignored[i].defined(), "fully_shard: ignored_params[", i, "] is an undefined tensor; pass the "
+                "module's parameters (module->parameters()) to leave out of sharding");
+    out.insert(ignored[i].unsafeGetTensorImpl());
+  }
+  return out;
+}
+
 // The managed modules' direct parameters, in post-order, each once (tied parameters appear in
-// several modules), as records of their sharding over `mesh`.
+// several modules), as records of their sharding over `mesh`; the ignored ones stay out.
 FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>& managed,
                           const std::unordered_map<const torch::nn::Module*, std::string>& prefix,
-                          const MeshInfo& mesh) {
+                          const MeshInfo& mesh, const TensorSet& ignored) {
   const int64_t world = mesh.shard_size();
   const int64_t rank = mesh.shard_rank();
   FSDPParams params;
-  std::set<const c10::TensorImpl*> seen;
+  TensorSet seen = ignored;
   ParamIndex& index = param_index();
   std::lock_guard<std::mutex> lock(index.mu);
   index.drop_expired();
@@ -186,7 +199,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   for (const auto& m : modules) detail::collect_managed(m, true, managed, seen);
   const auto prefix = detail::module_prefixes(modules);
 
-  detail::FSDPParams params = detail::collect_params(managed, prefix, mesh_info);
+  detail::FSDPParams params =
+      detail::collect_params(managed, prefix, mesh_info, detail::ignored_set(options.ignored_params()));
   std::unique_ptr<detail::FSDPParamGroup> group;
   if (!params.empty()) {
     auto post_forward = detail::post_forward_group(options.reshard_after_forward(), mesh_info.shard_group());

@@ -181,8 +181,8 @@ void FSDPParamGroup::check_shards_intact() const {
 }
 
 void FSDPParamGroup::unshard() {
+  check_shards_intact();  // also where nothing is gathered (one rank), so every unshard refuses alike
   if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
-  check_shards_intact();
   if (sharded_state_ == ShardedState::kShardedPostForward) {
     pending_all_gather_ = foreach_all_gather(post_forward_shard_, post_forward_layout(params_, post_forward_group_->size()),
                                              *post_forward_group_);
@@ -255,6 +255,8 @@ void FSDPParamGroup::drop_unused_forward_prefetch() {
 
 void FSDPParamGroup::pre_forward() {
   check_shards_intact();  // also where nothing is gathered (one rank)
+  // Freezing or unfreezing the shards between iterations takes effect in this forward's graph.
+  for (auto& p : params_) p->copy_requires_grad_from_shard();
   training_state_ = TrainingState::kForward;
   unshard();
   wait_for_unshard();
