@@ -287,7 +287,7 @@ class Run {
   void join_job(const RendezvousInfo& env);
   void check_checkpoint_dir();
   void shard_model();
-  void shard_blocks_and_root(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload);
+  void build_sharded_model(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload);
   void load_initial_weights();
   std::string data_parallel_description() const;
   void set_gradient_sync_for(int64_t micro);
@@ -334,6 +334,7 @@ class Run {
   int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
   LrSchedule schedule_;
   int64_t parameter_count_ = 0;  // of the whole model, not of this rank's shards
+  int64_t build_peak_tensor_bytes_ = 0;  // peak of tensor bytes while building and sharding the model
   std::unique_ptr<DataSource> data_;
   DataParallelShape shape_;  // replicas x shards of the data-parallel mesh
   DeviceMesh mesh_;
@@ -424,34 +425,39 @@ void Run::shard_model() {
   if (cfg_.fsdp_config.offload_params) offload = CPUOffloadPolicy().pin_memory(false);
   // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
   torch::manual_seed(cfg_.training.seed);
-  model_ = models::Transformer(args_);
-  if (cfg_.fsdp_config.activation_checkpointing) {
-    model_->set_activation_checkpointing(cfg_.fsdp_config.activation_checkpointing_every,
-                                         CheckpointOptions().use_reentrant(cfg_.fsdp_config.use_reentrant));
-  }
+  memory::reset_peak_allocated();
   if (cfg_.fsdp_config.sharding_strategy == ShardingStrategy::NO_SHARD) {
     // Whole parameters on every rank, gradients averaged in buckets during backward (DDP). The
     // gradients are views of the buckets: backward accumulates into what is all-reduced, so
     // there is neither a copy nor a second set of gradients in memory.
+    model_ = models::Transformer(args_);
     replicated_ = replicate(model_, ReplicateOptions().mesh(mesh_).gradient_as_bucket_view(true));
   } else {
-    shard_blocks_and_root(policy, offload);
+    build_sharded_model(policy, offload);
   }
+  if (cfg_.fsdp_config.activation_checkpointing) {
+    model_->set_activation_checkpointing(cfg_.fsdp_config.activation_checkpointing_every,
+                                         CheckpointOptions().use_reentrant(cfg_.fsdp_config.use_reentrant));
+  }
+  build_peak_tensor_bytes_ = memory::max_allocated_bytes();
   load_initial_weights();
 }
 
 // Every block is its own group; the root holds the rest (embeddings, final norm, output). On
-// a 2-D mesh (HYBRID_SHARD*) the same calls shard within each replica.
-void Run::shard_blocks_and_root(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload) {
+// a 2-D mesh (HYBRID_SHARD*) the same calls shard within each replica. Each block is sharded
+// as soon as it is built, so no rank ever holds the whole model: the largest trainable model is
+// bounded by the shards, not by one rank's memory. The values are those of building the whole
+// model first (fully_shard draws no random numbers), so a seed gives the same run either way.
+void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload) {
   const bool reshard = reshard_after_forward(cfg_);
-  for (auto& block : model_->blocks())
-    fully_shard(block,
-                FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload));
+  const FullyShardOptions block_options =
+      FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload);
   // The root's parameters are needed first in backward, so it keeps them gathered (FSDP2's
   // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
   FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
-  root_ = fully_shard(model_, root_options);
+  model_ = models::sharded_transformer(args_, block_options, root_options);
+  root_ = get_fsdp_module(*model_);
 }
 
 // model.init_from, into whatever the strategy made of the model.
@@ -875,6 +881,7 @@ RankTotals Run::my_totals(size_t warmup) const {
   mine.median_step_s = median_after(step_times_, warmup);
   mine.peak_rss_mib = memory::peak_rss_bytes() / kMiB;
   mine.peak_tensor_mib = memory::max_allocated_bytes() / kMiB;
+  mine.build_peak_tensor_mib = static_cast<double>(build_peak_tensor_bytes_) / kMiB;
   const CommSeconds comm(comm_before_, mesh_stats(mesh_));
   mine.ag_s = comm.all_gather, mine.ag_wait_s = comm.all_gather_wait;
   mine.rs_s = comm.reduce_scatter, mine.rs_wait_s = comm.reduce_scatter_wait;
