@@ -257,8 +257,10 @@ bool as_u64(const Json& v, uint64_t* out) {
 }
 
 // Checks one header entry against the data's size; errors say which file and which tensor.
-Entry parse_entry(const std::string& path, const std::string& name, const Json& v, uint64_t data_size) {
-  const std::string where = "fsdp::load_safetensors_file: '" + path + "': tensor '" + name + "': ";
+// `api` names the public function in errors (load_safetensors_file or load_safetensors).
+Entry parse_entry(const std::string& path, const std::string& name, const Json& v, uint64_t data_size,
+                  const char* api) {
+  const std::string where = std::string(api) + ": '" + path + "': tensor '" + name + "': ";
   TORCH_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"), where,
               "expected an object with dtype, shape and data_offsets, got ", v.dump());
   Entry e{name, at::kFloat, {}, 0, 0};
@@ -286,26 +288,26 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
 
 // The format requires the entries to cover the data exactly: no overlaps (which would alias two
 // tensors) and no holes (which could hide other content). Sorts `entries` by offset.
-void check_tiling(const std::string& path, std::vector<Entry>& entries, uint64_t data_size) {
+void check_tiling(const std::string& path, std::vector<Entry>& entries, uint64_t data_size, const char* api) {
   std::stable_sort(entries.begin(), entries.end(),
                    [](const Entry& a, const Entry& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
   uint64_t cursor = 0;
   const std::string* previous = nullptr;
   for (const Entry& e : entries) {
-    TORCH_CHECK(e.begin >= cursor, "fsdp::load_safetensors_file: '", path, "': the data of tensor '", e.name,
+    TORCH_CHECK(e.begin >= cursor, api, ": '", path, "': the data of tensor '", e.name,
                 "' overlaps that of '", *previous, "'");
-    TORCH_CHECK(e.begin == cursor, "fsdp::load_safetensors_file: '", path, "': bytes [", cursor, ", ", e.begin,
+    TORCH_CHECK(e.begin == cursor, api, ": '", path, "': bytes [", cursor, ", ", e.begin,
                 ") before tensor '", e.name, "' belong to no tensor");
     cursor = e.end;
     previous = &e.name;
   }
-  TORCH_CHECK(cursor == data_size, "fsdp::load_safetensors_file: '", path, "': the last ", data_size - cursor,
+  TORCH_CHECK(cursor == data_size, api, ": '", path, "': the last ", data_size - cursor,
               " bytes of the data belong to no tensor");
 }
 
 // Reads the 8-byte length and the JSON header; leaves `f` at the start of the data.
-Json read_header(const std::string& path, std::FILE* f, uint64_t file_size, uint64_t* data_size) {
-  const std::string where = "fsdp::load_safetensors_file: '" + path + "': ";
+Json read_header(const std::string& path, std::FILE* f, uint64_t file_size, uint64_t* data_size, const char* api) {
+  const std::string where = std::string(api) + ": '" + path + "': ";
   unsigned char b[8];
   TORCH_CHECK(file_size >= 8 && std::fread(b, 1, 8, f) == 8, where, "the file is ", file_size,
               " bytes long, too short for the 8-byte header length (truncated?)");
@@ -338,12 +340,19 @@ FileIndex index_file(const std::string& path, std::FILE* f) {
   const auto file_size = static_cast<uint64_t>(end);
   std::rewind(f);
   uint64_t data_size = 0;
-  const Json header = read_header(path, f, file_size, &data_size);
+  const char* api = "fsdp::load_safetensors";
+  const Json header = read_header(path, f, file_size, &data_size, api);
   std::vector<Entry> entries;
   for (const auto& item : header.items()) {
-    if (item.key() != "__metadata__") entries.push_back(parse_entry(path, item.key(), item.value(), data_size));
+    if (item.key() == "__metadata__") {
+      const Json& m = item.value();
+      TORCH_CHECK(m.is_object() && std::all_of(m.begin(), m.end(), [](const Json& v) { return v.is_string(); }), api,
+                  ": '", path, "': __metadata__ is not an object of strings");
+      continue;
+    }
+    entries.push_back(parse_entry(path, item.key(), item.value(), data_size, api));
   }
-  check_tiling(path, entries, data_size);
+  check_tiling(path, entries, data_size, api);
   FileIndex index;
   index.data_start = file_size - data_size;
   for (Entry& e : entries) index.entries.emplace(e.name, std::move(e));
@@ -466,7 +475,8 @@ TensorStateDict load_safetensors_file(const std::string& path) {
   const auto file_size = static_cast<uint64_t>(end);
   std::rewind(f.get());
   uint64_t data_size = 0;
-  const Json header = read_header(path, f.get(), file_size, &data_size);
+  const char* api = "fsdp::load_safetensors_file";
+  const Json header = read_header(path, f.get(), file_size, &data_size, api);
 
   std::vector<Entry> entries;
   for (const auto& item : header.items()) {
@@ -476,9 +486,9 @@ TensorStateDict load_safetensors_file(const std::string& path) {
                   "fsdp::load_safetensors_file: '", path, "': __metadata__ is not an object of strings");
       continue;
     }
-    entries.push_back(parse_entry(path, item.key(), item.value(), data_size));
+    entries.push_back(parse_entry(path, item.key(), item.value(), data_size, api));
   }
-  check_tiling(path, entries, data_size);
+  check_tiling(path, entries, data_size, api);
 
   // The entries now tile the data in file order, so one sequential pass reads them all.
   TensorStateDict out;
