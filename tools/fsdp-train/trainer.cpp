@@ -176,23 +176,40 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
 
 // model.init_from: a file (ConfigError naming the key otherwise) that loads as a state dict
 // (errors name the key and the file) of finite values.
+// A directory of safetensors files: what training.export=<name>.safetensors writes, or any
+// Hugging Face layout (an index and its files, or one model.safetensors).
+bool is_safetensors_dir(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  return fs::is_directory(path, ec) &&
+         (fs::exists(fs::path(path) / "model.safetensors.index.json", ec) || fs::exists(fs::path(path) / "model.safetensors", ec));
+}
+
+// Lists the tensors with NaN or infinite values, or "" when there are none.
+std::string non_finite_problem(const TensorStateDict& sd, const std::string& where) {
+  const std::vector<std::string> bad = non_finite_tensors(sd);
+  if (bad.empty()) return "";
+  std::string list;
+  for (const auto& b : bad) list += (list.empty() ? "" : ", ") + b;
+  return std::to_string(bad.size()) + " tensor(s) hold NaN or infinite values" + where + ": " + list +
+         "; training cannot start from them";
+}
+
 TensorStateDict init_state_dict(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) throw ConfigError("model.init_from: " + path + " does not exist");
   if (std::filesystem::is_directory(path, ec))
-    throw ConfigError("model.init_from: " + path + " is a directory; expected a file written by torch.save");
+    throw ConfigError("model.init_from: " + path + " is a directory without model.safetensors.index.json or "
+                      "model.safetensors; expected a file written by torch.save, or a safetensors directory");
   TensorStateDict sd;
   try {
     sd = load_pytorch_state_dict(path);
   } catch (const std::exception& e) {
     throw std::runtime_error("model.init_from " + path + ": " + error_text(e));
   }
-  const std::vector<std::string> bad = non_finite_tensors(sd);
-  if (bad.empty()) return sd;
-  std::string list;
-  for (const auto& b : bad) list += (list.empty() ? "" : ", ") + b;
-  throw std::runtime_error("model.init_from " + path + ": " + std::to_string(bad.size()) +
-                           " tensor(s) hold NaN or infinite values: " + list + "; training cannot start from them");
+  const std::string problem = non_finite_problem(sd, "");
+  if (problem.empty()) return sd;
+  throw std::runtime_error("model.init_from " + path + ": " + problem);
 }
 
 std::string resolved_export_path(const TrainConfig& cfg) {
@@ -289,6 +306,7 @@ class Run {
   void shard_model();
   void build_sharded_model(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload);
   void load_initial_weights();
+  void load_initial_safetensors(const std::string& path);
   std::string data_parallel_description() const;
   void set_gradient_sync_for(int64_t micro);
   void resume();
@@ -460,16 +478,39 @@ void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::opt
   root_ = get_fsdp_module(*model_);
 }
 
-// model.init_from, into whatever the strategy made of the model.
+// model.init_from, into whatever the strategy made of the model. A safetensors directory is
+// read a rank's rows at a time, so that a model built sharded is never whole on any rank; a
+// torch.save file is read whole by every rank.
 void Run::load_initial_weights() {
   if (cfg_.model.init_from.empty()) return;
   const std::string& path = cfg_.model.init_from;
+  if (is_safetensors_dir(path)) {
+    load_initial_safetensors(path);
+    return;
+  }
   const TensorStateDict sd = init_state_dict(path);
   try {
     load_full_state_dict(*model_, sd);
   } catch (const std::exception& e) {
     throw std::runtime_error("model.init_from " + path + ": " + error_text(e));
   }
+}
+
+// Each rank reads its own rows and checks them; the ranks agree before any weight is replaced,
+// so that all stop together when one rank's rows are unreadable or not finite.
+void Run::load_initial_safetensors(const std::string& path) {
+  ShardedStateDict loaded;
+  std::string problem;
+  try {
+    loaded = load_safetensors(path, sharded_state_dict(*model_));
+    TensorStateDict local;
+    for (const auto& item : loaded) local.insert(item.key(), item.value().to_local());
+    problem = non_finite_problem(local, " in this rank's rows");
+  } catch (const std::exception& e) {
+    problem = error_text(e);
+  }
+  throw_unless_every_rank_ok(problem, "model.init_from " + path);
+  load_sharded_state_dict(*model_, loaded);
 }
 
 // Returns the directory written.
