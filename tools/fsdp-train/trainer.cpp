@@ -174,15 +174,13 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
   return d;
 }
 
-// model.init_from: a file (ConfigError naming the key otherwise) that loads as a state dict
-// (errors name the key and the file) of finite values.
 // A directory of safetensors files: what training.export=<name>.safetensors writes, or any
 // Hugging Face layout (an index and its files, or one model.safetensors).
 bool is_safetensors_dir(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  return fs::is_directory(path, ec) &&
-         (fs::exists(fs::path(path) / "model.safetensors.index.json", ec) || fs::exists(fs::path(path) / "model.safetensors", ec));
+  return fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "model.safetensors.index.json", ec) ||
+                                        fs::exists(fs::path(path) / "model.safetensors", ec));
 }
 
 // Lists the tensors with NaN or infinite values, or "" when there are none.
@@ -195,6 +193,8 @@ std::string non_finite_problem(const TensorStateDict& sd, const std::string& whe
          "; training cannot start from them";
 }
 
+// model.init_from: a file (ConfigError naming the key otherwise) that loads as a state dict
+// (errors name the key and the file) of finite values.
 TensorStateDict init_state_dict(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) throw ConfigError("model.init_from: " + path + " does not exist");
