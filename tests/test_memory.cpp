@@ -214,3 +214,27 @@ TEST(Memory, LargeFreedBlocksAreCachedAndReused) {
   EXPECT_EQ(fsdp::memory::cached_bytes(), 0);
   fsdp::memory::set_caching_enabled(true);
 }
+
+TEST(Memory, AllocationLimitRefusesWhatWouldPassIt) {
+  ASSERT_TRUE(fsdp::memory::install_tracking_allocator());
+  EXPECT_EQ(fsdp::memory::allocation_limit(), 0);
+  const int64_t live0 = fsdp::memory::allocated_bytes();
+  fsdp::memory::set_allocation_limit(live0 + 16 * kMiB);
+  {
+    at::Tensor fits = at::empty({8 * kMiB / 4}, at::kFloat);  // 8 MiB: under the limit
+    const int64_t live1 = fsdp::memory::allocated_bytes();
+    try {
+      at::Tensor too_much = at::empty({16 * kMiB / 4}, at::kFloat);  // 8 + 16 > 16
+      ADD_FAILURE() << "an allocation past the limit succeeded";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("CPU out of memory"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("set_allocation_limit"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(fsdp::memory::allocated_bytes(), live1);  // the refused one counted nothing
+  }
+  fsdp::memory::set_allocation_limit(0);  // no limit again
+  EXPECT_EQ(fsdp::memory::allocation_limit(), 0);
+  at::Tensor big = at::empty({32 * kMiB / 4}, at::kFloat);
+  EXPECT_GE(fsdp::memory::allocated_bytes(), live0 + 32 * kMiB);
+  EXPECT_THROW(fsdp::memory::set_allocation_limit(-1), c10::Error);
+}

@@ -238,3 +238,48 @@ TEST(Safetensors, MalformedFilesAreRejectedNamingTheFile) {
                   "bad shape");
   EXPECT_THROW(fsdp::load_safetensors_file(guard.dir + "/missing.safetensors"), c10::Error);
 }
+
+// Written over 2 ranks, read over 3 (and 1) into a model sharded there with other values: every
+// rank reads only its own rows, and the model then holds exactly the written values. A model of
+// other shapes is refused naming the tensor.
+TEST(Safetensors, LoadsIntoAModelShardedOverAnotherWorldSize) {
+  const std::string dir = fsdp::testing::shared_temp_path("st_reshard");
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
+  run_distributed(2, [dir] { fsdp::save_safetensors(fsdp::sharded_state_dict(*make_sharded(1)), dir); });
+  for (int world : {3, 1}) {
+    run_distributed(world, [dir] {
+      const auto written = fsdp::full_state_dict(*make_sharded(1));
+      auto m = make_sharded(2);
+      fsdp::load_sharded_state_dict(*m, fsdp::load_safetensors(dir, fsdp::sharded_state_dict(*m)));
+      const auto loaded = fsdp::full_state_dict(*m);
+      ASSERT_EQ(loaded.size(), written.size());
+      for (const auto& item : written) EXPECT_TRUE(loaded[item.key()].equal(item.value())) << item.key();
+
+      torch::manual_seed(3);
+      fsdp::models::ModelArgs other;
+      other.dim = 8;
+      auto wrong = fsdp::models::Transformer(other);
+      for (auto& block : wrong->blocks()) fsdp::fully_shard(block);
+      fsdp::fully_shard(wrong);
+      // Its keys lack the "net." prefix and "scale": the first missing key is named.
+      try {
+        fsdp::load_safetensors(dir, fsdp::sharded_state_dict(*wrong));
+        ADD_FAILURE() << "loaded a model with other keys";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("has no tensor 'tok_embeddings.weight'"), std::string::npos) << e.what();
+      }
+      // The same keys, one of another shape: named with both shapes.
+      fsdp::ShardedStateDict like = fsdp::sharded_state_dict(*m);
+      like["scale"] = fsdp::DTensor::from_local(at::zeros({4}, at::kFloat), like["scale"].device_mesh(),
+                                                like["scale"].placements(), std::vector<int64_t>{4});
+      try {
+        fsdp::load_safetensors(dir, like);
+        ADD_FAILURE() << "loaded a tensor of another shape";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("tensor 'scale': has shape [3] but the model's is [4]"), std::string::npos)
+            << e.what();
+      }
+    });
+  }
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
+}

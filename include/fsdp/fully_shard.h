@@ -48,7 +48,9 @@
 //
 // Collective: every rank of the mesh calls fully_shard on the same modules in the same order.
 // Allocates this rank's shards and frees the full parameters (except on a shard group of one
-// rank). Only CPU parameters are supported by this release; other cases fail with a message
+// rank), so a model too large for one rank can be built sharded: fully_shard each block as soon
+// as it is built, before the next one (fsdp::models::sharded_transformer does it for the
+// Transformer). Only CPU parameters are supported by this release; other cases fail with a message
 // that says so.
 #pragma once
 

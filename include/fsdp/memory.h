@@ -84,6 +84,17 @@ int64_t allocation_count();
 // Number of counted allocations that are still alive. Thread-safe; cheap.
 int64_t live_allocation_count();
 
+// A cap on allocated_bytes(), for tests and for runs that must stay inside a memory budget:
+// with a limit of L > 0 bytes, an allocation of n bytes while allocated_bytes() + n > L throws
+// c10::Error ("CPU out of memory: ...", naming the sizes and the limit) from the operation that
+// allocates, as an out-of-memory CUDA allocation does, and changes no counter. 0 (the default)
+// removes the limit. It sees only what the counters see (above): it caps tensor storage, not
+// the process. Allocations racing in other threads are checked one by one against the live
+// bytes, so together they may pass the limit by up to their own sizes. Throws c10::Error for a
+// negative value. Thread-safe; the limit is one atomic.
+void set_allocation_limit(int64_t bytes);
+int64_t allocation_limit();
+
 // The process's resident set size in bytes, from /proc/self/statm, or -1 if it cannot be
 // read. Thread-safe; reads a /proc file (microseconds), so do not call it per operation.
 int64_t current_rss_bytes();

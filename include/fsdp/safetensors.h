@@ -5,6 +5,8 @@
 //   // ckpt/model-00001-of-00002.safetensors, ckpt/model-00002-of-00002.safetensors,
 //   // ckpt/model.safetensors.index.json  (transformers' from_pretrained layout)
 //   auto part = fsdp::load_safetensors_file("ckpt/model-00001-of-00002.safetensors");
+//   // into a model sharded over any world size, each rank reading only its own rows:
+//   fsdp::load_sharded_state_dict(*model, fsdp::load_safetensors("ckpt", fsdp::sharded_state_dict(*model)));
 //
 // A safetensors file is: an 8-byte little-endian u64 N, N bytes of UTF-8 JSON mapping each
 // tensor name to {"dtype", "shape", "data_offsets": [begin, end)} (offsets relative to the end
@@ -60,6 +62,20 @@ struct SafetensorsOptions {
 // other ranks then fail in their next collective).
 void save_safetensors(const ShardedStateDict& state_dict, const std::string& dir,
                       const SafetensorsOptions& options = SafetensorsOptions());
+
+// Reads a safetensors directory (written by save_safetensors, or any <prefix>.safetensors.index.json
+// with its files, or a single <prefix>.safetensors) into new tensors laid out like `like` (same
+// keys, dtypes and global shapes, any placements: e.g. fsdp::sharded_state_dict of a model built
+// sharded, at any world size), reading from the files only the bytes of this rank's pieces:
+// a model never held whole anywhere can be loaded. Load the result with
+// fsdp::load_sharded_state_dict. Pieces must split tensors along dim 0 only (fully_shard's).
+// Not collective (file reads only). Every header is checked as load_safetensors_file checks it.
+// Throws c10::Error, naming the directory or file and the tensor, on: neither an index nor the
+// single file, an index that is not JSON or names a file outside `dir`, a key of `like` missing
+// or a tensor `like` does not have, a dtype or shape that differs from the model's, an
+// unreadable or malformed file.
+ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict& like,
+                                  const SafetensorsOptions& options = SafetensorsOptions());
 
 // Reads one safetensors file (written by save_safetensors or by anyone else) into name ->
 // tensor, in the order of the tensors' data in the file. Not collective. Allocates a new CPU

@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -255,8 +257,10 @@ bool as_u64(const Json& v, uint64_t* out) {
 }
 
 // Checks one header entry against the data's size; errors say which file and which tensor.
-Entry parse_entry(const std::string& path, const std::string& name, const Json& v, uint64_t data_size) {
-  const std::string where = "fsdp::load_safetensors_file: '" + path + "': tensor '" + name + "': ";
+// `api` names the public function in errors (load_safetensors_file or load_safetensors).
+Entry parse_entry(const std::string& path, const std::string& name, const Json& v, uint64_t data_size,
+                  const char* api) {
+  const std::string where = std::string(api) + ": '" + path + "': tensor '" + name + "': ";
   TORCH_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"), where,
               "expected an object with dtype, shape and data_offsets, got ", v.dump());
   Entry e{name, at::kFloat, {}, 0, 0};
@@ -284,26 +288,26 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
 
 // The format requires the entries to cover the data exactly: no overlaps (which would alias two
 // tensors) and no holes (which could hide other content). Sorts `entries` by offset.
-void check_tiling(const std::string& path, std::vector<Entry>& entries, uint64_t data_size) {
+void check_tiling(const std::string& path, std::vector<Entry>& entries, uint64_t data_size, const char* api) {
   std::stable_sort(entries.begin(), entries.end(),
                    [](const Entry& a, const Entry& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
   uint64_t cursor = 0;
   const std::string* previous = nullptr;
   for (const Entry& e : entries) {
-    TORCH_CHECK(e.begin >= cursor, "fsdp::load_safetensors_file: '", path, "': the data of tensor '", e.name,
+    TORCH_CHECK(e.begin >= cursor, api, ": '", path, "': the data of tensor '", e.name,
                 "' overlaps that of '", *previous, "'");
-    TORCH_CHECK(e.begin == cursor, "fsdp::load_safetensors_file: '", path, "': bytes [", cursor, ", ", e.begin,
+    TORCH_CHECK(e.begin == cursor, api, ": '", path, "': bytes [", cursor, ", ", e.begin,
                 ") before tensor '", e.name, "' belong to no tensor");
     cursor = e.end;
     previous = &e.name;
   }
-  TORCH_CHECK(cursor == data_size, "fsdp::load_safetensors_file: '", path, "': the last ", data_size - cursor,
+  TORCH_CHECK(cursor == data_size, api, ": '", path, "': the last ", data_size - cursor,
               " bytes of the data belong to no tensor");
 }
 
 // Reads the 8-byte length and the JSON header; leaves `f` at the start of the data.
-Json read_header(const std::string& path, std::FILE* f, uint64_t file_size, uint64_t* data_size) {
-  const std::string where = "fsdp::load_safetensors_file: '" + path + "': ";
+Json read_header(const std::string& path, std::FILE* f, uint64_t file_size, uint64_t* data_size, const char* api) {
+  const std::string where = std::string(api) + ": '" + path + "': ";
   unsigned char b[8];
   TORCH_CHECK(file_size >= 8 && std::fread(b, 1, 8, f) == 8, where, "the file is ", file_size,
               " bytes long, too short for the 8-byte header length (truncated?)");
@@ -324,7 +328,144 @@ Json read_header(const std::string& path, std::FILE* f, uint64_t file_size, uint
   return header;
 }
 
+// A file's checked header: where its data starts in the file, and its tensors by name.
+struct FileIndex {
+  uint64_t data_start = 0;
+  std::map<std::string, Entry> entries;
+};
+
+FileIndex index_file(const std::string& path, std::FILE* f) {
+  const long end = std::fseek(f, 0, SEEK_END) == 0 ? std::ftell(f) : -1;
+  TORCH_CHECK(end >= 0, "fsdp::load_safetensors: cannot seek in '", path, "' (not a regular file?)");
+  const auto file_size = static_cast<uint64_t>(end);
+  std::rewind(f);
+  uint64_t data_size = 0;
+  const char* api = "fsdp::load_safetensors";
+  const Json header = read_header(path, f, file_size, &data_size, api);
+  std::vector<Entry> entries;
+  for (const auto& item : header.items()) {
+    if (item.key() == "__metadata__") {
+      const Json& m = item.value();
+      TORCH_CHECK(m.is_object() && std::all_of(m.begin(), m.end(), [](const Json& v) { return v.is_string(); }), api,
+                  ": '", path, "': __metadata__ is not an object of strings");
+      continue;
+    }
+    entries.push_back(parse_entry(path, item.key(), item.value(), data_size, api));
+  }
+  check_tiling(path, entries, data_size, api);
+  FileIndex index;
+  index.data_start = file_size - data_size;
+  for (Entry& e : entries) index.entries.emplace(e.name, std::move(e));
+  return index;
+}
+
+// name -> file (relative to dir): the index's weight_map, or every tensor of the one file
+// <prefix>.safetensors when there is no index.
+std::map<std::string, std::string> weight_map_of(const std::string& dir, const std::string& prefix) {
+  namespace fs = std::filesystem;
+  const fs::path index_path = fs::path(dir) / (prefix + ".safetensors.index.json");
+  std::map<std::string, std::string> files;
+  std::error_code ec;
+  if (!fs::exists(index_path, ec)) {
+    const std::string single = prefix + ".safetensors";
+    TORCH_CHECK(fs::exists(fs::path(dir) / single, ec), "fsdp::load_safetensors: '", dir, "' has neither ",
+                index_path.filename().string(), " nor ", single, "; pass the directory save_safetensors wrote (and "
+                "its prefix in the options)");
+    FilePtr f(std::fopen((fs::path(dir) / single).c_str(), "rb"), std::fclose);
+    TORCH_CHECK(f, "fsdp::load_safetensors: cannot open '", (fs::path(dir) / single).string(), "': ",
+                std::strerror(errno));
+    for (const auto& item : index_file((fs::path(dir) / single).string(), f.get()).entries) files[item.first] = single;
+    return files;
+  }
+  std::ifstream in(index_path);
+  Json index;
+  try {
+    index = Json::parse(in);
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "fsdp::load_safetensors: '", index_path.string(), "' is not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
+              "fsdp::load_safetensors: '", index_path.string(), "' has no \"weight_map\" object");
+  for (const auto& item : index["weight_map"].items()) {
+    const Json& file = item.value();
+    TORCH_CHECK(file.is_string(), "fsdp::load_safetensors: '", index_path.string(), "': the file of '", item.key(),
+                "' is not a string");
+    const std::string name = file.get<std::string>();
+    // Only plain file names inside dir: an index must not point reads elsewhere.
+    TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
+                "fsdp::load_safetensors: '", index_path.string(), "': the file of '", item.key(), "' is '", name,
+                "', not a file name inside the directory");
+    files[item.key()] = name;
+  }
+  return files;
+}
+
+// This rank's piece of `target` from `entry` of the open file: only the bytes of its rows
+// (a row-major tensor split along dim 0 is one contiguous range per piece).
+at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileIndex& index, const Entry& entry,
+                           const DTensor& target) {
+  const std::string where = "fsdp::load_safetensors: '" + path + "': tensor '" + entry.name + "': ";
+  TORCH_CHECK(entry.dtype == target.scalar_type(), where, "has dtype ", entry.dtype, " but the model's is ",
+              target.scalar_type());
+  TORCH_CHECK(entry.shape == target.sizes(), where, "has shape ", c10::IntArrayRef(entry.shape),
+              " but the model's is ", c10::IntArrayRef(target.sizes()));
+  at::Tensor local = at::empty(target.to_local().sizes(), at::TensorOptions().dtype(entry.dtype));
+  if (local.numel() == 0) return local;
+  uint64_t offset = entry.begin;
+  if (local.dim() > 0) {
+    const auto bounds = target.local_bounds();
+    for (size_t d = 1; d < bounds.size(); ++d) {
+      TORCH_CHECK(bounds[d].offset == 0 && bounds[d].length == target.sizes()[d], where, "is to be loaded into "
+                  "pieces split along dim ", d, "; only splits along dim 0 are supported");
+    }
+    offset += static_cast<uint64_t>(bounds[0].offset) * (local.nbytes() / static_cast<uint64_t>(local.size(0)));
+  }
+  TORCH_CHECK(std::fseek(f, static_cast<long>(index.data_start + offset), SEEK_SET) == 0 &&
+                  std::fread(local.data_ptr(), 1, local.nbytes(), f) == local.nbytes(),
+              where, "reading its bytes failed (truncated file?)");
+  return local;
+}
+
 }  // namespace
+
+ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict& like,
+                                  const SafetensorsOptions& options) {
+  const std::map<std::string, std::string> files = weight_map_of(dir, options.prefix());
+  for (const auto& item : like) {
+    TORCH_CHECK(files.count(item.key()), "fsdp::load_safetensors: '", dir, "' has no tensor '", item.key(),
+                "' (the model has it)");
+  }
+  for (const auto& item : files) {
+    TORCH_CHECK(like.contains(item.first), "fsdp::load_safetensors: '", dir, "' has tensor '", item.first,
+                "', which the model has not (unexpected key)");
+  }
+  // Each file opened once and its header checked once, in the order the model needs them.
+  struct OpenFile {
+    FilePtr f{nullptr, std::fclose};
+    FileIndex index;
+  };
+  std::map<std::string, OpenFile> open;
+  ShardedStateDict out;
+  for (const auto& item : like) {
+    const std::string path = (std::filesystem::path(dir) / files.at(item.key())).string();
+    auto it = open.find(path);
+    if (it == open.end()) {
+      OpenFile o;
+      o.f.reset(std::fopen(path.c_str(), "rb"));
+      TORCH_CHECK(o.f, "fsdp::load_safetensors: cannot open '", path, "': ", std::strerror(errno));
+      o.index = index_file(path, o.f.get());
+      it = open.emplace(path, std::move(o)).first;
+    }
+    const auto entry = it->second.index.entries.find(item.key());
+    TORCH_CHECK(entry != it->second.index.entries.end(), "fsdp::load_safetensors: the index of '", dir, "' puts '",
+                item.key(), "' in '", path, "', which does not hold it");
+    const DTensor& target = item.value();
+    at::Tensor local = read_local_rows(path, it->second.f.get(), it->second.index, entry->second, target);
+    out.insert(item.key(), DTensor::from_local(std::move(local), target.device_mesh(), target.placements(),
+                                               target.sizes()));
+  }
+  return out;
+}
 
 TensorStateDict load_safetensors_file(const std::string& path) {
   FilePtr f(std::fopen(path.c_str(), "rb"), std::fclose);
@@ -334,7 +475,8 @@ TensorStateDict load_safetensors_file(const std::string& path) {
   const auto file_size = static_cast<uint64_t>(end);
   std::rewind(f.get());
   uint64_t data_size = 0;
-  const Json header = read_header(path, f.get(), file_size, &data_size);
+  const char* api = "fsdp::load_safetensors_file";
+  const Json header = read_header(path, f.get(), file_size, &data_size, api);
 
   std::vector<Entry> entries;
   for (const auto& item : header.items()) {
@@ -344,9 +486,9 @@ TensorStateDict load_safetensors_file(const std::string& path) {
                   "fsdp::load_safetensors_file: '", path, "': __metadata__ is not an object of strings");
       continue;
     }
-    entries.push_back(parse_entry(path, item.key(), item.value(), data_size));
+    entries.push_back(parse_entry(path, item.key(), item.value(), data_size, api));
   }
-  check_tiling(path, entries, data_size);
+  check_tiling(path, entries, data_size, api);
 
   // The entries now tile the data in file order, so one sequential pass reads them all.
   TensorStateDict out;

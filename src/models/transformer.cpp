@@ -3,6 +3,7 @@
 #include <fsdp/models/transformer.h>
 
 #include <fsdp/call.h>
+#include <fsdp/fully_shard.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -80,7 +81,7 @@ at::Tensor TransformerBlockImpl::forward(const at::Tensor& x) {
   return h + fsdp::call(feed_forward, fsdp::call(ffn_norm, h));
 }
 
-TransformerImpl::TransformerImpl(const ModelArgs& args) : args_(args) {
+TransformerImpl::TransformerImpl(const ModelArgs& args, const BlockBuiltHook& on_block_built) : args_(args) {
   tok_embeddings = register_module("tok_embeddings", torch::nn::Embedding(args.vocab_size, args.dim));
   pos_embeddings = register_module("pos_embeddings", torch::nn::Embedding(args.max_seq_len, args.dim));
   dropout = register_module("dropout", torch::nn::Dropout(args.dropout_p));
@@ -88,6 +89,8 @@ TransformerImpl::TransformerImpl(const ModelArgs& args) : args_(args) {
   for (int64_t i = 0; i < args.n_layers; ++i) {
     blocks_.push_back(TransformerBlock(args));
     layers->push_back(blocks_.back());
+    // Before the next block exists: a hook that shards this one frees its full parameters now.
+    if (on_block_built) on_block_built(blocks_.back());
   }
   norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({args.dim})));
   output = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(args.dim, args.vocab_size).bias(false)));
@@ -170,6 +173,13 @@ void TransformerImpl::set_activation_checkpointing(int64_t every_k, const Checkp
   if (every_k > 0) fsdp::detail::check_checkpoint_options(options);  // now, not at the first forward
   checkpoint_every_k_ = every_k;
   checkpoint_options_ = options;
+}
+
+Transformer sharded_transformer(const ModelArgs& args, const FullyShardOptions& block_options,
+                                const FullyShardOptions& root_options) {
+  Transformer model(args, [&](TransformerBlock& block) { fully_shard(block, block_options); });
+  fully_shard(model, root_options);
+  return model;
 }
 
 int64_t count_parameters(const torch::nn::Module& module) {

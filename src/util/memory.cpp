@@ -35,6 +35,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/alignment.h>
+#include <c10/util/Exception.h>
 
 #include <unistd.h>
 
@@ -149,6 +150,18 @@ std::atomic<int64_t> g_live{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_count{0};
 std::atomic<int64_t> g_live_count{0};
+std::atomic<int64_t> g_limit{0};  // 0: no limit (set_allocation_limit)
+
+// Refuses an allocation of n bytes that would take the live bytes past the limit. Checked
+// before the block is taken, so a refused allocation changes no counter.
+void check_limit(size_t n) {
+  const int64_t limit = g_limit.load(std::memory_order_relaxed);
+  if (limit <= 0) return;
+  const int64_t live = g_live.load(std::memory_order_relaxed);
+  TORCH_CHECK(live + static_cast<int64_t>(n) <= limit, "CPU out of memory: tried to allocate ", n, " bytes with ",
+              live, " bytes of tensors allocated, over the limit of ", limit,
+              " bytes set by fsdp::memory::set_allocation_limit; raise the limit or allocate less");
+}
 
 void note_alloc(int64_t n) {
   const int64_t now = g_live.fetch_add(n, std::memory_order_relaxed) + n;
@@ -180,6 +193,7 @@ class CountingAllocator final : public c10::Allocator {
       // Nothing to count. Keep one deleter for every DataPtr we return (raw_deleter()).
       return {nullptr, nullptr, &counting_delete, c10::Device(c10::DeviceType::CPU)};
     }
+    check_limit(n);
     size_t capacity = n;
     if (n >= kCacheMin && block_cache().enabled.load(std::memory_order_relaxed)) {
       capacity = round_up(n, kCacheRound);
@@ -305,6 +319,12 @@ void empty_cache() { block_cache().release_all(); }
 void set_caching_enabled(bool enabled) { block_cache().set_enabled(enabled); }
 bool caching_enabled() { return block_cache().enabled.load(std::memory_order_relaxed); }
 int64_t live_allocation_count() { return g_live_count.load(std::memory_order_relaxed); }
+
+void set_allocation_limit(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "fsdp::memory::set_allocation_limit: ", bytes, " bytes is negative; pass 0 for no limit");
+  g_limit.store(bytes, std::memory_order_relaxed);
+}
+int64_t allocation_limit() { return g_limit.load(std::memory_order_relaxed); }
 
 int64_t current_rss_bytes() {
   std::ifstream f("/proc/self/statm");

@@ -223,6 +223,33 @@ TEST(Trainer, StartsFromATorchSaveFile) {
   EXPECT_EQ(std::system(("/usr/bin/python3 " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
 }
 
+// model.init_from also takes a safetensors export, of which each rank reads only its rows: a
+// run at W=3 starts from the weights a W=2 run exported (here checked against the same W=2 run
+// exported as a torch.save file: the runs are deterministic), and with a vanishing learning
+// rate exports them back.
+TEST(Trainer, StartsFromASafetensorsExportAtAnotherWorldSize) {
+  TempDir dir;
+  const auto common = [&](const std::string& name, int steps, const std::string& export_path) {
+    return with(base_args(dir / name, steps),
+                {"--fsdp_config.checkpoint_interval=0", "--training.micro_batch_size=2", "--training.export=" + export_path});
+  };
+  for (const std::string exported : {"a.safetensors", "a.pt"}) {
+    RunResult a = fsdprun.run(under_fsdprun(2, common("a_" + exported, 3, dir / exported)), {}, 120);
+    ASSERT_EQ(a.exit_code, 0) << describe(a);
+  }
+  RunResult b = fsdprun.run(under_fsdprun(3, with(common("b", 1, dir / "b.pt"),
+                                                  {"--model.init_from=" + dir / "a.safetensors",
+                                                   "--optimizer.lr=1e-30", "--schedule.min_lr=0"})),
+                            {}, 120);
+  ASSERT_EQ(b.exit_code, 0) << describe(b);
+  std::ofstream(dir / "compare.py") << "import sys, torch\n"
+                                        "a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])\n"
+                                        "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
+                                        "for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k\n"
+                                        "print('OK', len(a))\n";
+  EXPECT_EQ(std::system(("/usr/bin/python3 " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
+}
+
 TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaitsAndSafetensorsExport) {
   TempDir dir;
   const auto args = with(base_args(dir.path(), 3), {"--logging.trace=true", "--logging.trace_dir=" + dir / "trace",

@@ -307,6 +307,34 @@ TEST(TrainerFaults, InitFromWithNonFiniteWeightsIsRefusedNamingTheFileAndTensor)
   EXPECT_EQ(last_step_in(dir / "m0.jsonl"), 0);
 }
 
+// A safetensors directory is read a rank's rows at a time: the rank whose rows hold a NaN names
+// it, and every rank stops with that line before training (none waits in a collective).
+TEST(TrainerFaults, InitFromSafetensorsWithANaNInOneRanksRowsStopsEveryRankNamingIt) {
+  TempDir dir;
+  RunResult a = fsdprun.run(under_fsdprun(2, with(base_args(dir / "a", 1), {"--fsdp_config.checkpoint_interval=0",
+                                                                          "--training.export=" + dir / "a.safetensors"})),
+                            {}, 120);
+  ASSERT_EQ(a.exit_code, 0) << describe(a);
+  // The last element of norm.weight (64 values): rank 1's rows at W=2.
+  write_text(dir / "poison.py", "import json, struct, sys\n"
+                                "d = sys.argv[1]\n"
+                                "f = d + '/' + json.load(open(d + '/model.safetensors.index.json'))['weight_map']['norm.weight']\n"
+                                "b = bytearray(open(f, 'rb').read())\n"
+                                "n = struct.unpack('<Q', b[:8])[0]\n"
+                                "begin, end = json.loads(b[8:8 + n])['norm.weight']['data_offsets']\n"
+                                "b[8 + n + end - 4:8 + n + end] = struct.pack('<f', float('nan'))\n"
+                                "open(f, 'wb').write(b)\n");
+  ASSERT_EQ(run_python(dir / "poison.py", {dir / "a.safetensors"}), 0);
+  RunResult r = fsdprun.run(under_fsdprun(2, with(base_args(dir / "b", 3), {"--model.init_from=" + dir / "a.safetensors"})),
+                            {}, 120);
+  EXPECT_NE(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(contains(r, "model.init_from " + dir / "a.safetensors" + ": rank 1: 1 tensor(s) hold NaN or infinite "
+                                                                       "values in this rank's rows: norm.weight (1 of 32)"))
+      << describe(r);
+  EXPECT_FALSE(contains(r, "rank 0: 1 tensor(s)")) << describe(r);
+  EXPECT_EQ(last_step_in(dir / "b/m0.jsonl"), 0);
+}
+
 // ------------------------------------------------------------------ damaged token files
 
 std::string token_header(uint32_t token_bytes, uint64_t vocab, uint64_t count) {

@@ -1,9 +1,11 @@
 // fsdp-train's sharding strategies end to end: each one trains like one process on the global
 // batch, and one checkpoint carries a run across strategies and world sizes.
+#include "model_size.h"
 #include "process_harness.h"
 #include "trainer_runs.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <map>
@@ -90,6 +92,30 @@ TEST(TrainerStrategies, StartLineNamesTheDataParallelLayout) {
                   120);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("replicated on 2 rank(s), NO_SHARD"), std::string::npos) << r.out;
+}
+
+// The sharded strategies build the model sharded, one block at a time, so building it never
+// takes the whole model's parameters on any rank; NO_SHARD holds them whole (each rank has a
+// full replica). Mostly blocks, so that a block is small next to the model.
+TEST(TrainerStrategies, ShardedStrategiesNeverHoldTheWholeModelWhileBuildingIt) {
+  const fsdp::train::ModelSizes sizes{16, 64, 64, 64, 4};
+  const double full_mib = 4 * fsdp::train::transformer_parameters(sizes) / (1024.0 * 1024.0);
+  auto build_peaks = [&](const std::string& strategy) {
+    TempDir dir;
+    const auto args = with(base_args(dir.path(), 1),
+                           {"--model.n_layers=16", "--fsdp_config.sharding_strategy=" + strategy,
+                            "--fsdp_config.checkpoint_interval=0", "--training.micro_batch_size=1",
+                            "--logging.summary_json=" + dir / "summary.json"});
+    RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    return nlohmann::json::parse(read_file(dir / "summary.json")).at("build_peak_tensor_mib_per_rank")
+        .get<std::vector<double>>();
+  };
+  const std::vector<double> sharded = build_peaks("FULL_SHARD");
+  ASSERT_EQ(sharded.size(), 2u);
+  // Half of the model (the shards), one block (1/16) and the root, and little else.
+  for (double mib : sharded) EXPECT_LT(mib, 0.7 * full_mib) << "FULL_SHARD, the whole model is " << full_mib << " MiB";
+  for (double mib : build_peaks("NO_SHARD")) EXPECT_GE(mib, full_mib) << "NO_SHARD";
 }
 
 // FULL_SHARD at W=2 saves step 4; HYBRID_SHARD 2x2 at W=4 resumes it and saves step 8; NO_SHARD

@@ -115,8 +115,10 @@ struct ModelConfig {
   std::optional<int64_t> dim;          // > 0
   std::optional<int64_t> n_heads;      // > 0
   std::optional<double> dropout_p;     // [0, 1)
-  // A PyTorch state dict file (Python's torch.save(model.state_dict(), path)) to start from
-  // instead of the seeded random initialisation; empty = none.
+  // The weights to start from instead of the seeded random initialisation; empty = none. A
+  // PyTorch state dict file (Python's torch.save(model.state_dict(), path)), read whole on every
+  // rank, or a safetensors directory (training.export=<name>.safetensors writes one), of which
+  // each rank reads only its shards' rows.
   std::string init_from;
 };
 

@@ -25,7 +25,7 @@ struct Part {
 int64_t shard_ranks(const StepSizes& s) { return std::max<int64_t>(1, s.shard_world > 0 ? s.shard_world : s.world); }
 
 std::vector<Part> parts_of(const ModelSizes& m, const StepSizes& s) {
-  const double per_param = std::max(4.0, 16.0 / static_cast<double>(shard_ranks(s)));
+  const double per_param = 16.0 / static_cast<double>(shard_ranks(s));
   const double V = m.vocab_size, D = m.dim, S = m.max_seq_len, L = m.n_layers, H = m.n_heads;
   const double W = s.world, k = s.accumulation, B = s.micro_batch, T = s.seq;
   return {
@@ -102,8 +102,7 @@ void check_fits_in_memory(const ModelSizes& m, const StepSizes& s, double mem_to
       << (mem_total_bytes > 0 ? human_bytes(mem_total_bytes) + ", MemTotal in /proc/meminfo" : "unknown; 2^63 bytes")
       << "). Most of it is " << part->what << ": " << factors(*part) << " = " << human_bytes(part->bytes)
       << ". The model has " << number(transformer_parameters(m)) << " parameters at 16 bytes each (parameter, "
-      << "gradient, AdamW's two moments) sharded over " << shard_ranks(s) << " rank(s), and at least 4 bytes each "
-      << "while every rank builds the whole model before sharding. Rule: the estimate per rank times the ranks "
+      << "gradient, AdamW's two moments) sharded over " << shard_ranks(s) << " rank(s). Rule: the estimate per rank times the ranks "
       << "on this machine (LOCAL_WORLD_SIZE) must not exceed MemTotal. Lower " << key << ".";
   throw ConfigError(msg.str());
 }

@@ -6,8 +6,9 @@
 // The estimate is a lower bound (what the run cannot do without), so no run that would fit is
 // refused:
 //   model    16 bytes per parameter (the parameter, its gradient and AdamW's two moments),
-//            sharded over the world; but at least 4 bytes per parameter, because every rank
-//            builds the whole model before fully_shard shards it
+//            sharded over the ranks each parameter is split over. Nothing more for building
+//            the model: the sharded strategies build it sharded, one block at a time
+//            (fsdp::models::sharded_transformer), which holds less than training does
 //   data     the step's global batch (int64 tokens), which every rank draws whole
 //   compute  one micro-batch's logits and their gradient, and every layer's attention
 //            probabilities (kept for backward)

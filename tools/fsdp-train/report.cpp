@@ -64,11 +64,11 @@ std::string format_step_line(const StepReport& r) {
 
 std::vector<double> RankTotals::to_vector() const {
   return {peak_rss_mib, peak_tensor_mib, median_step_s, ag_s, ag_wait_s, rs_s, rs_wait_s, ar_s, ar_wait_s,
-          ag_bytes, rs_bytes, ar_bytes};
+          ag_bytes, rs_bytes, ar_bytes, build_peak_tensor_mib};
 }
 
 RankTotals RankTotals::from(const double* f) {
-  return RankTotals{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11]};
+  return RankTotals{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]};
 }
 
 size_t summary_warmup_steps(int64_t summary_warmup, size_t steps) {
@@ -98,9 +98,10 @@ std::string format_summary(const RunSummary& sum) {
     const RankTotals& r = sum.ranks[q];
     const double exposed = r.ag_wait_s + r.rs_wait_s + r.ar_wait_s;
     std::snprintf(buf, sizeof buf,
-                  "  rank %zu: peak RSS %.1f MiB, peak tensors %.1f MiB; all-gather %.3f s + reduce-scatter %.3f s "
-                  "+ all-reduce %.3f s of communication, %.3f s exposed (waited for), %.3f s hidden\n",
-                  q, r.peak_rss_mib, r.peak_tensor_mib, r.ag_s, r.rs_s, r.ar_s, exposed,
+                  "  rank %zu: peak RSS %.1f MiB, peak tensors %.1f MiB (%.1f MiB building the model); all-gather "
+                  "%.3f s + reduce-scatter %.3f s + all-reduce %.3f s of communication, %.3f s exposed (waited for), "
+                  "%.3f s hidden\n",
+                  q, r.peak_rss_mib, r.peak_tensor_mib, r.build_peak_tensor_mib, r.ag_s, r.rs_s, r.ar_s, exposed,
                   std::max(0.0, r.ag_s + r.rs_s + r.ar_s - exposed));
     s << buf;
   }
@@ -123,7 +124,8 @@ void write_summary_json(const std::string& path, const RunShape& shape, const Ru
       {"all_gather_wait_s_per_rank", &RankTotals::ag_wait_s}, {"reduce_scatter_s_per_rank", &RankTotals::rs_s},
       {"reduce_scatter_wait_s_per_rank", &RankTotals::rs_wait_s}, {"all_reduce_s_per_rank", &RankTotals::ar_s},
       {"all_reduce_wait_s_per_rank", &RankTotals::ar_wait_s}, {"all_gather_bytes_per_rank", &RankTotals::ag_bytes},
-      {"reduce_scatter_bytes_per_rank", &RankTotals::rs_bytes}, {"all_reduce_bytes_per_rank", &RankTotals::ar_bytes}};
+      {"reduce_scatter_bytes_per_rank", &RankTotals::rs_bytes}, {"all_reduce_bytes_per_rank", &RankTotals::ar_bytes},
+      {"build_peak_tensor_mib_per_rank", &RankTotals::build_peak_tensor_mib}};
   for (const auto& [name, field] : per_rank_fields) {
     std::vector<double> values;
     for (const RankTotals& r : s.ranks) values.push_back(r.*field);

@@ -48,7 +48,10 @@ struct RankTotals {
   // Payload bytes this rank sent over the run, per kind of collective, over every group of the
   // data-parallel mesh.
   double ag_bytes = 0, rs_bytes = 0, ar_bytes = 0;
-  static constexpr int kFields = 12;
+  // Peak of tensor bytes while the model was built and sharded (before any weights were loaded):
+  // below the whole model's parameters under the sharded strategies, which build it sharded.
+  double build_peak_tensor_mib = 0;
+  static constexpr int kFields = 13;
   std::vector<double> to_vector() const;
   static RankTotals from(const double* fields);
 };

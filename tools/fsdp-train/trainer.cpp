@@ -174,25 +174,42 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
   return d;
 }
 
+// A directory of safetensors files: what training.export=<name>.safetensors writes, or any
+// Hugging Face layout (an index and its files, or one model.safetensors).
+bool is_safetensors_dir(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  return fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "model.safetensors.index.json", ec) ||
+                                        fs::exists(fs::path(path) / "model.safetensors", ec));
+}
+
+// Lists the tensors with NaN or infinite values, or "" when there are none.
+std::string non_finite_problem(const TensorStateDict& sd, const std::string& where) {
+  const std::vector<std::string> bad = non_finite_tensors(sd);
+  if (bad.empty()) return "";
+  std::string list;
+  for (const auto& b : bad) list += (list.empty() ? "" : ", ") + b;
+  return std::to_string(bad.size()) + " tensor(s) hold NaN or infinite values" + where + ": " + list +
+         "; training cannot start from them";
+}
+
 // model.init_from: a file (ConfigError naming the key otherwise) that loads as a state dict
 // (errors name the key and the file) of finite values.
 TensorStateDict init_state_dict(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) throw ConfigError("model.init_from: " + path + " does not exist");
   if (std::filesystem::is_directory(path, ec))
-    throw ConfigError("model.init_from: " + path + " is a directory; expected a file written by torch.save");
+    throw ConfigError("model.init_from: " + path + " is a directory without model.safetensors.index.json or "
+                      "model.safetensors; expected a file written by torch.save, or a safetensors directory");
   TensorStateDict sd;
   try {
     sd = load_pytorch_state_dict(path);
   } catch (const std::exception& e) {
     throw std::runtime_error("model.init_from " + path + ": " + error_text(e));
   }
-  const std::vector<std::string> bad = non_finite_tensors(sd);
-  if (bad.empty()) return sd;
-  std::string list;
-  for (const auto& b : bad) list += (list.empty() ? "" : ", ") + b;
-  throw std::runtime_error("model.init_from " + path + ": " + std::to_string(bad.size()) +
-                           " tensor(s) hold NaN or infinite values: " + list + "; training cannot start from them");
+  const std::string problem = non_finite_problem(sd, "");
+  if (problem.empty()) return sd;
+  throw std::runtime_error("model.init_from " + path + ": " + problem);
 }
 
 std::string resolved_export_path(const TrainConfig& cfg) {
@@ -287,8 +304,9 @@ class Run {
   void join_job(const RendezvousInfo& env);
   void check_checkpoint_dir();
   void shard_model();
-  void shard_blocks_and_root(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload);
+  void build_sharded_model(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload);
   void load_initial_weights();
+  void load_initial_safetensors(const std::string& path);
   std::string data_parallel_description() const;
   void set_gradient_sync_for(int64_t micro);
   void resume();
@@ -334,6 +352,7 @@ class Run {
   int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
   LrSchedule schedule_;
   int64_t parameter_count_ = 0;  // of the whole model, not of this rank's shards
+  int64_t build_peak_tensor_bytes_ = 0;  // peak of tensor bytes while building and sharding the model
   std::unique_ptr<DataSource> data_;
   DataParallelShape shape_;  // replicas x shards of the data-parallel mesh
   DeviceMesh mesh_;
@@ -424,46 +443,74 @@ void Run::shard_model() {
   if (cfg_.fsdp_config.offload_params) offload = CPUOffloadPolicy().pin_memory(false);
   // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
   torch::manual_seed(cfg_.training.seed);
-  model_ = models::Transformer(args_);
-  if (cfg_.fsdp_config.activation_checkpointing) {
-    model_->set_activation_checkpointing(cfg_.fsdp_config.activation_checkpointing_every,
-                                         CheckpointOptions().use_reentrant(cfg_.fsdp_config.use_reentrant));
-  }
+  memory::reset_peak_allocated();
   if (cfg_.fsdp_config.sharding_strategy == ShardingStrategy::NO_SHARD) {
     // Whole parameters on every rank, gradients averaged in buckets during backward (DDP). The
     // gradients are views of the buckets: backward accumulates into what is all-reduced, so
     // there is neither a copy nor a second set of gradients in memory.
+    model_ = models::Transformer(args_);
     replicated_ = replicate(model_, ReplicateOptions().mesh(mesh_).gradient_as_bucket_view(true));
   } else {
-    shard_blocks_and_root(policy, offload);
+    build_sharded_model(policy, offload);
   }
+  if (cfg_.fsdp_config.activation_checkpointing) {
+    model_->set_activation_checkpointing(cfg_.fsdp_config.activation_checkpointing_every,
+                                         CheckpointOptions().use_reentrant(cfg_.fsdp_config.use_reentrant));
+  }
+  build_peak_tensor_bytes_ = memory::max_allocated_bytes();
   load_initial_weights();
 }
 
 // Every block is its own group; the root holds the rest (embeddings, final norm, output). On
-// a 2-D mesh (HYBRID_SHARD*) the same calls shard within each replica.
-void Run::shard_blocks_and_root(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload) {
+// a 2-D mesh (HYBRID_SHARD*) the same calls shard within each replica. Each block is sharded
+// as soon as it is built, so no rank ever holds the whole model: the largest trainable model is
+// bounded by the shards, not by one rank's memory. The values are those of building the whole
+// model first (fully_shard draws no random numbers), so a seed gives the same run either way.
+void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload) {
   const bool reshard = reshard_after_forward(cfg_);
-  for (auto& block : model_->blocks())
-    fully_shard(block,
-                FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload));
+  const FullyShardOptions block_options =
+      FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload);
   // The root's parameters are needed first in backward, so it keeps them gathered (FSDP2's
   // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
   FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
-  root_ = fully_shard(model_, root_options);
+  model_ = models::sharded_transformer(args_, block_options, root_options);
+  root_ = get_fsdp_module(*model_);
 }
 
-// model.init_from, into whatever the strategy made of the model.
+// model.init_from, into whatever the strategy made of the model. A safetensors directory is
+// read a rank's rows at a time, so that a model built sharded is never whole on any rank; a
+// torch.save file is read whole by every rank.
 void Run::load_initial_weights() {
   if (cfg_.model.init_from.empty()) return;
   const std::string& path = cfg_.model.init_from;
+  if (is_safetensors_dir(path)) {
+    load_initial_safetensors(path);
+    return;
+  }
   const TensorStateDict sd = init_state_dict(path);
   try {
     load_full_state_dict(*model_, sd);
   } catch (const std::exception& e) {
     throw std::runtime_error("model.init_from " + path + ": " + error_text(e));
   }
+}
+
+// Each rank reads its own rows and checks them; the ranks agree before any weight is replaced,
+// so that all stop together when one rank's rows are unreadable or not finite.
+void Run::load_initial_safetensors(const std::string& path) {
+  ShardedStateDict loaded;
+  std::string problem;
+  try {
+    loaded = load_safetensors(path, sharded_state_dict(*model_));
+    TensorStateDict local;
+    for (const auto& item : loaded) local.insert(item.key(), item.value().to_local());
+    problem = non_finite_problem(local, " in this rank's rows");
+  } catch (const std::exception& e) {
+    problem = error_text(e);
+  }
+  throw_unless_every_rank_ok(problem, "model.init_from " + path);
+  load_sharded_state_dict(*model_, loaded);
 }
 
 // Returns the directory written.
@@ -875,6 +922,7 @@ RankTotals Run::my_totals(size_t warmup) const {
   mine.median_step_s = median_after(step_times_, warmup);
   mine.peak_rss_mib = memory::peak_rss_bytes() / kMiB;
   mine.peak_tensor_mib = memory::max_allocated_bytes() / kMiB;
+  mine.build_peak_tensor_mib = static_cast<double>(build_peak_tensor_bytes_) / kMiB;
   const CommSeconds comm(comm_before_, mesh_stats(mesh_));
   mine.ag_s = comm.all_gather, mine.ag_wait_s = comm.all_gather_wait;
   mine.rs_s = comm.reduce_scatter, mine.rs_wait_s = comm.reduce_scatter_wait;

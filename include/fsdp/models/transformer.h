@@ -17,6 +17,13 @@
 //   fsdp::fully_shard(model);
 //   at::Tensor logits = fsdp::call(model, tokens);   // tokens: int64 [batch, seq]
 //
+// A model larger than one rank's memory: build it sharded, one block at a time, so that no rank
+// ever holds all of its parameters (see sharded_transformer below):
+//
+//   torch::manual_seed(0);  // the same seed on every rank, as for the usual build
+//   auto model = fsdp::models::sharded_transformer(args, fsdp::FullyShardOptions().mesh(mesh),
+//                                                  fsdp::FullyShardOptions().mesh(mesh));
+//
 // model->set_activation_checkpointing(1) recomputes every block's activations in backward
 // instead of keeping them (fsdp/checkpoint_activations.h); 2 every other block.
 //
@@ -39,10 +46,14 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 namespace fsdp {
+
+struct FullyShardOptions;  // fsdp/fully_shard.h
+
 namespace models {
 
 struct ModelArgs {
@@ -98,9 +109,19 @@ class TransformerBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TransformerBlock);
 
+// Called with each block of a Transformer under construction; see TransformerImpl's constructor.
+using BlockBuiltHook = std::function<void(TransformerBlock& block)>;
+
 class TransformerImpl : public torch::nn::Module {
  public:
-  explicit TransformerImpl(const ModelArgs& args);
+  // Builds, in this order: tok_embeddings, pos_embeddings, the blocks layers.0 .. layers.<n-1>,
+  // norm, output; each module draws its initial values from the global generator when it is
+  // built (seed it with torch::manual_seed). on_block_built, when set, is called with each block
+  // right after it is built and registered, before the next one is built: fully_shard(block)
+  // there frees the block's full parameters at once, so that at most one block is ever whole.
+  // A hook that draws no random numbers (fully_shard draws none) leaves every value as it is
+  // without a hook, bit for bit. An exception from the hook propagates out of the constructor.
+  explicit TransformerImpl(const ModelArgs& args, const BlockBuiltHook& on_block_built = nullptr);
   // tokens: int64 [batch, seq] with seq <= max_seq_len. Returns float32 logits [batch, seq, vocab].
   at::Tensor forward(const at::Tensor& tokens);
   // The mean fp32 cross-entropy of forward(tokens) against targets (int64 [batch, seq] class
@@ -149,6 +170,18 @@ class TransformerImpl : public torch::nn::Module {
   CheckpointOptions checkpoint_options_;
 };
 TORCH_MODULE(Transformer);
+
+// The Transformer built sharded, for models larger than one rank's memory: each block is
+// fully_shard()ed with block_options as soon as it is built, then the whole model (the root:
+// embeddings, final norm and output head) with root_options. The same FSDP groups, options and
+// parameter values as building Transformer(args) and then sharding the blocks and the root in
+// the usual way (fsdp/fully_shard.h), but the full parameters never exist together: a rank holds
+// at most the root's own parameters, one block whole and the shards of the blocks before it,
+// plus that block's shard while fully_shard copies it. Collective over the meshes of the options,
+// like fully_shard; every rank seeds the global generator the same way first. Throws what
+// fully_shard throws.
+Transformer sharded_transformer(const ModelArgs& args, const FullyShardOptions& block_options,
+                                const FullyShardOptions& root_options);
 
 // Number of elements of all parameters of `module` (as registered now: after fully_shard,
 // the local shards).
