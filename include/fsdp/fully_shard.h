@@ -110,9 +110,9 @@ class ReshardAfterForward {
 // parameter, its shape and the dim otherwise, and for a placement that is not a Shard. Each
 // rank's shard is then its torch.chunk piece along d, stored contiguous; as_dtensor gives
 // placements (Shard(d)) (HSDP: (Replicate(), Shard(d))), which state dicts, optimizer state
-// dicts and checkpoints record. Such a parameter costs one more local copy per all-gather and
-// reduce-scatter (its pieces are not contiguous in the unsharded tensor). Every rank must
-// return the same placements.
+// dicts and checkpoints record. Its pieces are not contiguous in the unsharded tensor, so the
+// copies after each all-gather and before each reduce-scatter move them in runs (one per index
+// of the dims before d). Every rank must return the same placements.
 using ShardPlacementFn = std::function<std::optional<Placement>(const std::string& fqn, const at::Tensor& param)>;
 
 struct FullyShardOptions {
