@@ -299,6 +299,14 @@ TEST(ShardPlacement, LayoutsCutAndRebuildAlongTheShardDim) {
   fsdp::detail::foreach_all_gather_copy_out(fsdp::detail::AllGatherResult{nullptr, at::cat(rows), layout}, mine);
   EXPECT_TRUE(mine[0]->unsharded().equal(weight));
   EXPECT_TRUE(mine[1]->unsharded().equal(cube));
+  // An empty dim before the shard dim: nothing in any piece.
+  fsdp::detail::FSDPParams empty;
+  empty.push_back(std::make_unique<fsdp::detail::FSDPParam>("empty", at::zeros({0, 4}), W, 0));
+  empty[0]->shard_on(1);
+  const auto empty_layout = fsdp::detail::shard_layout(empty, W);
+  EXPECT_EQ(empty_layout.row_numel, 0);
+  fsdp::detail::init_flat_shard(empty, empty_layout);
+  EXPECT_EQ(empty[0]->sharded().sizes(), (std::vector<int64_t>{0, 1}));
   // Reduce-scatter copy-in, in the gradients' dtype and widened to double.
   for (at::ScalarType reduce_dtype : {at::kFloat, at::kDouble}) {
     mine[0]->unsharded().mutable_grad() = weight * 2;

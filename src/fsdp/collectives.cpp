@@ -58,7 +58,8 @@ void copy_piece_to_unsharded(char* dst, const char* src, const RankMajorLayout& 
 
 std::vector<int64_t> runs_of(const FSDPParams& params, const std::vector<size_t>& indices) {
   std::vector<int64_t> runs;
-  for (size_t i : indices) runs.push_back(params.at(i)->outer_numel());
+  // An empty dim before the shard dim leaves nothing to copy: one (empty) run.
+  for (size_t i : indices) runs.push_back(std::max<int64_t>(1, params.at(i)->outer_numel()));
   return runs;
 }
 
