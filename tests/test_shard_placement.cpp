@@ -12,6 +12,7 @@
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/optim_state_dict.h>
+#include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 
 #include <ATen/ATen.h>
@@ -445,7 +446,8 @@ TEST(ShardPlacement, DTensorViewsAndStateDicts) {
 }
 
 // Model and Adam state saved with Shard(largest dim) load into Shard(0) models and back, at the
-// same world size and at another: the values are equal, and training goes on identically.
+// same world size and at another: the values are equal, and training goes on identically. A
+// safetensors export loads back into Shard(d) pieces.
 TEST(ShardPlacement, CheckpointsMoveBetweenShardDims) {
   const std::string root = fsdp::testing::shared_temp_path("placement_ckpt");
   remove_in_parent(root);
@@ -478,6 +480,13 @@ TEST(ShardPlacement, CheckpointsMoveBetweenShardDims) {
       load_state(back, back_opt, fsdp::load_checkpoint(root + "/plain" + tag, state_of(back, back_opt)));
       const auto again = full_values(state_of(back, back_opt));
       for (const auto& [key, t] : saved) EXPECT_TRUE(t.equal(again.at(key))) << key;
+
+      // A safetensors export of the Shard(largest dim) model reads back into its pieces.
+      fsdp::save_safetensors(fsdp::sharded_state_dict(*placed), root + "/export" + tag);
+      Net exported = make_sharded(c, largest_dim(W), 11);
+      fsdp::load_sharded_state_dict(
+          *exported, fsdp::load_safetensors(root + "/export" + tag, fsdp::sharded_state_dict(*exported)));
+      expect_close(full_params(exported), full_params(placed), 0.0, "safetensors round trip");
 
       // All three go on alike.
       for (int step = 2; step < 4; ++step) {
