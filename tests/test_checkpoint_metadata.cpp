@@ -153,8 +153,17 @@ TEST(CheckpointMetadata, ChunksMustTileEveryShapeExactly) {
                   {"key 'w'", "chunks[1]", "outside the 5 rows"});
   expect_rejected(bench, with([](json& m) { m["entries"]["w"]["chunks"][1]["offsets"][0] = 2; }),
                   {"key 'w'", "two chunks holding row 2"});
+  // Chunks may split other dims too (parameters sharded along dim 1), but must still tile.
   expect_rejected(bench, with([](json& m) { m["entries"]["w"]["chunks"][1]["sizes"][1] = 2; }),
-                  {"key 'w'", "chunks[1]", "does not span dim 1"});
+                  {"key 'w'", "has gaps", "13 of its 15 elements"});
+  expect_rejected(bench, with([](json& m) { m["entries"]["w"]["chunks"][1]["offsets"][1] = 2; }),
+                  {"key 'w'", "chunks[1]", "indices of dim 1 from index 2, outside the 3"});
+  expect_rejected(bench, with([](json& m) {
+                    auto& c = m["entries"]["w"]["chunks"];
+                    c[1]["offsets"] = {2, 1};
+                    c[1]["sizes"] = {3, 2};
+                  }),
+                  {"key 'w'", "overlapping chunks: chunks[0] and chunks[1]"});
   expect_rejected(bench, with([](json& m) { m["entries"]["w"]["chunks"][1]["offsets"].push_back(0); }),
                   {"key 'w'", "chunks[1]", "2 dims"});
   expect_rejected(bench, with([](json& m) { m["entries"]["s"]["chunks"].push_back(m["entries"]["s"]["chunks"][0]); }),

@@ -44,7 +44,8 @@ constexpr int kCheckpointFormatVersion = 1;
 void save_checkpoint(const std::string& dir, const ShardedStateDict& state_dict);
 
 // Reads the checkpoint at `dir` into new tensors laid out like `like` (same keys, dtypes and
-// global shapes; any placements, e.g. those of a model sharded over another world size). Reads
+// global shapes; any placements, e.g. those of a model sharded over another world size or along
+// another dim: a checkpoint of Shard(1) parameters loads into Shard(0) ones). Reads
 // only the chunks overlapping this rank's pieces and verifies their checksums. Checks the
 // metadata in full before reading any data: every field's type and range, that the chunks of
 // every entry tile its global shape exactly (no gap, no overlap, inside the shape; a scalar in

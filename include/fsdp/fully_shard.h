@@ -12,19 +12,20 @@
 //   }
 //
 // What it does: each parameter of the module not already owned by an earlier fully_shard call
-// (apply it bottom-up) is split along dim 0 over the mesh with torch.chunk's rule (padded
-// internally so every rank exchanges the same size; a dim 0 smaller than the world leaves the
-// last ranks empty). Afterwards module->parameters() / named_parameters() return this rank's
-// shards under the same names (FQNs), and fsdp::as_dtensor(param) gives the DTensor view
-// (Shard(0), global shape). All those parameters form one communication group: one all-gather
+// (apply it bottom-up) is split along dim 0 (or the dim FullyShardOptions::shard_placement_fn
+// chooses) over the mesh with torch.chunk's rule (dim 0 padded internally so every rank
+// exchanges the same size; a dim 0 smaller than the world leaves the last ranks empty).
+// Afterwards module->parameters() / named_parameters() return this rank's shards under the same
+// names (FQNs), and fsdp::as_dtensor(param) gives the DTensor view (Shard(0), or the chosen
+// Shard(d); global shape). All those parameters form one communication group: one all-gather
 // per unshard and one reduce-scatter per backward.
 //
 // HSDP (hybrid sharding): pass a 2-D mesh with dim names, e.g.
 //   auto mesh = fsdp::init_device_mesh("cpu", {replicas, shards}, {"replicate", "shard"});
 // Parameters are sharded over mesh dim 1 (each row of the mesh holds one full copy of the
 // model, split over its `shards` ranks) and replicated over dim 0; their DTensors have
-// placements (Replicate(), Shard(0)). Forward and backward all-gather within the shard group
-// only; backward reduce-scatters over the shard group, then all-reduces the result over the
+// placements (Replicate(), Shard(0)) (or Shard(d)). Forward and backward all-gather within the
+// shard group only; backward reduce-scatters over the shard group, then all-reduces the result over the
 // replicate group, so each gradient is the mean over all replicas x shards ranks (see
 // FSDPModule::set_gradient_divide_factor for other divisions). FSDP does not make the replicas
 // equal: start them from the same values, e.g. with fsdp::sync_module_states
@@ -64,6 +65,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -92,6 +94,27 @@ class ReshardAfterForward {
   int group_size_ = 0;
 };
 
+// Chooses the tensor dim each parameter is sharded along. Called once per parameter of the
+// fully_shard call, in the group's order, with its name within the module passed to that call
+// (e.g. "fc1.weight"; for a list of modules, within the first) and the parameter itself (still
+// whole). Return Shard(d) to split dim d over the shard group, or std::nullopt for the default
+// Shard(0). A negative d counts from the end (Shard(-1) is the last dim).
+//
+//   auto by_largest_dim = [](const std::string& fqn, const at::Tensor& p) -> std::optional<fsdp::Placement> {
+//     return fsdp::Shard(p.dim() > 1 && p.size(1) > p.size(0) ? 1 : 0);
+//   };
+//   fsdp::fully_shard(model, fsdp::FullyShardOptions().shard_placement_fn(by_largest_dim));
+//
+// A dim other than 0 must split evenly (its size a multiple of the shard group size: FSDP pads
+// only dim 0), and must be a dim of the parameter; fully_shard throws c10::Error naming the
+// parameter, its shape and the dim otherwise, and for a placement that is not a Shard. Each
+// rank's shard is then its torch.chunk piece along d, stored contiguous; as_dtensor gives
+// placements (Shard(d)) (HSDP: (Replicate(), Shard(d))), which state dicts, optimizer state
+// dicts and checkpoints record. Its pieces are not contiguous in the unsharded tensor, so the
+// copies after each all-gather and before each reduce-scatter move them in runs (one per index
+// of the dims before d). Every rank must return the same placements.
+using ShardPlacementFn = std::function<std::optional<Placement>(const std::string& fqn, const at::Tensor& param)>;
+
 struct FullyShardOptions {
   // The data-parallel mesh. Default: a 1-D "cpu" mesh over every rank of the world (made on
   // first use; collective).
@@ -114,6 +137,8 @@ struct FullyShardOptions {
   // rank if they are to be saved. Pass the tensors parameters() returns before fully_shard;
   // a tensor that is not a parameter of the modules this call manages has no effect.
   TORCH_ARG(std::vector<at::Tensor>, ignored_params);
+  // Per-parameter shard dim (see ShardPlacementFn). Default: none; every parameter is Shard(0).
+  TORCH_ARG(ShardPlacementFn, shard_placement_fn) = nullptr;
 };
 
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module,
@@ -128,8 +153,9 @@ FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module,
   return fully_shard(std::static_pointer_cast<torch::nn::Module>(module.ptr()), options);
 }
 
-// The DTensor view of a sharded parameter: its local shard, the mesh, placements {Shard(0)}
-// (HSDP: {Replicate(), Shard(0)}) and the global shape. Shares storage with the shard. `param`
+// The DTensor view of a sharded parameter: its local shard, the mesh, placements {Shard(d)}
+// (HSDP: {Replicate(), Shard(d)}; d = 0 unless shard_placement_fn chose another) and the
+// global shape. Shares storage with the shard. `param`
 // is either the registered shard (from parameters() / named_parameters()) or the module's
 // member tensor (e.g. linear->weight, which stays the unsharded tensor autograd computes with).
 // Throws if it is neither.

@@ -68,7 +68,8 @@ void save_safetensors(const ShardedStateDict& state_dict, const std::string& dir
 // keys, dtypes and global shapes, any placements: e.g. fsdp::sharded_state_dict of a model built
 // sharded, at any world size), reading from the files only the bytes of this rank's pieces:
 // a model never held whole anywhere can be loaded. Load the result with
-// fsdp::load_sharded_state_dict. Pieces must split tensors along dim 0 only (fully_shard's).
+// fsdp::load_sharded_state_dict. A piece split along a dim other than 0 (a shard_placement_fn's
+// Shard(d)) costs more: the whole rows it lies in are read, then cut.
 // Not collective (file reads only). Every header is checked as load_safetensors_file checks it.
 // Throws c10::Error, naming the directory or file and the tensor, on: neither an index nor the
 // single file, an index that is not JSON or names a file outside `dir`, a key of `like` missing

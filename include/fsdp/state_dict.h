@@ -26,15 +26,16 @@ using ShardedStateDict = torch::OrderedDict<std::string, DTensor>;
 using TensorStateDict = torch::OrderedDict<std::string, at::Tensor>;
 
 // Every parameter and buffer of `model` as a DTensor, in named_parameters() then named_buffers()
-// order: parameters sharded by fully_shard as their Shard(0) DTensor, whose local tensor IS the
-// live shard (no copy); everything else (buffers, parameters fully_shard did not manage) as a
+// order: parameters sharded by fully_shard as their DTensor (Shard(0), or the Shard(d) a
+// shard_placement_fn chose; HSDP: Replicate() first), whose local tensor IS the live shard
+// (no copy); everything else (buffers, parameters fully_shard did not manage) as a
 // Replicate() DTensor over the same mesh, also sharing storage. No communication. Throws if the
 // model has no parameter sharded by fully_shard and no module replicated by replicate()
 // (fsdp/replicate.h; a replicated model's entries are all Replicate() over its mesh).
 ShardedStateDict sharded_state_dict(torch::nn::Module& model);
 
-// Writes `state_dict` into `model` in place. Each value may use any placements: a Shard(0)
-// DTensor over the parameter's own mesh is copied locally; other placements or meshes are
+// Writes `state_dict` into `model` in place. Each value may use any placements: a DTensor with
+// the parameter's own mesh and placements is copied locally; other placements or meshes are
 // gathered first (collective over the value's mesh). With strict, the keys must match
 // exactly. Nothing is written unless every key, shape and dtype matches.
 void load_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state_dict, bool strict = true);

@@ -130,8 +130,46 @@ void copy_rows(const fs::path& dir, const std::string& key, const detail::ChunkR
               static_cast<size_t>((hi - lo) * row_bytes));
 }
 
+// Copies the overlap of chunk `c` with `local` (the piece of the global tensor at `want`), when
+// the two split the tensor along different dims: the chunk's rows in the overlap are read (they
+// are contiguous in its bytes), then the overlap is cut out of them along the other dims.
+void copy_box(const fs::path& dir, const std::string& key, const detail::ChunkRecord& c,
+              const std::vector<ChunkBounds>& want, at::Tensor& local) {
+  std::vector<int64_t> lo(want.size()), hi(want.size());
+  for (size_t d = 0; d < want.size(); ++d) {
+    lo[d] = std::max(c.offsets[d], want[d].offset);
+    hi[d] = std::min(c.offsets[d] + c.sizes[d], want[d].offset + want[d].length);
+    if (lo[d] >= hi[d]) return;  // no overlap
+  }
+  std::vector<int64_t> rows_shape = c.sizes;
+  rows_shape[0] = hi[0] - lo[0];
+  int64_t row_bytes = local.element_size();
+  for (size_t d = 1; d < c.sizes.size(); ++d) row_bytes *= c.sizes[d];
+  int64_t skip = 0;
+  std::string bytes = read_chunk_range(dir, key, c, (lo[0] - c.offsets[0]) * row_bytes,
+                                       (hi[0] - c.offsets[0]) * row_bytes, &skip);
+  at::Tensor src = at::from_blob(&bytes[skip], rows_shape, local.options());
+  at::Tensor dst = local.narrow(0, lo[0] - want[0].offset, hi[0] - lo[0]);
+  for (size_t d = 1; d < want.size(); ++d) {
+    src = src.narrow(d, lo[d] - c.offsets[d], hi[d] - lo[d]);
+    dst = dst.narrow(d, lo[d] - want[d].offset, hi[d] - lo[d]);
+  }
+  dst.copy_(src);
+}
+
+// Whether the box at `offsets` of `sizes` spans every dim but dim 0 of `shape` whole.
+bool split_along_rows_only(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
+                           const std::vector<int64_t>& shape) {
+  for (size_t d = 1; d < shape.size(); ++d) {
+    if (offsets[d] != 0 || sizes[d] != shape[d]) return false;
+  }
+  return true;
+}
+
 // This rank's piece of `target`, read from the chunks of `entry` that overlap it. The chunks
-// tile the global shape along dim 0 (checked), so every byte of the piece is read exactly once.
+// tile the global shape (checked), so every byte of the piece is read exactly once. Chunk and
+// piece may split the tensor along different dims (a checkpoint of Shard(1) parameters loaded
+// into Shard(0) ones): then only the overlap of each chunk's rows is kept.
 at::Tensor read_piece(const fs::path& dir, const std::string& key, const detail::EntryRecord& entry,
                       const DTensor& target) {
   const auto want = target.local_bounds();
@@ -141,12 +179,19 @@ at::Tensor read_piece(const fs::path& dir, const std::string& key, const detail:
     copy_rows(dir, key, entry.chunks.at(0), 0, 0, 1, 0, local.element_size(), local);
     return local;
   }
-  for (size_t d = 1; d < want.size(); ++d) {
-    TORCH_CHECK(want[d].offset == 0 && want[d].length == target.sizes()[d], "fsdp::load_checkpoint: key '", key,
-                "' is to be loaded into pieces split along dim ", d, "; only splits along dim 0 are supported yet");
+  std::vector<int64_t> want_offsets, want_sizes;
+  for (const auto& b : want) {
+    want_offsets.push_back(b.offset);
+    want_sizes.push_back(b.length);
   }
+  const bool rows_only = split_along_rows_only(want_offsets, want_sizes, entry.shape);
   const int64_t row_bytes = local.numel() / local.size(0) * local.element_size();
   for (const auto& c : entry.chunks) {
+    if (!rows_only || !split_along_rows_only(c.offsets, c.sizes, entry.shape)) {
+      copy_box(dir, key, c, want, local);
+      continue;
+    }
+    // Both whole rows: one contiguous copy of the rows they share.
     const int64_t lo = std::max(c.offsets[0], want[0].offset);
     const int64_t hi = std::min(c.offsets[0] + c.sizes[0], want[0].offset + want[0].length);
     if (lo < hi) copy_rows(dir, key, c, c.offsets[0], lo, hi, want[0].offset, row_bytes, local);

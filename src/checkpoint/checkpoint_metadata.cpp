@@ -197,55 +197,106 @@ class Parser {
     } else {
       check_tiling(key, e);
     }
-    // A scalar is one row of one element; an empty entry has no chunks to check.
-    const int64_t row_bytes = e.shape.empty() ? elem : (e.shape[0] > 0 ? bytes / e.shape[0] : 0);
+    // A scalar is one chunk of one element; an empty entry has no chunks to check. Every chunk
+    // lies inside the shape (checked), so its element count cannot overflow.
     for (size_t i = 0; i < e.chunks.size(); ++i) {
-      check_bytes(key, "chunks[" + std::to_string(i) + "]", e.chunks[i], e.shape.empty() ? 1 : e.chunks[i].sizes[0],
-                  row_bytes, meta);
+      int64_t numel = 1;
+      for (int64_t s : e.chunks[i].sizes) numel *= s;
+      check_bytes(key, "chunks[" + std::to_string(i) + "]", e.chunks[i], numel, elem, meta);
     }
   }
 
-  // Along dim 0 the chunks cover [0, rows) with no gap and no overlap; every other dim whole.
+  // The chunks cover the shape exactly: each is a box inside it, no two overlap, and their
+  // elements add up to the shape's. Checkpoints of parameters sharded along one dim (dim 0, or
+  // the dim a shard_placement_fn chose) split every chunk along that one dim only: then the
+  // check runs along it and names the uncovered or doubly covered indices.
   void check_tiling(const std::string& key, const EntryRecord& e) const {
-    const int64_t rows = e.shape[0];
-    std::vector<size_t> order(e.chunks.size());
-    for (size_t i = 0; i < order.size(); ++i) {
+    std::vector<size_t> split_dims;
+    for (size_t i = 0; i < e.chunks.size(); ++i) {
       const ChunkRecord& c = e.chunks[i];
-      const std::string at = "chunks[" + std::to_string(i) + "]";
-      for (size_t d = 1; d < e.shape.size(); ++d) {
-        if (c.offsets[d] != 0 || c.sizes[d] != e.shape[d]) {
-          fail(entry_field(key, at), "does not span dim " + std::to_string(d) + " whole; chunks are split along "
-                                     "dim 0 only");
+      for (size_t d = 0; d < e.shape.size(); ++d) {
+        if (c.sizes[d] < 1 || c.offsets[d] > e.shape[d] - c.sizes[d]) {
+          fail(entry_field(key, "chunks[" + std::to_string(i) + "]"),
+               "holds " + std::to_string(c.sizes[d]) + " " + indices(d) + " from " + index(d) + " " +
+                   std::to_string(c.offsets[d]) + ", outside the " + std::to_string(e.shape[d]) + " " + indices(d) +
+                   " of the shape");
+        }
+        const bool whole = c.offsets[d] == 0 && c.sizes[d] == e.shape[d];
+        if (!whole && std::find(split_dims.begin(), split_dims.end(), d) == split_dims.end()) split_dims.push_back(d);
+      }
+    }
+    if (split_dims.size() <= 1) {
+      check_tiling_along(key, e, split_dims.empty() ? 0 : split_dims.front());
+    } else {
+      check_boxes(key, e);
+    }
+  }
+
+  // "rows" along dim 0, "indices of dim d" along another.
+  static std::string indices(size_t d) { return d == 0 ? "rows" : "indices of dim " + std::to_string(d); }
+  static std::string index(size_t d) { return d == 0 ? "row" : "index"; }
+
+  // Every chunk spans all dims but `dim` whole: along `dim` they cover [0, size) with no gap and
+  // no overlap.
+  void check_tiling_along(const std::string& key, const EntryRecord& e, size_t dim) const {
+    const int64_t size = e.shape[dim];
+    std::vector<size_t> order(e.chunks.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return e.chunks[a].offsets[dim] < e.chunks[b].offsets[dim]; });
+    int64_t covered = 0;  // [0, covered) is in a chunk
+    for (size_t i : order) {
+      const int64_t begin = e.chunks[i].offsets[dim];
+      if (begin > covered) {
+        fail("key '" + printable(key) + "'", "has no chunk for " + indices(dim) + " " + range(covered, begin));
+      }
+      if (begin < covered) {
+        fail("key '" + printable(key) + "'", "has two chunks holding " + index(dim) + " " + std::to_string(begin) +
+                                                  (dim == 0 ? "" : " of dim " + std::to_string(dim)) + " (chunks[" +
+                                                  std::to_string(i) + "] overlaps another)");
+      }
+      covered = begin + e.chunks[i].sizes[dim];  // <= size, checked above
+    }
+    if (covered < size) {
+      fail("key '" + printable(key) + "'", "has no chunk for " + indices(dim) + " " + range(covered, size));
+    }
+  }
+
+  // Chunks split along several dims (e.g. a DTensor sharded over two mesh dims): boxes inside
+  // the shape (checked) that do not overlap cover it exactly when their elements add up to it.
+  void check_boxes(const std::string& key, const EntryRecord& e) const {
+    for (size_t i = 0; i < e.chunks.size(); ++i) {
+      for (size_t j = i + 1; j < e.chunks.size(); ++j) {
+        bool overlap = true;
+        for (size_t d = 0; d < e.shape.size() && overlap; ++d) {
+          const ChunkRecord &a = e.chunks[i], &b = e.chunks[j];
+          overlap = a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d];
+        }
+        if (overlap) {
+          fail("key '" + printable(key) + "'", "has overlapping chunks: chunks[" + std::to_string(i) +
+                                                    "] and chunks[" + std::to_string(j) + "]");
         }
       }
-      if (c.sizes[0] < 1 || c.offsets[0] > rows - c.sizes[0]) {
-        fail(entry_field(key, at), "holds " + std::to_string(c.sizes[0]) + " rows from row " +
-                                       std::to_string(c.offsets[0]) + ", outside the " + std::to_string(rows) +
-                                       " rows of the shape");
-      }
-      order[i] = i;
     }
-    std::sort(order.begin(), order.end(),
-              [&](size_t a, size_t b) { return e.chunks[a].offsets[0] < e.chunks[b].offsets[0]; });
-    int64_t covered = 0;  // rows [0, covered) are in a chunk
-    for (size_t i : order) {
-      const int64_t begin = e.chunks[i].offsets[0];
-      if (begin > covered) fail("key '" + printable(key) + "'", "has no chunk for rows " + row_range(covered, begin));
-      if (begin < covered) {
-        fail("key '" + printable(key) + "'", "has two chunks holding row " + std::to_string(begin) +
-                                                  " (chunks[" + std::to_string(i) + "] overlaps another)");
-      }
-      covered = begin + e.chunks[i].sizes[0];  // <= rows, checked above
+    int64_t total = 1, covered = 0;  // no overlap and inside the shape: the sum cannot exceed it
+    for (int64_t s : e.shape) total *= s;
+    for (const ChunkRecord& c : e.chunks) {
+      int64_t n = 1;
+      for (int64_t s : c.sizes) n *= s;
+      covered += n;
     }
-    if (covered < rows) fail("key '" + printable(key) + "'", "has no chunk for rows " + row_range(covered, rows));
+    if (covered < total) {
+      fail("key '" + printable(key) + "'", "has gaps: its chunks hold " + std::to_string(covered) + " of its " +
+                                                std::to_string(total) + " elements");
+    }
   }
-  static std::string row_range(int64_t begin, int64_t end) {
+  static std::string range(int64_t begin, int64_t end) {
     return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
   }
 
-  void check_bytes(const std::string& key, const std::string& at, const ChunkRecord& c, int64_t rows,
-                   int64_t row_bytes, const CheckpointMetadata& meta) const {
-    const int64_t want = rows * row_bytes;  // at most the entry's bytes: no overflow
+  void check_bytes(const std::string& key, const std::string& at, const ChunkRecord& c, int64_t numel,
+                   int64_t element_bytes, const CheckpointMetadata& meta) const {
+    const int64_t want = numel * element_bytes;  // at most the entry's bytes: no overflow
     if (c.byte_length != want) {
       fail(entry_field(key, at + ".byte_length"), "is " + std::to_string(c.byte_length) + "; the chunk's " +
                                                       "elements take " + std::to_string(want) + " bytes");

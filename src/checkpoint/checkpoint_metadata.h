@@ -44,7 +44,7 @@ struct ChunkRecord {
 struct EntryRecord {
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
-  std::vector<ChunkRecord> chunks;  // tile `shape` exactly (checked): split along dim 0 only
+  std::vector<ChunkRecord> chunks;  // tile `shape` exactly (checked), along any dims
 };
 
 struct CheckpointMetadata {

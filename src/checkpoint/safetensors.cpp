@@ -400,8 +400,10 @@ std::map<std::string, std::string> weight_map_of(const std::string& dir, const s
   return files;
 }
 
-// This rank's piece of `target` from `entry` of the open file: only the bytes of its rows
-// (a row-major tensor split along dim 0 is one contiguous range per piece).
+// This rank's piece of `target` from `entry` of the open file: only the bytes of its rows (a
+// row-major tensor split along dim 0 is one contiguous range per piece). A piece split along
+// another dim (a shard_placement_fn's Shard(d)) reads the whole rows it lies in, then keeps its
+// part of them.
 at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileIndex& index, const Entry& entry,
                            const DTensor& target) {
   const std::string where = "fsdp::load_safetensors: '" + path + "': tensor '" + entry.name + "': ";
@@ -412,17 +414,29 @@ at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileInde
   at::Tensor local = at::empty(target.to_local().sizes(), at::TensorOptions().dtype(entry.dtype));
   if (local.numel() == 0) return local;
   uint64_t offset = entry.begin;
+  at::Tensor rows = local;  // what is read: the piece itself, or the whole rows holding it
+  std::vector<ChunkBounds> bounds;
+  bool whole_rows = true;
   if (local.dim() > 0) {
-    const auto bounds = target.local_bounds();
+    bounds = target.local_bounds();
     for (size_t d = 1; d < bounds.size(); ++d) {
-      TORCH_CHECK(bounds[d].offset == 0 && bounds[d].length == target.sizes()[d], where, "is to be loaded into "
-                  "pieces split along dim ", d, "; only splits along dim 0 are supported");
+      whole_rows = whole_rows && bounds[d].offset == 0 && bounds[d].length == target.sizes()[d];
     }
-    offset += static_cast<uint64_t>(bounds[0].offset) * (local.nbytes() / static_cast<uint64_t>(local.size(0)));
+    if (!whole_rows) {
+      std::vector<int64_t> shape = target.sizes();
+      shape[0] = bounds[0].length;
+      rows = at::empty(shape, local.options());
+    }
+    offset += static_cast<uint64_t>(bounds[0].offset) * (rows.nbytes() / static_cast<uint64_t>(rows.size(0)));
   }
   TORCH_CHECK(std::fseek(f, static_cast<long>(index.data_start + offset), SEEK_SET) == 0 &&
-                  std::fread(local.data_ptr(), 1, local.nbytes(), f) == local.nbytes(),
+                  std::fread(rows.data_ptr(), 1, rows.nbytes(), f) == rows.nbytes(),
               where, "reading its bytes failed (truncated file?)");
+  if (whole_rows) return local;
+  for (size_t d = 1; d < bounds.size(); ++d) {
+    rows = rows.narrow(static_cast<int64_t>(d), bounds[d].offset, bounds[d].length);
+  }
+  local.copy_(rows);
   return local;
 }
 

@@ -8,7 +8,7 @@ namespace fsdp {
 namespace detail {
 
 // This rank's piece of `value` for a live tensor laid out over `mesh` with `placements` (a
-// sharded parameter's: (Shard(0)) or, under HSDP, (Replicate(), Shard(0)); all Replicate() for a
+// sharded parameter's: (Shard(d)) or, under HSDP, (Replicate(), Shard(d)); all Replicate() for a
 // whole tensor). A value with that mesh and those placements is used as is; a replicated value
 // is cut locally; any other layout is gathered first (collective over the value's mesh).
 at::Tensor local_piece(const DTensor& value, const DeviceMesh& mesh, const std::vector<Placement>& placements);

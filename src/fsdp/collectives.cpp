@@ -16,11 +16,13 @@ namespace fsdp {
 namespace detail {
 namespace {
 
-// Row q holds piece q of every parameter, in order; piece_numel[i] is parameter i's piece.
-RankMajorLayout layout_of(int64_t parts, std::vector<int64_t> piece_numel) {
+// Row q holds piece q of every parameter, in order; piece_numel[i] is parameter i's piece, in
+// runs[i] runs of the unsharded tensor.
+RankMajorLayout layout_of(int64_t parts, std::vector<int64_t> piece_numel, std::vector<int64_t> runs) {
   RankMajorLayout layout;
   layout.parts = parts;
   layout.piece_numel = std::move(piece_numel);
+  layout.runs = std::move(runs);
   for (int64_t n : layout.piece_numel) {
     layout.offset.push_back(layout.row_numel);
     layout.row_numel += n;
@@ -36,24 +38,53 @@ void copy_padded(char* dst, const char* src, int64_t numel, int64_t begin, int64
   std::memset(dst + real * element_size, 0, (length - real) * element_size);
 }
 
+// Piece `q` of parameter `i` of `layout`, gathered from the unsharded tensor `src` (`numel` real
+// elements; null: zeros) into the contiguous `dst`, zero padding after the real elements.
+void copy_piece_from_unsharded(char* dst, const char* src, int64_t numel, const RankMajorLayout& layout, size_t i,
+                               int64_t q, size_t es) {
+  const int64_t runs = layout.runs[i];
+  const int64_t run = layout.piece_numel[i] / runs;
+  for (int64_t o = 0; o < runs; ++o) copy_padded(dst + o * run * es, src, numel, (o * layout.parts + q) * run, run, es);
+}
+
+// The reverse: the contiguous piece `q` of parameter `i` from `src` into its place in the
+// unsharded storage `dst` (allocated for every piece, padding included).
+void copy_piece_to_unsharded(char* dst, const char* src, const RankMajorLayout& layout, size_t i, int64_t q,
+                             size_t es) {
+  const int64_t runs = layout.runs[i];
+  const size_t run = static_cast<size_t>(layout.piece_numel[i] / runs) * es;
+  for (int64_t o = 0; o < runs; ++o) std::memcpy(dst + (o * layout.parts + q) * run, src + o * run, run);
+}
+
+std::vector<int64_t> runs_of(const FSDPParams& params, const std::vector<size_t>& indices) {
+  std::vector<int64_t> runs;
+  // An empty dim before the shard dim leaves nothing to copy: one (empty) run.
+  for (size_t i : indices) runs.push_back(std::max<int64_t>(1, params.at(i)->outer_numel()));
+  return runs;
+}
+
+std::vector<size_t> all_indices(const FSDPParams& params) {
+  std::vector<size_t> out(params.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = i;
+  return out;
+}
+
 }  // namespace
 
 RankMajorLayout shard_layout(const FSDPParams& params, int64_t world) {
-  std::vector<int64_t> pieces;
-  for (const auto& p : params) pieces.push_back(p->padded_shard_numel());
-  return layout_of(world, std::move(pieces));
+  return reduce_scatter_layout(params, all_indices(params), world);
 }
 
 RankMajorLayout reduce_scatter_layout(const FSDPParams& params, const ReducedParams& reduced, int64_t world) {
   std::vector<int64_t> pieces;
   for (size_t i : reduced) pieces.push_back(params.at(i)->padded_shard_numel());
-  return layout_of(world, std::move(pieces));
+  return layout_of(world, std::move(pieces), runs_of(params, reduced));
 }
 
 RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k) {
   std::vector<int64_t> pieces;
   for (const auto& p : params) pieces.push_back(p->padded_full_numel() / k);
-  return layout_of(k, std::move(pieces));
+  return layout_of(k, std::move(pieces), std::vector<int64_t>(params.size(), 1));
 }
 
 at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout) {
@@ -63,8 +94,8 @@ at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layo
   for (size_t i = 0; i < params.size(); ++i) {
     const FSDPParam& p = *params[i];
     const auto* src = static_cast<const char*>(p.unsharded().data_ptr());
-    copy_padded(bytes_of(flat) + layout.offset[i] * es, src, p.unsharded_numel(), p.shard_row_offset() * p.row_numel(),
-                layout.piece_numel[i], es);
+    copy_piece_from_unsharded(bytes_of(flat) + layout.offset[i] * es, src, p.unsharded_numel(), layout, i,
+                              p.shard_rank(), es);
     // Only this rank's real rows are visible through the leaf; the padding stays zero.
     params[i]->init_sharded(flat, layout.offset[i]);
   }
@@ -93,9 +124,8 @@ void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams
   const char* src = bytes_of(result.output);
   for (size_t i = 0; i < params.size(); ++i) {
     char* dst = params[i]->unsharded_bytes();
-    const size_t piece = static_cast<size_t>(layout.piece_numel[i]) * es;
     for (int64_t q = 0; q < layout.parts; ++q) {
-      std::memcpy(dst + q * piece, src + (q * layout.row_numel + layout.offset[i]) * es, piece);
+      copy_piece_to_unsharded(dst, src + (q * layout.row_numel + layout.offset[i]) * es, layout, i, q, es);
     }
   }
 }
@@ -187,13 +217,17 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams&
                 p.fqn(), "' has dtype ", g.scalar_type(), "; only floating-point gradients can be reduced");
     if (g.defined()) g = g.contiguous().view(-1);
     const int64_t piece = layout.piece_numel[k];
+    const int64_t runs = layout.runs[k];
     for (int64_t q = 0; q < layout.parts; ++q) {
       const int64_t at = q * layout.row_numel + layout.offset[k];
       if (!g.defined() || g.scalar_type() == reduce_dtype) {  // a byte copy; zeros without a gradient
         const char* src = g.defined() ? static_cast<const char*>(g.data_ptr()) : nullptr;
-        copy_padded(bytes_of(input) + at * es, src, p.unsharded_numel(), q * piece, piece, es);
-      } else {
+        copy_piece_from_unsharded(bytes_of(input) + at * es, src, p.unsharded_numel(), layout, k, q, es);
+      } else if (runs == 1) {
         copy_padded_cast(input.narrow(0, at, piece), g, p.unsharded_numel(), q * piece);
+      } else {  // sharded along a dim > 0: even, no padding; one strided converting copy
+        const int64_t run = piece / runs;
+        input.narrow(0, at, piece).view({runs, run}).copy_(g.view({runs, layout.parts, run}).select(1, q));
       }
     }
     p.clear_unsharded_grad();

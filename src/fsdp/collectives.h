@@ -3,12 +3,17 @@
 // reduce; these functions decide where each byte goes. They never wait for a collective.
 //
 // The layouts, for a group of parameters p_0 .. p_{n-1} over W ranks. Each parameter is cut
-// into W pieces by torch.chunk's rule on dim 0, every piece padded to ceil(d0 / W) rows, so a
-// piece has the same size on every rank:
+// into W pieces by torch.chunk's rule on its shard dim (dim 0 unless shard_placement_fn chose
+// another), every piece padded to ceil(d / W) indices (padding only ever exists on dim 0: other
+// dims split evenly), so a piece has the same size on every rank. A piece is stored contiguous,
+// as its own tensor of the sharded shape:
 //
 //   flat shard (this rank r)   [ p_0 piece r | p_1 piece r | ... ]           one row
 //   all-gather output          row q = rank q's flat shard                     W rows ("rank-major")
-//   unsharded p_i              [ p_i piece 0 | p_i piece 1 | ... ]             real data = the prefix
+//   unsharded p_i, dim 0       [ p_i piece 0 | p_i piece 1 | ... ]             real data = the prefix
+//   unsharded p_i, dim d > 0   the pieces concatenated along d (the tensor's own row-major
+//                              layout): for each index of the dims before d, one run of every
+//                              piece in turn, so copying a piece in or out moves `runs` runs
 //   reduce-scatter input       the all-gather output's layout over the reduced parameters only
 //                              (those with a gradient), filled from their unsharded grads
 //   reduce-scatter output      one row of that layout; each reduced sharded grad is a view into it
@@ -46,6 +51,10 @@ struct RankMajorLayout {
   int64_t parts = 0;
   std::vector<int64_t> piece_numel;  // per parameter: its piece in every row
   std::vector<int64_t> offset;       // per parameter: where its piece starts within a row
+  // Per parameter: in how many equal runs its piece lies in the unsharded tensor; run o of
+  // piece q starts at element (o * parts + q) * (piece_numel / runs) there. 1 for dim 0 and
+  // for the post-forward layout (a piece is one slice of the unsharded storage).
+  std::vector<int64_t> runs;
   int64_t row_numel = 0;             // the sum of piece_numel
 
   int64_t numel() const { return parts * row_numel; }

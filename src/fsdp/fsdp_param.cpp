@@ -11,7 +11,7 @@ namespace fsdp {
 namespace detail {
 
 FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64_t rank)
-    : fqn_(std::move(fqn)), unsharded_(std::move(unsharded)), world_(world) {
+    : fqn_(std::move(fqn)), unsharded_(std::move(unsharded)), world_(world), rank_(rank) {
   const at::Tensor& u = unsharded_;
   TORCH_CHECK(u.dim() >= 1, "fully_shard: parameter '", fqn_, "' is a scalar (0-dim); FSDP shards along dim 0 "
               "and needs at least one dim. Make it shape [1], or keep it out of the FSDP module.");
@@ -24,19 +24,45 @@ FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64
   global_shape_ = u.sizes().vec();
   orig_dtype_ = u.scalar_type();
   unsharded_numel_ = u.numel();
-  row_numel_ = 1;
-  for (int64_t d = 1; d < u.dim(); ++d) row_numel_ *= u.size(d);
-  const int64_t rows = u.size(0);
-  const int64_t chunk_rows = (rows + world - 1) / world;
-  padded_shard_numel_ = chunk_rows * row_numel_;
-  const ChunkBounds b = chunk_bounds(rows, world, rank);
-  shard_rows_ = b.length;
-  shard_row_offset_ = b.offset;
+  shard_on(0);
+}
+
+void FSDPParam::shard_on(int64_t dim) {
+  const int64_t ndim = static_cast<int64_t>(global_shape_.size());
+  TORCH_CHECK(dim >= -ndim && dim < ndim, "fully_shard: Shard(", dim, ") for parameter '", fqn_, "' of shape ",
+              c10::IntArrayRef(global_shape_), " is invalid for a ", ndim, "-D tensor; choose a dim in [", -ndim,
+              ", ", ndim, ")");
+  const int64_t d = dim < 0 ? dim + ndim : dim;
+  const int64_t size = global_shape_[d];
+  // Padding exists only along dim 0, where it is the suffix of the gathered buffer; a padded
+  // inner dim would interleave padding with data in every block.
+  TORCH_CHECK(d == 0 || size % world_ == 0, "fully_shard: FSDP does not support uneven sharding on dim ", d,
+              ": parameter '", fqn_, "' of shape ", c10::IntArrayRef(global_shape_), " has size ", size,
+              " on dim ", d, ", which ", world_, " ranks do not divide; return Shard(0) (or nothing) from "
+              "shard_placement_fn for it, or a dim whose size the shard group size divides");
+  shard_dim_ = d;
+  const int64_t chunk = (size + world_ - 1) / world_;
+  padded_shard_numel_ = chunk * inner_numel() * outer_numel();
+  const ChunkBounds b = chunk_bounds(size, world_, rank_);
+  shard_length_ = b.length;
+  shard_offset_ = b.offset;
+}
+
+int64_t FSDPParam::inner_numel() const {
+  int64_t n = 1;
+  for (size_t d = static_cast<size_t>(shard_dim_) + 1; d < global_shape_.size(); ++d) n *= global_shape_[d];
+  return n;
+}
+
+int64_t FSDPParam::outer_numel() const {
+  int64_t n = 1;
+  for (int64_t d = 0; d < shard_dim_; ++d) n *= global_shape_[d];
+  return n;
 }
 
 std::vector<int64_t> FSDPParam::sharded_shape() const {
   std::vector<int64_t> shape = global_shape_;
-  shape[0] = shard_rows_;
+  shape[shard_dim_] = shard_length_;
   return shape;
 }
 

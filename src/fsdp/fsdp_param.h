@@ -1,7 +1,7 @@
 // fsdp_param.h — one parameter under FSDP: how it is chunked, and its two faces.
 //
-// The sharded face is a new leaf tensor (this rank's torch.chunk rows, a view into the group's
-// flat shard buffer) that replaces the parameter in its module's parameter registry, so that
+// The sharded face is a new leaf tensor (this rank's torch.chunk piece along the shard dim, 0
+// unless shard_on() chose another, a view into the group's flat shard buffer) that replaces the parameter in its module's parameter registry, so that
 // parameters(), named_parameters() and every optimizer see only it. The unsharded face is the
 // original tensor, which the module's member (e.g. LinearImpl::weight) keeps pointing to and
 // autograd computes with; its storage is resized to zero bytes while sharded and refilled in
@@ -43,16 +43,30 @@ class FSDPParam {
   // face autograd computes with follows it at each forward.
   void copy_requires_grad_from_shard();
 
-  // Chunking over `world` ranks along dim 0 (torch.chunk), each chunk padded to the same size.
-  int64_t padded_shard_numel() const { return padded_shard_numel_; }  // identical on every rank
-  int64_t shard_rows() const { return shard_rows_; }                  // this rank's real rows (may be 0)
-  int64_t shard_row_offset() const { return shard_row_offset_; }
-  int64_t unsharded_numel() const { return unsharded_numel_; }
-  int64_t row_numel() const { return row_numel_; }  // elements per dim-0 row
+  // Shards along tensor dim `dim` instead of dim 0 (negative: counted from the end), as chosen
+  // by FullyShardOptions::shard_placement_fn. Called before the group lays out the shard. A dim
+  // other than 0 must split evenly over the ranks (FSDP pads only along dim 0); throws
+  // c10::Error naming the parameter otherwise, or when the dim is out of range.
+  void shard_on(int64_t dim);
+  int64_t shard_dim() const { return shard_dim_; }
+  int64_t shard_rank() const { return rank_; }  // this rank's index in the shard group
 
-  // This rank's shape of the parameter: the global shape with shard_rows() rows.
+  // Chunking over `world` ranks along shard_dim() (torch.chunk), each chunk padded to the same
+  // size (only along dim 0: any other dim splits evenly, without padding).
+  int64_t padded_shard_numel() const { return padded_shard_numel_; }  // identical on every rank
+  int64_t shard_length() const { return shard_length_; }  // this rank's indices along shard_dim() (may be 0)
+  int64_t shard_offset() const { return shard_offset_; }  // where they start
+  int64_t unsharded_numel() const { return unsharded_numel_; }
+  // Elements per index of shard_dim() within one block of the dims before it: the product of
+  // the later dims (for dim 0, the elements of one row).
+  int64_t inner_numel() const;
+  // The product of the dims before shard_dim() (1 for dim 0): how many separate runs of
+  // elements one rank's piece is made of in the unsharded tensor's row-major layout.
+  int64_t outer_numel() const;
+
+  // This rank's shape of the parameter: the global shape with shard_length() along shard_dim().
   std::vector<int64_t> sharded_shape() const;
-  // Makes the sharded leaf a view of `flat_shard` at element `offset`, with this rank's rows.
+  // Makes the sharded leaf a view of `flat_shard` at element `offset`, with the sharded shape.
   void init_sharded(const at::Tensor& flat_shard, int64_t offset);
 
   const at::Tensor& sharded() const { return sharded_; }
@@ -95,11 +109,12 @@ class FSDPParam {
   at::ScalarType orig_dtype_;
   std::vector<int64_t> global_shape_;
   int64_t world_;
+  int64_t rank_;
   int64_t unsharded_numel_;
-  int64_t row_numel_;
+  int64_t shard_dim_ = 0;
   int64_t padded_shard_numel_;
-  int64_t shard_rows_;
-  int64_t shard_row_offset_;
+  int64_t shard_length_;
+  int64_t shard_offset_;
   bool aliases_shard_ = false;
 };
 

@@ -151,6 +151,20 @@ FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>&
   return params;
 }
 
+// Each parameter's shard dim, as the user's shard_placement_fn chooses (the records check it).
+// Runs before the group lays out its shard.
+void apply_shard_placements(const FSDPParams& params, const ShardPlacementFn& placement_fn) {
+  if (!placement_fn) return;
+  for (const auto& p : params) {
+    const std::optional<Placement> placement = placement_fn(p->fqn(), p->unsharded());
+    if (!placement) continue;
+    TORCH_CHECK(placement->is_shard(), "fully_shard: shard_placement_fn returned ", placement->str(),
+                " for parameter '", p->fqn(), "'; FSDP shards every parameter it manages: return Shard(d), or "
+                "std::nullopt for Shard(0)");
+    p->shard_on(placement->dim());
+  }
+}
+
 // The registered parameters become the shards; the modules' members keep the unsharded tensors.
 void register_shards(const std::vector<std::shared_ptr<torch::nn::Module>>& managed,
                      const std::shared_ptr<FSDPState>& state) {
@@ -201,6 +215,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
 
   detail::FSDPParams params =
       detail::collect_params(managed, prefix, mesh_info, detail::ignored_set(options.ignored_params()));
+  detail::apply_shard_placements(params, options.shard_placement_fn());
   std::unique_ptr<detail::FSDPParamGroup> group;
   if (!params.empty()) {
     auto post_forward = detail::post_forward_group(options.reshard_after_forward(), mesh_info.shard_group());
@@ -226,7 +241,8 @@ DTensor as_dtensor(const at::Tensor& param) {
   auto state = entry ? entry->state.lock() : nullptr;
   TORCH_CHECK(state && state->group(), "fsdp::as_dtensor: this tensor is not a parameter sharded by fully_shard");
   const detail::MeshInfo& mesh = state->group()->mesh_info();
-  return DTensor::from_local(entry->param->sharded(), mesh.mesh, mesh.placements(), entry->param->global_shape());
+  return DTensor::from_local(entry->param->sharded(), mesh.mesh, mesh.placements(entry->param->shard_dim()),
+                             entry->param->global_shape());
 }
 
 bool is_sharded_parameter(const at::Tensor& param) {

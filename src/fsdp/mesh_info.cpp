@@ -6,9 +6,9 @@
 namespace fsdp {
 namespace detail {
 
-std::vector<Placement> MeshInfo::placements() const {
-  if (is_hsdp()) return {Replicate(), Shard(0)};
-  return {Shard(0)};
+std::vector<Placement> MeshInfo::placements(int64_t tensor_dim) const {
+  if (is_hsdp()) return {Replicate(), Shard(tensor_dim)};
+  return {Shard(tensor_dim)};
 }
 
 MeshInfo mesh_info_of(const DeviceMesh& mesh) {

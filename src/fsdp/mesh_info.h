@@ -26,8 +26,9 @@ struct MeshInfo {
   std::shared_ptr<ProcessGroup> shard_group() const { return mesh.get_group(shard_dim); }
   // Null without HSDP.
   std::shared_ptr<ProcessGroup> replicate_group() const { return is_hsdp() ? mesh.get_group(replicate_dim) : nullptr; }
-  // A sharded parameter's DTensor placements: (Shard(0)) or (Replicate(), Shard(0)).
-  std::vector<Placement> placements() const;
+  // The DTensor placements of a parameter sharded along tensor dim `tensor_dim`: (Shard(d)), or
+  // under HSDP (Replicate(), Shard(d)).
+  std::vector<Placement> placements(int64_t tensor_dim = 0) const;
 };
 
 // The record of a mesh fully_shard accepts: 1-D, or 2-D with dim names (HSDP). Throws c10::Error
