@@ -142,6 +142,36 @@ TEST(ResetIterState, AfterAnExceptionInBackwardTrainingGoesOn) {
   });
 }
 
+// HSDP over 2 x 2 ranks: a micro-batch reduce-scattered without its all-reduce leaves partial
+// sums in every group; a failed backward after it must not let them into the next step.
+TEST(ResetIterState, DropsHsdpPartialSums) {
+  run_distributed(4, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+    const auto opts = fsdp::FullyShardOptions().mesh(mesh);
+    Net reference = make_net();
+    Net model = make_net();
+    fsdp::fully_shard(model->l1, opts);
+    fsdp::fully_shard(model->mid, opts);
+    fsdp::fully_shard(model->l3, opts);
+    fsdp::FSDPModule root = fsdp::fully_shard(model, opts);
+    ParityOptions o;
+    o.steps = 4;
+    o.before_step = [&](int step, const at::Tensor& local) {
+      if (step != 1) return true;
+      root.set_requires_all_reduce(false);
+      parity_loss(fsdp::call(model, local), local).backward();
+      root.set_requires_all_reduce(true);
+      model->mid->fail_backward = true;
+      at::Tensor loss = parity_loss(fsdp::call(model, local), local);
+      model->mid->fail_backward = false;
+      expect_error([&] { loss.backward(); }, "injected backward failure");
+      root.reset_iter_state();
+      return false;
+    };
+    expect_training_parity(reference.ptr(), model.ptr(), net_forward, "hsdp", o);
+  });
+}
+
 TEST(ResetIterState, IsForTheRootOnly) {
   run_distributed(2, [] {
     Net model = make_net();
