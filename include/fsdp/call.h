@@ -31,6 +31,38 @@
 // module called through fsdp::call, fsdp rethrows it naming the FSDP modules under it whose
 // parameters were resharded at that moment. To run a module's forward directly on purpose,
 // call unshard() on it first (and reshard() after).
+//
+// LibTorch's containers. torch::nn::Sequential's forward calls its children itself (through
+// AnyModule), past any hook point, so call the Sequential through fsdp::call: it runs the
+// Sequential's own hooks (when it is an FSDP module) and calls each child through fsdp::call,
+// passing each child's output to the next exactly as Sequential::forward does:
+//
+//   torch::nn::Sequential seq(torch::nn::Linear(5, 7), torch::nn::ReLU(), torch::nn::Linear(7, 1));
+//   for (auto& child : seq->children()) {
+//     if (child->parameters(false).size() > 0) fsdp::fully_shard(child);
+//   }
+//   fsdp::fully_shard(seq.ptr());                   // the root, last
+//   at::Tensor y = fsdp::call(seq, x);              // not seq(x) or seq->forward(x)
+//   auto pair = fsdp::call<std::vector<at::Tensor>>(seq, x);   // like seq->forward<T>(x)
+//
+// The Sequential may be given as its holder, a std::shared_ptr or a raw pointer to
+// SequentialImpl. A class derived from SequentialImpl has a forward of its own, which fsdp::call
+// runs; it should call fsdp::sequential_forward (below) instead of SequentialImpl::forward. An
+// FSDP child of a Sequential must return at::Tensor or std::vector<at::Tensor> (its
+// backward is hooked on them); the tensor a child receives from the previous child is hooked as
+// a tensor argument. A Sequential's children that are not FSDP modules run exactly as in
+// Sequential::forward.
+//
+// torch::nn::ModuleList and ModuleDict have no forward: the model's code calls their elements,
+// and does so through fsdp::call with a typed pointer to the element (the containers hand out
+// std::shared_ptr<Module>, which has no forward of its own):
+//
+//   for (size_t i = 0; i < blocks->size(); ++i) h = fsdp::call(blocks->ptr<BlockImpl>(i), h);
+//   h = fsdp::call(blocks[i]->as<BlockImpl>(), h);                  // a raw pointer works too
+//   h = fsdp::call(experts[name]->as<ExpertImpl>(), h);             // ModuleDict
+//
+// fully_shard each element (and the module that owns the container); fully_shard of a
+// ModuleList or ModuleDict itself is refused, as in PyTorch, since nothing would call its hooks.
 #pragma once
 
 #include <fsdp/detail/call.h>
@@ -46,13 +78,20 @@ namespace fsdp {
 namespace detail {
 
 // The body of fsdp::call and fsdp::call_method: `invoke(args...)` runs the module's entry point;
-// around it pre-forward and post-forward when the module is an FSDP module.
+// around it pre-forward and post-forward when the module is an FSDP module. An exception from
+// the entry point or the hooks leaves the iteration unfinished: the next forward refuses to
+// start until FSDPModule::reset_iter_state() is called on the root (rethrow_forward_error).
 template <typename Result, typename ModulePtr, typename Invoke, typename... Args>
 Result call_with_hooks(ModulePtr& module, Invoke invoke, Args&&... args) {
   FSDPState* state = state_of(*module);
   if (state == nullptr) return invoke(std::forward<Args>(args)...);
 
-  std::vector<at::Tensor> inputs = pre_forward(*state, *module, tensor_args(args...));
+  std::vector<at::Tensor> inputs;
+  try {
+    inputs = pre_forward(*state, *module, tensor_args(args...));
+  } catch (...) {
+    rethrow_forward_error(*state);
+  }
   ArgSubstituter substitute{inputs};
   // A braced list evaluates left to right, so replacements are taken in argument order.
   std::tuple<decltype(substitute(std::forward<Args>(args)))...> call_args{substitute(std::forward<Args>(args))...};
@@ -65,16 +104,65 @@ Result call_with_hooks(ModulePtr& module, Invoke invoke, Args&&... args) {
   }
 }
 
+// One child of a Sequential (its AnyModule), with hooks.
+template <typename... Args>
+torch::nn::AnyValue call_sequential_child(torch::nn::AnyModule& child, Args&&... args) {
+  std::shared_ptr<torch::nn::Module> module = child.ptr();
+  return call_with_hooks<torch::nn::AnyValue>(
+      module, [&child](auto&&... a) { return child.any_forward(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
+}
+
 }  // namespace detail
 
+// Sequential::forward<ReturnType>(args...) with each child called through the hook point, and
+// no hooks of the Sequential's own: for the forward of a class derived from SequentialImpl (a
+// Sequential that can be a child of another one, which LibTorch requires to have a
+// non-templated forward), in place of SequentialImpl::forward:
+//
+//   struct StackImpl : torch::nn::SequentialImpl {
+//     using SequentialImpl::SequentialImpl;
+//     at::Tensor forward(at::Tensor x) { return fsdp::sequential_forward(*this, x); }
+//   };
+//
+// Such a class is called like any module, fsdp::call(stack, x), which runs its forward (and its
+// hooks if it is an FSDP module).
+template <typename ReturnType = at::Tensor, typename... Args>
+ReturnType sequential_forward(torch::nn::SequentialImpl& sequential, Args&&... args) {
+  TORCH_CHECK(!sequential.is_empty(), "Cannot call forward() on an empty Sequential");
+  auto it = sequential.begin();
+  torch::nn::AnyValue value = detail::call_sequential_child(*it, std::forward<Args>(args)...);
+  for (++it; it != sequential.end(); ++it) value = detail::call_sequential_child(*it, std::move(value));
+  if (auto* result = value.template try_get<ReturnType>()) return std::move(*result);
+  detail::throw_sequential_result_type(value.type_info(), typeid(ReturnType));
+}
+
 // Calls module->forward(args...) with FSDP's hooks around it when the module is an FSDP module.
-// `module` is a ModuleHolder (e.g. torch::nn::Linear) or a std::shared_ptr to a module.
+// `module` is a ModuleHolder (e.g. torch::nn::Linear), a std::shared_ptr to a module or a raw
+// pointer to one (e.g. from a ModuleList: list->ptr<BlockImpl>(i), list[i]->as<BlockImpl>()).
 // Not thread-safe with respect to other calls into the same FSDP tree.
 template <typename ModulePtr, typename... Args>
-auto call(ModulePtr& module, Args&&... args) -> decltype(module->forward(std::forward<Args>(args)...)) {
+auto call(ModulePtr&& module, Args&&... args)
+    -> std::enable_if_t<!detail::is_sequential<ModulePtr>::value,
+                        decltype(module->forward(std::forward<Args>(args)...))> {
   using Result = decltype(module->forward(std::forward<Args>(args)...));
   return detail::call_with_hooks<Result>(
       module, [&module](auto&&... a) -> Result { return module->forward(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
+}
+
+// fsdp::call for a torch::nn::Sequential (see the top of this header): the Sequential's hooks
+// around its children's, each child called through fsdp::call. ReturnType is what
+// Sequential::forward<ReturnType> would return (at::Tensor, std::vector<at::Tensor> or a tuple
+// of tensors); a different type from the last child is LibTorch's error.
+template <typename ReturnType = at::Tensor, typename SequentialPtr, typename... Args>
+auto call(SequentialPtr&& sequential, Args&&... args)
+    -> std::enable_if_t<detail::is_sequential<SequentialPtr>::value, ReturnType> {
+  return detail::call_with_hooks<ReturnType>(
+      sequential,
+      [&sequential](auto&&... a) -> ReturnType {
+        return sequential_forward<ReturnType>(*sequential, std::forward<decltype(a)>(a)...);
+      },
       std::forward<Args>(args)...);
 }
 
@@ -85,9 +173,10 @@ auto call(ModulePtr& module, Args&&... args) -> decltype(module->forward(std::fo
 // member function of the module's class, named with all its parameters (no defaults):
 //   at::Tensor loss = fsdp::call_method(model, &fsdp::models::TransformerImpl::forward_loss,
 //                                       tokens, targets, int64_t{8});
+// A parent calls a child's method the same way: fsdp::call_method(encoder, &EncoderImpl::forward_features, x).
 // On a module that fully_shard() was not applied to, it is exactly the member call.
 template <typename ModulePtr, typename Method, typename... Args>
-auto call_method(ModulePtr& module, Method method, Args&&... args)
+auto call_method(ModulePtr&& module, Method method, Args&&... args)
     -> decltype(((*module).*method)(std::forward<Args>(args)...)) {
   using Result = decltype(((*module).*method)(std::forward<Args>(args)...));
   return detail::call_with_hooks<Result>(

@@ -10,6 +10,7 @@
 // method is not collective and acts on this module only (not its FSDP submodules).
 #pragma once
 
+#include <fsdp/custom_comm.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/process_group.h>
 
@@ -142,6 +143,41 @@ class FSDPModule {
   void set_reduce_scatter_max_input_buffers(int max_buffers, bool recurse = true);
   void set_reduce_scatter_max_input_buffers(bool, bool recurse = true) = delete;
 
+  // ---- Custom communication (fsdp/custom_comm.h). This module's group only, not its FSDP
+  // submodules; null goes back to FSDP's own. Install the same kind of object on every rank.
+
+  // This module's all-gathers (in forward, backward and prefetches; with reshard_after_forward
+  // = k also the backward one among k ranks) allocate their input and output through
+  // `comm->allocate` and run through `(*comm)(output, input, group)`.
+  void set_custom_all_gather(std::shared_ptr<AllGather> comm);
+  // This module's reduce-scatters likewise, `(*comm)(output, input, group, op)` (on the
+  // reduce_scatter_group()). Under HSDP the all-reduce that follows is FSDP's own.
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm);
+  // PyTorch FSDP2 lets the process group's backend allocate the staging buffers (NCCL's
+  // registered memory, for zero-copy collectives). fsdp-cpp's CPU process group sends from any
+  // host memory (Gloo over TCP) and has no such allocator, so enable = true is refused with a
+  // "not supported by this backend" error; false (the default) does nothing. As in PyTorch, it
+  // is also refused while a custom all-gather or reduce-scatter is installed on this module (a
+  // custom comm installed afterwards overrides it).
+  void set_allocate_memory_from_process_group_for_comm(bool enable);
+
+  // ---- Recovery.
+
+  // After an exception thrown inside forward or backward (from a module, a hook, the loss), on
+  // the root: waits for the all-gathers and reduce-scatters in flight, reshards every module,
+  // and drops what the unfinished iteration left: the iteration's forward root, every module's
+  // training state, the forward and backward prefetch order, the pending gradient reductions
+  // (none of their gradients is written), unreduced and no-sync gradients and HSDP partial sums
+  // (a micro-batch sequence starts over). Sharded gradients already written stay: zero them
+  // (optimizer.zero_grad()) as every iteration does. Until it is called, the next forward fails
+  // with an error that says to call it. Every rank must call it at the same point, after the
+  // same exception (it waits for the collectives they all issued); when ranks failed at
+  // different points their collectives do not pair and it ends at the collective timeout.
+  // Under fsdp::share_comm_ctx it drops the shared context's pending reductions, the other
+  // roots' too. Throws c10::Error on a module that is not a root; before the first forward it
+  // does nothing.
+  void reset_iter_state();
+
   // The group this module's reduce-scatters run on: the mesh's shard group, or the one made by
   // set_separate_reduce_scatter_group (both carry collective counters).
   std::shared_ptr<ProcessGroup> reduce_scatter_group() const;
@@ -159,12 +195,24 @@ class FSDPModule {
 
  private:
   friend FSDPModule make_fsdp_module(std::shared_ptr<detail::FSDPState> state);
+  friend void share_comm_ctx(const std::vector<FSDPModule>& modules);
   explicit FSDPModule(std::shared_ptr<detail::FSDPState> state) : state_(std::move(state)) {}
   std::vector<detail::FSDPState*> states(bool recurse) const;
   static std::vector<std::weak_ptr<detail::FSDPState>> states_of(const std::vector<FSDPModule>& modules,
                                                                  const char* setter);
   std::shared_ptr<detail::FSDPState> state_;
 };
+
+// Makes the FSDP roots `modules` (e.g. the stages of a pipeline, each fully_shard'ed on its
+// own) use the communication context of the first: one queue of gradient reductions in flight,
+// so set_reduce_scatter_max_input_buffers bounds their reduce-scatter inputs together and every
+// root's end of backward waits for all of them, and one backward prefetch order (as in PyTorch
+// FSDP2, whose shared context also holds the CUDA streams; this CPU build has none). Each root
+// keeps its own forward prefetch order and iteration state. Call it on every rank alike, between
+// iterations (a root with reductions in flight is refused), before or after the first forward.
+// An empty list does nothing; a module that is not a root (it runs under another FSDP module)
+// throws c10::Error naming it, at once or at its root's first forward.
+void share_comm_ctx(const std::vector<FSDPModule>& modules);
 
 // True if fully_shard() was applied to `module` (as itself or as a member of a list).
 bool is_fsdp_module(const torch::nn::Module& module);

@@ -69,6 +69,19 @@ std::vector<size_t> all_indices(const FSDPParams& params) {
   return out;
 }
 
+// A buffer of a custom collective (fsdp/custom_comm.h), checked before FSDP writes to it.
+at::Tensor allocate_comm_buffer(CommBufferAllocator& allocator, int64_t numel, const at::TensorOptions& options,
+                                const char* what) {
+  at::Tensor buffer = allocator.allocate(numel, options.dtype().toScalarType(), options.device());
+  TORCH_CHECK(buffer.defined() && buffer.dim() == 1 && buffer.numel() == numel && buffer.is_contiguous() &&
+                  buffer.scalar_type() == options.dtype().toScalarType() && buffer.device() == options.device(),
+              "fsdp: the custom ", what, "'s allocate(", numel, ", ", options.dtype().toScalarType(), ", ",
+              options.device(), ") must return a contiguous 1-D tensor of exactly that size, dtype and device, but "
+              "returned ", buffer.defined() ? buffer.toString() + " of shape " + c10::str(buffer.sizes()) +
+              (buffer.is_contiguous() ? "" : " (not contiguous)") : std::string("an undefined tensor"));
+  return buffer;
+}
+
 }  // namespace
 
 RankMajorLayout shard_layout(const FSDPParams& params, int64_t world) {
@@ -108,13 +121,21 @@ at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, 
   return flat_shard.to(devices.compute, dtype, devices.non_blocking);  // no copy when neither changes
 }
 
-AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group) {
+AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group,
+                                   AllGather* custom) {
   TORCH_CHECK(layout.parts == group.size() && input.numel() == layout.row_numel,
               "internal: all-gather of ", input.numel(), " elements as one of ", layout.parts, " rows of ",
               layout.row_numel, " over a group of ", group.size());
   if (group.size() == 1) return AllGatherResult{nullptr, input, layout};
-  at::Tensor output = at::empty({layout.numel()}, input.options());
-  WorkHandle work = group.all_gather_into(output, input);
+  if (!custom) {
+    at::Tensor output = at::empty({layout.numel()}, input.options());
+    WorkHandle work = group.all_gather_into(output, input);
+    return AllGatherResult{std::move(work), std::move(output), layout};
+  }
+  at::Tensor staged = allocate_comm_buffer(*custom, layout.row_numel, input.options(), "all-gather");
+  std::memcpy(bytes_of(staged), static_cast<const char*>(input.data_ptr()), input.numel() * input.element_size());
+  at::Tensor output = allocate_comm_buffer(*custom, layout.numel(), input.options(), "all-gather");
+  WorkHandle work = (*custom)(output, staged, group);
   return AllGatherResult{std::move(work), std::move(output), layout};
 }
 
@@ -204,11 +225,14 @@ GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t shard_si
 }
 
 at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced,
-                                  const RankMajorLayout& layout, at::ScalarType reduce_dtype) {
+                                  const RankMajorLayout& layout, at::ScalarType reduce_dtype,
+                                  CommBufferAllocator* allocator) {
   TORCH_CHECK(layout.piece_numel.size() == reduced.size(), "internal: a reduce-scatter layout of ",
               layout.piece_numel.size(), " pieces for ", reduced.size(), " reduced parameters");
   at::NoGradGuard no_grad;
-  at::Tensor input = at::empty({layout.numel()}, at::TensorOptions().dtype(reduce_dtype));
+  const auto options = at::TensorOptions().dtype(reduce_dtype);
+  at::Tensor input = allocator ? allocate_comm_buffer(*allocator, layout.numel(), options, "reduce-scatter")
+                               : at::empty({layout.numel()}, options);
   const size_t es = input.element_size();
   for (size_t k = 0; k < reduced.size(); ++k) {
     FSDPParam& p = *params.at(reduced[k]);
@@ -254,15 +278,19 @@ void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& red
 }
 
 ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
-                                   at::ScalarType reduce_dtype, const GradientDivision& division) {
+                                   at::ScalarType reduce_dtype, const GradientDivision& division,
+                                   ReduceScatter* custom) {
   RankMajorLayout layout = reduce_scatter_layout(params, reduced, group.size());
-  at::Tensor input = foreach_reduce_copy_in(params, reduced, layout, reduce_dtype);
+  // One rank communicates nothing, so a custom reduce-scatter is not asked for buffers either.
+  at::Tensor input = foreach_reduce_copy_in(params, reduced, layout, reduce_dtype, group.size() > 1 ? custom : nullptr);
   if (division.pre_divide != 1.0) input.div_(division.pre_divide);
   if (division.premul != 1.0) input.mul_(division.premul);
   // One rank: its one row is the reduction of itself (SUM or AVG over one).
   if (group.size() == 1) return ReduceScatterResult{nullptr, std::move(input), division, reduced, std::move(layout)};
-  at::Tensor output = at::empty({layout.row_numel}, input.options());
-  WorkHandle work = group.reduce_scatter_into(output, input, division.reduce_scatter_op);
+  at::Tensor output = custom ? allocate_comm_buffer(*custom, layout.row_numel, input.options(), "reduce-scatter")
+                             : at::empty({layout.row_numel}, input.options());
+  WorkHandle work = custom ? (*custom)(output, input, group, division.reduce_scatter_op)
+                           : group.reduce_scatter_into(output, input, division.reduce_scatter_op);
   return ReduceScatterResult{std::move(work), std::move(output), division, reduced, std::move(layout)};
 }
 
@@ -288,4 +316,10 @@ void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams
 }
 
 }  // namespace detail
+
+// The default buffers of a custom collective (fsdp/custom_comm.h): ordinary memory.
+at::Tensor CommBufferAllocator::allocate(int64_t numel, at::ScalarType dtype, c10::Device device) {
+  return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
+}
+
 }  // namespace fsdp

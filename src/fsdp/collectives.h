@@ -35,6 +35,7 @@
 #include "src/fsdp/common.h"
 #include "src/fsdp/fsdp_param.h"
 
+#include <fsdp/custom_comm.h>
 #include <fsdp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -83,8 +84,10 @@ struct AllGatherResult {
 at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, const GroupDevices& devices);
 // Issues the all-gather of `input` (one row of `layout`; this rank's row) over `group`, into a
 // new output buffer. Collective over `group`; returns at once. On one rank nothing is issued and
-// the output is the input.
-AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group);
+// the output is the input. With `custom` (FSDPModule::set_custom_all_gather), the input is
+// copied into a buffer of its allocate(), the output is another, and it runs the collective.
+AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group,
+                                   AllGather* custom = nullptr);
 // After the all-gather finished: copies each parameter's pieces, in row order, into its
 // unsharded storage (which must be allocated, padded_full_numel elements).
 void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams& params);
@@ -145,9 +148,12 @@ struct ReduceScatterResult {
 // zeros: see set_reduce_scatter_unused_params), applies the pre-division, and issues the
 // reduce-scatter; the caller waits, then calls foreach_reduce_copy_out. On a group of one rank
 // the input (one row) is the output and nothing is issued. Every rank must pass the same
-// `reduced` (sizes must match). Collective over `group`; returns at once.
+// `reduced` (sizes must match). Collective over `group`; returns at once. With `custom`
+// (FSDPModule::set_custom_reduce_scatter) both buffers come from its allocate() and it runs the
+// collective.
 ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
-                                   at::ScalarType reduce_dtype, const GradientDivision& division);
+                                   at::ScalarType reduce_dtype, const GradientDivision& division,
+                                   ReduceScatter* custom = nullptr);
 // On a shard group of one rank with nothing else to do (no all-reduce, no division, no hook):
 // each unsharded gradient of the `reduced` parameters has the shard's shape already, so it is
 // cast (through the reduce dtype, as a reduction would) and handed to the sharded leaf at once,
@@ -157,9 +163,11 @@ void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& red
                               const GroupDevices& devices);
 // The reduce-scatter input in `reduce_dtype`: the all-gather layout of the reduced subset in
 // reverse, row q = piece q of every reduced parameter's unsharded gradient (zeros for one
-// without a gradient). Releases those unsharded gradients.
+// without a gradient). Releases those unsharded gradients. The buffer comes from `allocator`
+// when given (a custom reduce-scatter's).
 at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced,
-                                  const RankMajorLayout& layout, at::ScalarType reduce_dtype);
+                                  const RankMajorLayout& layout, at::ScalarType reduce_dtype,
+                                  CommBufferAllocator* allocator = nullptr);
 // HSDP: issues the all-reduce of a finished reduce-scatter's output, in place, over the
 // replicate group with `division.all_reduce_op`. Collective over `replicate_group`; returns at
 // once (it runs on that group's own communication thread, beside the shard group's collectives).

@@ -164,6 +164,40 @@ void FSDPModule::set_reduce_scatter_max_input_buffers(int max_buffers, bool recu
   }
 }
 
+void FSDPModule::set_custom_all_gather(std::shared_ptr<AllGather> comm) {
+  if (FSDPParamGroup* g = states(false).front()->group()) g->set_custom_all_gather(std::move(comm));
+}
+
+void FSDPModule::set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) {
+  if (FSDPParamGroup* g = states(false).front()->group()) g->set_custom_reduce_scatter(std::move(comm));
+}
+
+void FSDPModule::set_allocate_memory_from_process_group_for_comm(bool enable) {
+  if (!enable) return;  // the default: FSDP's own buffers (or a custom comm's)
+  FSDPParamGroup* g = states(false).front()->group();
+  TORCH_CHECK(!g || !g->has_custom_comm(), "fsdp::FSDPModule::set_allocate_memory_from_process_group_for_comm: this "
+              "module has a custom all-gather or reduce-scatter installed, which allocates its buffers; it cannot "
+              "take memory from the process group as well");
+  TORCH_CHECK(false, "fsdp::FSDPModule::set_allocate_memory_from_process_group_for_comm(true) is not supported by "
+              "this backend: fsdp-cpp's CPU process group (Gloo over TCP) sends from any host memory and has no "
+              "communication-memory allocator to take buffers from. To control the buffers, install a custom "
+              "all-gather or reduce-scatter (fsdp/custom_comm.h), whose allocate() FSDP uses.");
+}
+
+void FSDPModule::reset_iter_state() {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  state_->reset_iter_state();
+}
+
+void share_comm_ctx(const std::vector<FSDPModule>& modules) {
+  if (modules.empty()) return;
+  for (const auto& m : modules) TORCH_CHECK(m.valid(), "fsdp::share_comm_ctx: got an invalid FSDPModule handle");
+  // Every module is checked (comm_context_to_share refuses a non-root) before any changes.
+  for (const auto& m : modules) m.state_->comm_context_to_share();
+  std::shared_ptr<detail::CommContext> comm = modules.front().state_->comm_context_to_share();
+  for (size_t i = 1; i < modules.size(); ++i) modules[i].state_->use_comm_context(comm);
+}
+
 std::shared_ptr<ProcessGroup> FSDPModule::reduce_scatter_group() const {
   TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
   TORCH_CHECK(state_->group(), "fsdp::FSDPModule::reduce_scatter_group: this FSDP module manages no parameters");

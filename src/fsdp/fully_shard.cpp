@@ -12,8 +12,11 @@
 #include <fsdp/replicate.h>
 
 #include <c10/util/Exception.h>
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/modulelist.h>
 
 #include <mutex>
+#include <typeinfo>
 #include <set>
 #include <unordered_map>
 
@@ -203,6 +206,11 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                 "; apply it once per module, bottom-up");
     TORCH_CHECK(!is_replicated(*m), "fully_shard: this ", m->name(), " is managed by replicate(); a module is either "
                 "sharded (fully_shard) or replicated (replicate), not both");
+    // As in PyTorch: a container without a forward is never called, so its hooks would never run.
+    TORCH_CHECK(typeid(*m) != typeid(torch::nn::ModuleListImpl) && typeid(*m) != typeid(torch::nn::ModuleDictImpl),
+                "fully_shard does not support a ", m->name(), ", which has no forward (nothing would run its "
+                "hooks). Apply fully_shard to each of its elements, or to the module that owns it, and call the "
+                "elements through fsdp::call (see fsdp/call.h)");
   }
   const detail::MeshInfo mesh_info = detail::checked_mesh(options);
   const DeviceMesh& mesh = mesh_info.mesh;

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <exception>
 
 namespace fsdp {
 namespace detail {
@@ -117,6 +118,22 @@ void CommContext::make_room_for_reduction(int64_t max_in_flight) {
   write_reduced_gradients(false);
 }
 
+void CommContext::discard_reductions() {
+  std::exception_ptr first_error;
+  for (PendingReduction& r : reductions) {
+    for (const WorkHandle& work : {r.reduce_scatter.work, r.all_reduce}) {
+      if (!work) continue;
+      try {
+        work->wait();
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
+    }
+  }
+  reductions.clear();
+  if (first_error) std::rethrow_exception(first_error);
+}
+
 FSDPParamGroup::FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
                                std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy,
                                const std::optional<CPUOffloadPolicy>& offload_policy)
@@ -185,10 +202,11 @@ void FSDPParamGroup::unshard() {
   if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
   if (sharded_state_ == ShardedState::kShardedPostForward) {
     pending_all_gather_ = foreach_all_gather(post_forward_shard_, post_forward_layout(params_, post_forward_group_->size()),
-                                             *post_forward_group_);
+                                             *post_forward_group_, custom_all_gather_.get());
   } else {
     pending_all_gather_ =
-        foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded, devices_), shard_layout_, *shard_group_);
+        foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded, devices_), shard_layout_, *shard_group_,
+                           custom_all_gather_.get());
   }
 }
 
@@ -389,7 +407,8 @@ void FSDPParamGroup::post_backward_ahead() {
 
 void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const GradientDivision& division) {
   comm_->make_room_for_reduction(max_reductions_in_flight_);
-  ReduceScatterResult result = foreach_reduce(params_, reduced, *reduce_scatter_group(), dtypes_.reduce, division);
+  ReduceScatterResult result =
+      foreach_reduce(params_, reduced, *reduce_scatter_group(), dtypes_.reduce, division, custom_reduce_scatter_.get());
   comm_->reductions.push_back(PendingReduction{this, std::move(result), next_after_reduce_scatter(), false, nullptr});
 }
 
@@ -449,6 +468,17 @@ void FSDPParamGroup::finish_reduction(PendingReduction& r) {
 void FSDPParamGroup::finalize_backward() {
   drop_pending_all_gather();  // a prefetch for a module that did not run backward
   post_forward_indices_.clear();
+}
+
+void FSDPParamGroup::reset_iter_state() {
+  training_state_ = TrainingState::kIdle;
+  prefetched_in_forward_ = false;
+  reduced_in_this_backward_ = false;
+  reduced_ahead_ = false;
+  post_forward_indices_.clear();
+  partial_reduce_output_ = at::Tensor();
+  for (auto& p : params_) p->clear_unsharded_grad();
+  reshard();  // last: it waits for an all-gather in flight, which may throw
 }
 
 int64_t FSDPParamGroup::unsharded_bytes() const {

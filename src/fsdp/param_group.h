@@ -55,16 +55,12 @@ struct PendingReduction {
   WorkHandle all_reduce;          // Next::kAllReduce: issued once the reduce-scatter finished
 };
 
-// Shared by every group under one root (created by the root's lazy init).
+// Shared by every group under one root (created by the root's lazy init), and by several roots
+// after fsdp::share_comm_ctx.
 struct CommContext {
   // Groups in the order their post-forward ran this iteration (with repeats): backward prefetch
   // walks it in reverse.
   std::vector<FSDPParamGroup*> post_forward_order;
-  // Groups in the order their pre-forward ran, this iteration and the previous one: forward
-  // prefetch follows the previous one (on CPU nothing runs ahead by itself).
-  std::vector<FSDPParamGroup*> forward_order;
-  std::vector<FSDPParamGroup*> last_forward_order;
-
   std::deque<PendingReduction> reductions;  // in issue order
 
   // Moves every pending reduction on as far as it can, in issue order: a finished reduce-scatter
@@ -76,6 +72,9 @@ struct CommContext {
   // writing of its gradients), so that at most that many reduce-scatter inputs are alive. An
   // HSDP all-reduce already issued keeps running.
   void make_room_for_reduction(int64_t max_in_flight);
+  // FSDPModule::reset_iter_state: waits for every collective of the pending reductions, then
+  // drops them without writing a gradient. Rethrows the first failure, after dropping them all.
+  void discard_reductions();
 
  private:
   void complete_reduce_scatter(PendingReduction& r);
@@ -146,6 +145,10 @@ class FSDPParamGroup {
   const std::shared_ptr<ProcessGroup>& reduce_scatter_group() const;
   // At most this many reduce-scatters (>= 1) in flight when this group issues one.
   void set_max_reductions_in_flight(int64_t k);
+  // FSDPModule::set_custom_all_gather / set_custom_reduce_scatter (null: FSDP's own).
+  void set_custom_all_gather(std::shared_ptr<AllGather> comm) { custom_all_gather_ = std::move(comm); }
+  void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) { custom_reduce_scatter_ = std::move(comm); }
+  bool has_custom_comm() const { return custom_all_gather_ || custom_reduce_scatter_; }
 
   // Issues the all-gather (no-op if unsharded or already issued). Collective.
   void unshard();
@@ -184,6 +187,11 @@ class FSDPParamGroup {
   void after_reduce_scatter(PendingReduction& r);
   // After all of `r`'s collectives finished: the all-reduce hook, then the sharded params' grads.
   void finish_reduction(PendingReduction& r);
+
+  // FSDPModule::reset_iter_state: waits out an issued all-gather, reshards, and drops the
+  // unfinished iteration's bookkeeping, unreduced gradients, no-sync accumulators and HSDP
+  // partial sums. Back to IDLE.
+  void reset_iter_state();
 
   // Bytes of unsharded parameter storage currently allocated (0 when resharded).
   int64_t unsharded_bytes() const;
@@ -237,6 +245,8 @@ class FSDPParamGroup {
   bool unshard_in_backward_ = true;
   std::shared_ptr<ProcessGroup> separate_reduce_scatter_group_;  // null: the shard group
   int64_t max_reductions_in_flight_ = 1;  // PyTorch FSDP's default: one reduce-scatter input alive
+  std::shared_ptr<AllGather> custom_all_gather_;
+  std::shared_ptr<ReduceScatter> custom_reduce_scatter_;
   bool reduced_in_this_backward_ = false;
   bool reduced_ahead_ = false;  // by post_backward_ahead, in this backward
 

@@ -10,9 +10,12 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -168,7 +171,7 @@ void FSDPState::set_is_last_backward(bool is_last_backward) {
 }
 
 int64_t FSDPState::reductions_in_flight() const {
-  return ctx_ ? static_cast<int64_t>(ctx_->comm.reductions.size()) : 0;
+  return ctx_ ? static_cast<int64_t>(ctx_->comm->reductions.size()) : 0;
 }
 
 void FSDPState::lazy_init() {
@@ -180,6 +183,8 @@ void FSDPState::lazy_init() {
               "above them. Apply fully_shard to a module that contains them all (last, as the root) and run the "
               "forward through it.");
   ctx_ = std::make_shared<StateContext>();
+  ctx_->comm = comm_before_init_ ? std::move(comm_before_init_) : std::make_shared<CommContext>();
+  comm_before_init_.reset();
   is_root_ = true;
   for (const auto& item : root_module->named_modules("", /*include_self=*/true)) {
     auto st = find_state(*item.value());
@@ -189,13 +194,15 @@ void FSDPState::lazy_init() {
       TORCH_CHECK(!st->ctx_, "fsdp: FSDP module '", item.key(), "' was already initialised as a root of its own: "
                   "its forward ran before the forward of its parent FSDP module. Run the first forward through "
                   "the root module.");
+      TORCH_CHECK(!st->comm_before_init_, "fsdp::share_comm_ctx was given FSDP module '", item.key(), "', which "
+                  "is not a root: it runs under the FSDP module that contains it. Pass only root modules.");
       st->ctx_ = ctx_;
       st->is_root_ = false;
     }
     st->fqn_ = item.key();
     if (st->group_) {
       st->group_->set_module_fqn(item.key().empty() ? "<root>" : item.key());
-      st->group_->set_comm_context(&ctx_->comm);
+      st->group_->set_comm_context(ctx_->comm.get());
     }
     ctx_->all_states.push_back(st.get());
   }
@@ -210,6 +217,90 @@ void FSDPState::lazy_init() {
   for (FSDPState* st : ctx_->all_states) st->is_last_backward_before_init_.reset();
   // The root does not reshard after forward by default: backward needs it again at once.
   if (group_ && auto_reshard_after_forward_) group_->set_post_forward_group(nullptr);
+}
+
+// ------------------------------------------------------------------------------ recovery
+
+namespace {
+
+// True while this thread runs a backward (a hook, or the backward of an autograd function).
+bool in_backward() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
+
+}  // namespace
+
+// A forward after an exception left an iteration half done would run on stale bookkeeping (an
+// iteration root that never ended, groups still unsharded, a backward whose end never came),
+// and its collectives could pair with the wrong ones on other ranks: refuse it by name.
+void FSDPState::check_previous_iteration_finished() const {
+  if (!ctx_) return;
+  TORCH_CHECK(ctx_->failed_forward.empty(), "fsdp: an exception escaped the forward of FSDP module '",
+              ctx_->failed_forward, "' and left that iteration unfinished. Call reset_iter_state() on the root "
+              "FSDPModule (on every rank) before running forward again.");
+  // A backward runs FSDP's end-of-backward callback when it ends; one that was thrown out of
+  // never does.
+  TORCH_CHECK(!ctx_->final_callback_queued || in_backward(), "fsdp: the previous backward through FSDP module '",
+              fqn_.empty() ? "<root>" : fqn_, "' did not finish (an exception was thrown inside it), so its gradient "
+              "reduction never completed. Call reset_iter_state() on the root FSDPModule (on every rank) before "
+              "running forward again.");
+}
+
+void FSDPState::mark_iteration_failed() {
+  if (ctx_ && ctx_->failed_forward.empty()) ctx_->failed_forward = fqn_.empty() ? "<root>" : fqn_;
+}
+
+// Every rank must reach this at the same point of its collectives (an exception every rank
+// threw alike): it waits for the collectives they all issued.
+void FSDPState::reset_iter_state() {
+  TORCH_CHECK(is_root_ != false, "fsdp::FSDPModule::reset_iter_state() must be called on the root FSDP module, but "
+              "'", fqn_, "' runs under the FSDP module that contains it. Call it on the module the training loop "
+              "calls.");
+  if (!ctx_) return;  // no forward ran yet: nothing to reset
+  StateContext& ctx = *ctx_;
+  std::exception_ptr first_error;
+  auto keep_first_error = [&first_error](const std::function<void()>& step) {
+    try {
+      step();
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  };
+  keep_first_error([&ctx] { ctx.comm->discard_reductions(); });
+  for (FSDPState* st : ctx.all_states) {
+    st->training_state_ = TrainingState::kIdle;
+    st->modules_to_run_forward_.clear();
+    if (st->group_) keep_first_error([st] { st->group_->reset_iter_state(); });
+  }
+  ctx.iter_forward_root = nullptr;
+  ctx.final_callback_queued = false;
+  ctx.forward_order.clear();
+  ctx.comm->post_forward_order.clear();
+  ctx.failed_forward.clear();
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+std::shared_ptr<CommContext> FSDPState::comm_context_to_share() {
+  TORCH_CHECK(is_root_ != false, "fsdp::share_comm_ctx: FSDP module '", fqn_, "' is not a root: it runs under the "
+              "FSDP module that contains it. Pass only root modules.");
+  if (ctx_) return ctx_->comm;
+  if (!comm_before_init_) comm_before_init_ = std::make_shared<CommContext>();
+  return comm_before_init_;
+}
+
+void FSDPState::use_comm_context(std::shared_ptr<CommContext> comm) {
+  TORCH_CHECK(is_root_ != false, "fsdp::share_comm_ctx: FSDP module '", fqn_, "' is not a root: it runs under the "
+              "FSDP module that contains it. Pass only root modules.");
+  if (!ctx_) {
+    comm_before_init_ = std::move(comm);
+    return;
+  }
+  if (ctx_->comm == comm) return;
+  TORCH_CHECK(ctx_->comm->reductions.empty(), "fsdp::share_comm_ctx: FSDP module '", fqn_.empty() ? "<root>" : fqn_,
+              "' has ", ctx_->comm->reductions.size(), " gradient reductions in flight; share communication contexts "
+              "between iterations (after a backward run with set_is_last_backward(true)).");
+  ctx_->comm = std::move(comm);
+  for (FSDPState* st : ctx_->all_states) {
+    if (st->group_) st->group_->set_comm_context(ctx_->comm.get());
+  }
 }
 
 bool FSDPState::is_module_of_this_state(const torch::nn::Module& module) const {
@@ -234,6 +325,7 @@ void FSDPState::cast_forward_outputs(std::vector<at::Tensor>& outputs) const {
 }
 
 std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs) {
+  check_previous_iteration_finished();
   cast_forward_inputs(inputs);
   if (RecomputationScope::current()) return pre_recompute(std::move(inputs));
   if (training_state_ == TrainingState::kPreBackward) {
@@ -343,8 +435,8 @@ void FSDPState::root_post_forward() {
     st->finish_group_forward();
     if (st->group_) st->group_->drop_unused_forward_prefetch();
   }
-  ctx_->comm.last_forward_order.swap(ctx_->comm.forward_order);
-  ctx_->comm.forward_order.clear();
+  ctx_->last_forward_order.swap(ctx_->forward_order);
+  ctx_->forward_order.clear();
   ctx_->canonical_reduce_order = compute_canonical_reduce_order();
   ctx_->iter_forward_root = nullptr;
 }
@@ -353,7 +445,7 @@ void FSDPState::root_post_forward() {
 // reduces first where its later call's backward ends.
 std::vector<FSDPParamGroup*> FSDPState::compute_canonical_reduce_order() const {
   std::vector<FSDPParamGroup*> order;
-  const auto& forward = ctx_->comm.last_forward_order;
+  const auto& forward = ctx_->last_forward_order;
   for (auto it = forward.rbegin(); it != forward.rend(); ++it) {
     if (std::find(order.begin(), order.end(), *it) == order.end()) order.push_back(*it);
   }
@@ -376,13 +468,13 @@ std::vector<FSDPParamGroup*> FSDPState::groups_of(const std::vector<std::weak_pt
 // On CPU nothing runs ahead of the compute by itself, so the default forward prefetch follows
 // the order the groups ran in the previous iteration.
 void FSDPState::prefetch_next_in_forward() {
-  CommContext& comm = ctx_->comm;
-  const size_t position = comm.forward_order.size();
-  comm.forward_order.push_back(group_.get());
+  StateContext& order = *ctx_;
+  const size_t position = order.forward_order.size();
+  order.forward_order.push_back(group_.get());
   std::vector<FSDPParamGroup*> targets = groups_of(states_to_forward_prefetch_);
-  if (states_to_forward_prefetch_.empty() && position + 1 < comm.last_forward_order.size() &&
-      comm.last_forward_order[position] == group_.get() && comm.last_forward_order[position + 1] != group_.get()) {
-    targets.push_back(comm.last_forward_order[position + 1]);
+  if (states_to_forward_prefetch_.empty() && position + 1 < order.last_forward_order.size() &&
+      order.last_forward_order[position] == group_.get() && order.last_forward_order[position + 1] != group_.get()) {
+    targets.push_back(order.last_forward_order[position + 1]);
   }
   for (FSDPParamGroup* t : targets) t->prefetch_in_forward();
 }
@@ -407,8 +499,11 @@ void FSDPState::pre_backward() {
 void FSDPState::prefetch_in_backward() {
   const int64_t index = group_->pop_post_forward_index();
   std::vector<FSDPParamGroup*> targets = groups_of(states_to_backward_prefetch_);
-  if (states_to_backward_prefetch_.empty() && index > 0) {
-    FSDPParamGroup* previous = ctx_->comm.post_forward_order[index - 1];
+  // The order is shared with other roots under fsdp::share_comm_ctx, and another root's end of
+  // backward may have cleared it.
+  const auto& post_forward_order = ctx_->comm->post_forward_order;
+  if (states_to_backward_prefetch_.empty() && index > 0 && index <= static_cast<int64_t>(post_forward_order.size())) {
+    FSDPParamGroup* previous = post_forward_order[index - 1];
     if (previous != group_.get()) targets.push_back(previous);
   }
   for (FSDPParamGroup* t : targets) t->prefetch_in_backward();
@@ -418,7 +513,7 @@ void FSDPState::post_backward() {
   if (!group_) return;
   if (ctx_ && group_->reduces_unused_params()) reduce_groups_due_before(group_.get());
   group_->post_backward();
-  if (ctx_) ctx_->comm.finish_reductions(/*wait_all=*/false);
+  if (ctx_) ctx_->comm->finish_reductions(/*wait_all=*/false);
 }
 
 // Under set_reduce_scatter_unused_params every rank issues every group's reduce-scatter, but a
@@ -472,11 +567,11 @@ void FSDPState::post_backward_of_unreached_groups(StateContext& ctx) {
 // The end of the last backward before the optimizer: every gradient written, prefetches nobody
 // consumed dropped, the backward prefetch order cleared.
 void FSDPState::finalize_backward(StateContext& ctx) {
-  ctx.comm.finish_reductions(/*wait_all=*/true);
+  ctx.comm->finish_reductions(/*wait_all=*/true);
   for (FSDPState* st : ctx.all_states) {
     if (st->group_) st->group_->finalize_backward();
   }
-  ctx.comm.post_forward_order.clear();
+  ctx.comm->post_forward_order.clear();
 }
 
 std::vector<std::string> FSDPState::resharded_modules_below() const {

@@ -66,7 +66,17 @@ struct StateContext {
   // the same forwards, or their all-gathers would not match), then the groups that did not run
   // forward, in reverse pre-order. Set at the end of each forward.
   std::vector<FSDPParamGroup*> canonical_reduce_order;
-  CommContext comm;
+  // Groups in the order their pre-forward ran, this iteration and the previous one: forward
+  // prefetch follows the previous one (on CPU nothing runs ahead by itself). Per root, also when
+  // roots share a CommContext, so that each root's prefetch follows its own modules.
+  std::vector<FSDPParamGroup*> forward_order;
+  std::vector<FSDPParamGroup*> last_forward_order;
+  // The FSDP module whose forward (or a hook around it) an exception escaped, empty if none:
+  // until FSDPModule::reset_iter_state() the next forward is refused, since half an
+  // iteration's bookkeeping is left behind.
+  std::string failed_forward;
+  // The root's own, or the first root's under fsdp::share_comm_ctx.
+  std::shared_ptr<CommContext> comm;
 };
 
 class FSDPState : public std::enable_shared_from_this<FSDPState> {
@@ -106,6 +116,18 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // Reduce-scatters issued under this state's root whose gradients are not yet written.
   int64_t reductions_in_flight() const;
 
+  // An exception escaped one of this state's modules' forward (or its hooks): see
+  // StateContext::failed_forward.
+  void mark_iteration_failed();
+  // FSDPModule::reset_iter_state, on a root: waits for the collectives in flight, drops them
+  // and every piece of the unfinished iteration's bookkeeping, reshards every group.
+  void reset_iter_state();
+  // fsdp::share_comm_ctx. The communication context this root uses, created now if it has
+  // none yet (then lazy initialisation adopts it).
+  std::shared_ptr<CommContext> comm_context_to_share();
+  // Makes this root use `comm` (only between iterations: none of its reductions in flight).
+  void use_comm_context(std::shared_ptr<CommContext> comm);
+
   // Lazy initialisation as the root, from the first pre-forward (no-op once initialised as root
   // or child): collects the states under this module, shares one context with them, names their
   // groups and turns off the root's automatic reshard after forward.
@@ -113,6 +135,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
 
  private:
   bool is_module_of_this_state(const torch::nn::Module& module) const;
+  void check_previous_iteration_finished() const;
   void cast_forward_inputs(std::vector<at::Tensor>& inputs) const;
   void cast_forward_outputs(std::vector<at::Tensor>& outputs) const;
   std::vector<at::Tensor> pre_recompute(std::vector<at::Tensor> inputs);
@@ -138,6 +161,7 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::optional<bool> is_root_;  // set by lazy init
   std::optional<bool> is_last_backward_before_init_;  // see set_is_last_backward
   std::shared_ptr<StateContext> ctx_;
+  std::shared_ptr<CommContext> comm_before_init_;  // from fsdp::share_comm_ctx before lazy init
   TrainingState training_state_ = TrainingState::kIdle;
   // The modules of this state that have not finished forward in the current round; a round
   // starts when the first of them is called with the set empty, and the group's post-forward

@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <tuple>
 #include <type_traits>
@@ -27,12 +29,40 @@ void post_forward(FSDPState& state, const torch::nn::Module& module, std::vector
 // is LibTorch refusing to compute on freed storage. Never returns.
 [[noreturn]] void rethrow_forward_error(FSDPState& state);
 
+// The forms of fsdp::call for torch::nn::Sequential (fsdp/call.h): each child is called with
+// hooks, its input and output passed along as LibTorch's AnyValue.
+// The tensors of an AnyValue argument (a child's input: the previous child's output).
+void push_any_value_tensors(std::vector<at::Tensor>& out, const torch::nn::AnyValue& value);
+// `value` with its tensor replaced by the next of `replacements` (pre-forward's result).
+torch::nn::AnyValue substitute_any_value(torch::nn::AnyValue value, const std::vector<at::Tensor>& replacements,
+                                         size_t& next);
+// Post-forward for a child of a Sequential: hooks the at::Tensor or std::vector<at::Tensor> it
+// returned; any other type from an FSDP module is an error (its backward could not be hooked).
+void run_post_forward(FSDPState& state, const torch::nn::Module& module, torch::nn::AnyValue& result);
+// The Sequential's result as `ReturnType`, or LibTorch's error for a mismatch.
+[[noreturn]] void throw_sequential_result_type(const std::type_info& actual, const std::type_info& requested);
+
+template <typename T>
+using is_any_value = std::is_same<std::decay_t<T>, torch::nn::AnyValue>;
+
+// A handle (ModuleHolder, shared_ptr or raw pointer) to a torch::nn::SequentialImpl itself: a
+// derived class has a forward of its own (see fsdp::sequential_forward).
+template <typename T, typename = void>
+struct is_sequential : std::false_type {};
+template <typename T>
+struct is_sequential<T, std::void_t<decltype(*std::declval<T&>())>>
+    : std::is_same<torch::nn::SequentialImpl, std::decay_t<decltype(*std::declval<T&>())>> {};
+
 template <typename T>
 using is_tensor = std::is_same<std::decay_t<T>, at::Tensor>;
 
 template <typename T>
 void push_if_tensor(std::vector<at::Tensor>& out, const T& arg) {
-  if constexpr (is_tensor<T>::value) out.push_back(arg);
+  if constexpr (is_tensor<T>::value) {
+    out.push_back(arg);
+  } else if constexpr (is_any_value<T>::value) {
+    push_any_value_tensors(out, arg);
+  }
 }
 
 // Collects the at::Tensor arguments, in order.
@@ -51,6 +81,15 @@ struct ArgSubstituter {
   decltype(auto) operator()(T&& arg) {
     if constexpr (is_tensor<T>::value) {
       return at::Tensor(replacements[next++]);
+    } else if constexpr (is_any_value<T>::value) {
+      // Never AnyValue(std::forward<T>(arg)) for an lvalue: its converting constructor would
+      // wrap the AnyValue in another one.
+      if constexpr (std::is_rvalue_reference<T&&>::value) {
+        return substitute_any_value(std::move(arg), replacements, next);
+      } else {
+        return substitute_any_value(torch::nn::AnyValue(static_cast<const torch::nn::AnyValue&>(arg)), replacements,
+                                    next);
+      }
     } else {
       return std::forward<T>(arg);
     }
