@@ -88,7 +88,7 @@ at::Tensor net_forward(torch::nn::Module& m, const at::Tensor& x) { return fsdp:
 }  // namespace
 
 TEST(ResetIterState, AfterAnExceptionInForwardTrainingGoesOn) {
-  for (int world : {1, 2}) {
+  for (int world : {1, 2, 3, 4}) {
     run_distributed(world, [] {
       Net reference = make_net();
       Net model = make_net();
@@ -226,41 +226,43 @@ at::Tensor two_stages_forward(torch::nn::Module& m, const at::Tensor& x) {
 }  // namespace
 
 TEST(ShareCommCtx, TwoRootsTrainTogetherOnOneContext) {
-  run_distributed(2, [] {
-    TwoStages reference = make_two_stages();
-    TwoStages model = make_two_stages();
-    fsdp::FSDPModule first = shard_stage(model->first);
-    fsdp::FSDPModule second = shard_stage(model->second);
-    fsdp::share_comm_ctx({});  // nothing to share
-    fsdp::share_comm_ctx({first, second});  // before the first forward: adopted at lazy init
-    // The first stage's first layer keeps its reduction pending until the end of the last
-    // backward (a group with an all-reduce hook writes its gradients there).
-    fsdp::get_fsdp_module(*model->first->a).set_all_reduce_hook([](at::Tensor&) {});
-    ParityOptions o;
-    o.steps = 4;
-    // Two micro-batches per step, the first not the last backward.
-    o.fsdp_loss = [&](torch::nn::Module& m, const at::Tensor& local) {
-      at::Tensor x1 = local.slice(0, 0, 1), x2 = local.slice(0, 1, 2);
-      first.set_is_last_backward(false);
-      second.set_is_last_backward(false);
-      at::Tensor l1 = 0.5 * parity_loss(two_stages_forward(m, x1), x1);
-      l1.backward();
-      // One queue of reductions: both roots see the same pending ones.
-      EXPECT_GE(first.reductions_in_flight(), 1);
-      EXPECT_EQ(first.reductions_in_flight(), second.reductions_in_flight());
-      first.set_is_last_backward(true);
-      second.set_is_last_backward(true);
-      at::Tensor l2 = 0.5 * parity_loss(two_stages_forward(m, x2), x2);
-      return l2 + l1.detach();  // the step's loss; backward runs through l2
-    };
-    expect_training_parity(reference.ptr(), model.ptr(), two_stages_forward, "shared comm context", o);
-    EXPECT_EQ(first.reductions_in_flight(), 0);
-    EXPECT_EQ(second.reductions_in_flight(), 0);
-    // After lazy initialisation: a root again is fine, a non-root is refused at once.
-    fsdp::share_comm_ctx({second, first});
-    expect_error([&] { fsdp::share_comm_ctx({first, fsdp::get_fsdp_module(*model->second->a)}); },
-                 "FSDP module 'a' is not a root");
-  });
+  for (int world : {2, 3}) {
+    run_distributed(world, [] {
+      TwoStages reference = make_two_stages();
+      TwoStages model = make_two_stages();
+      fsdp::FSDPModule first = shard_stage(model->first);
+      fsdp::FSDPModule second = shard_stage(model->second);
+      fsdp::share_comm_ctx({});  // nothing to share
+      fsdp::share_comm_ctx({first, second});  // before the first forward: adopted at lazy init
+      // The first stage's first layer keeps its reduction pending until the end of the last
+      // backward (a group with an all-reduce hook writes its gradients there).
+      fsdp::get_fsdp_module(*model->first->a).set_all_reduce_hook([](at::Tensor&) {});
+      ParityOptions o;
+      o.steps = 4;
+      // Two micro-batches per step, the first not the last backward.
+      o.fsdp_loss = [&](torch::nn::Module& m, const at::Tensor& local) {
+        at::Tensor x1 = local.slice(0, 0, 1), x2 = local.slice(0, 1, 2);
+        first.set_is_last_backward(false);
+        second.set_is_last_backward(false);
+        at::Tensor l1 = 0.5 * parity_loss(two_stages_forward(m, x1), x1);
+        l1.backward();
+        // One queue of reductions: both roots see the same pending ones.
+        EXPECT_GE(first.reductions_in_flight(), 1);
+        EXPECT_EQ(first.reductions_in_flight(), second.reductions_in_flight());
+        first.set_is_last_backward(true);
+        second.set_is_last_backward(true);
+        at::Tensor l2 = 0.5 * parity_loss(two_stages_forward(m, x2), x2);
+        return l2 + l1.detach();  // the step's loss; backward runs through l2
+      };
+      expect_training_parity(reference.ptr(), model.ptr(), two_stages_forward, "shared comm context", o);
+      EXPECT_EQ(first.reductions_in_flight(), 0);
+      EXPECT_EQ(second.reductions_in_flight(), 0);
+      // After lazy initialisation: a root again is fine, a non-root is refused at once.
+      fsdp::share_comm_ctx({second, first});
+      expect_error([&] { fsdp::share_comm_ctx({first, fsdp::get_fsdp_module(*model->second->a)}); },
+                   "FSDP module 'a' is not a root");
+    });
+  }
 }
 
 TEST(ShareCommCtx, ANonRootGivenBeforeTheFirstForwardIsRefusedThere) {
@@ -308,27 +310,31 @@ struct CountingReduceScatter : fsdp::ReduceScatter {
 }  // namespace
 
 TEST(CustomComm, CountingAllGatherAndReduceScatterOnOneModule) {
-  run_distributed(2, [] {
-    Net reference = make_net();
-    Net model = make_net();
-    shard_net(model);
-    auto all_gather = std::make_shared<CountingAllGather>();
-    auto reduce_scatter = std::make_shared<CountingReduceScatter>();
-    fsdp::FSDPModule mid = fsdp::get_fsdp_module(*model->mid);
-    mid.set_custom_all_gather(all_gather);
-    mid.set_custom_reduce_scatter(reduce_scatter);
-    ParityOptions o;
-    o.steps = 3;
-    expect_training_parity(reference.ptr(), model.ptr(), net_forward, "custom comm", o);
-    // mid (Linear(7, 7) over 2 ranks: 4 rows of 7 and 4 of the bias per shard, 32 floats) is
-    // gathered once in forward and once in backward, and reduce-scattered once, per step.
-    EXPECT_EQ(all_gather->calls, 2 * o.steps);
-    EXPECT_EQ(all_gather->input_bytes, 2 * o.steps * 32 * 4);
-    EXPECT_EQ(all_gather->allocations, 2 * all_gather->calls);  // the input and the output
-    EXPECT_EQ(reduce_scatter->calls, o.steps);
-    EXPECT_EQ(reduce_scatter->output_bytes, o.steps * 32 * 4);
-    EXPECT_EQ(reduce_scatter->allocations, 2 * reduce_scatter->calls);
-  });
+  for (int world : {2, 3}) {
+    run_distributed(world, [] {
+      Net reference = make_net();
+      Net model = make_net();
+      shard_net(model);
+      auto all_gather = std::make_shared<CountingAllGather>();
+      auto reduce_scatter = std::make_shared<CountingReduceScatter>();
+      fsdp::FSDPModule mid = fsdp::get_fsdp_module(*model->mid);
+      mid.set_custom_all_gather(all_gather);
+      mid.set_custom_reduce_scatter(reduce_scatter);
+      ParityOptions o;
+      o.steps = 3;
+      expect_training_parity(reference.ptr(), model.ptr(), net_forward, "custom comm", o);
+      // mid (Linear(7, 7): ceil(7 / W) rows of 7 and as many bias entries per padded shard) is
+      // gathered once in forward and once in backward, and reduce-scattered once, per step.
+      const int64_t W = fsdp::world()->size();
+      const int64_t shard_bytes = (7 + W - 1) / W * 8 * 4;
+      EXPECT_EQ(all_gather->calls, 2 * o.steps);
+      EXPECT_EQ(all_gather->input_bytes, 2 * o.steps * shard_bytes);
+      EXPECT_EQ(all_gather->allocations, 2 * all_gather->calls);  // the input and the output
+      EXPECT_EQ(reduce_scatter->calls, o.steps);
+      EXPECT_EQ(reduce_scatter->output_bytes, o.steps * shard_bytes);
+      EXPECT_EQ(reduce_scatter->allocations, 2 * reduce_scatter->calls);
+    });
+  }
 }
 
 TEST(CustomComm, AllocationFromTheProcessGroupIsNotSupportedByThisBackend) {

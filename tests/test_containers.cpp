@@ -52,26 +52,28 @@ void shard_sequential(const torch::nn::Sequential& seq) {
 }  // namespace
 
 TEST(Containers, SequentialOfShardedChildrenMatchesSingleProcess) {
-  run_distributed(2, [] {
-    torch::nn::Sequential reference = make_sequential();
-    torch::nn::Sequential model = make_sequential();
-    shard_sequential(model);
-    auto forward = [](torch::nn::Module& m, const at::Tensor& x) {
-      auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(m.shared_from_this());
-      return fsdp::call(seq, x);  // the shared_ptr form; the holder form is below
-    };
-    expect_training_parity(reference.ptr(), model.ptr(), forward, "sequential");
-    // The holder form, and ReturnType as in Sequential::forward<ReturnType>.
-    at::Tensor x = at::ones({2, 5});
-    EXPECT_TRUE(fsdp::call(model, x).equal(fsdp::call<at::Tensor>(model, x)));
-    EXPECT_TRUE(fsdp::call(model, x).allclose(reference->forward(x), 1e-5, 1e-6));
-    try {
-      fsdp::call<std::vector<at::Tensor>>(model, x);
-      ADD_FAILURE() << "expected the return type to be refused";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("but you asked for type"), std::string::npos) << e.what();
-    }
-  });
+  for (int world : {1, 2, 3, 4}) {
+    run_distributed(world, [] {
+      torch::nn::Sequential reference = make_sequential();
+      torch::nn::Sequential model = make_sequential();
+      shard_sequential(model);
+      auto forward = [](torch::nn::Module& m, const at::Tensor& x) {
+        auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(m.shared_from_this());
+        return fsdp::call(seq, x);  // the shared_ptr form; the holder form is below
+      };
+      expect_training_parity(reference.ptr(), model.ptr(), forward, "sequential");
+      // The holder form, and ReturnType as in Sequential::forward<ReturnType>.
+      at::Tensor x = at::ones({2, 5});
+      EXPECT_TRUE(fsdp::call(model, x).equal(fsdp::call<at::Tensor>(model, x)));
+      EXPECT_TRUE(fsdp::call(model, x).allclose(reference->forward(x), 1e-5, 1e-6));
+      try {
+        fsdp::call<std::vector<at::Tensor>>(model, x);
+        ADD_FAILURE() << "expected the return type to be refused";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("but you asked for type"), std::string::npos) << e.what();
+      }
+    });
+  }
 }
 
 TEST(Containers, SequentialWithoutFsdpCallsItsChildrenAsForwardDoes) {
@@ -116,17 +118,19 @@ ListNet make_list_net() {
 }  // namespace
 
 TEST(Containers, ModuleListAndModuleDictElementsMatchSingleProcess) {
-  run_distributed(2, [] {
-    ListNet reference = make_list_net();
-    ListNet model = make_list_net();
-    for (const auto& block : model->blocks->children()) fsdp::fully_shard(block);
-    fsdp::fully_shard(model->heads["main"]);
-    fsdp::fully_shard(model);
-    auto forward = [](torch::nn::Module& m, const at::Tensor& x) {
-      return fsdp::call(dynamic_cast<ListNetImpl*>(&m), x);
-    };
-    expect_training_parity(reference.ptr(), model.ptr(), forward, "module list");
-  });
+  for (int world : {1, 2, 3}) {
+    run_distributed(world, [] {
+      ListNet reference = make_list_net();
+      ListNet model = make_list_net();
+      for (const auto& block : model->blocks->children()) fsdp::fully_shard(block);
+      fsdp::fully_shard(model->heads["main"]);
+      fsdp::fully_shard(model);
+      auto forward = [](torch::nn::Module& m, const at::Tensor& x) {
+        return fsdp::call(dynamic_cast<ListNetImpl*>(&m), x);
+      };
+      expect_training_parity(reference.ptr(), model.ptr(), forward, "module list");
+    });
+  }
 }
 
 TEST(Containers, FullyShardRefusesModuleListAndModuleDict) {
@@ -183,16 +187,18 @@ Classifier make_classifier() {
 }  // namespace
 
 TEST(Containers, ParentCallsAChildsMethodThroughCallMethod) {
-  run_distributed(2, [] {
-    Classifier reference = make_classifier();
-    Classifier model = make_classifier();
-    fsdp::fully_shard(model->encoder);
-    fsdp::fully_shard(model);
-    auto forward = [](torch::nn::Module& m, const at::Tensor& x) {
-      return fsdp::call(dynamic_cast<ClassifierImpl*>(&m), x);
-    };
-    expect_training_parity(reference.ptr(), model.ptr(), forward, "call_method");
-    // Resharded after its backward, as a non-root FSDP module called through its hooks is.
-    EXPECT_EQ(fsdp::get_fsdp_module(*model->encoder).unsharded_parameter_bytes(), 0);
-  });
+  for (int world : {1, 2, 3}) {
+    run_distributed(world, [] {
+      Classifier reference = make_classifier();
+      Classifier model = make_classifier();
+      fsdp::fully_shard(model->encoder);
+      fsdp::fully_shard(model);
+      auto forward = [](torch::nn::Module& m, const at::Tensor& x) {
+        return fsdp::call(dynamic_cast<ClassifierImpl*>(&m), x);
+      };
+      expect_training_parity(reference.ptr(), model.ptr(), forward, "call_method");
+      // Resharded after its backward, as a non-root FSDP module called through its hooks is.
+      EXPECT_EQ(fsdp::get_fsdp_module(*model->encoder).unsharded_parameter_bytes(), 0);
+    });
+  }
 }
