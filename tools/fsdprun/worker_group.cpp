@@ -165,12 +165,13 @@ bool WorkerGroup::running() const {
 
 // Signals the process group of every worker, reaped or not: a worker's own children
 // (in its group) are stopped too. A pgid is not reused while any member is alive, so
-// this cannot hit unrelated processes. The pid itself is signalled too, in case the
-// worker moved to another process group.
+// this cannot hit unrelated processes. The group reaches the worker itself once; its pid
+// is signalled as well only if it moved to another process group, because a second
+// SIGTERM delivered after the worker handled the first means "stop at once" to the trainer.
 void WorkerGroup::signal_all(int signo) {
   for (auto& w : workers_) {
     kill(-w->pid, signo);
-    if (!w->reaped) kill(w->pid, signo);
+    if (!w->reaped && getpgid(w->pid) != w->pid) kill(w->pid, signo);
   }
 }
 
