@@ -178,11 +178,10 @@ void FSDPParamGroup::check_shards_intact() const {
   std::string moved, replaced;
   for (const auto& p : params_) {
     const at::Tensor& shard = p->sharded();
-    const std::string name = "'" + p->fqn() + "'";
     if (shard.device() != devices_.shard) {
-      moved += (moved.empty() ? "" : ", ") + name + " on " + shard.device().str();
+      moved += (moved.empty() ? "'" : ", '") + p->fqn() + "' on " + shard.device().str();
     } else if (shard.scalar_type() != dtypes_.orig || !shard.storage().is_alias_of(flat_shard_.storage())) {
-      replaced += (replaced.empty() ? "" : ", ") + name + " (" + c10::toString(shard.scalar_type()) + ")";
+      replaced += (replaced.empty() ? "'" : ", '") + p->fqn() + "' (" + c10::toString(shard.scalar_type()) + ")";
     }
   }
   const char* load_in_place = ". Load state dicts into the sharded parameters in place (fsdp::load_sharded_state_dict) "
@@ -272,7 +271,6 @@ void FSDPParamGroup::drop_unused_forward_prefetch() {
 // ------------------------------------------------------------------------------ hook steps
 
 void FSDPParamGroup::pre_forward() {
-  check_shards_intact();  // also where nothing is gathered (one rank)
   // Freezing or unfreezing the shards between iterations takes effect in this forward's graph.
   for (auto& p : params_) p->copy_requires_grad_from_shard();
   training_state_ = TrainingState::kForward;
