@@ -18,6 +18,8 @@ using nlohmann::json;
 
 // Up to this many ranks the diagnosis has a line for each; above, only for those it names.
 constexpr int kEveryRankUpTo = 8;
+// A dump's reason (an error message) is cut to this many characters in the diagnosis.
+constexpr size_t kReasonChars = 100;
 
 std::string ranks_text(const std::vector<int>& ranks) {
   std::ostringstream s;
@@ -277,8 +279,10 @@ std::string diagnose(const std::vector<FlightDump>& dumps, const std::map<int, R
     if (d != by_rank.end()) {
       const std::string ctx = where(d->second->last_phase, d->second->last_module);
       text += " last seen: " + (ctx.empty() ? std::string("before any FSDP hook") : ctx);
-      const std::string& why = d->second->reason;
-      text += "; it dumped on " + (why.rfind("collective failed", 0) == 0 ? std::string("its own collective's failure") : why);
+      std::string why = d->second->reason;
+      if (why.rfind("collective failed", 0) == 0) why = "its own collective's failure";
+      if (why.size() > kReasonChars) why = why.substr(0, kReasonChars) + "...";  // the worker printed it whole
+      text += "; it dumped on " + why;
     }
     const std::string st = status_text(r, status);
     if (!st.empty()) text += (text.back() == ':' ? " " : "; ") + st;
