@@ -7,7 +7,8 @@
 // (completed or failed). The last `capacity` collectives are kept in a preallocated ring; older
 // ones are overwritten. Each record costs one short lock and no allocation.
 //
-// Dumps (one JSON file per rank, `<dir>/rank_<R>.json`, rewritten by each dump) are written
+// Dumps (one JSON file per rank, `<dir>/rank_<R>.json`, rewritten by each dump until one for a
+// signal that ends the process was written: that one is kept) are written
 //  - when a collective fails (a timeout, a peer that went away),
 //  - on SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT and SIGTERM (then the signal takes its course:
 //    the previous handler runs, or the default action),

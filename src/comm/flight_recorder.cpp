@@ -109,6 +109,10 @@ struct FlightRecorder::Impl {
   std::string dir;
   int rank = -1;
   bool enabled = false;
+  // Set by the dump of a signal that ends the process (SIGTERM, a fault): later dumps (the
+  // errors of a process running down, e.g. a collective that fails once its peers are gone) do
+  // not replace the picture of where it was when it was told to end.
+  std::string final_dump;
 
   Slot* slot_of(int64_t id) {
     Slot& s = ring[static_cast<size_t>(id % static_cast<int64_t>(ring.size()))];
@@ -340,6 +344,7 @@ std::string FlightRecorder::dump(const std::string& reason) noexcept {
   try {
     std::lock_guard<std::mutex> lock(impl_->dump_mu);
     if (!impl_->enabled) return "";
+    if (!impl_->final_dump.empty()) return impl_->final_dump;
     const std::string text = to_json(reason);
     const std::string path = impl_->dir + "/rank_" + std::to_string(impl_->rank) + ".json";
     const std::string tmp = path + ".tmp" + std::to_string(getpid());
@@ -350,6 +355,7 @@ std::string FlightRecorder::dump(const std::string& reason) noexcept {
       if (!out) return "";
     }
     if (std::rename(tmp.c_str(), path.c_str()) != 0) return "";
+    if (reason.rfind("signal ", 0) == 0 && reason != "signal SIGUSR1") impl_->final_dump = path;
     return path;
   } catch (...) {
     return "";
