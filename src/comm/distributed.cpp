@@ -2,6 +2,8 @@
 // The process-wide state lives in one Runtime object behind a mutex.
 #include <fsdp/distributed.h>
 
+#include <fsdp/flight_recorder.h>
+
 #include "src/comm/gloo_backend.h"
 #include "src/comm/progress_board.h"
 
@@ -230,6 +232,8 @@ void init_process_group(const RendezvousInfo& info, InitOptions options) {
   std::vector<int> all(info.world_size);
   for (int i = 0; i < info.world_size; ++i) all[i] = i;
   rt->world = make_group(*rt, all, "world");
+  // A launcher asks for flight-recorder dumps (fsdp/flight_recorder.h) by naming a directory.
+  if (const char* dir = env("FSDP_FLIGHT_RECORDER_DIR")) FlightRecorder::global().enable_dumps(dir, info.rank);
   g_runtime = std::move(rt);
 }
 

@@ -5,6 +5,7 @@
 #include "src/comm/progress_board.h"
 #include "src/util/tensor_bytes.h"
 
+#include <fsdp/flight_recorder.h>
 #include <fsdp/placement.h>
 #include <fsdp/trace.h>
 
@@ -252,6 +253,7 @@ void GlooProcessGroup::run_loop() {
           broken_ + ")"));
     } else {
       const auto start = std::chrono::steady_clock::now();
+      FlightRecorder::global().started(name(), seq);
       try {
         execute(task.op, seq);
       } catch (const std::exception&) {  // execute() throws CollectiveErrors only

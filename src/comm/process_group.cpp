@@ -1,6 +1,9 @@
 // The backend-independent half of fsdp::ProcessGroup: argument checks, sequence numbers,
-// counters, and the Work handle. Implementations (gloo_backend.cpp) only run operations.
+// counters, the Work handle, and the flight recorder's "enqueued" and "finished" records, so
+// that every implementation is recorded. Implementations (gloo_backend.cpp) only run operations.
 #include <fsdp/process_group.h>
+
+#include <fsdp/flight_recorder.h>
 
 #include <c10/util/Exception.h>
 
@@ -39,6 +42,7 @@ namespace detail {
 struct StatsCell {
   std::mutex mu;
   CollectiveStats stats;
+  std::string group;  // the group's name, for the flight recorder's "finished" record
 };
 }  // namespace detail
 
@@ -86,7 +90,10 @@ ProcessGroup::ProcessGroup(int rank, std::vector<int> global_ranks, std::string 
       global_ranks_(std::move(global_ranks)),
       name_(std::move(name)),
       timeout_(timeout),
-      stats_(std::make_shared<detail::StatsCell>()) {}
+      stats_(std::make_shared<detail::StatsCell>()) {
+  stats_->group = name_;
+  FlightRecorder::global().register_group(name_, global_ranks_);
+}
 
 namespace {
 
@@ -234,11 +241,41 @@ WorkHandle ProcessGroup::make_work(CollectiveKind kind, std::vector<at::Tensor> 
     stats_->stats[kind].calls += 1;
     seq = next_seq_++;
   }
+  // The flight record names the op's largest tensor (all-gather output, reduce-scatter input).
+  int64_t bytes = 0;
+  const char* dtype = "";
+  for (const auto& t : keep_alive) {
+    if (!t.defined() || static_cast<int64_t>(t.nbytes()) < bytes) continue;
+    bytes = static_cast<int64_t>(t.nbytes());
+    dtype = c10::toString(t.scalar_type());
+  }
+  FlightRecorder::global().enqueued(name_, to_string(kind), seq, bytes, dtype);
   WorkHandle work(new Work(kind, seq, stats_));  // Work's constructor is private: no make_shared
   work->tensors_ = std::move(keep_alive);
   return work;
 }
 
-void ProcessGroup::finish_work(Work& work, std::exception_ptr error) { work.finish(std::move(error)); }
+namespace {
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+}  // namespace
+
+void ProcessGroup::finish_work(Work& work, std::exception_ptr error) {
+  if (work.stats_) {
+    FlightRecorder& recorder = FlightRecorder::global();
+    recorder.finished(work.stats_->group, work.seq(), error == nullptr);
+    if (error) recorder.note_failure(message_of(error));  // dumps, when dumps are enabled
+  }
+  work.finish(std::move(error));
+}
 
 }  // namespace fsdp

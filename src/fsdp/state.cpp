@@ -6,6 +6,8 @@
 
 #include "src/fsdp/policies.h"
 
+#include <fsdp/flight_recorder.h>
+
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -23,6 +25,12 @@
 namespace fsdp {
 namespace detail {
 namespace {
+
+// The flight recorder's name for a state's module: its FQN, "(root)" for the root's "".
+const std::string& flight_label(const std::string& fqn) {
+  static const std::string kRoot = "(root)";
+  return fqn.empty() ? kRoot : fqn;
+}
 
 // ------------------------------------------------------------------------------ registry
 
@@ -340,6 +348,8 @@ std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, 
   lazy_init();
   if (!ctx_->iter_forward_root) ctx_->iter_forward_root = this;
   training_state_ = TrainingState::kForward;
+  // What the flight recorder writes with this rank's next collectives, and as "last seen in".
+  FlightRecorder::global().set_context("forward", flight_label(fqn_));
   if (!group_ || !modules_to_run_forward_.empty()) return inputs;  // the round already started
   for (const auto& m : modules_) {
     if (auto locked = m.lock()) modules_to_run_forward_.insert(locked.get());
@@ -490,6 +500,7 @@ void FSDPState::pre_backward() {
     RecomputationScope::queue_end_of_backward_callback([weak_root] { final_callback(weak_root); });
   }
   training_state_ = TrainingState::kPreBackward;
+  FlightRecorder::global().set_context("backward", flight_label(fqn_));
   if (!group_ || group_->training_state() == TrainingState::kPreBackward) return;
   group_->pre_backward();
   prefetch_in_backward();
@@ -511,6 +522,7 @@ void FSDPState::prefetch_in_backward() {
 
 void FSDPState::post_backward() {
   if (!group_) return;
+  FlightRecorder::global().set_context("post-backward", flight_label(fqn_));
   if (ctx_ && group_->reduces_unused_params()) reduce_groups_due_before(group_.get());
   group_->post_backward();
   if (ctx_) ctx_->comm->finish_reductions(/*wait_all=*/false);
@@ -543,6 +555,7 @@ void FSDPState::final_callback(std::weak_ptr<FSDPState> weak_root) {
   auto root = weak_root.lock();
   if (!root || !root->ctx_) return;
   StateContext& ctx = *root->ctx_;
+  FlightRecorder::global().set_context("end of backward", flight_label(root->fqn_));
   post_backward_of_unreached_groups(ctx);
   for (FSDPState* st : ctx.all_states) st->training_state_ = TrainingState::kIdle;
   if (ctx.is_last_backward) finalize_backward(ctx);
@@ -550,6 +563,7 @@ void FSDPState::final_callback(std::weak_ptr<FSDPState> weak_root) {
     if (st->group_) st->group_->end_backward();
   }
   ctx.final_callback_queued = false;
+  FlightRecorder::global().set_context("after backward", flight_label(root->fqn_));
 }
 
 // Groups whose post-backward could not fire (inputs that need no grad, e.g. token ids and the

@@ -12,6 +12,7 @@
 #include "trainer.h"
 
 #include <fsdp/distributed.h>
+#include <fsdp/flight_recorder.h>
 
 #include <cstring>
 #include <iostream>
@@ -94,6 +95,9 @@ int main(int argc, char** argv) {
     return kExitConfig;
   } catch (const std::exception& e) {
     std::cerr << "fsdp-train: " << rank_prefix() << "error: " << error_text(e) << "\n";
+    // What this rank's collectives were when it failed, for fsdprun's diagnosis (no-op unless
+    // the launcher set FSDP_FLIGHT_RECORDER_DIR).
+    fsdp::FlightRecorder::global().dump("error: " + error_text(e));
     return kExitError;
   }
 }

@@ -1,5 +1,6 @@
 #include "agent.h"
 
+#include "flight_dumps.h"
 #include "output.h"
 #include "run_limits.h"
 #include "signals.h"
@@ -8,9 +9,11 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <filesystem>
 #include <optional>
 #include <poll.h>
 #include <sstream>
+#include <unistd.h>
 
 namespace fsdprun {
 namespace {
@@ -44,10 +47,18 @@ void say(const std::string& message) {
 int Agent::run() {
   try {
     raise_open_file_limit(opt_);
+    flight_dir_ = flight_recorder_base_dir(opt_, getpid());
     store_ = std::make_unique<AgentStore>(opt_, [this] { return !stop_requested(); });
     if (several_nodes()) store_->register_agent();
     for (int k = 0;; ++k) {
-      if (auto exit_code = conclude(k, attempt(k))) return *exit_code;
+      if (auto exit_code = conclude(k, attempt(k))) {
+        // A default folder in $TMPDIR is for diagnosing failures only.
+        if (*exit_code == 0 && opt_.flight_recorder_dir.empty() && opt_.log_dir.empty()) {
+          std::error_code ignored;
+          std::filesystem::remove_all(flight_dir_, ignored);
+        }
+        return *exit_code;
+      }
     }
   } catch (const Interrupted&) {
     return 128 + stop_signal_;
@@ -139,6 +150,7 @@ Agent::Outcome Agent::run_workers(int k) {
     if (auto decided = supervise(group, peers ? &*peers : nullptr, k)) outcome = *decided;
   }
   group.finish_output();
+  if (outcome == Outcome::Failed || outcome == Outcome::Fatal) report_flight_recorder(group, k);
   return outcome;
 }
 
@@ -149,11 +161,14 @@ std::optional<Agent::Outcome> Agent::supervise(WorkerGroup& group, PeerWatch* pe
   group.pump(timeout_ms, {SignalPipe::fd(), peers != nullptr ? peers->fd() : -1});
   std::optional<Outcome> decided;
   if (handle_signals(group)) decided = Outcome::Interrupted;
+  if (dump_requested_) serve_dump_request(group, k);
   const auto failures = group.reap();
   if (!failures.empty()) {
     decided = Outcome::Failed;
     report_failures(failures, k);
+    note_stopped_workers(group);
     group.stop(SIGTERM, opt_.stop_grace_s);
+    continue_stopped_workers(group);
     if (peers != nullptr)
       peers->report_failure("node " + std::to_string(opt_.node_rank) + ": " + failures.front().describe());
   }
@@ -171,7 +186,9 @@ std::optional<Agent::Outcome> Agent::hear_peers(WorkerGroup& group, PeerWatch& p
   if (news->store_lost) throw std::runtime_error(news->why);
   if (group.stopping()) return std::nullopt;
   say("stopping the workers: the worker group failed on another node (" + news->why + ")");
+  note_stopped_workers(group);
   group.stop(SIGTERM, opt_.stop_grace_s);
+  continue_stopped_workers(group);
   return Outcome::Failed;
 }
 
@@ -206,8 +223,12 @@ GroupSpec Agent::group_spec(int k) const {
   spec.console = opt_.log_dir.empty() || opt_.tee;
   spec.prefix = !opt_.no_prefix;
   for (int local = 0; local < opt_.nproc_per_node; ++local) {
-    spec.workers.push_back({opt_.node_rank * opt_.nproc_per_node + local, local,
-                            worker_environment(opt_, local, k, store_->port())});
+    std::vector<std::string> env = worker_environment(opt_, local, k, store_->port());
+    env.erase(std::remove_if(env.begin(), env.end(),
+                             [](const std::string& e) { return e.rfind("FSDP_FLIGHT_RECORDER_DIR=", 0) == 0; }),
+              env.end());
+    env.push_back("FSDP_FLIGHT_RECORDER_DIR=" + flight_recorder_attempt_dir(flight_dir_, k));
+    spec.workers.push_back({opt_.node_rank * opt_.nproc_per_node + local, local, std::move(env)});
   }
   return spec;
 }
@@ -280,6 +301,7 @@ void Agent::leave_store(bool wait_for_others) {
 
 bool Agent::stop_requested() {
   for (int signo : SignalPipe::take()) {
+    if (signo == SIGUSR1) dump_requested_ = true;
     if (!is_stop_signal(signo)) continue;  // SIGCHLD: reaping is done by the loops
     if (stop_signal_ == 0) stop_signal_ = signo;
     ++stop_signals_;
@@ -290,6 +312,56 @@ bool Agent::stop_requested() {
 void Agent::nap(int ms) const {
   pollfd p{SignalPipe::fd(), POLLIN, 0};
   poll(&p, 1, ms);
+}
+
+// ------------------------------------------------------------------ flight recorder
+
+void Agent::note_stopped_workers(WorkerGroup& group) {
+  for (const auto& [rank, pid] : group.unreaped()) {
+    if (!process_stopped(pid)) continue;
+    flight_status_[rank].stopped = true;
+    say("rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
+        ") is stopped (SIGSTOP or a debugger), not dead: it is continued after the stop signal so that it "
+        "can write its flight-recorder dump");
+  }
+}
+
+// The stop signal stays pending in a stopped process; SIGCONT lets it run its handler (the
+// dump) and end. SIGKILL follows after the grace period as for any worker.
+void Agent::continue_stopped_workers(WorkerGroup& group) {
+  for (const auto& [rank, pid] : group.unreaped()) {
+    if (flight_status_.count(rank) && flight_status_[rank].stopped) kill(-pid, SIGCONT);
+  }
+}
+
+void Agent::report_flight_recorder(const WorkerGroup& group, int k) {
+  for (const auto& [rank, how] : group.exits()) flight_status_[rank].exit = how;
+  std::istringstream lines(diagnose_dir(flight_recorder_attempt_dir(flight_dir_, k), flight_status_, opt_.world_size()));
+  for (std::string line; std::getline(lines, line);) say(line);
+  flight_status_.clear();
+}
+
+// SIGUSR1: every worker dumps and goes on; the diagnosis is a snapshot of a running job.
+void Agent::serve_dump_request(WorkerGroup& group, int k) {
+  dump_requested_ = false;
+  const int64_t asked = wall_us();
+  // Only to workers that handle it: SIGUSR1's default action would end a program that does
+  // not use fsdp's flight recorder (or has not initialised it yet).
+  int asked_ranks = 0;
+  for (const auto& [rank, pid] : group.unreaped()) {
+    if (!catches_signal(pid, SIGUSR1)) {
+      say("SIGUSR1: rank " + std::to_string(rank) + " does not handle SIGUSR1 (no flight recorder yet): not asked");
+      continue;
+    }
+    kill(pid, SIGUSR1);
+    ++asked_ranks;
+  }
+  const std::string dir = flight_recorder_attempt_dir(flight_dir_, k);
+  const bool all = wait_for_dumps(dir, asked_ranks, asked, 3000);
+  say("SIGUSR1: flight-recorder snapshot of the running job (it goes on):");
+  std::istringstream lines(diagnose_dir(dir, {}, opt_.world_size()));
+  for (std::string line; std::getline(lines, line);) say(line);
+  if (!all) say("flight recorder: not every worker wrote a dump within 3 s");
 }
 
 }  // namespace fsdprun

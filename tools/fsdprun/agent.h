@@ -3,10 +3,12 @@
 #pragma once
 
 #include "agent_store.h"
+#include "flight_diagnosis.h"
 #include "options.h"
 #include "peer_watch.h"
 #include "worker_group.h"
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -54,6 +56,17 @@ class Agent {
   bool stop_requested();
   // Sleeps up to ms, waking early on a signal.
   void nap(int ms) const;
+  // The flight recorder: before the workers are stopped after a failure, notes which are
+  // stopped (SIGSTOP) and continues them after the stop signal so that they can dump; once the
+  // group is gone, prints the diagnosis of the dumps. SIGUSR1 asks the workers for dumps.
+  void note_stopped_workers(WorkerGroup& group);
+  void continue_stopped_workers(WorkerGroup& group);
+  void report_flight_recorder(const WorkerGroup& group, int k);
+  void serve_dump_request(WorkerGroup& group, int k);
+
+  std::string flight_dir_;     // base folder of the dumps (flight_recorder_base_dir)
+  std::map<int, RankStatus> flight_status_;
+  bool dump_requested_ = false;  // SIGUSR1 arrived
 
   Options opt_;
   std::unique_ptr<AgentStore> store_;

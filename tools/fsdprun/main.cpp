@@ -1,5 +1,6 @@
 // fsdprun: the C++ counterpart of torchrun. See README.md in this directory.
 #include "agent.h"
+#include "flight_dumps.h"
 #include "options.h"
 #include "output.h"
 #include "signals.h"
@@ -48,6 +49,7 @@ std::optional<int> prepare(const fsdprun::ParseResult& parsed) {
 
 int main(int argc, char** argv) {
   fsdprun::ParseResult parsed = fsdprun::parse_options(argc, argv);
+  if (parsed.ok && parsed.options.dump_pid != 0) leave(fsdprun::request_dumps(parsed.options.dump_pid));
   if (auto exit_code = prepare(parsed)) leave(*exit_code);
   // The agent is never destroyed: leave() exits from inside its scope. Destroying the
   // store it hosts would join the store's server thread, which may be waiting in the

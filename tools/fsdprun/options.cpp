@@ -24,7 +24,10 @@ TORCHELASTIC_USE_AGENT_STORE=True (the fsdprun of node 0 hosts a TCPStore on MAS
 Console lines of workers are prefixed with "[rankN]:" (N = global rank). With --log-dir,
 output goes to DIR/attempt_K/rank_N/{stdout,stderr}.log (and to the console with --tee).
 Exit status: 0 when all workers succeed, 1 when the group failed (after all restarts),
-2 for a usage error, 128+SIG when fsdprun was stopped by signal SIG.)";
+2 for a usage error, 128+SIG when fsdprun was stopped by signal SIG.
+Each worker gets FSDP_FLIGHT_RECORDER_DIR: when the group fails, fsdprun reads the ranks'
+flight-recorder dumps there and prints which rank is stuck in which collective. SIGUSR1 to
+fsdprun (or fsdprun --dump PID) asks every worker for a dump without stopping the job.)";
 
 // CLI11 would print "Usage: fsdprun [OPTIONS]", hiding the program part.
 class UsageFormatter : public CLI::Formatter {
@@ -65,6 +68,12 @@ void add_options(CLI::App& app, Options& o) {
       ->capture_default_str();
   app.add_option("--run-id,--run_id", o.run_id, "TORCHELASTIC_RUN_ID for the workers")
       ->capture_default_str();
+  app.add_option("--flight-recorder-dir,--flight_recorder_dir", o.flight_recorder_dir,
+                 "Where workers write flight-recorder dumps, DIR/attempt_K/rank_N.json (default: "
+                 "LOG_DIR/flight_recorder with --log-dir, else $TMPDIR/fsdprun-flight-PID)");
+  app.add_option("--dump", o.dump_pid,
+                 "Ask the running fsdprun PID (on this machine) for flight-recorder dumps of its "
+                 "workers without stopping them, and print its diagnosis");
 }
 
 void require(bool ok, const std::string& message) {
@@ -102,6 +111,11 @@ void validate(const Options& o) {
   require(o.monitor_interval_s > 0, got("--monitor-interval must be positive", o.monitor_interval_s));
   require(o.stop_grace_s >= 0, got("--stop-grace-seconds must be at least 0", o.stop_grace_s));
   require(o.join_timeout_s > 0, got("--join-timeout must be positive", o.join_timeout_s));
+  if (o.dump_pid != 0) {
+    require(o.dump_pid > 0, got("--dump needs the pid of a running fsdprun", o.dump_pid));
+    require(o.command.empty(), "--dump asks a running fsdprun for dumps: it takes no program to run");
+    return;
+  }
   require(!o.command.empty(), "missing the program to run (usage: fsdprun [OPTIONS] PROGRAM [ARGS...])");
 }
 

@@ -21,6 +21,10 @@ struct Options {
   double stop_grace_s = 3.0;        // SIGTERM -> SIGKILL delay when stopping workers
   double join_timeout_s = 600.0;    // how long agents wait for each other before an attempt
   std::string run_id = "none";
+  // Where workers write flight-recorder dumps (FSDP_FLIGHT_RECORDER_DIR, one folder per
+  // attempt); empty: see flight_recorder_base_dir().
+  std::string flight_recorder_dir;
+  int dump_pid = 0;  // --dump PID: ask that running fsdprun for dumps instead of running a job
   std::vector<std::string> command;  // PROGRAM followed by its arguments
 
   int world_size() const { return nnodes * nproc_per_node; }

@@ -38,7 +38,8 @@ void set_handler(int signo) {
 void SignalPipe::install() {
   if (pipe2(g_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     throw std::runtime_error(std::string("pipe2: ") + std::strerror(errno));
-  for (int signo : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) set_handler(signo);
+  // SIGUSR1 asks the workers for flight-recorder dumps (fsdprun --dump).
+  for (int signo : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGUSR1}) set_handler(signo);
   // Writes to a console or log reader that went away must fail with EPIPE, not kill us.
   // (Workers get SIGPIPE back to its default before exec.)
   signal(SIGPIPE, SIG_IGN);

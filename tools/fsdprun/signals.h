@@ -1,5 +1,6 @@
 // Signal handling through a self-pipe, so that one poll() loop sees worker output,
-// child exits (SIGCHLD) and stop requests (SIGINT/SIGTERM/SIGHUP) together.
+// child exits (SIGCHLD), stop requests (SIGINT/SIGTERM/SIGHUP) and dump requests (SIGUSR1)
+// together.
 #pragma once
 
 #include <string>

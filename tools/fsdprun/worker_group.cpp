@@ -213,4 +213,18 @@ void WorkerGroup::finish_output() {
   }
 }
 
+std::vector<std::pair<int, pid_t>> WorkerGroup::unreaped() const {
+  std::vector<std::pair<int, pid_t>> out;
+  for (const auto& w : workers_)
+    if (!w->reaped) out.emplace_back(w->rank, w->pid);
+  return out;
+}
+
+std::vector<std::pair<int, std::string>> WorkerGroup::exits() const {
+  std::vector<std::pair<int, std::string>> out;
+  for (const auto& w : workers_)
+    if (w->reaped) out.emplace_back(w->rank, w->exit.describe());
+  return out;
+}
+
 }  // namespace fsdprun

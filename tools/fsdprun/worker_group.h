@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <sys/types.h>
 #include <vector>
 
@@ -79,6 +80,11 @@ class WorkerGroup {
   int enforce_deadline();
   // Forwards what is left in the pipes and flushes unterminated last lines.
   void finish_output();
+
+  // For the flight-recorder diagnosis. The workers not reaped yet, as (rank, pid).
+  std::vector<std::pair<int, pid_t>> unreaped() const;
+  // How each reaped worker ended, by rank ("exited with code 1").
+  std::vector<std::pair<int, std::string>> exits() const;
 
  private:
   struct Worker;
