@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """Peak tensor memory and step time of fsdp-train with activation checkpointing: none, every
-block, every second block, and every block with the loss in pieces of the sequence
-(training.loss_chunks: each piece's logits checkpointed), in alternating runs of the same
-configuration.
+block, every second block, every block with the loss in pieces of the rows (training.loss_chunks:
+the output head and loss one autograd function that holds one piece's logits at a time), and
+each of those with the final norm and output head as an FSDP group of their own
+(fsdp_config.output_head_group), in alternating runs of the same configuration.
 
 For each setting, rank 0's JSONL metrics give, per step, the live tensor bytes after the step
 (the sharded-state floor: parameters, gradients and optimizer state of this rank's shards) and
@@ -36,6 +37,16 @@ SETTINGS = {  # name -> fsdp-train overrides
                                        "--fsdp_config.activation_checkpointing_every=1", "--training.loss_chunks=8"],
     "every block + loss in 32 pieces": ["--fsdp_config.activation_checkpointing=true",
                                         "--fsdp_config.activation_checkpointing_every=1", "--training.loss_chunks=32"],
+    "every block + head group": ["--fsdp_config.activation_checkpointing=true",
+                                 "--fsdp_config.activation_checkpointing_every=1",
+                                 "--fsdp_config.output_head_group=true"],
+    "every block + loss in 8 pieces + head group": ["--fsdp_config.activation_checkpointing=true",
+                                                    "--fsdp_config.activation_checkpointing_every=1",
+                                                    "--training.loss_chunks=8", "--fsdp_config.output_head_group=true"],
+    "every block + loss in 32 pieces + head group": ["--fsdp_config.activation_checkpointing=true",
+                                                     "--fsdp_config.activation_checkpointing_every=1",
+                                                     "--training.loss_chunks=32",
+                                                     "--fsdp_config.output_head_group=true"],
 }
 
 

@@ -184,4 +184,22 @@ auto call_method(ModulePtr&& module, Method method, Args&&... args)
       std::forward<Args>(args)...);
 }
 
+// fsdp::call for a computation that uses a module's parameters without being one of its
+// methods, e.g. a fused output-head-and-loss function that reads head->weight:
+//   at::Tensor loss = fsdp::call_as_forward(
+//       output, [&](const at::Tensor& x, const at::Tensor& t) { return fused_loss(x, output->weight, t); }, h, targets);
+// runs fn(args...) with the module's pre-forward and post-forward around it, exactly as
+// fsdp::call runs forward: an FSDP module's parameters are gathered for fn, the tensor
+// arguments that need grad are hooked for post-backward and the results for pre-backward. fn must
+// compute from the arguments it is given (they are replaced by their hooked versions), not from
+// tensors it captured, or post-backward never runs for it. On a module that fully_shard() was not
+// applied to, it is exactly fn(args...).
+template <typename ModulePtr, typename Fn, typename... Args>
+auto call_as_forward(ModulePtr&& module, Fn&& fn, Args&&... args) -> decltype(fn(std::forward<Args>(args)...)) {
+  using Result = decltype(fn(std::forward<Args>(args)...));
+  return detail::call_with_hooks<Result>(
+      module, [&fn](auto&&... a) -> Result { return fn(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
+}
+
 }  // namespace fsdp

@@ -2,6 +2,8 @@
 // that any of them may be fully_shard()ed.
 #include <fsdp/models/transformer.h>
 
+#include <fsdp/models/linear_cross_entropy.h>
+
 #include <fsdp/call.h>
 #include <fsdp/fully_shard.h>
 
@@ -116,19 +118,6 @@ at::Tensor head_logits(torch::nn::LayerNorm& norm, torch::nn::Linear& output, co
   return fsdp::call(output, fsdp::call(norm, h)).to(at::kFloat);
 }
 
-// [start, length) along the sequence of each of `chunks` pieces of seq positions: seq / chunks
-// each, the first seq % chunks one longer.
-std::vector<std::pair<int64_t, int64_t>> sequence_pieces(int64_t seq, int64_t chunks) {
-  std::vector<std::pair<int64_t, int64_t>> pieces;
-  const int64_t base = seq / chunks, longer = seq % chunks;
-  for (int64_t c = 0, start = 0; c < chunks; ++c) {
-    const int64_t length = base + (c < longer ? 1 : 0);
-    pieces.emplace_back(start, length);
-    start += length;
-  }
-  return pieces;
-}
-
 constexpr int64_t kIgnoreIndex = -100;  // cross_entropy's default
 
 }  // namespace
@@ -148,21 +137,15 @@ at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Ten
     return torch::nn::functional::cross_entropy(head_logits(norm, output, h).reshape({-1, vocab}),
                                                 targets.reshape({-1}));
   }
-  // Each piece's summed loss, divided once by the count of all targets (those not ignored):
-  // the mean over every token, however unequal the pieces.
-  auto piece_loss = [norm = norm, output = output, vocab](const at::Tensor& h_piece,
-                                                          const at::Tensor& t_piece) mutable {
-    return torch::nn::functional::cross_entropy(
-        head_logits(norm, output, h_piece).reshape({-1, vocab}), t_piece.reshape({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(kIgnoreIndex));
-  };
-  const CheckpointOptions options = CheckpointOptions().preserve_rng_state(false);
-  at::Tensor total;
-  for (const auto& [start, length] : sequence_pieces(seq, chunks)) {
-    at::Tensor piece = fsdp::checkpoint(options, piece_loss, h.narrow(1, start, length),
-                                        targets.narrow(1, start, length));
-    total = total.defined() ? total + piece : piece;
-  }
+  // The output head and the loss in one autograd node (the head's weight gets one gradient),
+  // run as the head's forward so that an FSDP group holding it gathers and reduces around it.
+  const at::Tensor normed = fsdp::call(norm, h);
+  const at::Tensor total = fsdp::call_as_forward(
+      output,
+      [&output = output, chunks](const at::Tensor& x, const at::Tensor& t) {
+        return chunked_linear_cross_entropy(x, output->weight, t, chunks, kIgnoreIndex);
+      },
+      normed, targets);
   const double counted = (targets != kIgnoreIndex).sum().item<double>();
   return total / counted;
 }
@@ -178,6 +161,14 @@ void TransformerImpl::set_activation_checkpointing(int64_t every_k, const Checkp
 Transformer sharded_transformer(const ModelArgs& args, const FullyShardOptions& block_options,
                                 const FullyShardOptions& root_options) {
   Transformer model(args, [&](TransformerBlock& block) { fully_shard(block, block_options); });
+  fully_shard(model, root_options);
+  return model;
+}
+
+Transformer sharded_transformer(const ModelArgs& args, const FullyShardOptions& block_options,
+                                const FullyShardOptions& head_options, const FullyShardOptions& root_options) {
+  Transformer model(args, [&](TransformerBlock& block) { fully_shard(block, block_options); });
+  fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->norm.ptr(), model->output.ptr()}, head_options);
   fully_shard(model, root_options);
   return model;
 }

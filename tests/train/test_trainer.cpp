@@ -435,8 +435,8 @@ std::vector<BadCase> bad_cases() {
       {"WorldSizeMismatch", "", {"--fsdp_config.world_size=4"}, "fsdp_config.world_size is 4 but the launcher started 2", 2},
       {"SeqLongerThanModel", "", {"--training.seq_len=999"}, "training.seq_len (999) is longer than model.max_seq_len (16)"},
       {"LossChunksZero", "", {"--training.loss_chunks=0"}, "training.loss_chunks: must be >= 1, got 0"},
-      {"LossChunksWithNoShard", "", {"--training.loss_chunks=2", "--fsdp_config.sharding_strategy=NO_SHARD"},
-       "training.loss_chunks: 2 (> 1) with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
+      {"OutputHeadGroupWithNoShard", "", {"--fsdp_config.output_head_group=true", "--fsdp_config.sharding_strategy=NO_SHARD"},
+       "fsdp_config.output_head_group: true with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
       {"LossChunksMoreThanPositions", "", {"--training.seq_len=8", "--training.loss_chunks=9"},
        "training.loss_chunks (9) is more than the sequence has positions (training.seq_len 8)"},
       {"HeadsDoNotDivideDim", "", {"--model.n_heads=5"}, "model.dim (16) must be divisible by model.n_heads (5)"},
@@ -559,10 +559,12 @@ TEST(Trainer, ActivationCheckpointingTrainsLikeWithoutAndResumes) {
   }
 }
 
-// training.loss_chunks computes the loss a piece of the sequence at a time, each piece's head
-// and loss checkpointed: the same math up to float rounding, so the losses follow the
-// one-piece run's, here with unequal pieces (64 positions in 5) and checkpointed blocks; a
-// chunked run resumes bitwise from its own checkpoint.
+// training.loss_chunks computes the loss a piece of the rows at a time, the head and loss one
+// autograd function: the same math up to float rounding, so the losses follow the one-piece
+// run's, here with unequal pieces and checkpointed blocks, with the head as an FSDP group of
+// its own (fsdp_config.output_head_group), and under NO_SHARD (the head's weight gets one
+// gradient, so fsdp::replicate's buckets are reduced once); a chunked run resumes bitwise from
+// its own checkpoint.
 TEST(Trainer, LossChunksTrainLikeTheWholeLogitsAndResumeBitwise) {
   TempDir dir;
   train(dir / "plain", {});
@@ -572,6 +574,16 @@ TEST(Trainer, LossChunksTrainLikeTheWholeLogitsAndResumeBitwise) {
   const auto got = read_metrics(dir / "chunked/m0.jsonl");
   ASSERT_EQ(got.size(), want.size());
   for (const auto& [step, m] : got) EXPECT_NEAR(m.loss, want.at(step).loss, 1e-5) << "step " << step;
+  train(dir / "head_group", with(chunked, {"--fsdp_config.output_head_group=true"}));
+  for (const auto& [step, m] : read_metrics(dir / "head_group/m0.jsonl")) {
+    EXPECT_NEAR(m.loss, want.at(step).loss, 1e-5) << "head group, step " << step;
+  }
+  train(dir / "no_shard", {"--fsdp_config.sharding_strategy=NO_SHARD"});
+  const auto no_shard = read_metrics(dir / "no_shard/m0.jsonl");
+  train(dir / "no_shard_chunked", {"--fsdp_config.sharding_strategy=NO_SHARD", "--training.loss_chunks=5"});
+  for (const auto& [step, m] : read_metrics(dir / "no_shard_chunked/m0.jsonl")) {
+    EXPECT_NEAR(m.loss, no_shard.at(step).loss, 1e-5) << "NO_SHARD, step " << step;
+  }
   train(dir / "resumed", with(chunked, {"--training.resume=" + dir / "chunked/ckpt/step_10"}));
   const auto resumed = read_metrics(dir / "resumed/m0.jsonl");
   EXPECT_FALSE(resumed.empty());

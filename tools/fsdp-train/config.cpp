@@ -197,6 +197,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"fsdp_config", "fp16", boolean(f.fp16)},
       {"fsdp_config", "activation_checkpointing", boolean(f.activation_checkpointing)},
       {"fsdp_config", "activation_checkpointing_every", int_at_least(f.activation_checkpointing_every, 1)},
+      {"fsdp_config", "output_head_group", boolean(f.output_head_group)},
       {"fsdp_config", "device", choice(f.device, {"cpu", "cuda"})},
       {"fsdp_config", "offload_params", boolean(f.offload_params)},
       {"fsdp_config", "offload_optimizer_state", boolean(f.offload_optimizer_state)},
@@ -580,12 +581,10 @@ void check_supported(const TrainConfig& cfg) {
                   "supported: non-reentrant checkpointing needs saved-tensor hooks, which LibTorch's C++ API does "
                   "not have; set fsdp_config.use_reentrant: true");
   }
-  if (cfg.training.loss_chunks > 1 && f.sharding_strategy == ShardingStrategy::NO_SHARD) {
-    bad.push_back("training.loss_chunks: " + std::to_string(cfg.training.loss_chunks) +
-                  " (> 1) with fsdp_config.sharding_strategy: NO_SHARD is not supported: every piece's "
-                  "checkpointed backward gives the output head's weight another gradient, and fsdp::replicate "
-                  "all-reduces a bucket at its parameters' first gradient; use training.loss_chunks: 1 or a "
-                  "sharded strategy");
+  if (f.output_head_group && f.sharding_strategy == ShardingStrategy::NO_SHARD) {
+    bad.push_back("fsdp_config.output_head_group: true with fsdp_config.sharding_strategy: NO_SHARD is not "
+                  "supported: NO_SHARD replicates the whole model (fsdp::replicate) and has no FSDP groups; "
+                  "use a sharded strategy or output_head_group: false");
   }
   if (f.offload_optimizer_state != f.offload_params) {
     bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") + (f.offload_optimizer_state ? "true" : "false") +

@@ -77,6 +77,11 @@ struct FsdpConfig {
   // saved-tensor hooks), so activation_checkpointing with use_reentrant: false is refused.
   bool activation_checkpointing = false;
   int64_t activation_checkpointing_every = 1;  // >= 1; only meaningful with activation_checkpointing
+  // The final norm and the output head as an FSDP group of their own instead of the root's
+  // (models::sharded_transformer's head_options form): their gathered parameters and unsharded
+  // gradients are freed right after the head's backward, before the blocks' backward. Not with
+  // NO_SHARD (fsdp::replicate has no groups).
+  bool output_head_group = false;
   std::string device = "cpu";             // cpu | cuda (cuda not supported by this CPU build)
   // CPU offload (fsdp::CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
   // in host memory, the optimizer stepping there. On device cpu they live there already: the

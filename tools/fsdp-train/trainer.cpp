@@ -474,7 +474,15 @@ void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::opt
   // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
   FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
-  model_ = models::sharded_transformer(args_, block_options, root_options);
+  if (cfg_.fsdp_config.output_head_group) {
+    // The head runs backward first, so keeping it gathered from forward saves an all-gather and
+    // no memory (torchtitan does the same for its last group); it reshards after its backward.
+    FullyShardOptions head_options = block_options;
+    head_options.reshard_after_forward(false);
+    model_ = models::sharded_transformer(args_, block_options, head_options, root_options);
+  } else {
+    model_ = models::sharded_transformer(args_, block_options, root_options);
+  }
   root_ = get_fsdp_module(*model_);
 }
 

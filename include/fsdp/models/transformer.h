@@ -28,8 +28,9 @@
 // instead of keeping them (fsdp/checkpoint_activations.h); 2 every other block.
 //
 // forward_loss computes the training loss without the whole logits ever in memory: the
-// sequence in `chunks` pieces, each one's final norm, output head and fp32 cross-entropy
-// checkpointed, so that backward recomputes one chunk's logits at a time:
+// batch x sequence rows in `chunks` pieces, the output head and fp32 cross-entropy of each
+// computed by one autograd function (fsdp/models/linear_cross_entropy.h) that recomputes one
+// piece's logits at a time in backward:
 //
 //   at::Tensor loss = fsdp::call_method(model, &fsdp::models::TransformerImpl::forward_loss,
 //                                       tokens, targets, int64_t{8});
@@ -126,15 +127,17 @@ class TransformerImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& tokens);
   // The mean fp32 cross-entropy of forward(tokens) against targets (int64 [batch, seq] class
   // indices; -100 is ignored, as cross_entropy's default ignore_index), computed in `chunks`
-  // pieces of the sequence: pieces of seq / chunks positions, the first seq % chunks one longer.
+  // pieces of the batch x seq rows: rows / chunks each, the first rows % chunks one longer.
   // chunks = 1 is exactly cross_entropy(forward(tokens).reshape({-1, vocab}), targets.reshape({-1})).
-  // With chunks > 1 each piece's final norm, output head and loss run under fsdp::checkpoint
-  // (without RNG state: they draw no random numbers), so only one piece's logits, log-softmax
-  // and logits' gradient exist at a time, in forward and in backward; the loss and gradients
-  // are those of chunks = 1 up to float rounding, the backward computes the head's forward once
-  // more. Call it through fsdp::call_method on an FSDP root so that FSDP's hooks run as for
-  // forward. Throws c10::Error unless 1 <= chunks <= seq, or when targets' shape differs from
-  // tokens'.
+  // With chunks > 1 the final norm runs on the whole hidden states, then the output head and the
+  // loss run as one autograd node, chunked_linear_cross_entropy, called through
+  // fsdp::call_as_forward on `output` (so an FSDP group holding the head gathers, and hooks its
+  // backward, around it): only one piece's logits and their gradient exist at a time, in forward
+  // and in backward, and the head's weight gets one gradient. The loss and gradients are those of
+  // chunks = 1 up to float rounding; the backward computes the head's matmul once more. It draws
+  // no random numbers. Call it through fsdp::call_method on an FSDP root so that FSDP's hooks run
+  // as for forward. Throws c10::Error unless 1 <= chunks <= seq, or when targets' shape differs
+  // from tokens'.
   at::Tensor forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks);
 
   const ModelArgs& args() const { return args_; }
@@ -182,6 +185,18 @@ TORCH_MODULE(Transformer);
 // fully_shard throws.
 Transformer sharded_transformer(const ModelArgs& args, const FullyShardOptions& block_options,
                                 const FullyShardOptions& root_options);
+
+// The same with the final norm and the output head as one FSDP group of their own, sharded with
+// head_options after the blocks and before the root (the root keeps the embeddings):
+// fully_shard({model->norm, model->output}, head_options) on a model built the usual way. Their
+// backward comes first, so the group reduce-scatters its gradients and frees its gathered
+// parameters right after it, before the blocks' backward, instead of keeping both to the root's
+// reduce-scatter at the end of backward (with forward_loss's chunks > 1 the head is one autograd
+// node, called once, so this holds for the chunked loss too).
+// The values and the loss are those of the three-options form; the collectives are one more
+// group's.
+Transformer sharded_transformer(const ModelArgs& args, const FullyShardOptions& block_options,
+                                const FullyShardOptions& head_options, const FullyShardOptions& root_options);
 
 // Number of elements of all parameters of `module` (as registered now: after fully_shard,
 // the local shards).

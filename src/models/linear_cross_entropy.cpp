@@ -1,0 +1,118 @@
+// The chunked output head + cross-entropy of fsdp/models/linear_cross_entropy.h.
+#include <fsdp/models/linear_cross_entropy.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+namespace models {
+namespace {
+
+// [start, length) of each of `chunks` pieces of `rows`: rows / chunks each, the first
+// rows % chunks one longer.
+std::vector<std::pair<int64_t, int64_t>> row_pieces(int64_t rows, int64_t chunks) {
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  const int64_t base = rows / chunks, longer = rows % chunks;
+  for (int64_t c = 0, start = 0; c < chunks; ++c) {
+    const int64_t length = base + (c < longer ? 1 : 0);
+    pieces.emplace_back(start, length);
+    start += length;
+  }
+  return pieces;
+}
+
+// One piece's fp32 logits, computed as linear() computes them, in the inputs' dtype.
+at::Tensor piece_logits(const at::Tensor& x_piece, const at::Tensor& weight) {
+  return at::linear(x_piece, weight).to(at::kFloat);
+}
+
+struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinearCrossEntropy> {
+  // x: [rows, dim], targets: [rows]. Runs under no-grad (autograd's custom functions do).
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& targets, int64_t chunks, int64_t ignore_index) {
+    const int64_t rows = x.size(0);
+    at::Tensor logsumexp = at::empty({rows}, x.options().dtype(at::kFloat));
+    at::Tensor total = at::zeros({}, x.options().dtype(at::kFloat));
+    for (const auto& [start, length] : row_pieces(rows, chunks)) {
+      const at::Tensor logits = piece_logits(x.narrow(0, start, length), weight);
+      const at::Tensor t = targets.narrow(0, start, length);
+      const at::Tensor counted = t != ignore_index;
+      const at::Tensor lse = at::logsumexp(logits, {1});
+      const at::Tensor target_logit = logits.gather(1, t.masked_fill(~counted, 0).unsqueeze(1)).squeeze(1);
+      total.add_(at::where(counted, lse - target_logit, at::zeros({}, lse.options())).sum());
+      logsumexp.narrow(0, start, length).copy_(lse);
+    }
+    ctx->save_for_backward({x, weight, targets, logsumexp});
+    ctx->saved_data["chunks"] = chunks;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    return total;
+  }
+
+  // d loss / d logits of a row = softmax(logits) - onehot(target), times the incoming gradient;
+  // zero for an ignored row. From it, per piece: d x = g W, d W += g^T x.
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &targets = saved[2], &logsumexp = saved[3];
+    const int64_t chunks = ctx->saved_data["chunks"].toInt();
+    const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const at::Tensor grad_total = grad_outputs[0].to(at::kFloat);
+    const bool want_x = ctx->needs_input_grad(0), want_weight = ctx->needs_input_grad(1);
+    at::Tensor grad_x = want_x ? at::empty_like(x) : at::Tensor();
+    at::Tensor grad_weight;  // fp32, accumulated over the pieces
+    for (const auto& [start, length] : row_pieces(x.size(0), chunks)) {
+      const at::Tensor x_piece = x.narrow(0, start, length);
+      const at::Tensor t = targets.narrow(0, start, length);
+      const at::Tensor counted = t != ignore_index;
+      // In place on the recomputed logits: softmax, minus one at the target, times the
+      // incoming gradient (zero for ignored rows), so the piece holds one [length, vocab] buffer.
+      at::Tensor g = piece_logits(x_piece, weight);
+      g.sub_(logsumexp.narrow(0, start, length).unsqueeze(1)).exp_();
+      g.scatter_add_(1, t.masked_fill(~counted, 0).unsqueeze(1), at::full({length, 1}, -1.0, g.options()));
+      g.mul_((counted.to(at::kFloat) * grad_total).unsqueeze(1));
+      const at::Tensor g_in = g.to(x.scalar_type());
+      if (want_x) {
+        at::Tensor grad_x_piece = grad_x.narrow(0, start, length);  // contiguous rows: written in place
+        at::mm_out(grad_x_piece, g_in, weight);
+      }
+      if (want_weight) {
+        if (!grad_weight.defined()) {
+          grad_weight = at::mm(g_in.t(), x_piece).to(at::kFloat);
+        } else if (x.scalar_type() == at::kFloat) {
+          grad_weight.addmm_(g_in.t(), x_piece);  // no [vocab, dim] temporary per piece
+        } else {
+          grad_weight.add_(at::mm(g_in.t(), x_piece));  // the piece in x's dtype, summed in fp32
+        }
+      }
+    }
+    if (grad_weight.defined()) grad_weight = grad_weight.to(weight.scalar_type());
+    return {grad_x, grad_weight, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor chunked_linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                        int64_t chunks, int64_t ignore_index) {
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
+              "chunked_linear_cross_entropy: x has shape ", x.sizes(), " and weight ", weight.sizes(),
+              "; give x [..., dim] and weight [vocab, dim]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && at::isFloatingType(x.scalar_type()),
+              "chunked_linear_cross_entropy: x is ", x.scalar_type(), " and weight ", weight.scalar_type(),
+              "; give both the same floating dtype (the dtype the head computes in)");
+  TORCH_CHECK(targets.scalar_type() == at::kLong && targets.sizes() == x.sizes().slice(0, x.dim() - 1),
+              "chunked_linear_cross_entropy: targets are ", targets.scalar_type(), " of shape ", targets.sizes(),
+              "; give int64 class indices of x's leading shape ", x.sizes().slice(0, x.dim() - 1));
+  const at::Tensor rows_x = x.reshape({-1, x.size(-1)});
+  const int64_t rows = rows_x.size(0);
+  TORCH_CHECK(chunks >= 1 && chunks <= rows, "chunked_linear_cross_entropy: chunks=", chunks, " must be in [1, ",
+              rows, "] (at most one piece per row)");
+  return ChunkedLinearCrossEntropy::apply(rows_x, weight, targets.reshape({-1}), chunks, ignore_index);
+}
+
+}  // namespace models
+}  // namespace fsdp
