@@ -56,6 +56,7 @@
 #pragma once
 
 #include <fsdp/device_mesh.h>
+#include <fsdp/dp_mesh_dims.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/fsdp_module.h>
 #include <fsdp/mixed_precision.h>
@@ -117,8 +118,11 @@ using ShardPlacementFn = std::function<std::optional<Placement>(const std::strin
 
 struct FullyShardOptions {
   // The data-parallel mesh. Default: a 1-D "cpu" mesh over every rank of the world (made on
-  // first use; collective).
+  // first use; collective). With dp_mesh_dims: the whole mesh, model dims included.
   TORCH_ARG(DeviceMesh, mesh);
+  // The data-parallel dims of `mesh` when it has model dims (see DataParallelMeshDims).
+  // Default: none; `mesh` is wholly data-parallel (1-D FSDP, or 2-D HSDP).
+  TORCH_ARG(std::optional<DataParallelMeshDims>, dp_mesh_dims) = std::nullopt;
   TORCH_ARG(ReshardAfterForward, reshard_after_forward);
   // The dtypes this group computes, communicates and returns in (fsdp/mixed_precision.h).
   // Default: none; everything runs in the parameters' own dtype.
@@ -154,8 +158,8 @@ FSDPModule fully_shard(const torch::nn::ModuleHolder<Impl>& module,
 }
 
 // The DTensor view of a sharded parameter: its local shard, the mesh, placements {Shard(d)}
-// (HSDP: {Replicate(), Shard(d)}; d = 0 unless shard_placement_fn chose another) and the
-// global shape. Shares storage with the shard. `param`
+// (HSDP: {Replicate(), Shard(d)}; d = 0 unless shard_placement_fn chose another; with
+// dp_mesh_dims, see DataParallelMeshDims) and the global shape. Shares storage with the shard. `param`
 // is either the registered shard (from parameters() / named_parameters()) or the module's
 // member tensor (e.g. linear->weight, which stays the unsharded tensor autograd computes with).
 // Throws if it is neither.

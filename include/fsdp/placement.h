@@ -2,6 +2,13 @@
 //
 //   fsdp::Shard(0)      // tensor dim 0 is split across the mesh dim (torch.chunk rules)
 //   fsdp::Replicate()   // every rank of the mesh dim holds the whole tensor
+//   fsdp::StridedShard(0, 2)  // tensor dim 0 split across this mesh dim, but only after the later
+//                             // mesh dims that also shard dim 0 (2 pieces in all) split it first
+//
+// StridedShard is what FSDP over tensor parallelism gives a parameter that both shard along the
+// same dim: on a (dp, tp) mesh with TP's Shard(0) on tp, FSDP splits each tp rank's piece again
+// over dp, so the dp placement is StridedShard(0, tp) (PyTorch prints it _StridedShard(dim=0,
+// sf=tp)): rank (a, b) holds chunk a of chunk b of the tensor, not chunk b of chunk a.
 #pragma once
 
 #include <cstdint>
@@ -13,19 +20,34 @@ class Placement {
  public:
   static Placement shard(int64_t dim) { return Placement(Kind::kShard, dim); }
   static Placement replicate() { return Placement(Kind::kReplicate, -1); }
+  // Shard(dim) applied after the later mesh dims that shard `dim`; split_factor is the number of
+  // pieces those later dims make of it (the product of their sizes).
+  static Placement strided_shard(int64_t dim, int64_t split_factor) {
+    Placement p(Kind::kShard, dim);
+    p.split_factor_ = split_factor;
+    return p;
+  }
 
   bool is_shard() const { return kind_ == Kind::kShard; }
   // True when this is Shard(dim).
   bool is_shard(int64_t dim) const { return kind_ == Kind::kShard && dim_ == dim; }
   bool is_replicate() const { return kind_ == Kind::kReplicate; }
+  // A StridedShard is also a shard (is_shard() is true): only the order its split applies in differs.
+  bool is_strided_shard() const { return kind_ == Kind::kShard && split_factor_ > 1; }
+  int64_t split_factor() const { return split_factor_; }
   // The sharded tensor dimension; only meaningful when is_shard().
   int64_t dim() const { return dim_; }
 
-  // "Shard(0)" or "Replicate()", as PyTorch prints them.
+  // "Shard(0)", "_StridedShard(dim=0, sf=2)" or "Replicate()", as PyTorch prints them.
   std::string str() const {
+    if (is_strided_shard()) {
+      return "_StridedShard(dim=" + std::to_string(dim_) + ", sf=" + std::to_string(split_factor_) + ")";
+    }
     return is_shard() ? "Shard(" + std::to_string(dim_) + ")" : std::string("Replicate()");
   }
-  bool operator==(const Placement& o) const { return kind_ == o.kind_ && dim_ == o.dim_; }
+  bool operator==(const Placement& o) const {
+    return kind_ == o.kind_ && dim_ == o.dim_ && split_factor_ == o.split_factor_;
+  }
   bool operator!=(const Placement& o) const { return !(*this == o); }
 
  private:
@@ -33,11 +55,13 @@ class Placement {
   Placement(Kind kind, int64_t dim) : kind_(kind), dim_(dim) {}
   Kind kind_;
   int64_t dim_;
+  int64_t split_factor_ = 1;  // > 1 only for a StridedShard
 };
 
 // PyTorch's spelling: Shard(0), Replicate().
 inline Placement Shard(int64_t dim = 0) { return Placement::shard(dim); }
 inline Placement Replicate() { return Placement::replicate(); }
+inline Placement StridedShard(int64_t dim, int64_t split_factor) { return Placement::strided_shard(dim, split_factor); }
 
 // Where piece `index` of `parts` starts, and its length, when `size` elements are split with
 // torch.chunk's rule: pieces of ceil(size / parts); the last ones may be shorter or empty.

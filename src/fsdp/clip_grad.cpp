@@ -1,7 +1,10 @@
+// clip_grad_norm_ over sharded gradients: each rank's part of the norm, then the all-reduces
+// that combine the parts into the norm of the whole gradients.
 #include <fsdp/clip_grad.h>
 
 #include "src/fsdp/mesh_info.h"
 
+#include <fsdp/dtensor_parameter.h>
 #include <fsdp/fully_shard.h>
 
 #include <ATen/ATen.h>
@@ -10,30 +13,77 @@
 #include <cmath>
 
 namespace fsdp {
+namespace {
+
+// How the parameters' parts are combined.
+struct NormPlan {
+  // FSDP (and HSDP): one all-reduce over the shard group (the replicas hold the same gradients).
+  std::shared_ptr<ProcessGroup> shard_group;
+  // Parameters that are DTensors on a mesh with model dims (FSDP over tensor parallelism, or
+  // tensor parallelism alone): all-reduces over every dim of this mesh, each gradient element
+  // counted on one rank only (see counts_here).
+  DeviceMesh mesh;
+  bool any_plain = false;
+};
+
+// Whether this rank's piece of `d` takes part in the sum: a piece copied over a mesh dim
+// (Replicate()) is counted by that dim's rank 0 only, so that summing over the whole mesh
+// counts every element once.
+bool counts_here(const DTensor& d) {
+  const std::vector<Placement> placements = d.placements();
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (placements[i].is_replicate() && d.device_mesh().get_local_rank(static_cast<int64_t>(i)) != 0) return false;
+  }
+  return true;
+}
+
+// The DTensor of a parameter on a mesh with model dims, if it is one: sharded by fully_shard
+// with dp_mesh_dims, or split (or registered) by tensor parallelism and not sharded.
+std::optional<DTensor> model_dtensor(const at::Tensor& p) {
+  if (is_sharded_parameter(p)) {
+    if (!detail::mesh_info_of_parameter(p).has_model_dims()) return std::nullopt;
+    return as_dtensor(p);
+  }
+  return dtensor_parameter(p);
+}
+
+}  // namespace
 
 double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   TORCH_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive or infinity, got ", norm_type);
   const bool inf = std::isinf(norm_type);
-  std::shared_ptr<ProcessGroup> group;
-  bool any_plain = false;
-  std::vector<at::Tensor> grads;
+  NormPlan plan;
+  std::vector<at::Tensor> grads;   // every gradient, to scale
+  std::vector<at::Tensor> counted; // the ones this rank's part of the norm sums
   for (const auto& p : parameters) {
-    if (is_sharded_parameter(p)) {
+    bool counts = true;
+    if (std::optional<DTensor> d = model_dtensor(p)) {
+      TORCH_CHECK(!plan.mesh.valid() || plan.mesh == d->device_mesh(), "clip_grad_norm_: the parameters are "
+                  "DTensors on different meshes; clip each mesh's parameters separately");
+      plan.mesh = d->device_mesh();
+      counts = counts_here(*d);
+    } else if (is_sharded_parameter(p)) {
       // Under HSDP the replicas hold the same gradients: the norm sums one replica's shards.
-      auto g = detail::mesh_info_of(as_dtensor(p).device_mesh()).shard_group();
-      TORCH_CHECK(!group || group.get() == g.get(), "clip_grad_norm_: the parameters are sharded over different "
-                  "process groups; clip each group's parameters separately");
-      group = g;
+      auto g = detail::mesh_info_of_parameter(p).shard_group();
+      TORCH_CHECK(!plan.shard_group || plan.shard_group.get() == g.get(), "clip_grad_norm_: the parameters are "
+                  "sharded over different process groups; clip each group's parameters separately");
+      plan.shard_group = g;
     } else {
-      any_plain = true;
+      plan.any_plain = true;
     }
-    if (p.grad().defined()) grads.push_back(p.grad());
+    if (!p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    if (counts || inf) counted.push_back(p.grad());  // a max may count a copy twice
   }
-  TORCH_CHECK(!(group && any_plain), "clip_grad_norm_: some parameters are sharded by fully_shard and some are not; "
-              "their norms cannot be combined correctly");
-  // This rank's part: sum of |g|^p over its shards (max |g| for the inf-norm), in double.
+  const int kinds = (plan.shard_group ? 1 : 0) + (plan.mesh.valid() ? 1 : 0) + (plan.any_plain ? 1 : 0);
+  TORCH_CHECK(kinds <= 1, "clip_grad_norm_: the parameters mix ",
+              plan.shard_group ? "parameters sharded by fully_shard over a data-parallel mesh, " : "",
+              plan.mesh.valid() ? "DTensor parameters on a mesh with model dims, " : "",
+              plan.any_plain ? "plain parameters, " : "", "whose norms cannot be combined correctly; clip each kind "
+              "separately");
+  // This rank's part: sum of |g|^p over its pieces (max |g| for the inf-norm), in double.
   double local = 0.0;
-  for (const auto& g : grads) {
+  for (const auto& g : counted) {
     if (g.numel() == 0) continue;
     if (inf) {
       local = std::max(local, g.abs().max().item<double>());
@@ -42,9 +92,12 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
     }
   }
   double total = local;
-  if (group) {
+  std::vector<std::shared_ptr<ProcessGroup>> groups;
+  if (plan.shard_group) groups.push_back(plan.shard_group);
+  for (int64_t d = 0; plan.mesh.valid() && d < plan.mesh.ndim(); ++d) groups.push_back(plan.mesh.get_group(d));
+  if (!groups.empty()) {
     at::Tensor t = at::full({1}, local, at::kDouble);
-    group->all_reduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum)->wait();
+    for (const auto& group : groups) group->all_reduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum)->wait();
     total = t.item<double>();
   }
   if (!inf) total = std::pow(total, 1.0 / norm_type);

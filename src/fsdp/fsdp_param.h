@@ -13,6 +13,8 @@
 // bytes move, collectives.h where they go, and this record what each parameter is.
 #pragma once
 
+#include <fsdp/placement.h>
+
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
@@ -86,6 +88,18 @@ class FSDPParam {
   // The TensorImpl stays the same one, so the module's member keeps working.
   void set_unsharded_dtype(at::ScalarType dtype);
 
+  // With dp_mesh_dims: the layout of the unsharded tensor on the whole mesh before FSDP (its
+  // DTensor parameter record: Replicate() on the dp dim, e.g. Shard(0) on tp) and the shape
+  // of the whole tensor it is a piece of. FSDP itself only sees the unsharded (local) tensor;
+  // as_dtensor composes the two layouts.
+  void set_model_layout(std::vector<Placement> placements, std::vector<int64_t> global_shape) {
+    model_placements_ = std::move(placements);
+    model_global_shape_ = std::move(global_shape);
+  }
+  bool has_model_layout() const { return !model_placements_.empty(); }
+  const std::vector<Placement>& model_placements() const { return model_placements_; }
+  const std::vector<int64_t>& model_global_shape() const { return model_global_shape_; }
+
   // Gradient of the unsharded tensor (full shape) from autograd.
   at::Tensor unsharded_grad() const { return unsharded_.grad(); }
   // Without gradient sync: moves autograd's gradient into an accumulator of `dtype` (the reduce
@@ -116,6 +130,8 @@ class FSDPParam {
   int64_t shard_length_;
   int64_t shard_offset_;
   bool aliases_shard_ = false;
+  std::vector<Placement> model_placements_;  // empty without dp_mesh_dims
+  std::vector<int64_t> model_global_shape_;
 };
 
 // A group's parameters, in group order (the order of every layout in collectives.h).

@@ -9,6 +9,7 @@
 #include "src/tensor/default_mesh.h"
 
 #include <fsdp/distributed.h>
+#include <fsdp/dtensor_parameter.h>
 #include <fsdp/replicate.h>
 
 #include <c10/util/Exception.h>
@@ -189,9 +190,39 @@ void register_shards(const std::vector<std::shared_ptr<torch::nn::Module>>& mana
   }
 }
 
-// A 1-D mesh (FSDP) or a 2-D mesh with dim names (HSDP: replicate over dim 0, shard over dim 1).
+// A 1-D mesh (FSDP), a 2-D mesh with dim names (HSDP: replicate over dim 0, shard over dim 1),
+// or a named mesh with dp_mesh_dims (FSDP over the dp dim, the others the model's).
 MeshInfo checked_mesh(const FullyShardOptions& options) {
-  return mesh_info_of(options.mesh().valid() ? options.mesh() : default_world_mesh());
+  if (options.dp_mesh_dims()) {
+    TORCH_CHECK(options.mesh().valid(), "fully_shard: dp_mesh_dims names dims of FullyShardOptions::mesh, which is "
+                "not set; pass the whole mesh the parameters are DTensors on (e.g. the (dp, tp) mesh)");
+    TORCH_CHECK(!options.reshard_after_forward().is_int(), "fully_shard: an int reshard_after_forward (",
+                options.reshard_after_forward().group_size(), ") is not supported with dp_mesh_dims; pass true or "
+                "false");
+  }
+  return mesh_info_of(options.mesh().valid() ? options.mesh() : default_world_mesh(), options.dp_mesh_dims());
+}
+
+// With dp_mesh_dims every parameter is already a DTensor on the whole mesh (PyTorch requires
+// the same), copied over the dp dim: FSDP shards its local piece there and keeps its layout on
+// the model dims for as_dtensor.
+void attach_model_layouts(const FSDPParams& params, const MeshInfo& mesh) {
+  if (!mesh.has_model_dims()) return;
+  const std::string dp_name = mesh.mesh.dim_names()[mesh.shard_dim];
+  for (const auto& p : params) {
+    const std::optional<DTensor> d = dtensor_parameter(p->unsharded());
+    TORCH_CHECK(d.has_value(), "fully_shard: when dp_mesh_dims is provided, all parameters must be DTensors on the "
+                "full SPMD mesh, but '", p->fqn(), "' is a plain tensor; split or register it first "
+                "(fsdp::tp::parallelize, or fsdp::register_dtensor_parameter with Replicate() on every dim)");
+    TORCH_CHECK(d->device_mesh() == mesh.mesh, "fully_shard: parameter '", p->fqn(), "' is a DTensor on the mesh ",
+                d->device_mesh().str(), ", not on FullyShardOptions::mesh ", mesh.mesh.str(), "; with dp_mesh_dims "
+                "both must be the same mesh object");
+    const std::vector<Placement> placements = d->placements();
+    TORCH_CHECK(placements[mesh.shard_dim].is_replicate(), "fully_shard: parameter '", p->fqn(), "' is ",
+                placements[mesh.shard_dim].str(), " on the data-parallel mesh dim '", dp_name, "'; with "
+                "dp_mesh_dims it must be Replicate() there (FSDP does the sharding over dp)");
+    p->set_model_layout(placements, d->sizes());
+  }
 }
 
 }  // namespace
@@ -223,11 +254,12 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
 
   detail::FSDPParams params =
       detail::collect_params(managed, prefix, mesh_info, detail::ignored_set(options.ignored_params()));
+  detail::attach_model_layouts(params, mesh_info);
   detail::apply_shard_placements(params, options.shard_placement_fn());
   std::unique_ptr<detail::FSDPParamGroup> group;
   if (!params.empty()) {
     auto post_forward = detail::post_forward_group(options.reshard_after_forward(), mesh_info.shard_group());
-    group = std::make_unique<detail::FSDPParamGroup>(std::move(params), mesh, prefix.at(modules.front().get()),
+    group = std::make_unique<detail::FSDPParamGroup>(std::move(params), mesh_info, prefix.at(modules.front().get()),
                                                      std::move(post_forward), options.mp_policy(),
                                                      options.offload_policy());
   }
@@ -249,9 +281,26 @@ DTensor as_dtensor(const at::Tensor& param) {
   auto state = entry ? entry->state.lock() : nullptr;
   TORCH_CHECK(state && state->group(), "fsdp::as_dtensor: this tensor is not a parameter sharded by fully_shard");
   const detail::MeshInfo& mesh = state->group()->mesh_info();
-  return DTensor::from_local(entry->param->sharded(), mesh.mesh, mesh.placements(entry->param->shard_dim()),
-                             entry->param->global_shape());
+  const detail::FSDPParam& p = *entry->param;
+  if (p.has_model_layout()) {
+    return DTensor::from_local(p.sharded(), mesh.mesh, mesh.placements(p.shard_dim(), p.model_placements()),
+                               p.model_global_shape());
+  }
+  return DTensor::from_local(p.sharded(), mesh.mesh, mesh.placements(p.shard_dim()), p.global_shape());
 }
+
+namespace detail {
+
+MeshInfo mesh_info_of_parameter(const at::Tensor& param) {
+  auto& index = param_index();
+  std::lock_guard<std::mutex> lock(index.mu);
+  const auto* entry = index.find_any(param);
+  auto state = entry ? entry->state.lock() : nullptr;
+  TORCH_CHECK(state && state->group(), "fsdp: this tensor is not a parameter sharded by fully_shard");
+  return state->group()->mesh_info();
+}
+
+}  // namespace detail
 
 bool is_sharded_parameter(const at::Tensor& param) {
   auto& index = detail::param_index();

@@ -134,12 +134,12 @@ void CommContext::discard_reductions() {
   if (first_error) std::rethrow_exception(first_error);
 }
 
-FSDPParamGroup::FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
+FSDPParamGroup::FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::string module_fqn,
                                std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy,
                                const std::optional<CPUOffloadPolicy>& offload_policy)
     : params_(std::move(params)),
-      mesh_(std::move(mesh)),
-      mesh_info_(mesh_info_of(mesh_)),
+      mesh_(mesh_info.mesh),
+      mesh_info_(std::move(mesh_info)),
       shard_group_(mesh_info_.shard_group()),
       replicate_group_(mesh_info_.replicate_group()),
       module_fqn_(std::move(module_fqn)),

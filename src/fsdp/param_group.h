@@ -89,7 +89,7 @@ class FSDPParamGroup {
   // frees the unsharded storage (on a mesh of one rank the unsharded tensors alias the shards).
   // `mp_policy` gives the dtypes of the group's collectives and unsharded parameters, and
   // `offload_policy` (when set) keeps its shards in host memory.
-  FSDPParamGroup(FSDPParams params, DeviceMesh mesh, std::string module_fqn,
+  FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::string module_fqn,
                  std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy,
                  const std::optional<CPUOffloadPolicy>& offload_policy);
   FSDPParamGroup(const FSDPParamGroup&) = delete;

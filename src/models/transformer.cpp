@@ -6,6 +6,7 @@
 
 #include <fsdp/call.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -47,18 +48,20 @@ AttentionImpl::AttentionImpl(const ModelArgs& args)
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
-  const int64_t bsz = x.size(0), seq = x.size(1), dim = x.size(2);
-  auto heads = [&](const at::Tensor& t) { return t.view({bsz, seq, n_heads_, head_dim_}).transpose(1, 2); };
-  at::Tensor q = heads(fsdp::call(wq, x));
-  at::Tensor k = heads(fsdp::call(wk, x));
-  at::Tensor v = heads(fsdp::call(wv, x));
+  const int64_t bsz = x.size(0), seq = x.size(1);
+  // The heads this rank computes: all n_heads, or n_heads / tp under tensor parallelism (wq, wk
+  // and wv then produce only this rank's heads' features).
+  auto heads = [&](const at::Tensor& t) { return t.view({bsz, seq, -1, head_dim_}).transpose(1, 2); };
+  at::Tensor q = heads(tp::call_linear(wq, x));
+  at::Tensor k = heads(tp::call_linear(wk, x));
+  at::Tensor v = heads(tp::call_linear(wv, x));
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
   at::Tensor future = at::ones({seq, seq}, x.options().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
   at::Tensor probs = at::softmax(scores, -1);
   if (is_training() && dropout_p_ > 0) probs = at::dropout(probs, dropout_p_, /*train=*/true);
-  at::Tensor out = at::matmul(probs, v).transpose(1, 2).contiguous().view({bsz, seq, dim});
-  return fsdp::call(resid_dropout, fsdp::call(wo, out));
+  at::Tensor out = at::matmul(probs, v).transpose(1, 2).contiguous().view({bsz, seq, -1});
+  return fsdp::call(resid_dropout, tp::call_linear(wo, out));
 }
 
 FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim, double dropout_p) {
@@ -68,7 +71,7 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t hidden_dim, double dropout
 }
 
 at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
-  return fsdp::call(resid_dropout, fsdp::call(w2, at::gelu(fsdp::call(w1, x))));
+  return fsdp::call(resid_dropout, tp::call_linear(w2, at::gelu(tp::call_linear(w1, x))));
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const ModelArgs& args) {

@@ -18,9 +18,32 @@ std::vector<Placement> normalized(std::vector<Placement> placements, const Devic
   TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(), "fsdp::DTensor: ", placements.size(),
               " placements for a ", mesh.ndim(), "-D mesh; give one per mesh dim");
   for (auto& p : placements) {
-    if (p.is_shard()) p = Shard(normalize_dim(p.dim(), tensor_dim));
+    if (p.is_shard()) {
+      const int64_t d = normalize_dim(p.dim(), tensor_dim);
+      p = p.is_strided_shard() ? StridedShard(d, p.split_factor()) : Shard(d);
+    }
   }
   return placements;
+}
+
+// The order in which the mesh dims' splits nest: mesh-dim order, except that a StridedShard
+// splits only after every later mesh dim sharding the same tensor dim (so it goes last).
+std::vector<int64_t> split_order(const std::vector<Placement>& placements) {
+  std::vector<int64_t> order;
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (!placements[i].is_strided_shard()) order.push_back(static_cast<int64_t>(i));
+  }
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (placements[i].is_strided_shard()) order.push_back(static_cast<int64_t>(i));
+  }
+  return order;
+}
+
+bool any_strided(const std::vector<Placement>& placements) {
+  for (const auto& p : placements) {
+    if (p.is_strided_shard()) return true;
+  }
+  return false;
 }
 
 // This rank's piece of `t` along tensor dim `d` when it is split over mesh dim `i`.
@@ -57,7 +80,7 @@ std::vector<ChunkBounds> shard_bounds(const std::vector<int64_t>& global_shape, 
               " dims for a ", mesh_shape.size(), "-D mesh; give one of each per mesh dim");
   std::vector<ChunkBounds> bounds;
   for (int64_t s : global_shape) bounds.push_back({0, s});
-  for (size_t i = 0; i < placements.size(); ++i) {
+  for (const int64_t i : split_order(placements)) {
     if (!placements[i].is_shard()) continue;
     const int64_t d = placements[i].dim();
     TORCH_CHECK(d >= 0 && d < static_cast<int64_t>(bounds.size()), "fsdp::shard_bounds: ", placements[i].str(),
@@ -119,25 +142,31 @@ DTensor DTensor::redistribute(const std::vector<Placement>& target_in) const {
   int64_t first_change = 0;
   while (first_change < n && placements_[first_change] == target[first_change]) ++first_change;
   if (first_change == n) return *this;
+  // A StridedShard reorders the nesting: undo every split then (simple, and rare: checkpoints
+  // and full_tensor go to Replicate everywhere anyway).
+  if (any_strided(placements_) || any_strided(target)) first_change = 0;
 
-  // Pieces are nested in mesh-dim order, so undo the splits from the last mesh dim back to the
-  // first one that changes, then split again in order.
+  // Pieces are nested in split order, so undo the splits from the last one back to the first
+  // mesh dim that changes, then split again in order.
+  const std::vector<int64_t> order = split_order(placements_);
   std::vector<Placement> current = placements_;
   at::Tensor local = local_;
   const std::vector<int64_t> coord = mesh_.coordinate();
-  for (int64_t i = n - 1; i >= first_change; --i) {
-    if (!current[i].is_shard()) continue;
+  for (int64_t pos = n - 1; pos >= 0; --pos) {
+    const int64_t i = order[pos];
+    if (i < first_change || !current[i].is_shard()) continue;
     const int64_t d = current[i].dim();
     int64_t unsplit = global_shape_[d];  // size along d before mesh dim i split it
-    for (int64_t j = 0; j < i; ++j) {
-      if (current[j].is_shard(d)) unsplit = chunk_bounds(unsplit, mesh_.size(j), coord[j]).length;
+    for (int64_t k = 0; k < pos; ++k) {
+      const int64_t j = order[k];
+      if (current[j].is_shard() && current[j].dim() == d) unsplit = chunk_bounds(unsplit, mesh_.size(j), coord[j]).length;
     }
     local = gather_along(local, d, unsplit, mesh_, i);
     current[i] = Replicate();
   }
   bool sliced = false;
-  for (int64_t i = first_change; i < n; ++i) {
-    if (!target[i].is_shard()) continue;
+  for (const int64_t i : split_order(target)) {
+    if (i < first_change || !target[i].is_shard()) continue;
     local = local_chunk(local, target[i].dim(), mesh_, i);
     sliced = true;
   }

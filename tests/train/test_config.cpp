@@ -71,6 +71,14 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   EXPECT_TRUE(c.fsdp_config.use_reentrant);
   EXPECT_TRUE(c.fsdp_config.activation_checkpointing);
   EXPECT_EQ(c.fsdp_config.checkpoint_interval, 1000);
+  EXPECT_EQ(c.fsdp_config.model_parallel_size, 2);
+  EXPECT_NO_THROW(check_supported(c));
+  EXPECT_NO_THROW(check_model_parallel(c, 8, 4, 16));
+  expect_error([&] { check_model_parallel(c, 3, 4, 16); }, {"fsdp_config.model_parallel_size: 2", "world of 3"});
+  expect_error([&] { check_model_parallel(c, 8, 3, 15); }, {"fsdp_config.model_parallel_size: 2", "model.n_heads: 3"});
+  expect_error([] {
+    check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"}));
+  }, {"fsdp_config.model_parallel_size: 2", "HYBRID_SHARD", "not supported yet"});
   EXPECT_EQ(c.fsdp_config.checkpoint_dir, "./checkpoints");
   EXPECT_NO_THROW(check_against_launcher(c, 8, 5));  // local_rank 0 = every rank's
   expect_error([&] { check_against_launcher(c, 2, 0); }, {"world_size", "8", "2"});
@@ -214,7 +222,6 @@ TEST(TrainConfig, CommandLineErrorsNameKey) {
 TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--fsdp_config.shard_optimizer_state=false", "fsdp_config.shard_optimizer_state"},
-      {"--fsdp_config.model_parallel_size=2", "fsdp_config.model_parallel_size"},
       {"--fsdp_config.device=cuda", "fsdp_config.device"},
   };
   for (const auto& [arg, key] : cases) {

@@ -27,10 +27,12 @@ struct StrategyRun {
 };
 
 // `world` ranks with kGlobalBatch / (world * accumulation) rows each: the same global batch.
+// With model_parallel > 1 the world / model_parallel data-parallel ranks share the batch.
 std::map<int64_t, StepMetrics> train(const std::string& dir, int world, std::vector<std::string> args,
-                                     int accumulation = 1, int steps = kSteps) {
+                                     int accumulation = 1, int steps = kSteps, int model_parallel = 1) {
   args = with(base_args(dir, steps),
-              with({"--training.micro_batch_size=" + std::to_string(kGlobalBatch / (world * accumulation)),
+              with({"--training.micro_batch_size=" + std::to_string(kGlobalBatch * model_parallel / (world * accumulation)),
+                    "--fsdp_config.model_parallel_size=" + std::to_string(model_parallel),
                     "--training.gradient_accumulation_steps=" + std::to_string(accumulation),
                     "--fsdp_config.checkpoint_interval=4"},
                    args));
@@ -145,6 +147,38 @@ TEST(TrainerStrategies, OneCheckpointCarriesARunAcrossStrategiesAndWorldSizes) {
   ASSERT_TRUE(std::filesystem::exists(dir / "ddp/ckpt/step_4/metadata.json"));
   const auto sharded = train(dir / "sharded", 4, {"--training.resume=" + (dir / "ddp/ckpt/step_4")});
   expect_losses_near(sharded, want, 5, "FULL_SHARD W=4 from NO_SHARD W=2");
+}
+
+// model_parallel_size: 2 at W=4 (dp 2 x tp 2) trains like one process, and its checkpoint
+// resumes at W=2 without tensor parallelism, continuing with the same losses.
+TEST(TrainerStrategies, TensorParallelTrainsLikeOneProcessAndResumesWithoutIt) {
+  const auto& want = single_process_losses();
+  TempDir dir;
+  const std::string tp = dir / "tp", plain = dir / "plain";
+  expect_losses_near(train(tp, 4, {}, 1, kSteps, /*model_parallel=*/2), want, 1, "dp2 x tp2 W=4");
+  ASSERT_TRUE(std::filesystem::exists(tp + "/ckpt/step_4/metadata.json"));
+  expect_losses_near(train(plain, 2, {"--training.resume=" + tp + "/ckpt/step_4"}), want, 5,
+                     "FULL_SHARD W=2 from dp2 x tp2");
+}
+
+// configs/seed002.yaml as it stands (model_parallel_size: 2, bf16, activation checkpointing,
+// offload) runs at W=4 and resumes at W=2 with model_parallel_size: 1.
+TEST(TrainerStrategies, Seed002RunsTensorParallelAndResumesWithoutIt) {
+  TempDir dir;
+  auto seed002 = [&](int world, const std::string& sub, std::vector<std::string> more) {
+    std::vector<std::string> args = {configs_dir() + "/seed002.yaml", "--fsdp_config.world_size=" + std::to_string(world),
+                                     "--training.steps=4", "--fsdp_config.checkpoint_interval=2",
+                                     "--fsdp_config.checkpoint_dir=" + dir / sub, "--logging.progress=off",
+                                     "--training.export=none", "--logging.jsonl=" + dir / (sub + "_m{rank}.jsonl")};
+    return fsdprun.run(under_fsdprun(world, with(args, more)), {}, 240);
+  };
+  RunResult r = seed002(4, "ckpt", {});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("tensor-parallel over 2 (tp)"), std::string::npos) << r.out;
+  ASSERT_TRUE(std::filesystem::exists(dir / "ckpt/step_2/metadata.json"));
+  r = seed002(2, "ckpt", {"--fsdp_config.model_parallel_size=1", "--training.resume=" + dir / "ckpt/step_2"});
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(read_metrics(dir / "ckpt_m0.jsonl").rbegin()->first, 4);
 }
 
 }  // namespace

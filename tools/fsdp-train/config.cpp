@@ -586,14 +586,24 @@ void check_supported(const TrainConfig& cfg) {
                   "supported: NO_SHARD replicates the whole model (fsdp::replicate) and has no FSDP groups; "
                   "use a sharded strategy or output_head_group: false");
   }
+  if (f.output_head_group && f.model_parallel_size > 1) {
+    bad.push_back("fsdp_config.output_head_group: true with fsdp_config.model_parallel_size: " +
+                  std::to_string(f.model_parallel_size) +
+                  " is not supported yet: the tensor-parallel model shards its head with the root; "
+                  "set output_head_group: false or model_parallel_size: 1");
+  }
   if (f.offload_optimizer_state != f.offload_params) {
     bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") + (f.offload_optimizer_state ? "true" : "false") +
                   " differs from fsdp_config.offload_params: " + (f.offload_params ? "true" : "false") +
                   "; FSDP keeps the optimizer state next to the sharded parameters (CPUOffloadPolicy moves both), "
                   "so set both keys to the same value");
   }
-  no(f.model_parallel_size > 1,
-     "fsdp_config.model_parallel_size: " + std::to_string(f.model_parallel_size) + " (> 1)");
+  if (f.model_parallel_size > 1 && f.sharding_strategy != ShardingStrategy::FULL_SHARD &&
+      f.sharding_strategy != ShardingStrategy::SHARD_GRAD_OP) {
+    bad.push_back("fsdp_config.model_parallel_size: " + std::to_string(f.model_parallel_size) +
+                  " (> 1) with fsdp_config.sharding_strategy: " + to_string(f.sharding_strategy) +
+                  " is not supported yet; tensor parallelism combines with FULL_SHARD or SHARD_GRAD_OP");
+  }
   no(f.device != "cpu", "fsdp_config.device: " + f.device + " (this is a CPU build)");
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) {
     // fsdp::replicate keeps whole fp32 parameters on the device and has no policies.
@@ -635,8 +645,23 @@ bool reshard_after_forward(const TrainConfig& cfg) {
                     " does not shard, so it has no reshard_after_forward");
 }
 
+void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, int64_t dim) {
+  const int k = cfg.fsdp_config.model_parallel_size;
+  if (k == 1) return;
+  const std::string key = "fsdp_config.model_parallel_size: " + std::to_string(k);
+  if (world % k != 0)
+    throw ConfigError(key + " does not divide the world of " + std::to_string(world) + " rank(s); the ranks form a "
+                      "(world / model_parallel_size, model_parallel_size) mesh");
+  if (n_heads % k != 0)
+    throw ConfigError(key + " does not divide model.n_heads: " + std::to_string(n_heads) +
+                      "; each tensor-parallel rank computes whole heads");
+  if (dim % k != 0)
+    throw ConfigError(key + " does not divide model.dim: " + std::to_string(dim));
+}
+
 DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int local_world) {
   const auto& f = cfg.fsdp_config;
+  if (f.model_parallel_size > 1) world /= f.model_parallel_size;  // the data-parallel ranks
   const std::string strategy = to_string(f.sharding_strategy);
   const std::optional<int>& degree = f.replicate_degree;
   const auto wrong = [&](const std::string& rule) {

@@ -92,7 +92,9 @@ struct FsdpConfig {
   // Only meaningful with activation_checkpointing (as in PyTorch), so either value is accepted
   // without it. Default true, as the FSDP example's configuration has it.
   bool use_reentrant = true;
-  int model_parallel_size = 1;  // >= 1; > 1 (tensor parallel) not supported yet
+  // >= 1: tensor-parallel ranks per model copy. k > 1 trains on the mesh (world / k, k) named
+  // (dp, tp): the blocks split over tp (fsdp::tp::parallelize), FSDP over dp.
+  int model_parallel_size = 1;
   int64_t checkpoint_interval = 0;  // save every N steps; 0 = only the final export
   // Created if needed and checked for writing at start-up (rank 0), before any training.
   std::string checkpoint_dir = "./checkpoints";
@@ -251,6 +253,10 @@ struct DataParallelShape {
 // Validates fsdp_config.replicate_degree against the strategy and the launcher's world
 // (`world` ranks, `local_world` per node); throws ConfigError naming the key and both values.
 DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int local_world);
+
+// Throws ConfigError naming fsdp_config.model_parallel_size when it does not divide the world,
+// or the model's n_heads or dim (each tensor-parallel rank computes whole heads).
+void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, int64_t dim);
 
 }  // namespace train
 }  // namespace fsdp

@@ -36,6 +36,7 @@
 #include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/tensor_parallel.h>
 #include <fsdp/fused_adamw.h>
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
@@ -331,10 +332,11 @@ class Run {
   void write_trace();
   void finish(int64_t last_step);
   void export_and_sample();
+  void build_tensor_parallel_model(FullyShardOptions block_options, FullyShardOptions root_options);
   void write_summary(int64_t steps_run);
   RankTotals my_totals(size_t warmup) const;
   RunShape run_shape();
-  int64_t tokens_per_step() const { return static_cast<int64_t>(world_) * accumulation_ * batch_ * seq_; }
+  int64_t tokens_per_step() const { return static_cast<int64_t>(dp_world_) * accumulation_ * batch_ * seq_; }
   void print(const std::string& text) {
     if (rank_ != 0) return;
     if (console_) console_->line(text);
@@ -348,6 +350,9 @@ class Run {
   const TrainConfig& cfg_;
   const Precision precision_;
   int rank_ = 0, world_ = 1;
+  // The data-parallel ranks: every rank, or with model_parallel_size k the world / k rows of the
+  // (dp, tp) mesh, whose k tp ranks train on the same rows.
+  int dp_rank_ = 0, dp_world_ = 1, tp_ = 1;
   models::ModelArgs args_;
   int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
   LrSchedule schedule_;
@@ -389,10 +394,19 @@ void Run::set_up() {
 
   join_job(env);
   check_checkpoint_dir();
+  check_model_parallel(cfg_, world_, args_.n_heads, args_.dim);
   shape_ = data_parallel_shape(cfg_, world_, env.local_world_size);
-  // HSDP: row-major, so each replica's shard group is world / replicate_degree consecutive ranks.
-  mesh_ = shape_.hybrid ? init_device_mesh("cpu", {shape_.replicate, shape_.shard}, {"replicate", "shard"})
-                        : init_device_mesh("cpu", {world_});
+  tp_ = cfg_.fsdp_config.model_parallel_size;
+  if (tp_ > 1) {
+    // Row-major: each tp group is tp_ consecutive ranks, each dp group a column.
+    mesh_ = init_device_mesh("cpu", {world_ / tp_, tp_}, {"dp", "tp"});
+  } else {
+    // HSDP: row-major, so each replica's shard group is world / replicate_degree consecutive ranks.
+    mesh_ = shape_.hybrid ? init_device_mesh("cpu", {shape_.replicate, shape_.shard}, {"replicate", "shard"})
+                          : init_device_mesh("cpu", {world_});
+  }
+  dp_world_ = world_ / tp_;
+  dp_rank_ = tp_ > 1 ? static_cast<int>(mesh_.get_local_rank(0)) : rank_;
   shard_model();
   parameter_count_ = full_parameter_count(model_);
 
@@ -474,7 +488,9 @@ void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::opt
   // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
   FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
-  if (cfg_.fsdp_config.output_head_group) {
+  if (tp_ > 1) {
+    build_tensor_parallel_model(block_options, root_options);
+  } else if (cfg_.fsdp_config.output_head_group) {
     // The head runs backward first, so keeping it gathered from forward saves an all-gather and
     // no memory (torchtitan does the same for its last group); it reshards after its backward.
     FullyShardOptions head_options = block_options;
@@ -484,6 +500,22 @@ void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::opt
     model_ = models::sharded_transformer(args_, block_options, root_options);
   }
   root_ = get_fsdp_module(*model_);
+}
+
+// model_parallel_size k > 1: each block is split over tp as soon as it is built (the Megatron
+// plan: fsdp::tp::parallelize), then sharded over dp; the embeddings, final norm and head stay
+// whole over tp and are sharded over dp by the root.
+void Run::build_tensor_parallel_model(FullyShardOptions block_options, FullyShardOptions root_options) {
+  const auto dp_dims = DataParallelMeshDims().shard("dp");
+  block_options.dp_mesh_dims(dp_dims);
+  root_options.dp_mesh_dims(dp_dims);
+  const tp::TensorParallelMesh tp_mesh(mesh_, "tp");
+  model_ = models::Transformer(args_, [&](models::TransformerBlock& block) {
+    tp::parallelize_block(*block, args_, tp_mesh);
+    fully_shard(block, block_options);
+  });
+  tp::register_replicated(*model_, tp_mesh);
+  fully_shard(model_, root_options);
 }
 
 // model.init_from, into whatever the strategy made of the model. A safetensors directory is
@@ -603,6 +635,7 @@ std::string Run::data_parallel_description() const {
   if (replicated_.valid()) return "replicated on " + std::to_string(world_) + " rank(s), " + strategy;
   std::string where = "sharded over " + std::to_string(shape_.shard) + " rank(s)";
   if (shape_.hybrid) where += " in each of " + std::to_string(shape_.replicate) + " replicas";
+  if (tp_ > 1) where += " (dp) x tensor-parallel over " + std::to_string(tp_) + " (tp)";
   return where + ", " + strategy;
 }
 
@@ -615,7 +648,7 @@ void Run::start_logging() {
   hello << "fsdp-train: " << parameter_count_ << " parameters (" << args_.n_layers << " layers, dim " << args_.dim
         << ", " << args_.n_heads << " heads, vocab " << args_.vocab_size << ", max_seq_len " << args_.max_seq_len
         << ") " << data_parallel_description() << ", "
-        << precision_.describe() << "; " << data_->describe() << "; global batch " << world_ * accumulation_ * batch_
+        << precision_.describe() << "; " << data_->describe() << "; global batch " << dp_world_ * accumulation_ * batch_
         << " x " << seq_ << " tokens";
   print(hello.str());
   // Only rank 0 probes (its line is the one printed); the others go on to the first step's
@@ -676,7 +709,7 @@ void Run::set_learning_rate(double lr) {
 // the micro-batch's loss (already divided by the number of micro-batches).
 double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport& r) {
   set_gradient_sync_for(micro);
-  auto [inputs, targets] = micro_batch(batch, rank_, accumulation_, micro, batch_);
+  auto [inputs, targets] = micro_batch(batch, dp_rank_, accumulation_, micro, batch_);
   const double f0 = now_seconds();
   at::Tensor loss;
   {
@@ -741,7 +774,7 @@ StepReport Run::compute_step(int64_t step) {
   r.lr = lr_at(schedule_, step);
   r.precision = precision_.describe();
   set_learning_rate(r.lr);
-  const at::Tensor batch = data_->global_batch(step - 1, world_ * accumulation_ * batch_, seq_);
+  const at::Tensor batch = data_->global_batch(step - 1, dp_world_ * accumulation_ * batch_, seq_);
   const CollectiveStats comm_start = mesh_stats(mesh_);
   memory::reset_peak_allocated();
 
