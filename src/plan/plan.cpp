@@ -176,6 +176,28 @@ class StepReplay {
       }
     }
     ledger_.set("data", "", "the step's tokens", m_.input_bytes);
+    ledger_.set("scratch", "", "collective scratch (kept by the process groups)", scratch_bytes());
+  }
+
+  // The Gloo backend keeps one scratch buffer per process group, grown to the largest call
+  // (src/comm/gloo_backend.cpp): a ring reduce-scatter over more than two ranks holds two
+  // chunks; an all-reduce of up to 64 KiB every rank's copy, a larger one a chunk.
+  double scratch_bytes() const {
+    auto all_reduce = [](double bytes, double ranks) {
+      return bytes <= 64 * 1024 ? ranks * bytes : std::ceil(bytes / ranks / 4) * 4;
+    };
+    if (o_.no_shard_) {
+      if (o_.world_ == 1) return 0;
+      double total = 0;
+      for (const GroupLayout& l : layouts_) total += l.unsharded_numel * 4.0;
+      return all_reduce(std::min(total, 25.0 * (1 << 20)), o_.world_);
+    }
+    double rs = 0, ar = 0;
+    for (const GroupLayout& l : layouts_) {
+      if (shards_ > 2) rs = std::max(rs, 2.0 * l.row_numel * rb_);
+      if (o_.replicate_ > 1) ar = std::max(ar, all_reduce(static_cast<double>(l.row_numel) * rb_, o_.replicate_));
+    }
+    return rs + ar;
   }
 
   double gathered_bytes(int g) const { return static_cast<double>(shards_) * layouts_[g].row_numel * pb_; }
@@ -425,9 +447,10 @@ std::vector<Collectives> collectives_of(const ModelSpec& m, const PlanOptions& o
 void step_time(const ModelSpec& m, const PlanOptions& o, const std::vector<Collectives>& coll, Plan& p) {
   const Constants& c = o.constants_;
   const int local = o.local_world_ > 0 ? o.local_world_ : o.world_;
-  // Ranks beyond the cores share them: each one's rates divide.
+  // The matmul rates are the whole machine's (every core): the ranks of one machine split it.
+  // The memory bandwidth is one thread's: ranks beyond the cores share them.
   const double share = std::min(1.0, static_cast<double>(std::max(1, c.cpu_cores)) / local);
-  const double rate = (o.param_dtype_ == Dtype::kFloat32 ? c.matmul_flops_fp32 : c.matmul_flops_bf16) * share;
+  const double rate = (o.param_dtype_ == Dtype::kFloat32 ? c.matmul_flops_fp32 : c.matmul_flops_bf16) / local;
   const double bandwidth = c.memory_bytes_per_s * share;
   double flops = 0, moved = 0;
   for (const StageSpec& s : m.stages) {
