@@ -7,6 +7,7 @@
 #include "config.h"
 #include "data.h"
 #include "errors.h"
+#include "plan_command.h"
 #include "read_file.h"
 #include "stop_signal.h"
 #include "trainer.h"
@@ -25,10 +26,13 @@ namespace {
 const char* kUsage =
     "usage: fsdp-train [CONFIG.yaml] [--section.key=value ...] [--trace]\n"
     "       fsdp-train tokenize INPUT OUTPUT\n"
+    "       fsdp-train plan CONFIG.yaml [--section.key=value ...] --world N [--memory-per-rank SIZE] [--json]\n"
     "Trains the Transformer as CONFIG.yaml says (see configs/); every key can be overridden on the\n"
     "command line, e.g. --training.steps=20 --optimizer.betas=[0.9,0.95]. --trace is\n"
     "--logging.trace=true. Start it with fsdprun for several ranks.\n"
     "tokenize: turns any file into a byte-level token file (vocabulary 256).\n"
+    "plan: the memory, collectives and step time a run needs per rank, predicted without running it\n"
+    "(fsdp-train plan --help).\n"
     "Exit codes: 0 done, 1 runtime error, 2 configuration error, 3 non-finite loss or gradient\n"
     "norm (the step is not applied), 128+N stopped by signal N (after saving a checkpoint).\n";
 
@@ -70,6 +74,7 @@ int main(int argc, char** argv) {
   using namespace fsdp::train;
   try {
     if (argc >= 2 && !std::strcmp(argv[1], "tokenize")) return tokenize(argc, argv);
+    if (argc >= 2 && !std::strcmp(argv[1], "plan")) return plan_command(argc, argv);
     std::string config_path;
     std::vector<std::string> overrides;
     for (int i = 1; i < argc; ++i) {

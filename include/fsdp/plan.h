@@ -1,0 +1,175 @@
+// fsdp/plan.h — how much memory and communication a training step needs, per rank, before
+// anything runs: the memory/communication planner behind `fsdp-train plan`.
+//
+//   fsdp::plan::ModelSpec model = fsdp::plan::transformer_spec(shape, activations);
+//   fsdp::plan::Plan p = fsdp::plan::plan(model, fsdp::plan::PlanOptions().world(4).micro_batches(2));
+//   std::printf("rank 0 peak %lld bytes\n", static_cast<long long>(p.ranks[0].peak_tensor_bytes));
+//
+// The planner replays one optimizer step the way fully_shard runs it (src/fsdp/param_group.cpp,
+// state.cpp): each group's all-gather buffer and unsharded parameters from its pre-forward (or the
+// forward prefetch one group earlier) to its post-forward reshard (or, without
+// reshard_after_forward, to its post-backward), the root kept unsharded for the whole step, the
+// backward prefetch of the group before, the unsharded gradients until the reduce-scatter copies
+// them in, the sharded gradients until the optimizer has stepped, and each stage's activations:
+// kept from its forward to its backward, recomputed in backward when checkpointed. It adds up the
+// live bytes at each point and keeps the largest: the peak tensor bytes that
+// fsdp::memory::max_allocated_bytes() reports for a step (include/fsdp/memory.h), and what is
+// alive then, by module.
+//
+// A module of your own: describe its FSDP groups (the parameters of each fully_shard call, the
+// root first) and its stages (what each part of forward keeps for backward), then call plan().
+// Nothing here is collective, allocates tensors or needs LibTorch; every function is thread-safe.
+// Errors (an impossible option, an empty model) throw std::invalid_argument naming the option.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace plan {
+
+enum class Dtype { kFloat32, kBFloat16, kFloat16 };
+int64_t bytes_of(Dtype d);
+const char* name_of(Dtype d);  // fp32 | bf16 | fp16
+
+// One parameter: its name and shape. fully_shard splits it along dim 0 into world pieces of
+// ceil(rows / world) rows (the last pieces padded).
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel() const;
+};
+
+// The parameters of one fully_shard call. groups[0] of a ModelSpec is the root.
+struct GroupSpec {
+  std::string name;  // the module's name ("" for the root)
+  std::vector<ParamSpec> params;
+};
+
+// One part of forward, in forward order, run by one group's module (the root's embeddings and
+// its output head are two stages of group 0). Bytes are per micro-batch, in the dtypes the stage
+// computes in.
+struct StageSpec {
+  std::string name;
+  int group = 0;                     // index into ModelSpec::groups
+  std::vector<int> grads;            // indices of the group's params whose gradients its backward makes
+  double saved_bytes = 0;            // kept from its forward to its backward (the output included)
+  double output_bytes = 0;           // its output, the next stage's input
+  double forward_extra_bytes = 0;    // above saved_bytes at the high point of its forward
+  double backward_extra_bytes = 0;   // above saved_bytes at the high point of its backward
+  bool grads_before_peak = true;     // its parameters' gradients exist at its backward's high point
+  bool checkpointed = false;         // keeps only output_bytes; recomputes its forward in backward
+                                     // (forward_extra_bytes is then the high point of the no-grad forward)
+  int64_t pieces = 1;                // checkpointed in this many pieces, one at a time (the bytes are per piece)
+  double forward_flops = 0;          // matmul FLOPs of one forward (all pieces)
+  double other_bytes_moved = 0;      // bytes the non-matmul operations of one forward read and write
+};
+
+struct ModelSpec {
+  std::vector<GroupSpec> groups;
+  std::vector<StageSpec> stages;
+  double input_bytes = 0;  // what the step's data holds on each rank during the step (tokens)
+};
+
+// The shape of fsdp::models::Transformer (include/fsdp/models/transformer.h) and of the batch.
+struct TransformerShape {
+  int64_t n_layers = 2, vocab_size = 8, max_seq_len = 16, dim = 16, n_heads = 4;
+  double dropout_p = 0.0;
+};
+struct ActivationOptions {
+  int64_t micro_batch = 1;       // rows per rank per micro-batch
+  int64_t seq = 16;              // training sequence length
+  Dtype compute = Dtype::kFloat32;  // the parameters' compute dtype (MixedPrecisionPolicy::param_dtype)
+  int64_t checkpoint_every = 0;  // 0: none; k: block i when (i + 1) % k == 0
+  int64_t loss_chunks = 1;       // the loss in this many checkpointed pieces of the sequence
+  int64_t global_rows = 1;       // rows of the step's global batch, which every rank draws whole
+};
+// The Transformer as the trainer shards it: one group per block, the root holding the
+// embeddings, the final norm and the output head. Throws std::invalid_argument for sizes the
+// model refuses (dim not divisible by n_heads, loss_chunks outside [1, seq], seq > max_seq_len).
+ModelSpec transformer_spec(const TransformerShape& shape, const ActivationOptions& activations);
+
+// Rates of this machine, measured by bench/bench_matmul and bench/bench_collectives and the
+// trainer itself (configs/plan_constants.json, regenerated by bench/plan_constants.py).
+struct Constants {
+  double matmul_flops_fp32 = 50e9;     // the whole machine (every core); its ranks split it
+  double matmul_flops_bf16 = 50e9;
+  double memory_bytes_per_s = 10e9;    // one thread, streaming (elementwise ops, the optimizer)
+  double collective_bytes_per_s = 1e9;  // bus bandwidth of all-gather / reduce-scatter
+  double collective_latency_s = 1e-4;  // per collective
+  double step_overhead_s = 0;          // per micro-batch: hooks, autograd, the trainer
+  int cpu_cores = 1;                   // ranks beyond this many share the memory bandwidth
+  double runtime_rss_bytes = 0;        // RSS of a rank with no tensors (LibTorch, Gloo, the program)
+  double rss_per_tensor_byte = 1;      // peak RSS above the runtime per byte of peak tensors (block cache)
+  std::string source;                  // where the numbers came from (machine, date, commit)
+};
+// The constants of configs/plan_constants.json as built into the library.
+Constants measured_constants();
+// Parses the JSON of a constants file; throws std::invalid_argument naming a missing key.
+Constants constants_from_json(const std::string& json_text);
+
+enum class Optimizer { kAdamW, kFusedAdamW };
+
+struct PlanOptions {
+  PlanOptions& world(int v) { world_ = v; return *this; }
+  PlanOptions& replicate(int v) { replicate_ = v; return *this; }  // HSDP replicas (1: FULL_SHARD)
+  PlanOptions& no_shard(bool v) { no_shard_ = v; return *this; }   // fsdp::replicate (DDP)
+  PlanOptions& reshard_after_forward(bool v) { reshard_after_forward_ = v; return *this; }
+  PlanOptions& param_dtype(Dtype v) { param_dtype_ = v; return *this; }
+  PlanOptions& reduce_dtype(Dtype v) { reduce_dtype_ = v; return *this; }
+  PlanOptions& offload(bool v) { offload_ = v; return *this; }  // CPUOffloadPolicy (identity copies on CPU)
+  PlanOptions& optimizer(Optimizer v) { optimizer_ = v; return *this; }
+  PlanOptions& micro_batches(int64_t v) { micro_batches_ = v; return *this; }  // gradient accumulation
+  PlanOptions& local_world(int v) { local_world_ = v; return *this; }          // ranks on one machine
+  PlanOptions& constants(Constants v) { constants_ = std::move(v); return *this; }
+  int world_ = 1, replicate_ = 1, local_world_ = 0;  // local_world 0: the world
+  bool no_shard_ = false, reshard_after_forward_ = true, offload_ = false;
+  Dtype param_dtype_ = Dtype::kFloat32, reduce_dtype_ = Dtype::kFloat32;
+  Optimizer optimizer_ = Optimizer::kAdamW;
+  int64_t micro_batches_ = 1;
+  Constants constants_ = measured_constants();
+};
+
+struct DtypeBytes {
+  Dtype dtype;
+  int64_t bytes;
+};
+// A tensor (or a set of them) alive at the peak.
+struct Buffer {
+  std::string module;  // group or stage name ("" = root)
+  std::string what;    // "sharded params", "all-gather buffer (prefetch)", "activations", ...
+  int64_t bytes;
+};
+struct Collectives {
+  std::string group;   // the module ("" = root)
+  std::string kind;    // all_gather | reduce_scatter | all_reduce
+  std::string mesh;    // shard | replicate | world
+  int64_t count = 0;   // per optimizer step
+  int64_t bytes = 0;   // per step: the full (gathered / unreduced) buffers, summed
+};
+
+struct RankPlan {
+  int rank = 0;
+  std::vector<DtypeBytes> params, grads, optimizer_state;  // sharded, by dtype
+  int64_t activation_bytes = 0;  // saved activations at the end of the last forward
+  int64_t peak_tensor_bytes = 0;
+  std::string peak_at;           // where in the step the peak is
+  std::vector<Buffer> at_peak;   // everything alive at the peak
+  int64_t peak_rss_bytes = 0;    // runtime + peak tensors with the block cache's overhead
+  std::vector<Collectives> collectives;
+};
+
+struct Plan {
+  std::vector<RankPlan> ranks;
+  double step_time_s = 0;
+  double compute_s = 0, communication_s = 0, optimizer_s = 0, overhead_s = 0;
+  std::string constants_source;
+};
+
+// The plan of one optimizer step of `model` (in steady state: the optimizer state exists).
+// Throws std::invalid_argument naming the option for an impossible combination.
+Plan plan(const ModelSpec& model, const PlanOptions& options);
+
+}  // namespace plan
+}  // namespace fsdp

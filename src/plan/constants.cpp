@@ -1,0 +1,50 @@
+// constants.cpp — the machine's measured rates (fsdp/plan.h): configs/plan_constants.json, built
+// into the library by CMake (plan_constants_json.h), or any such file parsed at run time.
+#include <fsdp/plan.h>
+
+#include "plan_constants_json.h"
+
+#include <nlohmann/json.hpp>
+
+#include <stdexcept>
+
+namespace fsdp {
+namespace plan {
+
+Constants constants_from_json(const std::string& json_text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(std::string("fsdp::plan: the constants are not valid JSON: ") + e.what());
+  }
+  auto number = [&](const char* key) {
+    if (!j.contains(key) || !j[key].is_number())
+      throw std::invalid_argument(std::string("fsdp::plan: the constants have no number '") + key +
+                                  "'; regenerate them with bench/plan_constants.py");
+    return j[key].get<double>();
+  };
+  Constants c;
+  c.matmul_flops_fp32 = number("matmul_flops_fp32");
+  c.matmul_flops_bf16 = number("matmul_flops_bf16");
+  c.memory_bytes_per_s = number("memory_bytes_per_s");
+  c.collective_bytes_per_s = number("collective_bytes_per_s");
+  c.collective_latency_s = number("collective_latency_s");
+  c.step_overhead_s = number("step_overhead_s");
+  c.cpu_cores = static_cast<int>(number("cpu_cores"));
+  c.runtime_rss_bytes = number("runtime_rss_bytes");
+  c.rss_per_tensor_byte = number("rss_per_tensor_byte");
+  if (c.matmul_flops_fp32 <= 0 || c.matmul_flops_bf16 <= 0 || c.memory_bytes_per_s <= 0 ||
+      c.collective_bytes_per_s <= 0 || c.cpu_cores < 1)
+    throw std::invalid_argument("fsdp::plan: the constants' rates and cpu_cores must be positive");
+  c.source = j.value("source", std::string());
+  return c;
+}
+
+Constants measured_constants() {
+  static const Constants built_in = constants_from_json(kPlanConstantsJson);
+  return built_in;
+}
+
+}  // namespace plan
+}  // namespace fsdp

@@ -1,0 +1,501 @@
+// plan.cpp — the step replay of fsdp/plan.h: a ledger of what is alive, walked through one
+// optimizer step in the order fully_shard allocates and frees (src/fsdp/param_group.cpp,
+// state.cpp, collectives.cpp), the largest total kept with what made it up.
+#include <fsdp/plan.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <utility>
+
+namespace fsdp {
+namespace plan {
+
+int64_t bytes_of(Dtype d) { return d == Dtype::kFloat32 ? 4 : 2; }
+const char* name_of(Dtype d) {
+  switch (d) {
+    case Dtype::kFloat32: return "fp32";
+    case Dtype::kBFloat16: return "bf16";
+    case Dtype::kFloat16: return "fp16";
+  }
+  return "?";
+}
+
+int64_t ParamSpec::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+namespace {
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("fsdp::plan: " + what);
+}
+
+// How one group is laid out over its shard group of `shards` ranks (collectives.cpp): each
+// parameter's dim 0 in pieces of ceil(rows / shards) rows, the pieces of every parameter one
+// after another in a flat row of row_numel elements per rank.
+struct GroupLayout {
+  int64_t unsharded_numel = 0;  // the parameters whole
+  int64_t row_numel = 0;        // one rank's flat shard, padding included
+  int64_t real_numel = 0;       // this rank's real elements (what the optimizer state covers)
+  int64_t largest_real = 0;     // this rank's largest real piece of one parameter
+};
+
+GroupLayout layout_of(const GroupSpec& g, int64_t shards, int64_t shard_rank) {
+  GroupLayout l;
+  for (const ParamSpec& p : g.params) {
+    const int64_t rows = p.shape.empty() ? 1 : p.shape[0];
+    const int64_t rest = rows > 0 ? p.numel() / rows : 0;
+    const int64_t chunk = (rows + shards - 1) / shards;
+    const int64_t real_rows = std::max<int64_t>(0, std::min(chunk, rows - shard_rank * chunk));
+    l.unsharded_numel += p.numel();
+    l.row_numel += chunk * rest;
+    l.real_numel += real_rows * rest;
+    l.largest_real = std::max(l.largest_real, real_rows * rest);
+  }
+  return l;
+}
+
+// What is alive: named entries, and the largest total seen with its entries.
+class Ledger {
+ public:
+  void set(const std::string& key, const std::string& module, const std::string& what, double bytes) {
+    if (bytes <= 0) return drop(key);
+    live_[key] = Buffer{module, what, static_cast<int64_t>(std::llround(bytes))};
+  }
+  void drop(const std::string& key) { live_.erase(key); }
+  bool has(const std::string& key) const { return live_.count(key) != 0; }
+  // A point of the step: what is alive plus `extra` (transients of this moment).
+  void point(const std::string& where, const std::vector<Buffer>& extra = {}) {
+    int64_t total = 0;
+    for (const auto& kv : live_) total += kv.second.bytes;
+    for (const Buffer& b : extra) total += b.bytes;
+    if (total <= peak_) return;
+    peak_ = total;
+    peak_at_ = where;
+    at_peak_.clear();
+    for (const auto& kv : live_) at_peak_.push_back(kv.second);
+    for (const Buffer& b : extra)
+      if (b.bytes > 0) at_peak_.push_back(b);
+  }
+  int64_t total_of(const std::string& key_prefix) const {
+    int64_t n = 0;
+    for (const auto& kv : live_)
+      if (kv.first.compare(0, key_prefix.size(), key_prefix) == 0) n += kv.second.bytes;
+    return n;
+  }
+  int64_t peak() const { return peak_; }
+  const std::string& peak_at() const { return peak_at_; }
+  std::vector<Buffer> at_peak() const {  // merged by (module, what), largest first
+    std::map<std::pair<std::string, std::string>, int64_t> merged;
+    for (const Buffer& b : at_peak_) merged[{b.module, b.what}] += b.bytes;
+    std::vector<Buffer> out;
+    for (const auto& kv : merged) out.push_back(Buffer{kv.first.first, kv.first.second, kv.second});
+    std::stable_sort(out.begin(), out.end(), [](const Buffer& a, const Buffer& b) { return a.bytes > b.bytes; });
+    return out;
+  }
+
+ private:
+  std::map<std::string, Buffer> live_;
+  int64_t peak_ = -1;
+  std::string peak_at_;
+  std::vector<Buffer> at_peak_;
+};
+
+std::string label(const std::string& module) { return module.empty() ? "(root)" : module; }
+
+// One rank's replay of one step.
+class StepReplay {
+ public:
+  StepReplay(const ModelSpec& m, const PlanOptions& o, int rank) : m_(m), o_(o) {
+    shards_ = o.no_shard_ ? 1 : o.world_ / o.replicate_;
+    const int64_t shard_rank = rank % shards_;
+    for (const GroupSpec& g : m.groups) layouts_.push_back(layout_of(g, shards_, shard_rank));
+    pb_ = bytes_of(o.param_dtype_);
+    rb_ = bytes_of(o.reduce_dtype_);
+    // One rank with no cast: the unsharded parameters are the shards (no all-gather ever).
+    aliased_ = o.no_shard_ || (shards_ == 1 && o.param_dtype_ == Dtype::kFloat32);
+    for (size_t s = 0; s < m.stages.size(); ++s) {
+      const int g = m.stages[s].group;
+      if (!first_stage_.count(g)) first_stage_[g] = static_cast<int>(s);
+      last_stage_[g] = static_cast<int>(s);
+    }
+  }
+
+  RankPlan run(int rank) {
+    floor();
+    for (int64_t micro = 0; micro < o_.micro_batches_; ++micro) {
+      forward(micro);
+      backward(micro);
+    }
+    optimizer_step();
+    RankPlan r;
+    r.rank = rank;
+    r.peak_tensor_bytes = ledger_.peak();
+    r.peak_at = ledger_.peak_at();
+    r.at_peak = ledger_.at_peak();
+    r.activation_bytes = activation_bytes_;
+    int64_t params = 0, states = 0;
+    for (const GroupLayout& l : layouts_) {
+      params += (o_.no_shard_ ? l.unsharded_numel : l.row_numel) * 4;
+      states += 2 * (o_.no_shard_ ? l.unsharded_numel : l.real_numel) * 4;
+    }
+    r.params = {{Dtype::kFloat32, params}};
+    r.optimizer_state = {{Dtype::kFloat32, states}};
+    r.grads = {{Dtype::kFloat32, grad_bytes_}};
+    const Constants& c = o_.constants_;
+    r.peak_rss_bytes = static_cast<int64_t>(c.runtime_rss_bytes + c.rss_per_tensor_byte * r.peak_tensor_bytes);
+    return r;
+  }
+
+ private:
+  const GroupSpec& group(int g) const { return m_.groups[g]; }
+  const std::string& gname(int g) const { return m_.groups[g].name; }
+  std::string key(const char* kind, int g) const { return std::string(kind) + ":" + std::to_string(g); }
+  bool is_root(int g) const { return g == 0; }
+  // The root keeps its parameters from forward to backward (FSDP2 never reshards the root after
+  // forward); the others when reshard_after_forward is false.
+  bool reshards_after_forward(int g) const { return !is_root(g) && o_.reshard_after_forward_; }
+
+  // This rank's sharded parameters and AdamW's two moments: alive throughout.
+  void floor() {
+    for (size_t g = 0; g < layouts_.size(); ++g) {
+      const GroupLayout& l = layouts_[g];
+      const int gi = static_cast<int>(g);
+      if (o_.no_shard_) {
+        ledger_.set(key("params", gi), gname(gi), "parameters (whole)", l.unsharded_numel * 4.0);
+        ledger_.set(key("state", gi), gname(gi), "optimizer state", 2.0 * l.unsharded_numel * 4);
+        // replicate's gradients are views of its all-reduce buckets, allocated once.
+        ledger_.set(key("sgrad", gi), gname(gi), "gradient buckets", l.unsharded_numel * 4.0);
+      } else {
+        ledger_.set(key("params", gi), gname(gi), "sharded parameters", l.row_numel * 4.0);
+        ledger_.set(key("state", gi), gname(gi), "optimizer state", 2.0 * l.real_numel * 4);
+      }
+    }
+    ledger_.set("data", "", "the step's tokens", m_.input_bytes);
+    ledger_.set("scratch", "", "collective scratch (kept by the process groups)", scratch_bytes());
+  }
+
+  // The Gloo backend keeps one scratch buffer per process group, grown to the largest call
+  // (src/comm/gloo_backend.cpp): a ring reduce-scatter over more than two ranks holds two
+  // chunks; an all-reduce of up to 64 KiB every rank's copy, a larger one a chunk.
+  double scratch_bytes() const {
+    auto all_reduce = [](double bytes, double ranks) {
+      return bytes <= 64 * 1024 ? ranks * bytes : std::ceil(bytes / ranks / 4) * 4;
+    };
+    if (o_.no_shard_) {
+      if (o_.world_ == 1) return 0;
+      double total = 0;
+      for (const GroupLayout& l : layouts_) total += l.unsharded_numel * 4.0;
+      return all_reduce(std::min(total, 25.0 * (1 << 20)), o_.world_);
+    }
+    double rs = 0, ar = 0;
+    for (const GroupLayout& l : layouts_) {
+      if (shards_ > 2) rs = std::max(rs, 2.0 * l.row_numel * rb_);
+      if (o_.replicate_ > 1) ar = std::max(ar, all_reduce(static_cast<double>(l.row_numel) * rb_, o_.replicate_));
+    }
+    return rs + ar;
+  }
+
+  double gathered_bytes(int g) const { return static_cast<double>(shards_) * layouts_[g].row_numel * pb_; }
+  double unsharded_bytes(int g) const { return static_cast<double>(layouts_[g].unsharded_numel) * pb_; }
+  // The all-gather's input (the shard cast to the compute dtype) and output, from its issue to
+  // the copy-out.
+  double all_gather_buffer_bytes(int g) const {
+    const double cast = o_.param_dtype_ != Dtype::kFloat32 ? layouts_[g].row_numel * static_cast<double>(pb_) : 0;
+    return (shards_ > 1 ? gathered_bytes(g) : 0) + cast;
+  }
+
+  void issue_all_gather(int g, const char* why) {
+    if (aliased_ || ledger_.has(key("unsharded", g)) || ledger_.has(key("ag", g))) return;
+    ledger_.set(key("ag", g), gname(g), std::string("all-gather buffers") + why, all_gather_buffer_bytes(g));
+  }
+  void unshard(int g, const std::string& where) {
+    if (aliased_ || ledger_.has(key("unsharded", g))) return;
+    issue_all_gather(g, "");
+    ledger_.set(key("unsharded", g), gname(g), "unsharded parameters", unsharded_bytes(g));
+    ledger_.point(where + ": all-gather copy-out of " + label(gname(g)));
+    ledger_.drop(key("ag", g));
+  }
+  void reshard(int g) {
+    if (aliased_) return;
+    ledger_.drop(key("unsharded", g));
+    ledger_.drop(key("ag", g));
+  }
+
+  void forward(int64_t micro) {
+    const std::string when = "micro-batch " + std::to_string(micro + 1) + " forward";
+    int previous_group = -1;
+    for (size_t s = 0; s < m_.stages.size(); ++s) {
+      const StageSpec& st = m_.stages[s];
+      if (st.group != previous_group && first_stage_[st.group] == static_cast<int>(s)) {
+        unshard(st.group, when);
+        // The forward prefetch: the group that ran next in the previous iteration.
+        for (size_t n = s + 1; n < m_.stages.size(); ++n) {
+          if (m_.stages[n].group != st.group && first_stage_[m_.stages[n].group] == static_cast<int>(n)) {
+            issue_all_gather(m_.stages[n].group, " (forward prefetch)");
+            break;
+          }
+        }
+      }
+      previous_group = st.group;
+      const std::string at = when + " of " + label(st.name);
+      if (st.checkpointed) {
+        ledger_.point(at, {{st.name, "activations (no-grad forward)", static_cast<int64_t>(st.forward_extra_bytes)}});
+        ledger_.set("saved:" + std::to_string(s), st.name, "activations (checkpoint output)", st.output_bytes);
+      } else {
+        ledger_.point(at, {{st.name, "activations", static_cast<int64_t>(st.saved_bytes + st.forward_extra_bytes)}});
+        ledger_.set("saved:" + std::to_string(s), st.name, "activations", st.saved_bytes);
+      }
+      if (last_stage_[st.group] == static_cast<int>(s) && reshards_after_forward(st.group)) reshard(st.group);
+    }
+    activation_bytes_ = ledger_.total_of("saved:");
+  }
+
+  // The group that finished forward just before g (its backward comes next): FSDP2's default
+  // backward prefetch. The root finishes last, so it prefetches the last block.
+  int previous_in_post_forward_order(int g) const {
+    std::vector<int> order;  // groups in the order their forward ended; the root last
+    for (size_t s = 0; s < m_.stages.size(); ++s) {
+      const int gs = m_.stages[s].group;
+      if (!is_root(gs) && last_stage_.at(gs) == static_cast<int>(s)) order.push_back(gs);
+    }
+    order.push_back(0);
+    for (size_t i = 1; i < order.size(); ++i)
+      if (order[i] == g) return order[i - 1];
+    return -1;
+  }
+
+  void backward(int64_t micro) {
+    const std::string when = "micro-batch " + std::to_string(micro + 1) + " backward";
+    const bool last_micro = micro + 1 == o_.micro_batches_;
+    std::map<int, bool> started;
+    for (int s = static_cast<int>(m_.stages.size()) - 1; s >= 0; --s) {
+      const StageSpec& st = m_.stages[s];
+      const int g = st.group;
+      const std::string at = when + " of " + label(st.name);
+      if (!started[g]) {
+        started[g] = true;
+        unshard(g, when);
+        const int previous = previous_in_post_forward_order(g);
+        if (previous >= 0 && !(aliased_ || !reshards_after_forward(previous)))
+          issue_all_gather(previous, " (backward prefetch)");
+      }
+      const std::string saved = "saved:" + std::to_string(s);
+      const std::vector<Buffer> grads = stage_grads(st);
+      if (st.checkpointed) {
+        for (int64_t piece = 0; piece < std::min<int64_t>(st.pieces, 2); ++piece) {
+          const std::string where = at + (st.pieces > 1 ? " (piece " + std::to_string(piece + 1) + ")" : "");
+          std::vector<Buffer> extra = {{st.name, "activations (recomputed)",
+                                        static_cast<int64_t>(st.saved_bytes + st.backward_extra_bytes)}};
+          if (piece > 0 || st.pieces == 1) extra.insert(extra.end(), grads.begin(), grads.end());
+          ledger_.point(where, extra);
+        }
+      } else {
+        std::vector<Buffer> extra = {{st.name, "activation gradients", static_cast<int64_t>(st.backward_extra_bytes)}};
+        if (st.grads_before_peak) extra.insert(extra.end(), grads.begin(), grads.end());
+        ledger_.point(at, extra);
+      }
+      ledger_.drop(saved);
+      for (size_t i = 0; i < grads.size(); ++i)
+        ledger_.set("ugrad:" + std::to_string(s) + ":" + std::to_string(i), grads[i].module, grads[i].what,
+                    grads[i].bytes);
+      ledger_.point(at + " (done)");
+      if (first_stage_[g] == s) post_backward(g, last_micro, when);
+    }
+    finish_reductions();
+  }
+
+  // The unsharded gradients a stage's backward makes, in the compute dtype.
+  std::vector<Buffer> stage_grads(const StageSpec& st) const {
+    if (o_.no_shard_) return {};  // written into the buckets
+    double numel = 0;
+    for (int i : st.grads) numel += static_cast<double>(group(st.group).params.at(i).numel());
+    return {{group(st.group).name, "unsharded gradients", static_cast<int64_t>(numel * pb_)}};
+  }
+  void drop_unsharded_grads(int g) {
+    for (size_t s = 0; s < m_.stages.size(); ++s)
+      if (m_.stages[s].group == g)
+        for (size_t i = 0; i < 4; ++i) ledger_.drop("ugrad:" + std::to_string(s) + ":" + std::to_string(i));
+  }
+
+  void post_backward(int g, bool last_micro, const std::string& when) {
+    const bool hybrid = o_.replicate_ > 1 && !o_.no_shard_;
+    if (o_.no_shard_) return;
+    const double unsharded = static_cast<double>(layouts_[g].unsharded_numel);
+    if (!last_micro && !hybrid) {  // no sync: the unsharded gradients keep accumulating
+      if (pb_ != rb_) {
+        ledger_.set(key("accgrad", g), gname(g), "accumulated unsharded gradients", unsharded * rb_);
+        drop_unsharded_grads(g);
+      }
+      reshard(g);
+      return;
+    }
+    reshard(g);
+    finish_reductions();  // the group before's reduce-scatter has landed by now
+    const double row = static_cast<double>(layouts_[g].row_numel);
+    if (shards_ == 1 && !hybrid) {  // handed over: the gradient tensors become the shards' own
+      const bool cast = o_.param_dtype_ != Dtype::kFloat32 || o_.reduce_dtype_ != Dtype::kFloat32;
+      if (cast) ledger_.point(when + ": gradients of " + label(gname(g)) + " cast to fp32",
+                              {{gname(g), "sharded gradients", static_cast<int64_t>(unsharded * 4)}});
+      drop_unsharded_grads(g);
+      ledger_.drop(key("accgrad", g));
+      add_sharded_grad(g, unsharded * 4);
+      return;
+    }
+    const double input = static_cast<double>(shards_) * row * rb_;
+    ledger_.point(when + ": reduce-scatter copy-in of " + label(gname(g)),
+                  {{gname(g), "reduce-scatter input", static_cast<int64_t>(input)}});
+    drop_unsharded_grads(g);
+    ledger_.drop(key("accgrad", g));
+    ledger_.set(key("rs", g), gname(g), "reduce-scatter input (in flight)", input);
+    ledger_.set(key("rsout", g), gname(g), "reduce-scatter output", row * rb_);
+    pending_.push_back(g);
+  }
+  void add_sharded_grad(int g, double bytes) {
+    if (!ledger_.has(key("sgrad", g))) grad_bytes_ += static_cast<int64_t>(bytes);
+    ledger_.set(key("sgrad", g), gname(g), "sharded gradients", bytes);
+  }
+  // Copy-out: the output becomes the sharded gradients (converted to fp32 when reduced in less).
+  void finish_reductions() {
+    for (int g : pending_) {
+      const double row = static_cast<double>(layouts_[g].row_numel);
+      ledger_.drop(key("rs", g));
+      if (rb_ != 4) ledger_.point("reduce-scatter copy-out of " + label(gname(g)),
+                                  {{gname(g), "sharded gradients", static_cast<int64_t>(row * 4)}});
+      ledger_.drop(key("rsout", g));
+      add_sharded_grad(g, row * 4);
+    }
+    pending_.clear();
+  }
+
+  // AdamW's step: torch::optim::AdamW makes two temporaries of one parameter's size (the square
+  // root and its quotient); FusedAdamW none.
+  void optimizer_step() {
+    int64_t largest = 0;
+    for (const GroupLayout& l : layouts_) largest = std::max(largest, o_.no_shard_ ? l.unsharded_numel : l.largest_real);
+    const double temporaries = o_.optimizer_ == Optimizer::kAdamW ? 2.0 * largest * 4 : 0;
+    ledger_.point("optimizer step", {{"", "optimizer temporaries", static_cast<int64_t>(temporaries)}});
+  }
+
+  const ModelSpec& m_;
+  const PlanOptions& o_;
+  int64_t shards_ = 1;
+  std::vector<GroupLayout> layouts_;
+  int64_t pb_ = 4, rb_ = 4;
+  bool aliased_ = false;
+  std::map<int, int> first_stage_, last_stage_;
+  std::vector<int> pending_;
+  Ledger ledger_;
+  int64_t activation_bytes_ = 0;
+  int64_t grad_bytes_ = 0;
+};
+
+void check_options(const ModelSpec& m, const PlanOptions& o) {
+  require(!m.groups.empty() && !m.stages.empty(), "the model has no groups or no stages");
+  require(o.world_ >= 1, "world must be >= 1, got " + std::to_string(o.world_));
+  require(o.replicate_ >= 1 && o.world_ % o.replicate_ == 0,
+          "replicate (" + std::to_string(o.replicate_) + ") must divide the world (" + std::to_string(o.world_) + ")");
+  require(o.micro_batches_ >= 1, "micro_batches must be >= 1");
+  require(!o.no_shard_ || (o.param_dtype_ == Dtype::kFloat32 && o.reduce_dtype_ == Dtype::kFloat32),
+          "no_shard (fsdp::replicate) has no mixed precision");
+  require(!o.no_shard_ || !o.offload_, "no_shard (fsdp::replicate) has no offload");
+  for (const StageSpec& s : m.stages) {
+    require(s.group >= 0 && s.group < static_cast<int>(m.groups.size()), "stage '" + s.name + "' names no group");
+    require(s.pieces >= 1, "stage '" + s.name + "' has pieces < 1");
+    for (int i : s.grads)
+      require(i >= 0 && i < static_cast<int>(m.groups[s.group].params.size()),
+              "stage '" + s.name + "' names a parameter its group does not have");
+  }
+}
+
+// Per step, per group: what fully_shard issues (param_group.cpp), counted and summed.
+std::vector<Collectives> collectives_of(const ModelSpec& m, const PlanOptions& o) {
+  std::vector<Collectives> out;
+  const int64_t k = o.micro_batches_;
+  if (o.no_shard_) {
+    if (o.world_ == 1) return out;
+    double total = 0;
+    for (const GroupSpec& g : m.groups)
+      for (const ParamSpec& p : g.params) total += static_cast<double>(p.numel()) * 4;
+    // replicate's buckets: the first of 1 MiB, then 25 MiB each (DDP's defaults).
+    const double first = 1 << 20, rest = 25.0 * (1 << 20);
+    const int64_t buckets = total <= first ? 1 : 1 + static_cast<int64_t>(std::ceil((total - first) / rest));
+    out.push_back({"(all)", "all_reduce", "world", buckets, static_cast<int64_t>(total)});
+    return out;
+  }
+  const int64_t shards = o.world_ / o.replicate_;
+  const int64_t pb = bytes_of(o.param_dtype_), rb = bytes_of(o.reduce_dtype_);
+  const bool hybrid = o.replicate_ > 1;
+  for (size_t gi = 0; gi < m.groups.size(); ++gi) {
+    const GroupLayout l = layout_of(m.groups[gi], shards, 0);
+    const std::string name = m.groups[gi].name.empty() ? "(root)" : m.groups[gi].name;
+    if (shards > 1) {
+      const int64_t per_micro = (gi != 0 && o.reshard_after_forward_) ? 2 : 1;  // forward (+ backward)
+      out.push_back({name, "all_gather", "shard", per_micro * k, per_micro * k * shards * l.row_numel * pb});
+      const int64_t rs = hybrid ? k : 1;
+      out.push_back({name, "reduce_scatter", "shard", rs, rs * shards * l.row_numel * rb});
+    }
+    if (hybrid) out.push_back({name, "all_reduce", "replicate", 1, l.row_numel * rb});
+  }
+  return out;
+}
+
+void step_time(const ModelSpec& m, const PlanOptions& o, const std::vector<Collectives>& coll, Plan& p) {
+  const Constants& c = o.constants_;
+  const int local = o.local_world_ > 0 ? o.local_world_ : o.world_;
+  // The matmul rates are the whole machine's (every core): the ranks of one machine split it.
+  // The memory bandwidth is one thread's: ranks beyond the cores share them.
+  const double share = std::min(1.0, static_cast<double>(std::max(1, c.cpu_cores)) / local);
+  const double rate = (o.param_dtype_ == Dtype::kFloat32 ? c.matmul_flops_fp32 : c.matmul_flops_bf16) / local;
+  const double bandwidth = c.memory_bytes_per_s * share;
+  double flops = 0, moved = 0;
+  for (const StageSpec& s : m.stages) {
+    // forward, backward (twice the forward), and the forward again when checkpointed
+    const double passes = 3 + (s.checkpointed ? 1 : 0);
+    flops += passes * s.forward_flops;
+    moved += passes * s.other_bytes_moved;
+  }
+  const double k = static_cast<double>(o.micro_batches_);
+  p.compute_s = k * (flops / rate + moved / bandwidth);
+  double comm = 0;
+  const int64_t shards = o.no_shard_ ? o.world_ : o.world_ / o.replicate_;
+  for (const Collectives& x : coll) {
+    const double parts = x.mesh == "replicate" ? o.replicate_ : static_cast<double>(shards);
+    const double factor = x.kind == "all_reduce" ? 2 * (parts - 1) / parts : (parts - 1) / parts;
+    comm += x.count * c.collective_latency_s + x.bytes * factor / (c.collective_bytes_per_s * share);
+  }
+  p.communication_s = comm;
+  double params = 0;
+  for (const GroupSpec& g : m.groups)
+    for (const ParamSpec& q : g.params) params += static_cast<double>(q.numel());
+  const double per_rank = o.no_shard_ ? params : params / shards;
+  // Bytes per parameter one step moves: FusedAdamW's one pass 28, AdamW's per-op passes about
+  // twice that; the gradient norm reads the gradients once more.
+  const double optimizer_bytes = (o.optimizer_ == Optimizer::kFusedAdamW ? 28.0 : 60.0) + 4;
+  p.optimizer_s = per_rank * optimizer_bytes / bandwidth;
+  p.overhead_s = k * c.step_overhead_s / share;
+  p.step_time_s = p.compute_s + p.communication_s + p.optimizer_s + p.overhead_s;
+}
+
+}  // namespace
+
+Plan plan(const ModelSpec& model, const PlanOptions& options) {
+  check_options(model, options);
+  Plan p;
+  p.constants_source = options.constants_.source;
+  const std::vector<Collectives> coll = collectives_of(model, options);
+  for (int r = 0; r < options.world_; ++r) {
+    RankPlan rp = StepReplay(model, options, r).run(r);
+    rp.collectives = coll;
+    p.ranks.push_back(std::move(rp));
+  }
+  step_time(model, options, coll, p);
+  return p;
+}
+
+}  // namespace plan
+}  // namespace fsdp

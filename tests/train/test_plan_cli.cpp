@@ -1,0 +1,106 @@
+// `fsdp-train plan` end to end: its predicted peak tensor bytes against what the trainer reports
+// for the same configuration, the keys it refuses, and the largest model that fits.
+#include "process_harness.h"
+#include "trainer_runs.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <fstream>
+#include <string>
+#include <vector>
+
+using namespace process_test;
+using namespace trainer_test;
+
+namespace {
+
+// A model with enough activations that the peak is not noise: dim 64, seq 64, vocab 512.
+std::vector<std::string> config(const std::vector<std::string>& more) {
+  return with({configs_dir() + "/tiny.yaml", "--model.dim=64", "--model.max_seq_len=64", "--model.vocab_size=512",
+               "--training.seq_len=64", "--training.micro_batch_size=4"},
+              more);
+}
+
+nlohmann::json plan_json(int world, const std::vector<std::string>& overrides) {
+  std::vector<std::string> args = {"plan"};
+  for (const auto& a : config(overrides)) args.push_back(a);
+  args.insert(args.end(), {"--world", std::to_string(world), "--json"});
+  const RunResult r = trainer.run(args, {}, 60);
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  return nlohmann::json::parse(r.out);
+}
+
+// The trainer's reported peak tensor MiB of rank 0, over the steps after the first (the first
+// has no optimizer state yet).
+double measured_peak_mib(int world, const std::vector<std::string>& overrides) {
+  TempDir dir;
+  const std::vector<std::string> args =
+      with(config(overrides), {"--training.steps=3", "--training.resume=never", "--training.export=none",
+                               "--fsdp_config.checkpoint_interval=0", "--fsdp_config.checkpoint_dir=" + dir.path() + "/c",
+                               "--logging.jsonl=" + dir.path() + "/m{rank}.jsonl", "--logging.progress=off"});
+  const RunResult r = world == 1 ? trainer.run(args, {}, 120) : fsdprun.run(under_fsdprun(world, args), {}, 240);
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  std::ifstream in(dir.path() + "/m0.jsonl");
+  double peak = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    if (j["step"].get<int>() > 1) peak = std::max(peak, j["peak_mib"].get<double>());
+  }
+  return peak;
+}
+
+void expect_within_ten_percent(int world, const std::vector<std::string>& overrides) {
+  const double predicted = plan_json(world, overrides)["ranks"][0]["peak_tensor_bytes"].get<double>() / (1 << 20);
+  const double measured = measured_peak_mib(world, overrides);
+  ASSERT_GT(measured, 0);
+  EXPECT_NEAR(predicted / measured, 1.0, 0.10) << "W=" << world << ": predicted " << predicted << " MiB, measured "
+                                               << measured << " MiB";
+}
+
+TEST(PlanCli, PredictsTheTrainersPeakAtOneRankWithinTenPercent) { expect_within_ten_percent(1, {}); }
+
+TEST(PlanCli, PredictsTheTrainersPeakAtTwoRanksWithMixedPrecisionAndCheckpointing) {
+  expect_within_ten_percent(2, {"--fsdp_config.mixed_precision=true", "--fsdp_config.activation_checkpointing=true",
+                                "--fsdp_config.sharding_strategy=SHARD_GRAD_OP"});
+}
+
+TEST(PlanCli, RefusesWhatItCannotModelNamingTheKey) {
+  std::vector<std::string> args = {"plan"};
+  for (const auto& a : config({"--fsdp_config.model_parallel_size=2"})) args.push_back(a);
+  args.insert(args.end(), {"--world", "2"});
+  RunResult r = trainer.run(args, {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("fsdp_config.model_parallel_size"), std::string::npos) << r.err;
+  r = trainer.run({"plan", configs_dir() + "/tiny.yaml"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("--world N is required"), std::string::npos) << r.err;
+  r = trainer.run({"plan", configs_dir() + "/tiny.yaml", "--world", "3", "--fsdp_config.replicate_degree=2",
+                   "--fsdp_config.sharding_strategy=HYBRID_SHARD"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("fsdp_config.replicate_degree"), std::string::npos) << r.err;
+}
+
+TEST(PlanCli, FindsTheLargestModelThatFitsAndPrintsEveryRank) {
+  std::vector<std::string> args = {"plan", configs_dir() + "/small.yaml", "--world", "4", "--memory-per-rank",
+                                   "1GiB"};
+  RunResult text = trainer.run(args, {}, 60);
+  ASSERT_EQ(text.exit_code, 0) << describe(text);
+  EXPECT_NE(text.out.find("ranks 0-3:"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("peak tensors"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("layers.3: all_gather on the shard mesh x2"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("fits 1024.00 MiB per rank"), std::string::npos) << text.out;
+  args.push_back("--json");
+  const auto small = nlohmann::json::parse(trainer.run(args, {}, 60).out);
+  args[5] = "4GiB";
+  const auto large = nlohmann::json::parse(trainer.run(args, {}, 60).out);
+  EXPECT_GE(small["largest_n_layers"].get<int64_t>(), 4);  // small itself fits in 1 GiB at W=4
+  EXPECT_GT(large["largest_n_layers"].get<int64_t>(), small["largest_n_layers"].get<int64_t>());
+  EXPECT_GT(large["largest_dim"].get<int64_t>(), small["largest_dim"].get<int64_t>());
+  EXPECT_EQ(large["largest_dim"].get<int64_t>() % 8, 0);  // a multiple of n_heads
+  EXPECT_EQ(small["ranks"].size(), 4u);
+}
+
+}  // namespace

@@ -1,0 +1,337 @@
+// plan_command.cpp — `fsdp-train plan`: a TrainConfig turned into fsdp::plan's model and
+// options, the plan printed per rank, and the largest model of the preset's shape that fits.
+#include "plan_command.h"
+
+#include "config.h"
+#include "errors.h"
+#include "read_file.h"
+#include "trainer.h"
+
+#include <fsdp/models/transformer.h>
+#include <fsdp/plan.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace train {
+namespace {
+
+const char* kPlanUsage =
+    "usage: fsdp-train plan CONFIG.yaml [--section.key=value ...] --world N [--local-world N]\n"
+    "                       [--memory-per-rank SIZE] [--constants FILE] [--json]\n"
+    "Prints, per rank, what one training step of CONFIG needs: sharded parameters, gradients and\n"
+    "optimizer state, the buffers alive at the peak, the activations, the peak tensor bytes and RSS,\n"
+    "the collectives, and a predicted step time. Runs nothing. --memory-per-rank (e.g. 4GiB, 512MiB)\n"
+    "also finds the largest n_layers and dim of the model that fit. --local-world: ranks per machine\n"
+    "(default: the world).\n";
+
+struct PlanArgs {
+  std::string config;
+  std::vector<std::string> overrides;
+  int world = 0, local_world = 0;
+  double memory_per_rank = 0;
+  std::string constants;
+  bool json = false;
+};
+
+double parse_size(const std::string& s) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (const std::exception&) {
+    throw ConfigError("command line: --memory-per-rank: expected a size such as 4GiB, 512MiB or 1e9, got '" + s + "'");
+  }
+  const std::string unit = s.substr(used);
+  const std::vector<std::pair<std::string, double>> units = {
+      {"", 1}, {"B", 1}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+  for (const auto& [name, factor] : units)
+    if (unit == name && v > 0) return v * factor;
+  throw ConfigError("command line: --memory-per-rank: expected a positive size such as 4GiB, 512MiB or 1e9, got '" +
+                    s + "'");
+}
+
+int positive_int(const std::string& flag, const std::string& v) {
+  try {
+    size_t used = 0;
+    const int n = std::stoi(v, &used);
+    if (used == v.size() && n >= 1) return n;
+  } catch (const std::exception&) {
+  }
+  throw ConfigError("command line: " + flag + ": expected an integer >= 1, got '" + v + "'");
+}
+
+PlanArgs parse(int argc, char** argv) {
+  PlanArgs a;
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&](const std::string& flag) -> std::string {
+      const std::string prefix = flag + "=";
+      if (arg.rfind(prefix, 0) == 0) return arg.substr(prefix.size());
+      if (i + 1 >= argc) throw ConfigError("command line: " + flag + " needs a value");
+      return argv[++i];
+    };
+    auto is = [&](const std::string& flag) { return arg == flag || arg.rfind(flag + "=", 0) == 0; };
+    if (is("--world")) a.world = positive_int("--world", value("--world"));
+    else if (is("--local-world")) a.local_world = positive_int("--local-world", value("--local-world"));
+    else if (is("--memory-per-rank")) a.memory_per_rank = parse_size(value("--memory-per-rank"));
+    else if (is("--constants")) a.constants = value("--constants");
+    else if (arg == "--json") a.json = true;
+    else if (arg == "-h" || arg == "--help") throw std::logic_error("help");
+    else if (arg.rfind("--", 0) == 0 && arg.find('.') != std::string::npos) a.overrides.push_back(arg);
+    else if (!arg.empty() && arg[0] == '-')
+      throw ConfigError("command line: unknown option '" + arg + "' (fsdp-train plan takes --world, --local-world, "
+                        "--memory-per-rank, --constants, --json and --section.key=value)");
+    else if (a.config.empty()) a.config = arg;
+    else throw ConfigError("command line: a second config file '" + arg + "' (only one is read)");
+  }
+  if (a.world == 0) throw ConfigError("command line: --world N is required (the number of ranks to plan for)");
+  return a;
+}
+
+plan::Dtype dtype_of(Dtype d) {
+  switch (d) {
+    case Dtype::kFloat32: return plan::Dtype::kFloat32;
+    case Dtype::kBFloat16: return plan::Dtype::kBFloat16;
+    case Dtype::kFloat16: return plan::Dtype::kFloat16;
+  }
+  return plan::Dtype::kFloat32;
+}
+
+// What the planner is asked: the trainer's configuration, as the trainer would run it.
+struct Question {
+  plan::TransformerShape shape;
+  plan::ActivationOptions activations;
+  plan::PlanOptions options;
+  std::string strategy;
+  DataParallelShape mesh;
+};
+
+Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
+  check_supported(cfg);  // what the trainer refuses (model_parallel_size > 1, cuda, fp16 on cpu), named
+  const auto& f = cfg.fsdp_config;
+  if (f.world_size > 0 && f.world_size != a.world)
+    throw ConfigError("fsdp_config.world_size is " + std::to_string(f.world_size) + " but --world is " +
+                      std::to_string(a.world));
+  Question q;
+  const models::ModelArgs preset = models::ModelArgs::preset(cfg.model.preset);
+  const auto& m = cfg.model;
+  q.shape = {m.n_layers.value_or(preset.n_layers), m.vocab_size.value_or(preset.vocab_size),
+             m.max_seq_len.value_or(preset.max_seq_len), m.dim.value_or(preset.dim), m.n_heads.value_or(preset.n_heads),
+             m.dropout_p.value_or(preset.dropout_p)};
+  const auto& t = cfg.training;
+  const int local = a.local_world > 0 ? a.local_world : a.world;
+  q.mesh = data_parallel_shape(cfg, a.world, local);
+  q.strategy = to_string(f.sharding_strategy);
+  const Precision precision = precision_of(f);
+  q.activations.micro_batch = t.micro_batch_size;
+  q.activations.seq = t.seq_len > 0 ? t.seq_len : q.shape.max_seq_len;
+  q.activations.compute = dtype_of(precision.param);
+  q.activations.checkpoint_every = f.activation_checkpointing ? f.activation_checkpointing_every : 0;
+  q.activations.loss_chunks = t.loss_chunks;
+  q.activations.global_rows = static_cast<int64_t>(a.world) * t.gradient_accumulation_steps * t.micro_batch_size;
+  const bool no_shard = f.sharding_strategy == ShardingStrategy::NO_SHARD;
+  q.options.world(a.world).local_world(local).replicate(no_shard ? 1 : q.mesh.replicate).no_shard(no_shard)
+      .reshard_after_forward(no_shard || reshard_after_forward(cfg))
+      .param_dtype(dtype_of(precision.param)).reduce_dtype(dtype_of(precision.reduce))
+      .offload(f.offload_params).optimizer(cfg.optimizer.fused ? plan::Optimizer::kFusedAdamW : plan::Optimizer::kAdamW)
+      .micro_batches(t.gradient_accumulation_steps);
+  if (!a.constants.empty()) {
+    const std::string text = read_file(a.constants, {a.constants + " is a directory", "cannot open " + a.constants,
+                                                      "reading " + a.constants + " failed"});
+    try {
+      q.options.constants(plan::constants_from_json(text));
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError("--constants " + a.constants + ": " + e.what());
+    }
+  }
+  return q;
+}
+
+plan::Plan plan_of(const Question& q) {
+  try {
+    return plan::plan(plan::transformer_spec(q.shape, q.activations), q.options);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+}
+
+int64_t parameter_count(const plan::TransformerShape& s) {
+  const plan::ModelSpec m = plan::transformer_spec(s, plan::ActivationOptions{1, 1});
+  int64_t n = 0;
+  for (const auto& g : m.groups)
+    for (const auto& p : g.params) n += p.numel();
+  return n;
+}
+
+double peak_rss(const plan::Plan& p) {
+  int64_t most = 0;
+  for (const auto& r : p.ranks) most = std::max(most, r.peak_rss_bytes);
+  return static_cast<double>(most);
+}
+
+// The largest value of one size (n_layers, or dim in steps of n_heads) whose plan's peak RSS
+// fits `memory`; 0 when even the smallest does not. Peak memory grows with both.
+int64_t largest_fitting(Question q, bool layers, double memory) {
+  const int64_t step = layers ? 1 : q.shape.n_heads;
+  auto fits = [&](int64_t k) {
+    if (layers) q.shape.n_layers = k;
+    else q.shape.dim = k * step;
+    return peak_rss(plan_of(q)) <= memory;
+  };
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = 2;
+  const int64_t cap = layers ? 1 << 20 : (1 << 20) / step;
+  while (hi <= cap && fits(hi)) lo = hi, hi *= 2;
+  if (hi > cap) return lo * step;  // beyond any size worth planning
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo * step;
+}
+
+std::string mib(double bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f MiB", bytes / 1048576.0);
+  return buf;
+}
+
+std::string dtype_bytes(const std::vector<plan::DtypeBytes>& v) {
+  std::string s;
+  for (const auto& d : v) s += (s.empty() ? "" : ", ") + std::string(plan::name_of(d.dtype)) + " " + mib(d.bytes);
+  return s;
+}
+
+bool same_numbers(const plan::RankPlan& a, const plan::RankPlan& b) {
+  return a.peak_tensor_bytes == b.peak_tensor_bytes && a.optimizer_state[0].bytes == b.optimizer_state[0].bytes &&
+         a.grads[0].bytes == b.grads[0].bytes;
+}
+
+std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& a) {
+  std::ostringstream s;
+  const auto& act = q.activations;
+  s << "fsdp-train plan: " << (a.config.empty() ? "defaults" : a.config) << " at W=" << a.world << ": "
+    << parameter_count(q.shape) << " parameters (" << q.shape.n_layers << " layers, dim " << q.shape.dim << ", "
+    << q.shape.n_heads << " heads, vocab " << q.shape.vocab_size << "), " << q.strategy << " ("
+    << q.mesh.replicate << " x " << q.mesh.shard << "), " << precision_of(cfg.fsdp_config).describe()
+    << ", micro-batch " << act.micro_batch << " x " << act.seq << ", " << q.options.micro_batches_
+    << " micro-batch(es) per step, checkpointing "
+    << (act.checkpoint_every == 0 ? std::string("none")
+                                  : act.checkpoint_every == 1 ? std::string("every block")
+                                                              : "every " + std::to_string(act.checkpoint_every) + "th block")
+    << ", loss in " << act.loss_chunks << " piece(s)" << (cfg.optimizer.fused ? ", FusedAdamW" : ", AdamW")
+    << (cfg.fsdp_config.offload_params ? ", offload (identity copies on cpu)" : "");
+  return s.str();
+}
+
+void print_text(const plan::Plan& p, const Question& q, const TrainConfig& cfg, const PlanArgs& a) {
+  std::ostringstream s;
+  s << describe(q, cfg, a) << "\n";
+  s << "constants: " << p.constants_source << "\n";
+  for (size_t i = 0; i < p.ranks.size();) {
+    size_t j = i + 1;
+    while (j < p.ranks.size() && same_numbers(p.ranks[i], p.ranks[j])) ++j;
+    const plan::RankPlan& r = p.ranks[i];
+    s << (j - i == 1 ? "rank " + std::to_string(i) : "ranks " + std::to_string(i) + "-" + std::to_string(j - 1))
+      << ":\n";
+    s << "  sharded parameters " << dtype_bytes(r.params) << "; gradients " << dtype_bytes(r.grads)
+      << "; optimizer state " << dtype_bytes(r.optimizer_state) << "\n";
+    s << "  activations kept at the end of forward: " << mib(r.activation_bytes) << "\n";
+    s << "  peak tensors " << mib(r.peak_tensor_bytes) << ", at " << r.peak_at << "; alive then:\n";
+    for (const auto& b : r.at_peak)
+      s << "    " << (b.module.empty() ? "(root)" : b.module) << ": " << b.what << " " << mib(b.bytes) << "\n";
+    s << "  peak RSS " << mib(r.peak_rss_bytes) << " (runtime and block cache included)\n";
+    i = j;
+  }
+  const auto& coll = p.ranks.front().collectives;
+  if (coll.empty()) {
+    s << "collectives per step: none (nothing to gather or reduce at this world size)\n";
+  } else {
+    s << "collectives per step (bytes: the whole gathered / reduced buffers):\n";
+    for (const auto& c : coll)
+      s << "  " << c.group << ": " << c.kind << " on the " << c.mesh << " mesh x" << c.count << ", " << mib(c.bytes)
+        << "\n";
+  }
+  char t[256];
+  std::snprintf(t, sizeof t,
+                "predicted step time %.4f s (compute %.4f, communication %.4f, optimizer %.4f, overhead %.4f)\n",
+                p.step_time_s, p.compute_s, p.communication_s, p.optimizer_s, p.overhead_s);
+  s << t;
+  if (a.memory_per_rank > 0) {
+    const int64_t layers = largest_fitting(q, true, a.memory_per_rank);
+    const int64_t dim = largest_fitting(q, false, a.memory_per_rank);
+    s << "fits " << mib(a.memory_per_rank) << " per rank (peak RSS): up to n_layers " << layers << " at dim "
+      << q.shape.dim << ", or up to dim " << dim << " at n_layers " << q.shape.n_layers
+      << (layers == 0 ? " (not even 1 layer fits)" : "") << "\n";
+  }
+  std::cout << s.str();
+}
+
+nlohmann::json dtype_json(const std::vector<plan::DtypeBytes>& v) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& d : v) j.push_back({{"dtype", plan::name_of(d.dtype)}, {"bytes", d.bytes}});
+  return j;
+}
+
+void print_json(const plan::Plan& p, const Question& q, const TrainConfig& cfg, const PlanArgs& a) {
+  nlohmann::json j;
+  j["description"] = describe(q, cfg, a);
+  j["world"] = a.world;
+  j["parameters"] = parameter_count(q.shape);
+  j["constants_source"] = p.constants_source;
+  j["step_time_s"] = p.step_time_s;
+  j["compute_s"] = p.compute_s;
+  j["communication_s"] = p.communication_s;
+  j["optimizer_s"] = p.optimizer_s;
+  j["overhead_s"] = p.overhead_s;
+  for (const auto& r : p.ranks) {
+    nlohmann::json rj = {{"rank", r.rank}, {"params", dtype_json(r.params)}, {"grads", dtype_json(r.grads)},
+                         {"optimizer_state", dtype_json(r.optimizer_state)}, {"activation_bytes", r.activation_bytes},
+                         {"peak_tensor_bytes", r.peak_tensor_bytes}, {"peak_at", r.peak_at},
+                         {"peak_rss_bytes", r.peak_rss_bytes}};
+    rj["at_peak"] = nlohmann::json::array();
+    for (const auto& b : r.at_peak) rj["at_peak"].push_back({{"module", b.module}, {"what", b.what}, {"bytes", b.bytes}});
+    rj["collectives"] = nlohmann::json::array();
+    for (const auto& c : r.collectives)
+      rj["collectives"].push_back(
+          {{"group", c.group}, {"kind", c.kind}, {"mesh", c.mesh}, {"count", c.count}, {"bytes", c.bytes}});
+    j["ranks"].push_back(rj);
+  }
+  if (a.memory_per_rank > 0) {
+    j["memory_per_rank"] = a.memory_per_rank;
+    j["largest_n_layers"] = largest_fitting(q, true, a.memory_per_rank);
+    j["largest_dim"] = largest_fitting(q, false, a.memory_per_rank);
+  }
+  std::cout << j.dump() << "\n";
+}
+
+}  // namespace
+
+int plan_command(int argc, char** argv) {
+  PlanArgs a;
+  try {
+    a = parse(argc, argv);
+  } catch (const std::logic_error&) {
+    std::cout << kPlanUsage;
+    return kExitOk;
+  }
+  const TrainConfig cfg = load_config(a.config, a.overrides);
+  const Question q = question_of(cfg, a);
+  const plan::Plan p = plan_of(q);
+  if (a.json) print_json(p, q, cfg, a);
+  else print_text(p, q, cfg, a);
+  return kExitOk;
+}
+
+}  // namespace train
+}  // namespace fsdp
