@@ -2,6 +2,7 @@
 // next to c10d's ProcessGroupGloo all-gather (the baseline LibTorch offers), over real processes.
 //
 //   fsdprun --standalone --nproc-per-node 2 build/bench/bench_collectives [--iters N] [--json]
+//   mpirun -np 2 build/bench/bench_collectives      # the MPI backend (no c10d column: no store)
 //
 // Sizes are the full (unsharded) payload: 1, 8 and 64 MiB of fp32. Each timed iteration starts
 // after a barrier; a size's time is the maximum over ranks of the per-rank median. Bus bandwidth
@@ -15,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -77,11 +79,15 @@ int main(int argc, char** argv) {
   const auto info = fsdp::rendezvous_info();
   auto pg = fsdp::world();
   const int W = pg->size(), r = pg->rank();
-  auto c10d_pg = make_c10d_gloo(info);
+  // The c10d baseline needs the launcher's TCPStore, which only a torchrun-style launch has.
+  const std::string backend = fsdp::backend();
+  const bool baseline = backend == "gloo";
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> c10d_pg;
+  if (baseline) c10d_pg = make_c10d_gloo(info);
 
   if (r == 0 && !json) {
-    std::printf("bench_collectives: W=%d, fp32, bus bandwidth in GB/s (time in ms), median of %d, max over ranks\n",
-                W, iters);
+    std::printf("bench_collectives: W=%d, backend %s, fp32, bus bandwidth in GB/s (time in ms), median of %d, max "
+                "over ranks\n", W, backend.c_str(), iters);
     std::printf("%-8s %-22s %-22s %-22s %-22s\n", "size", "all_gather (fsdp)", "reduce_scatter (fsdp)",
                 "all_reduce (fsdp)", "all_gather (c10d gloo)");
   }
@@ -103,19 +109,21 @@ int main(int argc, char** argv) {
     std::vector<at::Tensor> c10d_in = {piece};
     std::vector<std::vector<at::Tensor>> c10d_out(1);
     for (int p = 0; p < W; ++p) c10d_out[0].push_back(at::empty({shard}));
-    const double t_c10d = time_op([&] { c10d_pg->allgather(c10d_out, c10d_in)->wait(); }, it);
+    const double t_c10d =
+        baseline ? time_op([&] { c10d_pg->allgather(c10d_out, c10d_in)->wait(); }, it) : std::nan("");
 
     const double frac = static_cast<double>(W - 1) / W;
     auto busbw = [&](double t, double factor) { return W > 1 ? bytes / t * factor / 1e9 : 0.0; };
     if (r != 0) continue;
     if (json) {
-      std::printf("{\"world\": %d, \"size_mib\": %lld, \"all_gather_ms\": %.3f, \"all_gather_busbw\": %.3f, "
+      std::printf("{\"backend\": \"%s\", \"world\": %d, \"size_mib\": %lld, \"all_gather_ms\": %.3f, \"all_gather_busbw\": %.3f, "
                   "\"reduce_scatter_ms\": %.3f, \"reduce_scatter_busbw\": %.3f, \"all_reduce_ms\": %.3f, "
                   "\"all_reduce_busbw\": %.3f, \"c10d_all_gather_ms\": %.3f, \"c10d_all_gather_busbw\": %.3f}\n",
-                  W, static_cast<long long>(mib), t_ag * 1e3, busbw(t_ag, frac), t_rs * 1e3, busbw(t_rs, frac),
+                  backend.c_str(), W, static_cast<long long>(mib), t_ag * 1e3, busbw(t_ag, frac), t_rs * 1e3, busbw(t_rs, frac),
                   t_ar * 1e3, busbw(t_ar, 2 * frac), t_c10d * 1e3, busbw(t_c10d, frac));
     } else {
-      auto cell = [&](double t, double factor) {
+      auto cell = [&](double t, double factor) -> const char* {
+        if (std::isnan(t)) return "-";
         static char buf[4][64];
         static int k = 0;
         char* b = buf[k++ % 4];
@@ -129,7 +137,9 @@ int main(int argc, char** argv) {
   }
   pg->barrier()->wait();
   fsdp::destroy_process_group();
-  // c10d's Gloo group can hang in its destructor at exit; leave without running destructors.
   std::fflush(stdout);
+  // MPI is finalised by an exit handler, so the MPI run leaves through exit().
+  if (!baseline) return 0;
+  // c10d's Gloo group can hang in its destructor at exit; leave without running destructors.
   std::_Exit(0);
 }

@@ -12,6 +12,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev zlib1g-dev
   python3-torch                     # tests: Python's torch.load reads our exports
   libopenblas0-pthread              # the BLAS LibTorch is pointed at (select-blas.sh)
+  libopenmpi-dev openmpi-bin        # the MPI backend and mpirun (optional at build time)
 )
 
 as_root() {

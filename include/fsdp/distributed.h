@@ -51,7 +51,18 @@ struct InitOptions {
   // loopback, else this host's name). GLOO_SOCKET_IFNAME / FSDP_SOCKET_IFNAME select an
   // interface instead.
   TORCH_ARG(std::string, transport_host) = "";
+  // The collectives' implementation: "gloo" (fsdp-cpp's algorithms on Gloo's TCP transport),
+  // "mpi" (the MPI library's collectives: shared memory within a node, the interconnect across
+  // nodes; the job must be started by mpirun or srun), or "" / "auto": mpi when the job was
+  // started by mpirun or srun and this build has MPI, else gloo. FSDP_BACKEND in the
+  // environment overrides it. An unknown name, or mpi in a build without MPI, throws c10::Error.
+  TORCH_ARG(std::string, backend) = "";
 };
+
+// The backend the process group runs on ("gloo" or "mpi"); throws c10::Error unless initialised.
+std::string backend();
+// True when this build of fsdp-cpp has the MPI backend (CMake found MPI).
+bool mpi_available();
 
 // Joins the job described by the environment: connects to (or, on rank 0 without a launcher
 // store, hosts) the TCPStore at MASTER_ADDR:MASTER_PORT and builds the world group.

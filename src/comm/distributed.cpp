@@ -6,6 +6,9 @@
 
 #include "src/comm/gloo_backend.h"
 #include "src/comm/progress_board.h"
+#ifdef FSDP_WITH_MPI
+#include "src/comm/mpi_backend.h"
+#endif
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -71,6 +74,7 @@ struct Runtime {
   std::map<std::vector<int>, int> groups_made;  // how many groups of each member set exist
   std::string transport_host;
   std::string transport_iface;
+  std::string backend;                          // "gloo" or "mpi"
 };
 
 std::mutex g_mu;
@@ -116,7 +120,23 @@ std::string group_name(const std::vector<int>& ranks, int instance) {
   return s.str();
 }
 
-std::shared_ptr<ProcessGroup> make_group(Runtime& rt, const std::vector<int>& ranks, std::string name) {
+std::shared_ptr<ProcessGroup> make_group(Runtime& rt, const std::vector<int>& ranks, std::string name,
+                                         int instance = 0) {
+#ifdef FSDP_WITH_MPI
+  if (rt.backend == "mpi") {
+    comm::MpiGroupConfig cfg;
+    cfg.global_ranks = ranks;
+    cfg.timeout = rt.options.timeout();
+    cfg.board = rt.board;
+    cfg.name = std::move(name);
+    if (static_cast<int>(ranks.size()) == rt.info.world_size && cfg.name == "world") {
+      return comm::MpiProcessGroup::world(std::move(cfg));
+    }
+    return comm::MpiProcessGroup::subgroup(std::move(cfg), instance);
+  }
+#else
+  (void)instance;
+#endif
   comm::GlooGroupConfig cfg;
   cfg.rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rt.info.rank) - ranks.begin());
   cfg.global_ranks = ranks;
@@ -156,7 +176,60 @@ void store_barrier(c10d::Store& store, const RendezvousInfo& info, std::chrono::
   }
 }
 
+// The backend named by FSDP_BACKEND, else by the options, else the launcher's natural one.
+std::string choose_backend(const RendezvousInfo& info, const InitOptions& options) {
+  std::string name = options.backend();
+  std::string from = "fsdp::InitOptions().backend";
+  if (const char* v = env("FSDP_BACKEND")) {
+    name = v;
+    from = "FSDP_BACKEND";
+  }
+  if (name.empty() || name == "auto") {
+    const bool mpi_launcher = info.source == "openmpi" || info.source == "slurm";
+    return mpi_launcher && mpi_available() ? "mpi" : "gloo";
+  }
+  TORCH_CHECK(name == "gloo" || name == "mpi", "fsdp: ", from, "='", name,
+              "' is not a process-group backend; use gloo, mpi or auto");
+  TORCH_CHECK(name == "gloo" || mpi_available(), "fsdp: ", from,
+              "='mpi', but this build of fsdp-cpp has no MPI backend (CMake found no MPI when it was "
+              "configured): install libopenmpi-dev (scripts/install-deps.sh) and reconfigure, or use gloo");
+  return name;
+}
+
+#ifdef FSDP_WITH_MPI
+void destroy_at_mpi_exit() { destroy_process_group(); }
+
+// The MPI job must be the one the environment describes: started by mpirun or srun, not by
+// fsdprun (whose processes would each be an MPI job of one).
+void join_mpi_job(Runtime& rt) {
+  const comm::MpiJob job = comm::mpi_job(&destroy_at_mpi_exit);
+  TORCH_CHECK(job.size == rt.info.world_size && job.rank == rt.info.rank, "fsdp: the mpi backend sees rank ",
+              job.rank, " of ", job.size, " in MPI_COMM_WORLD, but the environment (", rt.info.source,
+              " variables) says rank ", rt.info.rank, " of ", rt.info.world_size,
+              ". Start the job with mpirun -np N or srun --mpi=pmix, or use the gloo backend "
+              "(FSDP_BACKEND=gloo) under fsdprun or torchrun");
+  if (rt.info.world_size > 1) {
+    comm::MpiBoardStore stores = comm::mpi_board_store(rt.options.timeout());
+    rt.store = stores.server;  // rank 0 hosts the board's store; the others hold none
+    rt.board = std::make_shared<comm::ProgressBoard>(stores.client, rt.info.rank);
+  }
+}
+#endif
+
 }  // namespace
+
+bool mpi_available() {
+#ifdef FSDP_WITH_MPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string backend() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return runtime().backend;
+}
 
 RendezvousInfo rendezvous_info_from_env() {
   RendezvousInfo info;
@@ -213,6 +286,17 @@ void init_process_group(const RendezvousInfo& info, InitOptions options) {
   auto rt = std::make_unique<Runtime>();
   rt->info = info;
   rt->options = options;
+  rt->backend = choose_backend(info, options);
+#ifdef FSDP_WITH_MPI
+  if (rt->backend == "mpi") {
+    join_mpi_job(*rt);
+    std::vector<int> all(info.world_size);
+    for (int i = 0; i < info.world_size; ++i) all[i] = i;
+    rt->world = make_group(*rt, all, "world");
+    g_runtime = std::move(rt);
+    return;
+  }
+#endif
   if (const char* iface = env("FSDP_SOCKET_IFNAME") ? env("FSDP_SOCKET_IFNAME") : env("GLOO_SOCKET_IFNAME")) {
     rt->transport_iface = iface;
   } else if (!options.transport_host().empty()) {
@@ -286,7 +370,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) {
   TORCH_CHECK(std::find(ranks.begin(), ranks.end(), rt.info.rank) != ranks.end(), "fsdp::new_group: rank ",
               rt.info.rank, " is not a member of the requested group; only members call new_group");
   const int instance = rt.groups_made[ranks]++;
-  return make_group(rt, ranks, group_name(ranks, instance));
+  return make_group(rt, ranks, group_name(ranks, instance), instance);
 }
 
 }  // namespace fsdp

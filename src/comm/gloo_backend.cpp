@@ -315,38 +315,9 @@ void GlooProcessGroup::fail(const Op& op, int64_t seq, const std::string& cause)
   throw CollectiveError(msg.str());
 }
 
-// Which members never entered collective `seq`, and which stopped making progress (their
-// process no longer runs: SIGSTOP, a debugger, a frozen machine), from the progress board.
+// Which members never entered collective `seq`, and which stopped making progress.
 std::string GlooProcessGroup::diagnose_absent_and_stalled(int64_t seq) {
-  std::ostringstream msg;
-  try {
-    std::vector<int64_t> last = config_.board->last_entered(name(), global_ranks());
-    std::vector<int> absent;
-    std::ostringstream detail;
-    for (size_t i = 0; i < last.size(); ++i) {
-      if (last[i] >= seq) continue;
-      absent.push_back(global_ranks()[i]);
-      detail << (absent.size() > 1 ? ", " : "") << "rank " << global_ranks()[i] << ": "
-             << (last[i] < 0 ? std::string("none") : "#" + std::to_string(last[i]));
-    }
-    const std::vector<int> stalled = config_.board->stalled(global_ranks());
-    if (!absent.empty()) {
-      msg << "; ranks that did not arrive: " << ranks_str(absent)
-          << " (last collective they entered on this group: " << detail.str() << ")";
-    }
-    if (!stalled.empty()) {
-      msg << "; ranks that stopped making progress: " << ranks_str(stalled) << " (their process published no "
-          << "heartbeat for " << 4 * ProgressBoard::kHeartbeat.count() << " ms: stopped, e.g. by SIGSTOP or a "
-          << "debugger, or frozen)";
-    }
-    if (absent.empty() && stalled.empty()) {
-      msg << "; every rank entered it and is running, so the transfer itself failed: check that all ranks "
-             "issue the same collectives with the same sizes";
-    }
-  } catch (const std::exception& e) {
-    msg << "; could not ask the store which ranks arrived (" << e.what() << ")";
-  }
-  return msg.str();
+  return describe_absent_and_stalled(*config_.board, name(), global_ranks(), seq);
 }
 
 // ------------------------------------------------------------------------------ algorithms

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 
 namespace fsdp {
@@ -128,6 +129,49 @@ std::vector<int64_t> ProgressBoard::last_entered(const std::string& group,
     result.push_back(parse_seq(k, store_->get(k)));
   }
   return result;
+}
+
+std::string format_ranks(const std::vector<int>& ranks) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s << (i ? ", " : "") << ranks[i];
+  s << "]";
+  return s.str();
+}
+
+// Which members never entered collective `seq`, and which stopped making progress (their
+// process no longer runs: SIGSTOP, a debugger, a frozen machine), from the progress board.
+std::string describe_absent_and_stalled(ProgressBoard& board, const std::string& group,
+                                        const std::vector<int>& global_ranks, int64_t seq) {
+  std::ostringstream msg;
+  try {
+    std::vector<int64_t> last = board.last_entered(group, global_ranks);
+    std::vector<int> absent;
+    std::ostringstream detail;
+    for (size_t i = 0; i < last.size(); ++i) {
+      if (last[i] >= seq) continue;
+      absent.push_back(global_ranks[i]);
+      detail << (absent.size() > 1 ? ", " : "") << "rank " << global_ranks[i] << ": "
+             << (last[i] < 0 ? std::string("none") : "#" + std::to_string(last[i]));
+    }
+    const std::vector<int> stalled = board.stalled(global_ranks);
+    if (!absent.empty()) {
+      msg << "; ranks that did not arrive: " << format_ranks(absent)
+          << " (last collective they entered on this group: " << detail.str() << ")";
+    }
+    if (!stalled.empty()) {
+      msg << "; ranks that stopped making progress: " << format_ranks(stalled) << " (their process published no "
+          << "heartbeat for " << 4 * ProgressBoard::kHeartbeat.count() << " ms: stopped, e.g. by SIGSTOP or a "
+          << "debugger, or frozen)";
+    }
+    if (absent.empty() && stalled.empty()) {
+      msg << "; every rank entered it and is running, so the transfer itself failed: check that all ranks "
+             "issue the same collectives with the same sizes";
+    }
+  } catch (const std::exception& e) {
+    msg << "; could not ask the store which ranks arrived (" << e.what() << ")";
+  }
+  return msg.str();
 }
 
 }  // namespace comm

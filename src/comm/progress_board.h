@@ -76,5 +76,15 @@ class ProgressBoard {
   std::thread thread_;
 };
 
+// "[0, 2, 3]": ranks as errors print them.
+std::string format_ranks(const std::vector<int>& ranks);
+
+// The part of a timeout error that names, for collective `seq` of `group`, the members that
+// never entered it and those whose process stopped making progress, from `board`; starts with
+// "; ". Every backend's timeout error uses it. Never throws: a store that cannot be asked is
+// reported in the text.
+std::string describe_absent_and_stalled(ProgressBoard& board, const std::string& group,
+                                        const std::vector<int>& global_ranks, int64_t seq);
+
 }  // namespace comm
 }  // namespace fsdp

@@ -388,6 +388,15 @@ TEST(TrainConfig, CollectiveTimeout) {
   }
 }
 
+TEST(TrainConfig, Backend) {
+  EXPECT_EQ(load_config("", {}).fsdp_config.backend, "auto");  // mpi under mpirun/srun, else gloo
+  for (const char* name : {"auto", "gloo", "mpi"}) {
+    EXPECT_EQ(load_config("", {std::string("--fsdp_config.backend=") + name}).fsdp_config.backend, name);
+  }
+  expect_cli_error("--fsdp_config.backend=nccl", "fsdp_config.backend");
+  expect_file_error("fsdp_config", "backend: tcp", "fsdp_config.backend");
+}
+
 // ------------------------------------------------------------------ mixed precision
 
 TEST(TrainConfig, MixedPrecisionIsBf16ParamsWithFp32ReductionsAndTheDtypeKeysOverrideIt) {

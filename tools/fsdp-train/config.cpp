@@ -219,6 +219,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
          require(v >= 0.001 && v <= kMaxCollectiveTimeoutS, rule.str());
          f.collective_timeout_s = v;
        }},
+      {"fsdp_config", "backend", choice(f.backend, {"auto", "gloo", "mpi"})},
       {"fsdp_config", "sharding_strategy",
        [&f](const YAML::Node& n) {
          std::string v =

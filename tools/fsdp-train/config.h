@@ -109,6 +109,10 @@ struct FsdpConfig {
   // library's default (300 s), or FSDP_COLLECTIVE_TIMEOUT_MS from the environment, which the
   // library lets win over this key (the trainer then says so).
   std::optional<double> collective_timeout_s;
+  // The process-group backend: "gloo", "mpi" (the job started by mpirun or srun), or "auto"
+  // (default): mpi under mpirun/srun when the build has MPI, else gloo. FSDP_BACKEND in the
+  // environment wins over it (the trainer then says so).
+  std::string backend = "auto";
 };
 constexpr double kMaxCollectiveTimeoutS = 30.0 * 24 * 3600;  // 30 days
 

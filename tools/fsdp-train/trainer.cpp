@@ -132,6 +132,7 @@ InitOptions init_options(const FsdpConfig& f) {
   InitOptions o;
   if (f.collective_timeout_s)
     o.timeout(std::chrono::milliseconds(static_cast<int64_t>(std::llround(*f.collective_timeout_s * 1000))));
+  if (f.backend != "auto") o.backend(f.backend);
   return o;
 }
 
@@ -427,9 +428,17 @@ void Run::set_up() {
 // Decided from the timeout in force, not from the variable: the library ignores an empty one.
 void Run::join_job(const RendezvousInfo& env) {
   const InitOptions options = init_options(cfg_.fsdp_config);
+  if (cfg_.fsdp_config.backend == "mpi" && !mpi_available()) {
+    throw ConfigError("fsdp_config.backend: mpi, but this build has no MPI backend (CMake found no MPI): install "
+                      "libopenmpi-dev (scripts/install-deps.sh) and rebuild, or use gloo");
+  }
   init_process_group(env, options);
   rank_ = get_rank();
   world_ = get_world_size();
+  if (cfg_.fsdp_config.backend != "auto" && backend() != cfg_.fsdp_config.backend) {
+    print("fsdp-train: note: FSDP_BACKEND=" + backend() + " in the environment selects the process-group backend; "
+          "fsdp_config.backend (" + cfg_.fsdp_config.backend + ") is not used");
+  }
   const std::chrono::milliseconds in_force = world()->timeout();
   if (!cfg_.fsdp_config.collective_timeout_s || in_force == options.timeout()) return;
   std::ostringstream note;
@@ -649,7 +658,7 @@ void Run::start_logging() {
         << ", " << args_.n_heads << " heads, vocab " << args_.vocab_size << ", max_seq_len " << args_.max_seq_len
         << ") " << data_parallel_description() << ", "
         << precision_.describe() << "; " << data_->describe() << "; global batch " << dp_world_ * accumulation_ * batch_
-        << " x " << seq_ << " tokens";
+        << " x " << seq_ << " tokens; collectives on " << backend();
   print(hello.str());
   // Only rank 0 probes (its line is the one printed); the others go on to the first step's
   // all-gather and wait there the ~50 ms it takes.

@@ -1,0 +1,570 @@
+// The MPI collectives. Where data moves: the MPI calls in the algorithm functions below, each
+// run on the group's communication thread (run_loop). Who waits: the caller, through
+// Work::wait(). Who ends a stuck job: the Watchdog.
+#include "src/comm/mpi_backend.h"
+
+#include "src/comm/progress_board.h"
+#include "src/util/tensor_bytes.h"
+
+#include <fsdp/trace.h>
+
+#include <c10/core/InferenceMode.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <ATen/ops/div.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <map>
+#include <sstream>
+
+namespace fsdp {
+namespace comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using detail::bytes_of;
+
+// Every MPI call of this file goes through here: MPI_ERRORS_RETURN is set on our communicators,
+// so a failure comes back as a code, and becomes an exception naming the call.
+void check_mpi(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw std::runtime_error(std::string(call) + " failed: " + text);
+}
+
+int as_mpi_count(int64_t n, const std::string& group) {
+  TORCH_CHECK(n <= std::numeric_limits<int>::max(), "fsdp collective on group '", group, "': ", n,
+              " elements exceed the MPI backend's limit of 2^31 - 1 per rank (MPI counts are int); "
+              "use smaller FSDP groups or the gloo backend");
+  return static_cast<int>(n);
+}
+
+// ------------------------------------------------------------------------------ datatypes
+
+// For moving bytes (all-gather, broadcast): one MPI element per tensor element, so counts stay
+// in elements and reach further than byte counts would before int overflows.
+MPI_Datatype element_type(size_t element_size) {
+  static std::mutex mu;
+  static std::map<size_t, MPI_Datatype> types;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = types.find(element_size);
+  if (it != types.end()) return it->second;
+  MPI_Datatype t;
+  check_mpi(MPI_Type_contiguous(static_cast<int>(element_size), MPI_BYTE, &t), "MPI_Type_contiguous");
+  check_mpi(MPI_Type_commit(&t), "MPI_Type_commit");
+  types[element_size] = t;
+  return t;
+}
+
+// MPI has no 16-bit floats: bf16 and fp16 travel as MPI_UINT16_T and are combined by these
+// operations, in float and rounded back, as ATen's own bf16/fp16 arithmetic does.
+enum class Combine { kSum, kMax, kMin };
+
+template <typename T, Combine C>
+void combine_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
+    float z;
+    if (C == Combine::kSum) {
+      z = x + y;
+    } else if (std::isnan(x) || std::isnan(y)) {
+      z = std::numeric_limits<float>::quiet_NaN();  // as at::maximum / at::minimum
+    } else {
+      z = C == Combine::kMax ? std::max(x, y) : std::min(x, y);
+    }
+    b[i] = static_cast<T>(z);
+  }
+}
+
+struct Ops16 {
+  MPI_Op bf16[3];
+  MPI_Op half[3];
+};
+
+Ops16& ops16() {
+  static Ops16 ops = [] {
+    Ops16 o;
+    check_mpi(MPI_Op_create(&combine_16bit<c10::BFloat16, Combine::kSum>, 1, &o.bf16[0]), "MPI_Op_create");
+    check_mpi(MPI_Op_create(&combine_16bit<c10::BFloat16, Combine::kMax>, 1, &o.bf16[1]), "MPI_Op_create");
+    check_mpi(MPI_Op_create(&combine_16bit<c10::BFloat16, Combine::kMin>, 1, &o.bf16[2]), "MPI_Op_create");
+    check_mpi(MPI_Op_create(&combine_16bit<c10::Half, Combine::kSum>, 1, &o.half[0]), "MPI_Op_create");
+    check_mpi(MPI_Op_create(&combine_16bit<c10::Half, Combine::kMax>, 1, &o.half[1]), "MPI_Op_create");
+    check_mpi(MPI_Op_create(&combine_16bit<c10::Half, Combine::kMin>, 1, &o.half[2]), "MPI_Op_create");
+    return o;
+  }();
+  return ops;
+}
+
+struct Reduction {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  MPI_Op op = MPI_OP_NULL;
+};
+
+// How MPI reduces `dtype` with `op` (avg: a sum, divided afterwards). Undefined type when MPI
+// cannot reduce that dtype.
+Reduction reduction_for(at::ScalarType dtype, ReduceOp op) {
+  const int k = op == ReduceOp::kMax ? 1 : op == ReduceOp::kMin ? 2 : 0;
+  const MPI_Op arith[3] = {MPI_SUM, MPI_MAX, MPI_MIN};
+  switch (dtype) {
+    case at::kFloat: return {MPI_FLOAT, arith[k]};
+    case at::kDouble: return {MPI_DOUBLE, arith[k]};
+    case at::kChar: return {MPI_INT8_T, arith[k]};
+    case at::kByte: return {MPI_UINT8_T, arith[k]};
+    case at::kShort: return {MPI_INT16_T, arith[k]};
+    case at::kInt: return {MPI_INT32_T, arith[k]};
+    case at::kLong: return {MPI_INT64_T, arith[k]};
+    case at::kBool: return {MPI_C_BOOL, k == 2 ? MPI_LAND : MPI_LOR};  // as ATen: sum and max are "or"
+    case at::kBFloat16: return {MPI_UINT16_T, ops16().bf16[k]};
+    case at::kHalf: return {MPI_UINT16_T, ops16().half[k]};
+    default: return {};
+  }
+}
+
+bool all_equal(const std::vector<int64_t>& v) {
+  return std::all_of(v.begin(), v.end(), [&](int64_t c) { return c == v.front(); });
+}
+
+int64_t sum_of(const std::vector<int64_t>& v) {
+  int64_t s = 0;
+  for (int64_t c : v) s += c;
+  return s;
+}
+
+// ------------------------------------------------------------------------------ watchdog
+
+// Ends the job when an MPI call outlives its deadline: prints what `describe` says, then
+// MPI_Abort. One thread per process, for every group (and group creation).
+class Watchdog {
+ public:
+  Watchdog() : thread_([this] { loop(); }) {}
+
+  uint64_t arm(Clock::time_point deadline, std::function<std::string()> describe) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t id = next_id_++;
+    armed_.emplace(id, Entry{deadline, std::move(describe)});
+    cv_.notify_all();
+    return id;
+  }
+
+  void disarm(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_.erase(id);
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct Entry {
+    Clock::time_point deadline;
+    std::function<std::string()> describe;
+  };
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      if (armed_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      auto first = std::min_element(armed_.begin(), armed_.end(), [](const auto& a, const auto& b) {
+        return a.second.deadline < b.second.deadline;
+      });
+      if (Clock::now() < first->second.deadline) {
+        cv_.wait_until(lock, first->second.deadline);
+        continue;
+      }
+      std::function<std::string()> describe = std::move(first->second.describe);
+      armed_.erase(first);
+      lock.unlock();
+      const std::string message = describe();
+      std::fprintf(stderr, "%s\n", message.c_str());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+      std::_Exit(1);  // MPI_Abort does not return; should it, the job still must not hang
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, Entry> armed_;
+  uint64_t next_id_ = 0;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+// Process-wide MPI state, made by mpi_job() and never destroyed (its thread is stopped before
+// MPI_Finalize instead: static destruction order at exit is not ours to choose).
+struct MpiState {
+  bool we_initialised = false;
+  MPI_Comm create_comm = MPI_COMM_NULL;  // parent of sub-groups; used only under new_group's lock
+  Watchdog* watchdog = nullptr;
+  void (*before_finalize)() = nullptr;
+};
+MpiState* g_mpi = nullptr;
+std::mutex g_mpi_mu;
+
+void finalize_at_exit() {
+  if (!g_mpi) return;
+  if (g_mpi->before_finalize) g_mpi->before_finalize();
+  g_mpi->watchdog->stop();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+// Runs `call` (a blocking MPI call on the calling thread) under the watchdog.
+template <typename F>
+void guarded(std::chrono::milliseconds timeout, const std::string& what, F&& call) {
+  const uint64_t id = g_mpi->watchdog->arm(Clock::now() + timeout, [what, timeout] {
+    return "fsdp: " + what + " did not complete within " + std::to_string(timeout.count()) +
+           " ms: some member never called it. An MPI call cannot be cancelled, so this process ends the MPI "
+           "job (MPI_Abort).";
+  });
+  try {
+    call();
+  } catch (...) {
+    g_mpi->watchdog->disarm(id);
+    throw;
+  }
+  g_mpi->watchdog->disarm(id);
+}
+
+int comm_rank(MPI_Comm comm) {
+  int r = 0;
+  check_mpi(MPI_Comm_rank(comm, &r), "MPI_Comm_rank");
+  return r;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ the job
+
+MpiJob mpi_job(void (*before_finalize)()) {
+  std::lock_guard<std::mutex> lock(g_mpi_mu);
+  if (!g_mpi) {
+    int initialised = 0, provided = 0;
+    MPI_Initialized(&initialised);
+    if (!initialised) {
+      int argc = 0;
+      char** argv = nullptr;
+      TORCH_CHECK(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) == MPI_SUCCESS,
+                  "fsdp: MPI_Init_thread failed; is this process started by mpirun or srun --mpi=pmix?");
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    TORCH_CHECK(provided >= MPI_THREAD_MULTIPLE,
+                "fsdp: the MPI backend needs MPI_THREAD_MULTIPLE (each process group has its own "
+                "communication thread), but this MPI provides level ",
+                provided, initialised ? " (the program initialised MPI itself: call MPI_Init_thread with "
+                                        "MPI_THREAD_MULTIPLE)" : "; use an MPI built with thread support, or the gloo backend");
+    auto* state = new MpiState();
+    state->we_initialised = !initialised;
+    state->before_finalize = before_finalize;
+    check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &state->create_comm), "MPI_Comm_dup");
+    MPI_Comm_set_errhandler(state->create_comm, MPI_ERRORS_RETURN);
+    state->watchdog = new Watchdog();
+    g_mpi = state;
+    if (state->we_initialised) std::atexit(finalize_at_exit);
+  }
+  MpiJob job;
+  MPI_Comm_rank(MPI_COMM_WORLD, &job.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &job.size);
+  return job;
+}
+
+MpiBoardStore mpi_board_store(std::chrono::milliseconds timeout) {
+  const MpiJob job = mpi_job(nullptr);
+  // One node when every rank shares this node's memory: then loopback reaches rank 0.
+  MPI_Comm node;
+  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type");
+  int node_size = 0;
+  MPI_Comm_size(node, &node_size);
+  MPI_Comm_free(&node);
+
+  MpiBoardStore out;
+  struct {
+    char host[256];
+    int port;
+  } where{};
+  if (job.rank == 0) {
+    c10d::TCPStoreOptions opts;
+    opts.port = 0;  // any free port: jobs on one machine never collide
+    opts.isServer = true;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    out.server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+    where.port = static_cast<c10d::TCPStore&>(*out.server).getPort();
+    if (node_size == job.size) {
+      std::snprintf(where.host, sizeof(where.host), "127.0.0.1");
+    } else if (const char* addr = std::getenv("MASTER_ADDR")) {
+      std::snprintf(where.host, sizeof(where.host), "%s", addr);
+    } else {
+      TORCH_CHECK(gethostname(where.host, sizeof(where.host) - 1) == 0, "fsdp: gethostname() failed");
+    }
+  }
+  check_mpi(MPI_Bcast(&where, sizeof(where), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(where.port);
+  opts.isServer = false;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  try {
+    out.client = c10::make_intrusive<c10d::TCPStore>(std::string(where.host), opts);
+  } catch (const std::exception& e) {
+    throw CollectiveError(c10::str("fsdp: rank ", job.rank, " could not reach the progress board's store that rank 0 ",
+                                   "hosts at ", where.host, ":", where.port, " (", e.what(),
+                                   "); set MASTER_ADDR to an address of rank 0's node that the others can reach"));
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------ lifecycle
+
+std::shared_ptr<MpiProcessGroup> MpiProcessGroup::world(MpiGroupConfig config) {
+  mpi_job(nullptr);
+  MPI_Comm comm;
+  guarded(config.timeout, "creating process group '" + config.name + "' (MPI_Comm_dup of the world)",
+          [&] { check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup"); });
+  return std::shared_ptr<MpiProcessGroup>(new MpiProcessGroup(std::move(config), comm));
+}
+
+std::shared_ptr<MpiProcessGroup> MpiProcessGroup::subgroup(MpiGroupConfig config, int instance) {
+  mpi_job(nullptr);
+  MPI_Group world_group, members;
+  check_mpi(MPI_Comm_group(g_mpi->create_comm, &world_group), "MPI_Comm_group");
+  check_mpi(MPI_Group_incl(world_group, static_cast<int>(config.global_ranks.size()), config.global_ranks.data(),
+                           &members),
+            "MPI_Group_incl");
+  // Members agree on the tag: it comes from the member set and how many such groups exist.
+  size_t h = std::hash<std::string>()(config.name) + static_cast<size_t>(instance);
+  const int tag = static_cast<int>(h % 32000);
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::ostringstream what;
+  what << "creating process group '" << config.name << "' (global ranks " << format_ranks(config.global_ranks)
+       << ", MPI_Comm_create_group)";
+  guarded(config.timeout, what.str(), [&] {
+    check_mpi(MPI_Comm_create_group(g_mpi->create_comm, members, tag, &comm), "MPI_Comm_create_group");
+  });
+  MPI_Group_free(&members);
+  MPI_Group_free(&world_group);
+  return std::shared_ptr<MpiProcessGroup>(new MpiProcessGroup(std::move(config), comm));
+}
+
+MpiProcessGroup::MpiProcessGroup(MpiGroupConfig config, MPI_Comm comm)
+    : ProcessGroup(comm_rank(comm), config.global_ranks, config.name, config.timeout),
+      config_(std::move(config)),
+      comm_(comm) {
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  thread_ = std::thread([this] { run_loop(); });
+}
+
+MpiProcessGroup::~MpiProcessGroup() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  thread_.join();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Comm_free(&comm_);
+}
+
+WorkHandle MpiProcessGroup::enqueue(Op op) {
+  // Refused here, on the caller's thread and on every rank alike, rather than failing one
+  // rank's communication thread while the others wait for it.
+  if (op.kind == CollectiveKind::kReduceScatter || op.kind == CollectiveKind::kAllReduce) {
+    TORCH_CHECK(reduction_for(op.input.scalar_type(), op.reduce).type != MPI_DATATYPE_NULL, "fsdp collective on group '",
+                name(), "': the MPI backend cannot reduce dtype ", op.input.scalar_type(),
+                " (it reduces float, double, bfloat16, half, bool and integer tensors); use the gloo backend");
+  }
+  const std::string& group = name();
+  if (op.kind == CollectiveKind::kAllGather || op.kind == CollectiveKind::kReduceScatter) {
+    as_mpi_count(sum_of(op.counts), group);  // displacements are ints too
+  } else if (op.input.defined()) {
+    as_mpi_count(op.input.numel(), group);
+  }
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  TORCH_CHECK(!stopping_, "process group '", name(), "' is being destroyed; no new collectives");
+  WorkHandle work = make_work(op.kind, {op.output, op.input});
+  queue_.push_back(Task{std::move(op), work});
+  queue_cv_.notify_one();
+  return work;
+}
+
+void MpiProcessGroup::run_loop() {
+  c10::InferenceMode no_autograd;  // avg divides through ATen views of the caller's buffers
+  trace::set_thread_name("comm " + name());
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    const int64_t seq = task.work->seq();
+    if (!broken_.empty()) {
+      error = std::make_exception_ptr(CollectiveError(
+          std::string("fsdp: ") + to_string(task.op.kind) + " #" + std::to_string(seq) + " on process group '" +
+          name() + "' was not run: the group is unusable after an earlier failure (" + broken_ + ")"));
+    } else {
+      const auto start = Clock::now();
+      try {
+        execute(task.op, seq);
+      } catch (const std::exception& e) {
+        broken_ = std::string(to_string(task.op.kind)) + " #" + std::to_string(seq) + " failed";
+        error = std::make_exception_ptr(CollectiveError(
+            std::string("fsdp: ") + to_string(task.op.kind) + " #" + std::to_string(seq) + " on process group '" +
+            name() + "' (global ranks " + format_ranks(global_ranks()) + ", MPI backend) failed: " + e.what() +
+            ". The group is now unusable."));
+      }
+      const auto end = Clock::now();
+      count_busy(task.op.kind, std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count());
+      if (trace::enabled()) {
+        const int64_t bytes = task.op.input.defined() ? static_cast<int64_t>(task.op.input.nbytes()) : 0;
+        trace::record("comm", std::string(to_string(task.op.kind)) + " #" + std::to_string(seq), start, end,
+                      "{\"group\": \"" + name() + "\", \"backend\": \"mpi\", \"input_bytes\": " +
+                          std::to_string(bytes) + "}");
+      }
+    }
+    finish_work(*task.work, error);
+  }
+}
+
+void MpiProcessGroup::execute(const Op& op, int64_t seq) {
+  if (config_.board) config_.board->entered(name(), seq);
+  const CollectiveKind kind = op.kind;
+  const uint64_t id = g_mpi->watchdog->arm(Clock::now() + timeout(),
+                                           [this, kind, seq] { return timeout_message(kind, seq); });
+  try {
+    switch (op.kind) {
+      case CollectiveKind::kAllGather: all_gather(op); break;
+      case CollectiveKind::kReduceScatter: reduce_scatter(op); break;
+      case CollectiveKind::kAllReduce: all_reduce(op); break;
+      case CollectiveKind::kBroadcast: broadcast(op); break;
+      case CollectiveKind::kBarrier:
+        check_mpi(MPI_Barrier(comm_), "MPI_Barrier");
+        count_bytes(kind, size() - 1, size() - 1);
+        break;
+    }
+  } catch (...) {
+    g_mpi->watchdog->disarm(id);
+    throw;
+  }
+  g_mpi->watchdog->disarm(id);
+}
+
+// Called by the watchdog thread while the operation is still stuck in MPI.
+std::string MpiProcessGroup::timeout_message(CollectiveKind kind, int64_t seq) {
+  std::ostringstream msg;
+  msg << "fsdp: " << to_string(kind) << " #" << seq << " on process group '" << name() << "' (global ranks "
+      << format_ranks(global_ranks()) << ", this is group rank " << rank() << ", MPI backend) timed out after "
+      << timeout().count() << " ms";
+  if (config_.board) msg << describe_absent_and_stalled(*config_.board, name(), global_ranks(), seq);
+  msg << ". An MPI collective cannot be cancelled, so this process ends the MPI job (MPI_Abort). If a rank is "
+         "only slow, raise the timeout (fsdp::InitOptions().timeout(...), fsdp_config.collective_timeout_s or "
+         "FSDP_COLLECTIVE_TIMEOUT_MS).";
+  return msg.str();
+}
+
+// ------------------------------------------------------------------------------ collectives
+// Byte counters hold what a bandwidth-optimal algorithm moves for this rank (MPI does not say
+// what its own algorithm moved): the same figures the Gloo backend counts.
+
+void MpiProcessGroup::all_gather(const Op& op) {
+  const int W = size(), r = rank();
+  const size_t es = op.output.element_size();
+  const MPI_Datatype type = element_type(es);
+  char* out = bytes_of(op.output);
+  const char* in = bytes_of(op.input);
+  int64_t own_offset = 0;
+  for (int p = 0; p < r; ++p) own_offset += op.counts[p];
+  // FSDP may hand in its own shard's slice of the output: MPI then must not copy it onto itself.
+  const void* send = (op.counts[r] > 0 && out + own_offset * es == in) ? MPI_IN_PLACE : in;
+  if (all_equal(op.counts)) {
+    const int n = static_cast<int>(op.counts[0]);
+    check_mpi(MPI_Allgather(send, n, type, out, n, type, comm_), "MPI_Allgather");
+  } else {
+    std::vector<int> counts(W), displs(W);
+    for (int p = 0, off = 0; p < W; off += counts[p], ++p) {
+      counts[p] = static_cast<int>(op.counts[p]);
+      displs[p] = off;
+    }
+    check_mpi(MPI_Allgatherv(send, counts[r], type, out, counts.data(), displs.data(), type, comm_),
+              "MPI_Allgatherv");
+  }
+  const int64_t own = op.counts[r] * static_cast<int64_t>(es);
+  count_bytes(CollectiveKind::kAllGather, own * (W - 1), sum_of(op.counts) * static_cast<int64_t>(es) - own);
+}
+
+void MpiProcessGroup::reduce_scatter(const Op& op) {
+  const int W = size(), r = rank();
+  const Reduction red = reduction_for(op.input.scalar_type(), op.reduce);
+  const size_t es = op.output.element_size();
+  const char* in = bytes_of(op.input);
+  char* out = bytes_of(op.output);
+  if (all_equal(op.counts)) {
+    check_mpi(MPI_Reduce_scatter_block(in, out, static_cast<int>(op.counts[0]), red.type, red.op, comm_),
+              "MPI_Reduce_scatter_block");
+  } else {
+    std::vector<int> counts(op.counts.begin(), op.counts.end());
+    check_mpi(MPI_Reduce_scatter(in, out, counts.data(), red.type, red.op, comm_), "MPI_Reduce_scatter");
+  }
+  if (op.reduce == ReduceOp::kAvg && op.output.numel() > 0) op.output.div_(W);
+  const int64_t others = (sum_of(op.counts) - op.counts[r]) * static_cast<int64_t>(es);
+  count_bytes(CollectiveKind::kReduceScatter, others, others);
+}
+
+void MpiProcessGroup::all_reduce(const Op& op) {
+  const int W = size();
+  const at::Tensor& t = op.input;
+  if (t.numel() == 0) return;
+  const Reduction red = reduction_for(t.scalar_type(), op.reduce);
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, bytes_of(t), static_cast<int>(t.numel()), red.type, red.op, comm_),
+            "MPI_Allreduce");
+  if (op.reduce == ReduceOp::kAvg) t.div_(W);
+  const int64_t moved = 2 * static_cast<int64_t>(t.nbytes()) * (W - 1) / W;  // ring: reduce-scatter + all-gather
+  count_bytes(CollectiveKind::kAllReduce, moved, moved);
+}
+
+void MpiProcessGroup::broadcast(const Op& op) {
+  const int W = size();
+  const at::Tensor& t = op.input;
+  if (t.numel() == 0) return;
+  check_mpi(MPI_Bcast(bytes_of(t), static_cast<int>(t.numel()), element_type(t.element_size()), op.root, comm_),
+            "MPI_Bcast");
+  const int64_t nbytes = static_cast<int64_t>(t.nbytes());
+  if (rank() == op.root) {
+    count_bytes(CollectiveKind::kBroadcast, nbytes * (W - 1), 0);
+  } else {
+    count_bytes(CollectiveKind::kBroadcast, 0, nbytes);
+  }
+}
+
+}  // namespace comm
+}  // namespace fsdp
