@@ -6,6 +6,7 @@
 #include "src/comm/progress_board.h"
 #include "src/util/tensor_bytes.h"
 
+#include <fsdp/flight_recorder.h>
 #include <fsdp/trace.h>
 
 #include <c10/core/InferenceMode.h>
@@ -458,6 +459,7 @@ void MpiProcessGroup::run_loop() {
 
 void MpiProcessGroup::execute(const Op& op, int64_t seq) {
   if (config_.board) config_.board->entered(name(), seq);
+  FlightRecorder::global().started(name(), seq);
   const CollectiveKind kind = op.kind;
   const uint64_t id = g_mpi->watchdog->arm(Clock::now() + timeout(),
                                            [this, kind, seq] { return timeout_message(kind, seq); });
