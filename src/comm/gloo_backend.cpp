@@ -184,6 +184,18 @@ class GlooProcessGroup::Exchange {
 
 // ------------------------------------------------------------------------------ lifecycle
 
+// A member's connectFullMesh can return while a peer is still finishing its side of their pair's
+// handshake; a member that then left at once (a group created and never used) made the peer's
+// connect fail with "connection closed by peer". Returning only once every member has connected
+// makes group creation a true collective.
+void GlooProcessGroup::wait_until_every_member_connected() {
+  const std::string prefix = "fsdp_connected/" + name() + "/";
+  config_.store->set(prefix + std::to_string(rank()), std::vector<uint8_t>{1});
+  std::vector<std::string> keys;
+  for (int r = 0; r < size(); ++r) keys.push_back(prefix + std::to_string(r));
+  config_.store->wait(keys, timeout());
+}
+
 GlooProcessGroup::GlooProcessGroup(GlooGroupConfig config)
     : ProcessGroup(config.rank, config.global_ranks, config.name, config.timeout),
       config_(std::move(config)) {
@@ -200,6 +212,7 @@ GlooProcessGroup::GlooProcessGroup(GlooGroupConfig config)
       context->setTimeout(timeout());
       GlooStoreAdapter store(config_.store);
       context->connectFullMesh(store, device);
+      wait_until_every_member_connected();
       context_ = std::move(context);
     } catch (const std::exception& e) {
       throw CollectiveError("fsdp: could not connect process group '" + name() + "' (global ranks " +

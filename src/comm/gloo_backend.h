@@ -59,6 +59,7 @@ class GlooProcessGroup final : public ProcessGroup {
     Op op;
     WorkHandle work;
   };
+  void wait_until_every_member_connected();
   void run_loop();
   void execute(const Op& op, int64_t seq);
   [[noreturn]] void fail(const Op& op, int64_t seq, const std::string& cause);
