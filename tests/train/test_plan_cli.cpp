@@ -82,7 +82,8 @@ TEST(PlanCli, RefusesWhatItCannotModelNamingTheKey) {
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("fsdp_config.replicate_degree"), std::string::npos) << r.err;
   // Runs the trainer supports but the step replay does not describe yet.
-  for (const std::string& unmodelled : {"--fsdp_config.output_head_group=true", "--fsdp_config.backend=mpi"}) {
+  for (const char* flag : {"--fsdp_config.output_head_group=true", "--fsdp_config.backend=mpi"}) {
+    const std::string unmodelled = flag;
     r = trainer.run({"plan", configs_dir() + "/tiny.yaml", "--world", "2", unmodelled}, {}, 60);
     EXPECT_EQ(r.exit_code, 2) << unmodelled << ": " << describe(r);
     const std::string key = unmodelled.substr(2, unmodelled.find('=') - 2);
