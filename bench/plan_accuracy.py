@@ -1,23 +1,31 @@
 #!/usr/bin/python3
 """The planner (`fsdp-train plan`) against the trainer: predicted vs measured peak tensor bytes
 and step time, for every combination of preset, world size, reshard_after_forward (FULL_SHARD /
-SHARD_GRAD_OP), precision (fp32 / bf16 compute) and checkpointing mode asked for.
+SHARD_GRAD_OP), precision (fp32 / bf16 compute) and checkpointing mode asked for, optionally
+with tensor parallelism (--tp) or on the MPI backend (--backend mpi).
 
-Each combination is trained for a few steps (fsdprun for W > 1); the measured peak is the largest
-per-step peak tensor bytes of rank 0 after the first step (the first step has no optimizer state
-yet), the measured step time the median of those steps. The planner is asked the same
-configuration with --json. Measurements are cached in OUT/measured.json (delete it to measure
-again), so a changed planner is compared again without retraining.
+Each combination is trained for a few steps (fsdprun for W > 1, mpirun for --backend mpi); the
+measured peak is the largest per-step peak tensor bytes of rank 0 after the first step (the first
+step has no optimizer state yet), the measured step time the median of those steps. The planner
+is asked the same configuration with --json. Measurements are cached in OUT/measured.json (delete
+an entry to measure it again), so a changed planner is compared again without retraining, and a
+long sweep can be split into several commands.
 
-    OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/plan_accuracy.py --out bench/results/plan_accuracy/DIR \
-        --presets tiny,small --worlds 1,2,4
+    OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/plan_accuracy.py --out bench/results/plan_accuracy/DIR \\
+        --presets tiny,small --worlds 1,2,4 --lock /tmp/fsdp-bench.lock
 
-Only the standard library is needed.
+--lock FILE holds that lock (flock) around each timed run, so that benchmarks of others never
+overlap one. --untimed runs measure memory only (peak tensor bytes are exact whatever the load):
+their step times are kept out of the table until a timed run of the same combination replaces
+them. --table-only prints the table of what is cached. Only the standard library is needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
+import fcntl
 import itertools
 import json
 import os
@@ -25,22 +33,66 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = {"true": "FULL_SHARD", "false": "SHARD_GRAD_OP"}
 PRECISIONS = {"fp32": [], "bf16": ["--fsdp_config.mixed_precision=true"]}
+EVERY = ["--fsdp_config.activation_checkpointing=true", "--fsdp_config.activation_checkpointing_every=1"]
 CHECKPOINTING = {
     "none": [],
-    "every": ["--fsdp_config.activation_checkpointing=true", "--fsdp_config.activation_checkpointing_every=1"],
+    "every": EVERY,
     "every2": ["--fsdp_config.activation_checkpointing=true", "--fsdp_config.activation_checkpointing_every=2"],
-    "every+loss4": ["--fsdp_config.activation_checkpointing=true", "--fsdp_config.activation_checkpointing_every=1",
-                    "--training.loss_chunks=4"],
+    "every+loss4": EVERY + ["--training.loss_chunks=4"],
+    # The final norm and the output head as an FSDP group of their own, with and without the rest.
+    "head": ["--fsdp_config.output_head_group=true"],
+    "every+loss4+head": EVERY + ["--training.loss_chunks=4", "--fsdp_config.output_head_group=true"],
 }
+MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl_vader_single_copy_mechanism", "none",
+          "-x", "OMP_NUM_THREADS=1", "-x", "OPENBLAS_NUM_THREADS=1", "-x", "OPENBLAS_CORETYPE"]
 
 
-def overrides(raf: str, prec: str, ckpt: str, steps: int) -> list[str]:
-    return [f"--fsdp_config.sharding_strategy={STRATEGIES[raf]}", f"--training.steps={steps}"] + \
+
+def wait_for_quiet(limit_s: float) -> bool:
+    """Waits (up to limit_s) until no other process is running for 3 s in a row: builds and tests
+    at idle priority still slow multi-threaded timings down. Returns whether it got there."""
+    deadline, quiet_since = time.time() + limit_s, None
+    while time.time() < deadline:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        now = time.time()
+        quiet_since = (quiet_since or now) if running <= 1 else None
+        if quiet_since and now - quiet_since >= 3:
+            return True
+        time.sleep(0.5)
+    return False
+
+def key_of(combo: tuple, tp: int, backend: str) -> str:
+    return "/".join(map(str, combo)) + (f"/tp{tp}" if tp > 1 else "") + (f"/{backend}" if backend != "gloo" else "")
+
+
+def overrides(raf: str, prec: str, ckpt: str, steps: int, tp: int, backend: str) -> list[str]:
+    return [f"--fsdp_config.sharding_strategy={STRATEGIES[raf]}", f"--training.steps={steps}",
+            f"--fsdp_config.model_parallel_size={tp}", f"--fsdp_config.backend={backend}"] + \
         PRECISIONS[prec] + CHECKPOINTING[ckpt]
+
+
+def load_average() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+@contextlib.contextmanager
+def held(lock_path: str | None):
+    if not lock_path:
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def measure(a, preset: str, world: int, raf: str, prec: str, ckpt: str) -> dict:
@@ -49,28 +101,78 @@ def measure(a, preset: str, world: int, raf: str, prec: str, ckpt: str) -> dict:
     train = [os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), os.path.join(REPO, f"configs/{preset}.yaml"),
              "--training.resume=never", "--training.export=none", "--fsdp_config.checkpoint_interval=0",
              f"--fsdp_config.checkpoint_dir={tmp}/ck", "--logging.log_interval=1", f"--logging.jsonl={jsonl}",
-             "--logging.progress=off", "--sample.length=0"] + overrides(raf, prec, ckpt, a.steps)
-    cmd = train if world == 1 else [os.path.join(a.build_dir, "tools/fsdprun/fsdprun"), "--standalone",
-                                    "--nproc-per-node", str(world)] + train
-    print("+", " ".join(cmd), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+             "--logging.progress=off", "--sample.length=0"] + overrides(raf, prec, ckpt, a.steps, a.tp, a.backend)
+    if a.backend == "mpi":
+        cmd = MPIRUN + ["-np", str(world)] + train
+    elif world == 1:
+        cmd = train
+    else:
+        cmd = [os.path.join(a.build_dir, "tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", str(world)] + train
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    with held(None if a.untimed else a.lock):
+        quiet = False if a.untimed else wait_for_quiet(a.quiet_wait)
+        load = load_average()
+        when = f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M:%S} UTC"
+        print("+", " ".join(cmd), f"(load {load})", flush=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
     if out.returncode != 0:
         sys.exit(f"fsdp-train exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
     with open(jsonl.format(rank=0)) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     timed = [r for r in rows if r["step"] > 1]
-    return {"peak_mib": max(r["peak_mib"] for r in timed), "step_s": statistics.median(r["step_s"] for r in timed)}
+    return {"peak_mib": max(r["peak_mib"] for r in timed), "step_s": statistics.median(r["step_s"] for r in timed),
+            "timed": not a.untimed, "quiet": quiet, "load_before": load, "utc": when}
 
 
 def predict(a, preset: str, world: int, raf: str, prec: str, ckpt: str) -> dict:
     cmd = [os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), "plan", os.path.join(REPO, f"configs/{preset}.yaml"),
-           "--world", str(world), "--json"] + overrides(raf, prec, ckpt, a.steps)
+           "--world", str(world), "--json"] + overrides(raf, prec, ckpt, a.steps, a.tp, a.backend)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"fsdp-train plan exited {out.returncode}: {out.stderr}")
     plan = json.loads(out.stdout)
     rank0 = plan["ranks"][0]
     return {"peak_mib": rank0["peak_tensor_bytes"] / 2**20, "step_s": plan["step_time_s"]}
+
+
+def table(a, combos: list, cache: dict) -> list[str]:
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    lines = [f"planner at commit {commit}; {a.steps} steps, rank 0, measured peak = max over steps 2..{a.steps}, "
+             f"measured step = their median; tp {a.tp}, backend {a.backend}; step times only from timed runs", "",
+             "| preset | W | reshard_after_forward | precision | checkpointing | predicted peak MiB | measured peak MiB "
+             "| error | predicted step s | measured step s | error | load before |",
+             "|---|--:|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+    summary: dict = {}
+    for combo in combos:
+        m = cache.get(key_of(combo, a.tp, a.backend))
+        if m is None:
+            continue
+        q = predict(a, *combo)
+        e_peak = q["peak_mib"] / m["peak_mib"] - 1
+        preset, world, raf, prec, ckpt = combo
+        s = summary.setdefault((preset, world), {"runs": 0, "peak": [], "time": []})
+        s["runs"] += 1
+        s["peak"].append(e_peak)
+        if m.get("timed", True):
+            e_time = q["step_s"] / m["step_s"] - 1
+            s["time"].append(e_time)
+            quiet = "" if m.get("quiet") else " (busy)"
+            timing = f"{q['step_s']:.4f} | {m['step_s']:.4f} | {100 * e_time:+.0f}% | {m.get('load_before', '')}{quiet}"
+        else:
+            timing = f"{q['step_s']:.4f} | - | - | -"
+        lines.append(f"| {preset} | {world} | {raf} | {prec} | {ckpt} | {q['peak_mib']:.2f} | {m['peak_mib']:.2f} | "
+                     f"{100 * e_peak:+.1f}% | {timing} |")
+    lines += ["", "| preset | W | runs | peak error min / max | peak within ±10 % | timed runs | "
+              "step-time error min / max | step time within ±30 % |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for (preset, world), s in summary.items():
+        p, t = s["peak"], s["time"]
+        peak_ok = sum(abs(e) <= 0.10 for e in p)
+        time_ok = sum(abs(e) <= 0.30 for e in t)
+        trange = f"{100 * min(t):+.0f} % / {100 * max(t):+.0f} %" if t else "-"
+        lines.append(f"| {preset} | {world} | {s['runs']} | {100 * min(p):+.1f} % / {100 * max(p):+.1f} % | "
+                     f"{peak_ok} of {len(p)} | {len(t)} | {trange} | {time_ok} of {len(t)} |")
+    return lines
 
 
 def main() -> None:
@@ -82,39 +184,38 @@ def main() -> None:
     p.add_argument("--reshard", default="true,false")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--checkpointing", default=",".join(CHECKPOINTING))
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1, help="fsdp_config.model_parallel_size (worlds it does not divide "
+                   "are skipped)")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--lock", help="hold this lock (flock) around each timed run")
+    p.add_argument("--untimed", action="store_true", help="memory only: step times not reported")
+    p.add_argument("--quiet-wait", type=float, default=60,
+                   help="seconds a timed run waits for no other process to be running (it runs anyway after)")
+    p.add_argument("--retime", action="store_true",
+                   help="time again the cached runs that were untimed or started on a busy machine")
     p.add_argument("--measure-only", action="store_true")
+    p.add_argument("--table-only", action="store_true")
+    p.add_argument("--table", default="table.md", help="the table's file name under OUT")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     cache_path = os.path.join(a.out, "measured.json")
     cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
-    combos = list(itertools.product(a.presets.split(","), [int(w) for w in a.worlds.split(",")],
-                                    a.reshard.split(","), a.precisions.split(","), a.checkpointing.split(",")))
-    for combo in combos:
-        key = "/".join(map(str, combo))
-        if key not in cache:
+    combos = [c for c in itertools.product(a.presets.split(","), [int(w) for w in a.worlds.split(",")],
+                                           a.reshard.split(","), a.precisions.split(","), a.checkpointing.split(","))
+              if c[1] % a.tp == 0 and not (a.tp > 1 and "head" in c[4])]
+    for combo in [] if a.table_only else combos:
+        key = key_of(combo, a.tp, a.backend)
+        untimed = not cache.get(key, {}).get("timed", True) or not cache.get(key, {}).get("quiet", True)
+        stale = key in cache and a.retime and not a.untimed and untimed
+        if key not in cache or stale:
             cache[key] = measure(a, *combo)
             with open(cache_path, "w") as f:
                 json.dump(cache, f, indent=1, sort_keys=True)
     if a.measure_only:
         return
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    lines = [f"commit {commit}; {a.steps} steps, rank 0, measured peak = max over steps 2..{a.steps}", "",
-             "| preset | W | reshard_after_forward | precision | checkpointing | predicted peak MiB | measured peak MiB "
-             "| error | predicted step s | measured step s | error |", "|---|--:|---|---|---|--:|--:|--:|--:|--:|--:|"]
-    worst_peak = worst_time = 0.0
-    for combo in combos:
-        m = cache["/".join(map(str, combo))]
-        q = predict(a, *combo)
-        e_peak = q["peak_mib"] / m["peak_mib"] - 1
-        e_time = q["step_s"] / m["step_s"] - 1
-        worst_peak, worst_time = max(worst_peak, abs(e_peak)), max(worst_time, abs(e_time))
-        preset, world, raf, prec, ckpt = combo
-        lines.append(f"| {preset} | {world} | {raf} | {prec} | {ckpt} | {q['peak_mib']:.2f} | {m['peak_mib']:.2f} | "
-                     f"{100 * e_peak:+.1f}% | {q['step_s']:.4f} | {m['step_s']:.4f} | {100 * e_time:+.0f}% |")
-    lines += ["", f"largest peak error {100 * worst_peak:.1f}%, largest step-time error {100 * worst_time:.0f}%"]
-    with open(os.path.join(a.out, "table.md"), "w") as f:
+    lines = table(a, combos, cache)
+    with open(os.path.join(a.out, a.table), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

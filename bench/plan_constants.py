@@ -1,19 +1,27 @@
 #!/usr/bin/python3
 """Measures the rates the planner (fsdp::plan, `fsdp-train plan`) predicts step times and RSS
 with, and writes them to configs/plan_constants.json, the one file they live in (the library
-builds it in; `fsdp-train plan --constants FILE` reads another).
+builds it in; `fsdp-train plan --constants FILE` reads another). Run it on a quiet machine,
+holding the benchmark lock, and rebuild afterwards:
 
     bash scripts/build.sh
-    OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/plan_constants.py [--out configs/plan_constants.json]
+    flock /tmp/fsdp-bench.lock env OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/plan_constants.py \\
+        [--out configs/plan_constants.json]
 
-matmul rates: bench/bench_matmul on every core (one rank alone on the machine; the planner
-divides the rates among the ranks of one machine), the median over the shapes of small's and
-medium's linear layers, the best of three runs; collective bandwidth: bench/bench_collectives at
-W=2 (the slope of a line through its 1, 8 and 64 MiB all-gather and reduce-scatter times);
-latency: what tiny's step gains from W=1 to W=2, per collective; memory bandwidth: an in-place
-add of 64 MiB at one thread (torch), the best of 7; the runtime RSS and per-step overhead:
-fsdp-train on tiny at W=1 (its tensors are a few hundred KiB); RSS per tensor byte: fsdp-train on small at
-W=1, (peak RSS - runtime) / peak tensor bytes. Rebuild afterwards: the file is built into the library.
+Two thread settings are measured, as the trainer runs: one thread per rank (fsdprun's workers when
+several share a machine: OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1), and a rank alone with no
+thread variables (LibTorch's default thread count, OpenBLAS's thread per CPU). In each:
+- matmul rates: bench/bench_matmul, the median over the shapes of small's and medium's linear
+  layers and heads, the best of three runs;
+- elementwise rates: bench/plan_elementwise.py, a block's forward and backward less its matmuls,
+  per byte the planner counts for it, the best of three runs.
+Collectives: bus bandwidth from bench/bench_collectives at W=2 (a line through its 1, 8 and 64 MiB
+all-gather and reduce-scatter times), on Gloo (fsdprun) and MPI (mpirun); latency per ring step
+from the trainer on tiny (whose collectives carry a few KiB): what its step gains from W=1 to W=2,
+and to W=4 on fewer cores (two ranks per core), per step of its collectives' rings. The optimizer's
+memory bandwidth: an in-place add of 64 MiB at one thread, the best of 7. The per-micro-batch
+overhead and the runtime RSS: tiny at W=1 with one thread; RSS per tensor byte: small at W=1,
+(peak RSS - runtime) / peak tensor bytes.
 """
 
 from __future__ import annotations
@@ -22,11 +30,52 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl_vader_single_copy_mechanism", "none",
+          "-x", "OMP_NUM_THREADS=1", "-x", "OPENBLAS_NUM_THREADS=1", "-x", "OPENBLAS_CORETYPE"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+# tiny's collectives per step (FULL_SHARD, 2 blocks): all-gathers of the root and of each block in
+# forward and backward (5), reduce-scatters of the root and the blocks (3), the gradient norm's
+# all-reduce (1).
+TINY_COLLECTIVES_PER_STEP = 9
+QUIET_WAIT_S = 120.0
+STARTS: list[bool] = []  # for each measurement: whether the machine was quiet when it started
+
+
+
+def wait_for_quiet(limit_s: float) -> bool:
+    """Waits (up to limit_s) until no other process is running for 3 s in a row: builds and tests
+    at idle priority still slow multi-threaded timings down. Returns whether it got there."""
+    deadline, quiet_since = time.time() + limit_s, None
+    while time.time() < deadline:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        now = time.time()
+        quiet_since = (quiet_since or now) if running <= 1 else None
+        if quiet_since and now - quiet_since >= 3:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """A measurement, started once the machine is quiet (or QUIET_WAIT_S has passed)."""
+    STARTS.append(wait_for_quiet(QUIET_WAIT_S))
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, **kwargs)
+
+def environment(threads: dict | None) -> dict:
+    """The environment of a measurement: the thread variables given, or none at all."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    env.update(threads or {})
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
 
 
 def last_json(text: str):
@@ -36,25 +85,58 @@ def last_json(text: str):
     raise SystemExit("no JSON in:\n" + text)
 
 
-def matmul(build: str) -> dict:
-    # Every core, as one rank alone on the machine has them; the best of three runs, since other
-    # jobs on the machine only ever slow it down.
-    shapes = "1024x256x256,1024x256x1024,1024x1024x256,1024x768x768,1024x768x3072,1024x3072x768"
+def libtorch_default_threads() -> int:
+    out = subprocess.run(["/usr/bin/python3", "-c", "import torch; print(torch.get_num_threads())"],
+                         capture_output=True, text=True, check=True, env=environment(None)).stdout
+    return int(out.strip())
+
+
+def matmul(build: str, threads: dict | None, torch_threads: int) -> dict:
+    # The best of three runs, since other jobs on the machine only ever slow it down.
+    shapes = "1024x256x256,1024x256x1024,1024x1024x256,1024x256x8192,1024x768x768,1024x768x3072,1024x3072x768"
     best = {"fp32": 0.0, "bf16": 0.0}
     for _ in range(3):
-        out = subprocess.run([f"{build}/bench/bench_matmul", "--shapes", shapes, "--threads", str(os.cpu_count()),
-                              "--dtypes", "fp32,bf16", "--json"], capture_output=True, text=True, check=True).stdout
+        out = run([f"{build}/bench/bench_matmul", "--shapes", shapes, "--threads", str(torch_threads),
+                   "--dtypes", "fp32,bf16", "--json"], env=environment(threads)).stdout
         results = last_json(out)["results"]
         for d in best:
             best[d] = max(best[d], statistics.median(r["gflops"] for r in results if r["dtype"] == d) * 1e9)
     return best
 
 
-def collectives(build: str) -> dict:
-    out = subprocess.run([f"{build}/tools/fsdprun/fsdprun", "--standalone", "--nproc-per-node", "2",
-                          f"{build}/bench/bench_collectives", "--json"], capture_output=True, text=True, check=True).stdout
-    rows = [json.loads(l.split(":", 1)[1] if l.startswith("[rank") else l) for l in out.splitlines()
-            if "all_gather_ms" in l]
+def elementwise(threads: dict | None) -> dict:
+    rates = {}
+    for dtype in ("fp32", "bf16"):
+        best = None
+        for _ in range(3):
+            out = run(["/usr/bin/python3", os.path.join(REPO, "bench/plan_elementwise.py"), "--dtype", dtype],
+                      env=environment(threads)).stdout
+            r = last_json(out)
+            # The block's work beyond its matmuls; at least a tenth of the block, against noise.
+            seconds = max(r["block_s"] - r["matmul_s"], 0.1 * r["block_s"])
+            best = seconds if best is None else min(best, seconds)
+        rates[dtype] = r["planned_bytes"] / best
+    return rates
+
+
+def compute_rates(build: str, threads: dict | None, torch_threads: int) -> dict:
+    mm, ew = matmul(build, threads, torch_threads), elementwise(threads)
+    return {"matmul_flops_fp32": round(mm["fp32"]), "matmul_flops_bf16": round(mm["bf16"]),
+            "elementwise_bytes_per_s_fp32": round(ew["fp32"]), "elementwise_bytes_per_s_bf16": round(ew["bf16"])}
+
+
+def launcher(build: str, world: int, backend: str) -> list[str]:
+    if backend == "mpi":
+        return MPIRUN + ["-np", str(world)]
+    return [] if world == 1 else [f"{build}/tools/fsdprun/fsdprun", "--standalone", "--nproc-per-node", str(world)]
+
+
+def bandwidth(build: str, backend: str) -> float:
+    out = run(launcher(build, 2, backend) + [f"{build}/bench/bench_collectives", "--json"],
+              env=environment(ONE_THREAD)).stdout
+    # Without c10d's baseline (MPI) its columns are "nan", which JSON spells NaN.
+    rows = [json.loads((l.split(":", 1)[1] if l.startswith("[rank") else l).replace(": nan", ": NaN"))
+            for l in out.splitlines() if "all_gather_ms" in l]
     # time = latency + (bytes x (W-1)/W) / bandwidth, fitted through the points.
     xs, ys = [], []
     for r in rows:
@@ -64,45 +146,66 @@ def collectives(build: str) -> dict:
             ys.append(r[k] / 1e3)
     mx, my = statistics.mean(xs), statistics.mean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return {"bandwidth": 1 / slope}
+    return 1 / slope
 
 
 def memory_bandwidth() -> float:
     code = ("import torch,time\ntorch.set_num_threads(1)\na=torch.ones(16*2**20);b=torch.ones(16*2**20)\n"
             "a.add_(b)\nts=[]\nfor _ in range(7):\n t=time.perf_counter();a.add_(b);ts.append(time.perf_counter()-t)\n"
             "ts.sort();print(3*a.numel()*4/ts[0])")
-    return float(subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True,
-                                check=True).stdout.strip())
+    return float(run(["/usr/bin/python3", "-c", code], env=environment(ONE_THREAD)).stdout.strip())
 
 
-def train(build: str, preset: str, world: int = 1) -> dict:
+def train(build: str, preset: str, world: int = 1, backend: str = "gloo", steps: int = 6) -> dict:
+    """fsdp-train for a few steps, one thread per rank; its summary (medians after 2 warm-up steps)."""
     tmp = tempfile.mkdtemp(prefix="plan_constants_")
-    launcher = [] if world == 1 else [f"{build}/tools/fsdprun/fsdprun", "--standalone", "--nproc-per-node", str(world)]
-    cmd = launcher + [f"{build}/tools/fsdp-train/fsdp-train", f"{REPO}/configs/{preset}.yaml", "--training.steps=6",
-           "--training.resume=never", "--training.export=none", "--fsdp_config.checkpoint_interval=0",
-           f"--fsdp_config.checkpoint_dir={tmp}/ck", "--logging.progress=off", f"--logging.summary_json={tmp}/s.json",
-           "--sample.length=0"]
-    subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=tmp)
+    cmd = launcher(build, world, backend) + [
+        f"{build}/tools/fsdp-train/fsdp-train", f"{REPO}/configs/{preset}.yaml", f"--training.steps={steps}",
+        f"--fsdp_config.backend={backend}", "--training.resume=never", "--training.export=none",
+        "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={tmp}/ck", "--logging.progress=off",
+        f"--logging.summary_json={tmp}/s.json", "--sample.length=0"]
+    run(cmd, cwd=tmp, env=environment(ONE_THREAD))
     with open(f"{tmp}/s.json") as f:
         s = json.load(f)
+    shutil.rmtree(tmp, ignore_errors=True)
     return {"rss": s["peak_rss_mib_per_rank"][0] * 2**20, "tensors": s["peak_tensor_mib_per_rank"][0] * 2**20,
             "step_s": s["median_step_s"]}
+
+
+def latencies(build: str, backend: str, cores: int, alone_s: float) -> tuple[float, float]:
+    """Seconds per ring step of tiny's collectives: at W=2 (a core each, when there are 2), and at
+    two ranks per core (W = 2 x cores), where each rank's compute also takes twice as long."""
+    two = train(build, "tiny", 2, backend, steps=30)["step_s"]
+    over = train(build, "tiny", 2 * cores, backend, steps=30)["step_s"]
+    per_step = max(1e-6, (two - alone_s) / (TINY_COLLECTIVES_PER_STEP * 1))
+    per_step_over = max(per_step, (over - 2 * alone_s) / (TINY_COLLECTIVES_PER_STEP * (2 * cores - 1)))
+    return per_step, per_step_over
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build-dir", default=os.path.join(REPO, "build"))
     p.add_argument("--out", default=os.path.join(REPO, "configs/plan_constants.json"))
+    p.add_argument("--no-mpi", action="store_true", help="keep the MPI numbers of the current file")
+    p.add_argument("--quiet-wait", type=float, default=120.0,
+                   help="seconds each measurement waits for no other process to be running")
     a = p.parse_args()
-    mm = matmul(a.build_dir)
-    coll = collectives(a.build_dir)
-    tiny, small = train(a.build_dir, "tiny"), train(a.build_dir, "small")
-    # Latency: what tiny's step gains at W=2, per collective of its step (2 all-gathers and a
-    # reduce-scatter per block, the root's all-gather and reduce-scatter, the trainer's gradient
-    # norm all-reduce and its step vote): payloads of a few KiB, so all of it is latency.
-    tiny2 = train(a.build_dir, "tiny", 2)
-    collectives_per_step = 3 * 2 + 2 + 2
-    latency = max(1e-5, (tiny2["step_s"] - tiny["step_s"]) / collectives_per_step)
+    global QUIET_WAIT_S
+    QUIET_WAIT_S = a.quiet_wait
+    b = a.build_dir
+    cores = os.cpu_count()
+    torch_threads = libtorch_default_threads()
+    one_thread = compute_rates(b, ONE_THREAD, 1)
+    single_rank = compute_rates(b, None, torch_threads)
+    tiny, small = train(b, "tiny", steps=30), train(b, "small")
+    gloo_latency, gloo_over = latencies(b, "gloo", cores, tiny["step_s"])
+    if a.no_mpi:
+        old = json.load(open(a.out))
+        mpi_bw, mpi_latency, mpi_over = (old["mpi_collective_bytes_per_s"], old["mpi_collective_latency_s"],
+                                         old["mpi_collective_latency_s_oversubscribed"])
+    else:
+        mpi_bw = bandwidth(b, "mpi")
+        mpi_latency, mpi_over = latencies(b, "mpi", cores, tiny["step_s"])
     runtime = tiny["rss"] - tiny["tensors"]
     cpu = "unknown CPU"
     with open("/proc/cpuinfo") as f:
@@ -112,13 +215,24 @@ def main() -> None:
                 break
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
     out = {
-        "source": f"{cpu}, {os.cpu_count()} CPUs, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, commit {commit}, "
-                  "bench/plan_constants.py",
-        "matmul_flops_fp32": round(mm["fp32"]), "matmul_flops_bf16": round(mm["bf16"]),
+        "source": f"{cpu}, {cores} CPUs, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, commit {commit}, "
+                  f"bench/plan_constants.py; {sum(STARTS)} of {len(STARTS)} measurements started with no other "
+                  f"process running, load average at the end {load}",
+        "cpu_cores": cores,
+        "one_thread": one_thread,
+        "single_rank": single_rank,
+        "libtorch_default_threads": torch_threads,
         "memory_bytes_per_s": round(memory_bandwidth()),
-        "collective_bytes_per_s": round(coll["bandwidth"]), "collective_latency_s": latency,
-        "step_overhead_s": tiny["step_s"], "cpu_cores": os.cpu_count(),
+        "collective_bytes_per_s": round(bandwidth(b, "gloo")),
+        "collective_latency_s": gloo_latency,
+        "collective_latency_s_oversubscribed": gloo_over,
+        "mpi_collective_bytes_per_s": round(mpi_bw),
+        "mpi_collective_latency_s": mpi_latency,
+        "mpi_collective_latency_s_oversubscribed": mpi_over,
+        "step_overhead_s": tiny["step_s"],
         "runtime_rss_bytes": round(runtime),
         "rss_per_tensor_byte": round((small["rss"] - runtime) / small["tensors"], 3),
     }

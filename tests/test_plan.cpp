@@ -148,6 +148,102 @@ TEST(Plan, NoShardKeepsWholeParametersAndGradientBuckets) {
                std::invalid_argument);
 }
 
+// root [4, 2] -> block [6, 2] -> head [8, 2], the head a group of its own kept gathered from its
+// forward to its backward. The block's backward is the high point (5000 bytes above its 1000).
+ModelSpec root_block_and_head() {
+  ModelSpec m = root_and_block();
+  m.stages[0].saved_bytes = 0;
+  m.stages[1].saved_bytes = 1000;
+  m.stages[1].backward_extra_bytes = 5000;
+  GroupSpec head{"head", {{"head.w", {8, 2}}}};
+  head.reshard_after_forward = false;
+  m.groups.push_back(head);
+  StageSpec s;
+  s.name = "head";
+  s.group = 2;
+  s.grads = {0};
+  s.saved_bytes = 100;
+  m.stages.push_back(s);
+  return m;
+}
+
+TEST(Plan, AHeadGroupGathersOnceAndIsFreedBeforeTheBlocksBackward) {
+  const Plan p = plan(root_block_and_head(), PlanOptions().world(2).constants(no_time()));
+  const RankPlan& r = p.ranks[0];
+  // Kept gathered into its backward: one all-gather (the block, resharded after forward: two),
+  // and its own reduce-scatter of 2 x 8 elements.
+  EXPECT_EQ(find(r, "head", "all_gather").count, 1);
+  EXPECT_EQ(find(r, "head", "all_gather").bytes, 2 * 8 * 4);
+  EXPECT_EQ(find(r, "head", "reduce_scatter").bytes, 2 * 8 * 4);
+  EXPECT_EQ(find(r, "block", "all_gather").count, 2);
+  // At the block's backward: the shards (4 + 6 + 8 elements) and AdamW's moments, 216 bytes; the
+  // root's unsharded parameters (32) and the block's (48); the head's reduce-scatter input and
+  // output still in flight (64 + 32); the block's activations (1000 + 5000) and its unsharded
+  // gradient (48). The head's unsharded parameters (64) were freed after its backward.
+  EXPECT_NE(r.peak_at.find("backward of block"), std::string::npos) << r.peak_at;
+  EXPECT_EQ(r.peak_tensor_bytes, 216 + 32 + 48 + 96 + 6000 + 48);
+  for (const Buffer& b : r.at_peak)
+    EXPECT_FALSE(b.module == "head" && b.what == "unsharded parameters") << b.bytes;
+}
+
+// Two blocks as the Transformer's are split over 2 tp ranks: each one's stage all-reduces twice
+// in forward and four times in backward, 100 KiB each.
+ModelSpec tensor_parallel_blocks() {
+  ModelSpec m = root_and_block();
+  m.tensor_parallel = 2;
+  m.stages[1].tp_all_reduces_forward = 2;
+  m.stages[1].tp_all_reduces_backward = 4;
+  m.stages[1].tp_all_reduce_bytes = 100 * 1024;
+  return m;
+}
+
+TEST(Plan, TensorParallelShardsOverDataParallelRanksAndAllReducesOnTheTpGroup) {
+  // W=4 as (dp 2, tp 2): the block's [6, 2] piece is sharded over the 2 dp ranks (rows of 3 x 2).
+  const Plan p = plan(tensor_parallel_blocks(), PlanOptions().world(4).micro_batches(2).constants(no_time()));
+  ASSERT_EQ(p.ranks.size(), 4u);
+  EXPECT_EQ(find(p.ranks[0], "block", "all_gather").bytes, 2 * 2 * (2 * 6 * 4));  // 2 micro-batches x 2
+  const Collectives& tp = find(p.ranks[0], "block", "all_reduce");
+  EXPECT_EQ(tp.mesh, "tp");
+  EXPECT_EQ(tp.count, 2 * 6);
+  EXPECT_EQ(tp.bytes, 2 * 6 * 100 * 1024);
+  // Gloo's scratch of the tp group: an all-reduce above 64 KiB keeps one chunk, 100 KiB / 2.
+  const Plan mpi = plan(tensor_parallel_blocks(), PlanOptions().world(4).backend(Backend::kMpi).constants(no_time()));
+  const Plan gloo = plan(tensor_parallel_blocks(), PlanOptions().world(4).constants(no_time()));
+  EXPECT_EQ(gloo.ranks[0].peak_tensor_bytes - mpi.ranks[0].peak_tensor_bytes, 50 * 1024);
+  // A checkpointed block all-reduces its forward's two again in the recomputation.
+  ModelSpec checkpointed = tensor_parallel_blocks();
+  checkpointed.stages[1].checkpointed = true;
+  EXPECT_EQ(find(plan(checkpointed, PlanOptions().world(4)).ranks[0], "block", "all_reduce").count, 8);
+  EXPECT_THROW(plan(tensor_parallel_blocks(), PlanOptions().world(3)), std::invalid_argument);
+  EXPECT_THROW(plan(tensor_parallel_blocks(), PlanOptions().world(4).replicate(2)), std::invalid_argument);
+}
+
+TEST(Plan, MpiKeepsNoScratchInTensorsAndUsesItsOwnRates) {
+  // W=4: Gloo's ring reduce-scatter keeps two chunks of the largest row (the block's 2 x 2
+  // elements, fp32) in its scratch for the whole step; MPI's temporaries are not tensors.
+  Constants c = no_time();
+  c.mpi_collective_latency_s = c.mpi_collective_latency_s_oversubscribed = 1;  // a second per ring step
+  const Plan gloo = plan(root_and_block(), PlanOptions().world(4).constants(c));
+  const Plan mpi = plan(root_and_block(), PlanOptions().world(4).backend(Backend::kMpi).constants(c));
+  EXPECT_EQ(gloo.ranks[0].peak_tensor_bytes - mpi.ranks[0].peak_tensor_bytes, 2 * 2 * 2 * 4);
+  // 2 + 1 all-gathers and 2 reduce-scatters, each a ring of 3 steps.
+  EXPECT_GE(mpi.communication_s, 15.0);
+  EXPECT_LT(gloo.communication_s, 1.0);
+}
+
+TEST(Plan, TheStepAfterABackgroundSaveHoldsItsStagedCopy) {
+  // W=2: this rank's real elements are 4 (root) + 6 (block); the staged copy holds them and the
+  // two moments in fp32, plus the trainer's counters (16 bytes) and the generator (5056).
+  const Plan quiet = plan(root_and_block(), PlanOptions().world(2).constants(no_time()));
+  const Plan saving = plan(root_and_block(), PlanOptions().world(2).background_checkpoints(true).constants(no_time()));
+  const RankPlan& r = saving.ranks[0];
+  EXPECT_EQ(r.checkpoint_staging_bytes, 3 * 10 * 4 + 16 + 5056);
+  EXPECT_EQ(r.peak_tensor_bytes, quiet.ranks[0].peak_tensor_bytes);
+  EXPECT_EQ(r.peak_tensor_bytes_after_save, r.peak_tensor_bytes + r.checkpoint_staging_bytes);
+  EXPECT_EQ(r.peak_rss_bytes, 100 + 2 * r.peak_tensor_bytes_after_save);
+  EXPECT_EQ(quiet.ranks[0].peak_tensor_bytes_after_save, quiet.ranks[0].peak_tensor_bytes);
+}
+
 TEST(Plan, RefusesImpossibleOptionsNamingThem) {
   try {
     plan(root_and_block(), PlanOptions().world(3).replicate(2));
@@ -191,6 +287,49 @@ TEST(PlanTransformer, CheckpointingKeepsOnlyTheCheckpointedBlocksOutputs) {
   EXPECT_DOUBLE_EQ(chunked.stages.back().backward_extra_bytes, 8 * 4 * 4 * 8);
 }
 
+TEST(PlanTransformer, TensorParallelBlocksHoldTheirPiecesAndAllReduceTheirActivations) {
+  TransformerShape t;
+  t.n_layers = 2, t.vocab_size = 50, t.max_seq_len = 20, t.dim = 8, t.n_heads = 2;
+  ActivationOptions a{2, 10};
+  TransformerSharding tp;
+  tp.tensor_parallel = 2;
+  const ModelSpec m = transformer_spec(t, a, tp);
+  EXPECT_EQ(m.tensor_parallel, 2);
+  int64_t block = 0;
+  for (const ParamSpec& p : m.groups[1].params) block += p.numel();
+  // wq, wk, wv, wo: D^2 / 2 each; w1, w2: 4 D^2 / 2 each; w1's bias 4 D / 2; w2's bias and the
+  // two norms' weights and biases whole (5 D).
+  EXPECT_EQ(block, 4 * 64 / 2 + 2 * 4 * 64 / 2 + 4 * 8 / 2 + 5 * 8);
+  int64_t root = 0;
+  for (const ParamSpec& p : m.groups[0].params) root += p.numel();
+  EXPECT_EQ(root, 2 * 50 * 8 + 20 * 8 + 2 * 8);  // the embeddings and the head stay whole
+  // N = 20 rows: 4 N D whole and 12 N D / 2 split, the probabilities B H T^2 / 2, fp32; the mask
+  // and the norms' statistics.
+  const double N = 20;
+  const StageSpec& s = m.stages[1];
+  EXPECT_DOUBLE_EQ(s.saved_bytes, 4 * (4 * N * 8 + 6 * N * 8 + 2 * 2 * 10 * 10 / 2) + 10 * 10 + 2 * 2 * N * 4);
+  EXPECT_EQ(s.tp_all_reduces_forward, 2);
+  EXPECT_EQ(s.tp_all_reduces_backward, 4);
+  EXPECT_DOUBLE_EQ(s.tp_all_reduce_bytes, 4 * N * 8);
+  EXPECT_EQ(m.stages[0].tp_all_reduces_forward + m.stages.back().tp_all_reduces_backward, 0);
+  tp.tensor_parallel = 4;  // does not divide n_heads 2
+  EXPECT_THROW(transformer_spec(t, a, tp), std::invalid_argument);
+}
+
+TEST(PlanTransformer, AnOutputHeadGroupHoldsTheFinalNormAndTheHead) {
+  TransformerShape t;
+  t.n_layers = 2, t.vocab_size = 50, t.max_seq_len = 20, t.dim = 8, t.n_heads = 2;
+  TransformerSharding head;
+  head.output_head_group = true;
+  const ModelSpec m = transformer_spec(t, ActivationOptions{2, 10}, head);
+  ASSERT_EQ(m.groups.size(), 4u);  // the root, two blocks, the head
+  EXPECT_EQ(m.groups[0].params.size(), 2u);  // the embeddings
+  EXPECT_EQ(m.groups[3].name, "norm+output");
+  EXPECT_FALSE(m.groups[3].reshard_after_forward);
+  EXPECT_EQ(m.stages.back().group, 3);
+  EXPECT_EQ(m.stages.back().grads, (std::vector<int>{0, 1, 2}));
+}
+
 TEST(PlanTransformer, RefusesSizesTheModelRefuses) {
   TransformerShape t;
   t.dim = 10, t.n_heads = 4;
@@ -204,14 +343,54 @@ TEST(PlanTransformer, RefusesSizesTheModelRefuses) {
 
 TEST(PlanConstants, BuiltInConstantsParseAndAMissingKeyIsNamed) {
   const Constants c = measured_constants();
-  EXPECT_GT(c.matmul_flops_fp32, 0);
+  EXPECT_GT(c.one_thread.matmul_flops_fp32, 0);
+  EXPECT_GT(c.single_rank.elementwise_bytes_per_s_bf16, 0);
   EXPECT_FALSE(c.source.empty());
   try {
-    constants_from_json(R"({"matmul_flops_fp32": 1})");
+    constants_from_json(R"({"cpu_cores": 2})");
     FAIL();
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("matmul_flops_bf16"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("one_thread"), std::string::npos) << e.what();
   }
+}
+
+// Round rates: a rank alone twice as fast as one thread; 1 ms per ring step (3 ms with two ranks
+// per core), 1 GB/s, 10 ms of overhead per micro-batch.
+Constants round_rates() {
+  Constants c = no_time();
+  c.cpu_cores = 2;
+  c.one_thread = ComputeRates{1e10, 1e10, 1e9, 1e9};
+  c.single_rank = ComputeRates{2e10, 2e10, 2e9, 2e9};
+  c.collective_latency_s = 1e-3;
+  c.collective_latency_s_oversubscribed = 3e-3;
+  c.collective_bytes_per_s = 1e9;
+  c.step_overhead_s = 0.01;
+  return c;
+}
+
+TEST(PlanStepTime, ThreadsAndRanksPerCoreSetTheRates) {
+  // One stage of 1 GFLOP and 100 MB of elementwise work per forward: 3 passes of each.
+  ModelSpec m = one_group({100});
+  m.stages[0].forward_flops = 1e9;
+  m.stages[0].other_bytes_moved = 1e8;
+  // W=1: the rank alone, its libraries' threads: 3 x (0.05 + 0.05).
+  const Plan alone = plan(m, PlanOptions().constants(round_rates()));
+  EXPECT_NEAR(alone.compute_s, 0.3, 1e-12);
+  EXPECT_NEAR(alone.overhead_s, 0.01, 1e-12);
+  EXPECT_EQ(alone.communication_s, 0);
+  // W=2 on 2 cores, a thread each: 3 x (0.1 + 0.1); the root's all-gather and reduce-scatter of
+  // 2 x 50 fp32 elements, each a ring of one step: 1 ms + 400 B x 1/2 / 1 GB/s.
+  const Plan two = plan(m, PlanOptions().world(2).constants(round_rates()));
+  EXPECT_NEAR(two.compute_s, 0.6, 1e-12);
+  EXPECT_NEAR(two.communication_s, 2 * (1e-3 + 200 / 1e9), 1e-12);
+  // W=4 on 2 cores: half a core each, so twice the compute and overhead; rings of 3 steps at
+  // 3 ms, the bytes at half the bandwidth: 4 x 25 elements x 3/4 / 0.5 GB/s.
+  const Plan four = plan(m, PlanOptions().world(4).constants(round_rates()));
+  EXPECT_NEAR(four.compute_s, 1.2, 1e-12);
+  EXPECT_NEAR(four.overhead_s, 0.02, 1e-12);
+  EXPECT_NEAR(four.communication_s, 2 * (3 * 3e-3 + 400 * 0.75 / 0.5e9), 1e-12);
+  // Told the ranks run apart (--local-world 1 each), W=4 computes as W=1 does.
+  EXPECT_NEAR(plan(m, PlanOptions().world(4).local_world(1).constants(round_rates())).compute_s, 0.3, 1e-12);
 }
 
 }  // namespace

@@ -16,6 +16,11 @@
 // fsdp::memory::max_allocated_bytes() reports for a step (include/fsdp/memory.h), and what is
 // alive then, by module.
 //
+// Tensor parallelism (ModelSpec::tensor_parallel > 1): every rank holds its tp pieces of the
+// parameters (the GroupSpecs give those local shapes), FSDP shards each piece over the world / tp
+// data-parallel ranks, and the stages' tp all-reduces (in forward, in backward, and again in a
+// checkpointed stage's recomputation) run on the tp group.
+//
 // A module of your own: describe its FSDP groups (the parameters of each fully_shard call, the
 // root first) and its stages (what each part of forward keeps for backward), then call plan().
 // Nothing here is collective, allocates tensors or needs LibTorch; every function is thread-safe.
@@ -41,10 +46,14 @@ struct ParamSpec {
   int64_t numel() const;
 };
 
-// The parameters of one fully_shard call. groups[0] of a ModelSpec is the root.
+// The parameters of one fully_shard call. groups[0] of a ModelSpec is the root, which FSDP2 keeps
+// gathered from its forward to the end of backward.
 struct GroupSpec {
   std::string name;  // the module's name ("" for the root)
   std::vector<ParamSpec> params;
+  // false: kept gathered from its forward to its backward whatever PlanOptions says (a group
+  // whose backward comes first, such as an output head of its own); it reshards after backward.
+  bool reshard_after_forward = true;
 };
 
 // One part of forward, in forward order, run by one group's module (the root's embeddings and
@@ -62,20 +71,32 @@ struct StageSpec {
   bool checkpointed = false;         // keeps only output_bytes; recomputes its forward in backward
                                      // (forward_extra_bytes is then the high point of the no-grad forward)
   int64_t pieces = 1;                // checkpointed in this many pieces, one at a time (the bytes are per piece)
-  double forward_flops = 0;          // matmul FLOPs of one forward (all pieces)
+  double forward_flops = 0;          // matmul FLOPs of one forward (all pieces), on this rank
   double other_bytes_moved = 0;      // bytes the non-matmul operations of one forward read and write
+  bool elementwise_in_fp32 = false;  // those run in fp32 whatever the compute dtype (the loss)
+  // Tensor parallelism: the all-reduces on the tp group of one forward and of one backward (a
+  // checkpointed stage's recomputation repeats the forward's), each of tp_all_reduce_bytes.
+  int64_t tp_all_reduces_forward = 0;
+  int64_t tp_all_reduces_backward = 0;
+  double tp_all_reduce_bytes = 0;
 };
 
 struct ModelSpec {
   std::vector<GroupSpec> groups;
   std::vector<StageSpec> stages;
   double input_bytes = 0;  // what the step's data holds on each rank during the step (tokens)
+  int tensor_parallel = 1;  // tp ranks per model copy; the groups' shapes are one tp rank's pieces
 };
 
 // The shape of fsdp::models::Transformer (include/fsdp/models/transformer.h) and of the batch.
 struct TransformerShape {
   int64_t n_layers = 2, vocab_size = 8, max_seq_len = 16, dim = 16, n_heads = 4;
   double dropout_p = 0.0;
+};
+// How the trainer cuts the Transformer into FSDP groups and tensor-parallel pieces.
+struct TransformerSharding {
+  bool output_head_group = false;  // the final norm and the output head a group of their own
+  int64_t tensor_parallel = 1;     // the blocks split over this many tp ranks (fsdp::tp::parallelize)
 };
 struct ActivationOptions {
   int64_t micro_batch = 1;       // rows per rank per micro-batch
@@ -86,20 +107,49 @@ struct ActivationOptions {
   int64_t global_rows = 1;       // rows of the step's global batch, which every rank draws whole
 };
 // The Transformer as the trainer shards it: one group per block, the root holding the
-// embeddings, the final norm and the output head. Throws std::invalid_argument for sizes the
-// model refuses (dim not divisible by n_heads, loss_chunks outside [1, seq], seq > max_seq_len).
-ModelSpec transformer_spec(const TransformerShape& shape, const ActivationOptions& activations);
+// embeddings, the final norm and the output head (or, with output_head_group, a last group
+// holding the final norm and the head, kept gathered from its forward to its backward). With
+// tensor_parallel k each block holds its Megatron pieces (wq, wk, wv, w1 split by rows, wo, w2 by
+// columns, the norms and w2's bias whole) and all-reduces its activations on the tp group twice in
+// forward and four times in backward; the embeddings and the head stay whole. Throws
+// std::invalid_argument for sizes the model refuses (dim not divisible by n_heads, loss_chunks
+// outside [1, seq], seq > max_seq_len, a tp size that does not divide n_heads and dim).
+ModelSpec transformer_spec(const TransformerShape& shape, const ActivationOptions& activations,
+                           const TransformerSharding& sharding = {});
 
-// Rates of this machine, measured by bench/bench_matmul and bench/bench_collectives and the
-// trainer itself (configs/plan_constants.json, regenerated by bench/plan_constants.py).
+// The process-group backend the collectives run on: its rates, and whether its scratch is in
+// tensor bytes (Gloo's is; MPI allocates its own outside LibTorch).
+enum class Backend { kGloo, kMpi };
+const char* name_of(Backend b);  // gloo | mpi
+
+// What one rank computes at, in one setting of its threads.
+struct ComputeRates {
+  double matmul_flops_fp32 = 50e9;             // OpenBLAS's sgemm (bench/bench_matmul)
+  double matmul_flops_bf16 = 50e9;             // oneDNN
+  double elementwise_bytes_per_s_fp32 = 10e9;  // a block's non-matmul work per byte the spec counts
+  double elementwise_bytes_per_s_bf16 = 10e9;  // (bench/plan_elementwise.py)
+};
+
+// Rates of this machine, measured by bench/bench_matmul, bench/bench_collectives,
+// bench/plan_elementwise.py and the trainer itself (configs/plan_constants.json, regenerated by
+// bench/plan_constants.py).
 struct Constants {
-  double matmul_flops_fp32 = 50e9;     // the whole machine (every core); its ranks split it
-  double matmul_flops_bf16 = 50e9;
-  double memory_bytes_per_s = 10e9;    // one thread, streaming (elementwise ops, the optimizer)
-  double collective_bytes_per_s = 1e9;  // bus bandwidth of all-gather / reduce-scatter
-  double collective_latency_s = 1e-4;  // per collective
-  double step_overhead_s = 0;          // per micro-batch: hooks, autograd, the trainer
-  int cpu_cores = 1;                   // ranks beyond this many share the memory bandwidth
+  int cpu_cores = 1;
+  // One thread per rank (fsdprun's workers, several on a machine: OMP_NUM_THREADS=1 and
+  // OPENBLAS_NUM_THREADS=1); ranks beyond cpu_cores share the cores.
+  ComputeRates one_thread;
+  // One rank alone on the machine with no thread variables: LibTorch's and OpenBLAS's own choice.
+  ComputeRates single_rank;
+  double memory_bytes_per_s = 10e9;     // one thread, streaming (the optimizer)
+  // Per collective: a latency per step of its ring (ranks - 1 of them), and the bus bandwidth.
+  // "oversubscribed": the latency per step with two ranks per core.
+  double collective_bytes_per_s = 1e9;  // Gloo
+  double collective_latency_s = 1e-4;
+  double collective_latency_s_oversubscribed = 1e-4;
+  double mpi_collective_bytes_per_s = 1e9;  // MPI
+  double mpi_collective_latency_s = 1e-4;
+  double mpi_collective_latency_s_oversubscribed = 1e-4;
+  double step_overhead_s = 0;          // per micro-batch, one thread: hooks, autograd, the trainer
   double runtime_rss_bytes = 0;        // RSS of a rank with no tensors (LibTorch, Gloo, the program)
   double rss_per_tensor_byte = 1;      // peak RSS above the runtime per byte of peak tensors (block cache)
   std::string source;                  // where the numbers came from (machine, date, commit)
@@ -110,6 +160,8 @@ Constants measured_constants();
 Constants constants_from_json(const std::string& json_text);
 
 enum class Optimizer { kAdamW, kFusedAdamW };
+// kAsLaunched: kOnePerRank when several ranks share a machine, kLibraryDefaults for a rank alone.
+enum class Threads { kAsLaunched, kOnePerRank, kLibraryDefaults };
 
 struct PlanOptions {
   PlanOptions& world(int v) { world_ = v; return *this; }
@@ -122,9 +174,18 @@ struct PlanOptions {
   PlanOptions& optimizer(Optimizer v) { optimizer_ = v; return *this; }
   PlanOptions& micro_batches(int64_t v) { micro_batches_ = v; return *this; }  // gradient accumulation
   PlanOptions& local_world(int v) { local_world_ = v; return *this; }          // ranks on one machine
+  PlanOptions& backend(Backend v) { backend_ = v; return *this; }
+  // How the ranks' threads are set: one per rank when several share a machine (fsdprun sets
+  // OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to 1), the libraries' own choice for a rank alone.
+  PlanOptions& threads(Threads v) { threads_ = v; return *this; }
+  // A checkpoint saved in the background (fsdp::CheckpointManager::save_async) holds a staged copy
+  // of this rank's parameters and optimizer state until the step after it: plan that step too.
+  PlanOptions& background_checkpoints(bool v) { background_checkpoints_ = v; return *this; }
   PlanOptions& constants(Constants v) { constants_ = std::move(v); return *this; }
   int world_ = 1, replicate_ = 1, local_world_ = 0;  // local_world 0: the world
-  bool no_shard_ = false, reshard_after_forward_ = true, offload_ = false;
+  bool no_shard_ = false, reshard_after_forward_ = true, offload_ = false, background_checkpoints_ = false;
+  Backend backend_ = Backend::kGloo;
+  Threads threads_ = Threads::kAsLaunched;
   Dtype param_dtype_ = Dtype::kFloat32, reduce_dtype_ = Dtype::kFloat32;
   Optimizer optimizer_ = Optimizer::kAdamW;
   int64_t micro_batches_ = 1;
@@ -144,7 +205,7 @@ struct Buffer {
 struct Collectives {
   std::string group;   // the module ("" = root)
   std::string kind;    // all_gather | reduce_scatter | all_reduce
-  std::string mesh;    // shard | replicate | world
+  std::string mesh;    // shard | replicate | world | tp
   int64_t count = 0;   // per optimizer step
   int64_t bytes = 0;   // per step: the full (gathered / unreduced) buffers, summed
 };
@@ -156,7 +217,12 @@ struct RankPlan {
   int64_t peak_tensor_bytes = 0;
   std::string peak_at;           // where in the step the peak is
   std::vector<Buffer> at_peak;   // everything alive at the peak
-  int64_t peak_rss_bytes = 0;    // runtime + peak tensors with the block cache's overhead
+  // A background checkpoint's staged copy (parameters and optimizer state), and the peak of the
+  // step after a background save, which it is alive through (= peak_tensor_bytes without
+  // background_checkpoints).
+  int64_t checkpoint_staging_bytes = 0;
+  int64_t peak_tensor_bytes_after_save = 0;
+  int64_t peak_rss_bytes = 0;    // runtime + the larger peak, with the block cache's overhead
   std::vector<Collectives> collectives;
 };
 

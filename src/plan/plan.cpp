@@ -21,6 +21,7 @@ const char* name_of(Dtype d) {
   }
   return "?";
 }
+const char* name_of(Backend b) { return b == Backend::kMpi ? "mpi" : "gloo"; }
 
 int64_t ParamSpec::numel() const {
   int64_t n = 1;
@@ -57,6 +58,11 @@ GroupLayout layout_of(const GroupSpec& g, int64_t shards, int64_t shard_rank) {
     l.largest_real = std::max(l.largest_real, real_rows * rest);
   }
   return l;
+}
+
+// The ranks each parameter is sharded over: the data-parallel ranks of one replica.
+int64_t shards_of(const ModelSpec& m, const PlanOptions& o) {
+  return o.no_shard_ ? 1 : o.world_ / m.tensor_parallel / o.replicate_;
 }
 
 // What is alive: named entries, and the largest total seen with its entries.
@@ -111,8 +117,9 @@ std::string label(const std::string& module) { return module.empty() ? "(root)" 
 class StepReplay {
  public:
   StepReplay(const ModelSpec& m, const PlanOptions& o, int rank) : m_(m), o_(o) {
-    shards_ = o.no_shard_ ? 1 : o.world_ / o.replicate_;
-    const int64_t shard_rank = rank % shards_;
+    shards_ = shards_of(m, o);
+    // Row-major meshes: a tp group is tp consecutive ranks, a shard group consecutive dp ranks.
+    const int64_t shard_rank = (rank / m.tensor_parallel) % shards_;
     for (const GroupSpec& g : m.groups) layouts_.push_back(layout_of(g, shards_, shard_rank));
     pb_ = bytes_of(o.param_dtype_);
     rb_ = bytes_of(o.reduce_dtype_);
@@ -146,8 +153,12 @@ class StepReplay {
     r.params = {{Dtype::kFloat32, params}};
     r.optimizer_state = {{Dtype::kFloat32, states}};
     r.grads = {{Dtype::kFloat32, grad_bytes_}};
+    r.checkpoint_staging_bytes = checkpoint_staging_bytes();
+    r.peak_tensor_bytes_after_save =
+        r.peak_tensor_bytes + (o_.background_checkpoints_ ? r.checkpoint_staging_bytes : 0);
     const Constants& c = o_.constants_;
-    r.peak_rss_bytes = static_cast<int64_t>(c.runtime_rss_bytes + c.rss_per_tensor_byte * r.peak_tensor_bytes);
+    r.peak_rss_bytes =
+        static_cast<int64_t>(c.runtime_rss_bytes + c.rss_per_tensor_byte * r.peak_tensor_bytes_after_save);
     return r;
   }
 
@@ -157,8 +168,19 @@ class StepReplay {
   std::string key(const char* kind, int g) const { return std::string(kind) + ":" + std::to_string(g); }
   bool is_root(int g) const { return g == 0; }
   // The root keeps its parameters from forward to backward (FSDP2 never reshards the root after
-  // forward); the others when reshard_after_forward is false.
-  bool reshards_after_forward(int g) const { return !is_root(g) && o_.reshard_after_forward_; }
+  // forward); the others when reshard_after_forward is false, or when their spec says so.
+  bool reshards_after_forward(int g) const {
+    return !is_root(g) && group(g).reshard_after_forward && o_.reshard_after_forward_;
+  }
+
+  // What a background checkpoint stages (CheckpointManager::save_async): a copy of this rank's
+  // real parameter elements and AdamW's two moments, fp32, plus the trainer's counters and the
+  // generator's state (5056 bytes).
+  int64_t checkpoint_staging_bytes() const {
+    int64_t real = 0;
+    for (const GroupLayout& l : layouts_) real += o_.no_shard_ ? l.unsharded_numel : l.real_numel;
+    return 3 * real * 4 + 16 + 5056;
+  }
 
   // This rank's sharded parameters and AdamW's two moments: alive throughout.
   void floor() {
@@ -181,11 +203,18 @@ class StepReplay {
 
   // The Gloo backend keeps one scratch buffer per process group, grown to the largest call
   // (src/comm/gloo_backend.cpp): a ring reduce-scatter over more than two ranks holds two
-  // chunks; an all-reduce of up to 64 KiB every rank's copy, a larger one a chunk.
+  // chunks; an all-reduce of up to 64 KiB every rank's copy, a larger one a chunk. MPI's
+  // collectives allocate their temporaries themselves, outside LibTorch's tensors.
   double scratch_bytes() const {
+    if (o_.backend_ == Backend::kMpi) return 0;
     auto all_reduce = [](double bytes, double ranks) {
       return bytes <= 64 * 1024 ? ranks * bytes : std::ceil(bytes / ranks / 4) * 4;
     };
+    double tp = 0;  // the tp group's, grown to its largest all-reduce
+    if (m_.tensor_parallel > 1)
+      for (const StageSpec& s : m_.stages)
+        if (s.tp_all_reduces_forward + s.tp_all_reduces_backward > 0)
+          tp = std::max(tp, all_reduce(s.tp_all_reduce_bytes, m_.tensor_parallel));
     if (o_.no_shard_) {
       if (o_.world_ == 1) return 0;
       double total = 0;
@@ -197,7 +226,7 @@ class StepReplay {
       if (shards_ > 2) rs = std::max(rs, 2.0 * l.row_numel * rb_);
       if (o_.replicate_ > 1) ar = std::max(ar, all_reduce(static_cast<double>(l.row_numel) * rb_, o_.replicate_));
     }
-    return rs + ar;
+    return rs + ar + tp;
   }
 
   double gathered_bytes(int g) const { return static_cast<double>(shards_) * layouts_[g].row_numel * pb_; }
@@ -273,17 +302,21 @@ class StepReplay {
     const std::string when = "micro-batch " + std::to_string(micro + 1) + " backward";
     const bool last_micro = micro + 1 == o_.micro_batches_;
     std::map<int, bool> started;
+    // A group's pre-backward: its parameters, and the prefetch of the group that finished forward
+    // just before it. The root's runs first, on the loss, whichever stage of it comes first.
+    auto pre_backward = [&](int g) {
+      started[g] = true;
+      unshard(g, when);
+      const int previous = previous_in_post_forward_order(g);
+      if (previous >= 0 && !aliased_ && reshards_after_forward(previous))
+        issue_all_gather(previous, " (backward prefetch)");
+    };
+    pre_backward(0);
     for (int s = static_cast<int>(m_.stages.size()) - 1; s >= 0; --s) {
       const StageSpec& st = m_.stages[s];
       const int g = st.group;
       const std::string at = when + " of " + label(st.name);
-      if (!started[g]) {
-        started[g] = true;
-        unshard(g, when);
-        const int previous = previous_in_post_forward_order(g);
-        if (previous >= 0 && !(aliased_ || !reshards_after_forward(previous)))
-          issue_all_gather(previous, " (backward prefetch)");
-      }
+      if (!started[g]) pre_backward(g);
       const std::string saved = "saved:" + std::to_string(s);
       const std::vector<Buffer> grads = stage_grads(st);
       if (st.checkpointed) {
@@ -397,6 +430,12 @@ class StepReplay {
 void check_options(const ModelSpec& m, const PlanOptions& o) {
   require(!m.groups.empty() && !m.stages.empty(), "the model has no groups or no stages");
   require(o.world_ >= 1, "world must be >= 1, got " + std::to_string(o.world_));
+  require(m.tensor_parallel >= 1 && o.world_ % m.tensor_parallel == 0,
+          "the model's tensor_parallel (" + std::to_string(m.tensor_parallel) + ") must divide the world (" +
+              std::to_string(o.world_) + ")");
+  require(m.tensor_parallel == 1 || (!o.no_shard_ && o.replicate_ == 1),
+          "tensor parallelism combines with FULL_SHARD or SHARD_GRAD_OP only (no_shard and replicate > 1 "
+          "with tensor_parallel > 1 are not modelled)");
   require(o.replicate_ >= 1 && o.world_ % o.replicate_ == 0,
           "replicate (" + std::to_string(o.replicate_) + ") must divide the world (" + std::to_string(o.world_) + ")");
   require(o.micro_batches_ >= 1, "micro_batches must be >= 1");
@@ -427,57 +466,104 @@ std::vector<Collectives> collectives_of(const ModelSpec& m, const PlanOptions& o
     out.push_back({"(all)", "all_reduce", "world", buckets, static_cast<int64_t>(total)});
     return out;
   }
-  const int64_t shards = o.world_ / o.replicate_;
+  const int64_t shards = shards_of(m, o);
   const int64_t pb = bytes_of(o.param_dtype_), rb = bytes_of(o.reduce_dtype_);
   const bool hybrid = o.replicate_ > 1;
   for (size_t gi = 0; gi < m.groups.size(); ++gi) {
     const GroupLayout l = layout_of(m.groups[gi], shards, 0);
     const std::string name = m.groups[gi].name.empty() ? "(root)" : m.groups[gi].name;
     if (shards > 1) {
-      const int64_t per_micro = (gi != 0 && o.reshard_after_forward_) ? 2 : 1;  // forward (+ backward)
+      const bool reshards = gi != 0 && m.groups[gi].reshard_after_forward && o.reshard_after_forward_;
+      const int64_t per_micro = reshards ? 2 : 1;  // forward (+ backward)
       out.push_back({name, "all_gather", "shard", per_micro * k, per_micro * k * shards * l.row_numel * pb});
       const int64_t rs = hybrid ? k : 1;
       out.push_back({name, "reduce_scatter", "shard", rs, rs * shards * l.row_numel * rb});
     }
     if (hybrid) out.push_back({name, "all_reduce", "replicate", 1, l.row_numel * rb});
   }
+  if (m.tensor_parallel > 1) {
+    for (const StageSpec& s : m.stages) {
+      // A checkpointed stage runs its forward again in backward, all-reduces included.
+      const int64_t per_micro = s.tp_all_reduces_forward * (s.checkpointed ? 2 : 1) + s.tp_all_reduces_backward;
+      if (per_micro == 0) continue;
+      out.push_back({label(s.name), "all_reduce", "tp", per_micro * k,
+                     static_cast<int64_t>(std::llround(per_micro * k * s.tp_all_reduce_bytes))});
+    }
+  }
   return out;
+}
+
+// How fast one rank runs: the rates of its thread setting, and the share of a core's time each of
+// its threads gets when the machine's ranks outnumber its cores.
+struct RankSpeed {
+  ComputeRates rates;
+  double share = 1;
+  double oversubscription = 1;  // ranks (threads) per core, at least 1
+};
+
+RankSpeed speed_of(const PlanOptions& o) {
+  const Constants& c = o.constants_;
+  const int local = o.local_world_ > 0 ? o.local_world_ : o.world_;
+  Threads t = o.threads_;
+  if (t == Threads::kAsLaunched) t = local > 1 ? Threads::kOnePerRank : Threads::kLibraryDefaults;
+  RankSpeed s;
+  const double cores = std::max(1, c.cpu_cores);
+  // Each rank alone would use the whole machine with the libraries' threads: they take turns.
+  s.oversubscription = std::max(1.0, t == Threads::kOnePerRank ? local / cores : static_cast<double>(local));
+  s.share = 1 / s.oversubscription;
+  s.rates = t == Threads::kOnePerRank ? c.one_thread : c.single_rank;
+  return s;
+}
+
+// Per collective: a latency for each step of its ring, the bytes at the bus bandwidth; with more
+// ranks than cores a waiting rank's peer must first get a core (measured at two ranks per core).
+double collective_seconds(const Collectives& x, double parts, const PlanOptions& o, const RankSpeed& speed) {
+  const Constants& c = o.constants_;
+  const bool mpi = o.backend_ == Backend::kMpi;
+  const double base = mpi ? c.mpi_collective_latency_s : c.collective_latency_s;
+  const double over = mpi ? c.mpi_collective_latency_s_oversubscribed : c.collective_latency_s_oversubscribed;
+  const double step_latency = base + (over - base) * (speed.oversubscription - 1);
+  const double bus = (mpi ? c.mpi_collective_bytes_per_s : c.collective_bytes_per_s) * speed.share;
+  const double factor = x.kind == "all_reduce" ? 2 * (parts - 1) / parts : (parts - 1) / parts;
+  return x.count * (parts - 1) * step_latency + x.bytes * factor / bus;
 }
 
 void step_time(const ModelSpec& m, const PlanOptions& o, const std::vector<Collectives>& coll, Plan& p) {
   const Constants& c = o.constants_;
-  const int local = o.local_world_ > 0 ? o.local_world_ : o.world_;
-  // The matmul rates are the whole machine's (every core): the ranks of one machine split it.
-  // The memory bandwidth is one thread's: ranks beyond the cores share them.
-  const double share = std::min(1.0, static_cast<double>(std::max(1, c.cpu_cores)) / local);
-  const double rate = (o.param_dtype_ == Dtype::kFloat32 ? c.matmul_flops_fp32 : c.matmul_flops_bf16) / local;
-  const double bandwidth = c.memory_bytes_per_s * share;
-  double flops = 0, moved = 0;
+  const RankSpeed speed = speed_of(o);
+  const ComputeRates& r = speed.rates;
+  const bool fp32 = o.param_dtype_ == Dtype::kFloat32;
+  const double matmul_rate = (fp32 ? r.matmul_flops_fp32 : r.matmul_flops_bf16) * speed.share;
+  double matmul_s = 0, elementwise_s = 0;
   for (const StageSpec& s : m.stages) {
     // forward, backward (twice the forward), and the forward again when checkpointed
     const double passes = 3 + (s.checkpointed ? 1 : 0);
-    flops += passes * s.forward_flops;
-    moved += passes * s.other_bytes_moved;
+    const bool in_fp32 = fp32 || s.elementwise_in_fp32;
+    const double bandwidth = (in_fp32 ? r.elementwise_bytes_per_s_fp32 : r.elementwise_bytes_per_s_bf16) * speed.share;
+    matmul_s += passes * s.forward_flops / matmul_rate;
+    elementwise_s += passes * s.other_bytes_moved / bandwidth;
   }
   const double k = static_cast<double>(o.micro_batches_);
-  p.compute_s = k * (flops / rate + moved / bandwidth);
+  p.compute_s = k * (matmul_s + elementwise_s);
+  const int64_t shards = shards_of(m, o);
   double comm = 0;
-  const int64_t shards = o.no_shard_ ? o.world_ : o.world_ / o.replicate_;
   for (const Collectives& x : coll) {
-    const double parts = x.mesh == "replicate" ? o.replicate_ : static_cast<double>(shards);
-    const double factor = x.kind == "all_reduce" ? 2 * (parts - 1) / parts : (parts - 1) / parts;
-    comm += x.count * c.collective_latency_s + x.bytes * factor / (c.collective_bytes_per_s * share);
+    const double parts = x.mesh == "replicate" ? o.replicate_
+                         : x.mesh == "tp"      ? m.tensor_parallel
+                         : x.mesh == "world"   ? o.world_
+                                               : static_cast<double>(shards);
+    comm += collective_seconds(x, parts, o, speed);
   }
   p.communication_s = comm;
-  double params = 0;
+  double params = 0;  // this rank's tp pieces, whole
   for (const GroupSpec& g : m.groups)
     for (const ParamSpec& q : g.params) params += static_cast<double>(q.numel());
-  const double per_rank = o.no_shard_ ? params : params / shards;
+  const double per_rank = params / shards;
   // Bytes per parameter one step moves: FusedAdamW's one pass 28, AdamW's per-op passes about
   // twice that; the gradient norm reads the gradients once more.
   const double optimizer_bytes = (o.optimizer_ == Optimizer::kFusedAdamW ? 28.0 : 60.0) + 4;
-  p.optimizer_s = per_rank * optimizer_bytes / bandwidth;
-  p.overhead_s = k * c.step_overhead_s / share;
+  p.optimizer_s = per_rank * optimizer_bytes / (c.memory_bytes_per_s * speed.share);
+  p.overhead_s = k * c.step_overhead_s / speed.share;
   p.step_time_s = p.compute_s + p.communication_s + p.optimizer_s + p.overhead_s;
 }
 

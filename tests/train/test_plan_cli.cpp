@@ -67,13 +67,22 @@ TEST(PlanCli, PredictsTheTrainersPeakAtTwoRanksWithMixedPrecisionAndCheckpointin
                                 "--fsdp_config.sharding_strategy=SHARD_GRAD_OP"});
 }
 
-TEST(PlanCli, RefusesWhatItCannotModelNamingTheKey) {
+TEST(PlanCli, PredictsTheTrainersPeakWithTensorParallelism) {
+  expect_within_ten_percent(2, {"--fsdp_config.model_parallel_size=2"});
+}
+
+TEST(PlanCli, PredictsTheTrainersPeakWithTheOutputHeadAsAGroupOfItsOwn) {
+  expect_within_ten_percent(2, {"--fsdp_config.output_head_group=true", "--training.loss_chunks=4",
+                                "--fsdp_config.activation_checkpointing=true"});
+}
+
+TEST(PlanCli, RefusesWhatTheTrainerRefusesNamingTheKey) {
   std::vector<std::string> args = {"plan"};
   for (const auto& a : config({"--fsdp_config.model_parallel_size=2"})) args.push_back(a);
-  args.insert(args.end(), {"--world", "2"});
+  args.insert(args.end(), {"--world", "3"});
   RunResult r = trainer.run(args, {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_NE(r.err.find("fsdp_config.model_parallel_size"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("fsdp_config.model_parallel_size: 2 does not divide the world"), std::string::npos) << r.err;
   r = trainer.run({"plan", configs_dir() + "/tiny.yaml"}, {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("--world N is required"), std::string::npos) << r.err;
@@ -81,15 +90,30 @@ TEST(PlanCli, RefusesWhatItCannotModelNamingTheKey) {
                    "--fsdp_config.sharding_strategy=HYBRID_SHARD"}, {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("fsdp_config.replicate_degree"), std::string::npos) << r.err;
-  // Runs the trainer supports but the step replay does not describe yet.
-  for (const char* flag : {"--fsdp_config.output_head_group=true", "--fsdp_config.backend=mpi"}) {
-    const std::string unmodelled = flag;
-    r = trainer.run({"plan", configs_dir() + "/tiny.yaml", "--world", "2", unmodelled}, {}, 60);
-    EXPECT_EQ(r.exit_code, 2) << unmodelled << ": " << describe(r);
-    const std::string key = unmodelled.substr(2, unmodelled.find('=') - 2);
-    EXPECT_NE(r.err.find(key + ": "), std::string::npos) << r.err;
-    EXPECT_NE(r.err.find("cannot be planned yet"), std::string::npos) << r.err;
-  }
+  r = trainer.run({"plan", configs_dir() + "/tiny.yaml", "--world", "2", "--fsdp_config.output_head_group=true",
+                   "--fsdp_config.sharding_strategy=NO_SHARD"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("fsdp_config.output_head_group"), std::string::npos) << r.err;
+  r = trainer.run({"plan", configs_dir() + "/tiny.yaml", "--world", "2", "--data.source=tokens",
+                   "--data.path=/nonexistent.tokens"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("data.path: /nonexistent.tokens"), std::string::npos) << r.err;
+}
+
+TEST(PlanCli, SaysWhichBackendAndThreadsItPlansAndTheStepAfterASave) {
+  // W=4: on Gloo the ring reduce-scatter's scratch would be in the tensors.
+  RunResult r = trainer.run({"plan", configs_dir() + "/small.yaml", "--world", "4", "--fsdp_config.backend=mpi",
+                             "--fsdp_config.checkpoint_interval=5"}, {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("collectives on mpi"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("one thread per rank"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("the step after a background checkpoint save: peak tensors"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("collective scratch"), std::string::npos) << r.out;  // MPI's is not in tensors
+  r = trainer.run({"plan", configs_dir() + "/small.yaml", "--world", "2", "--fsdp_config.backend=mpi",
+                   "--fsdp_config.checkpoint_interval=0"}, {{"FSDP_BACKEND", "gloo"}}, 60);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("collectives on gloo (FSDP_BACKEND in the environment)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("background checkpoint"), std::string::npos) << r.out;
 }
 
 TEST(PlanCli, FindsTheLargestModelThatFitsAndPrintsEveryRank) {

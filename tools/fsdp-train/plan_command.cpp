@@ -14,6 +14,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
@@ -111,30 +114,68 @@ plan::Dtype dtype_of(Dtype d) {
 struct Question {
   plan::TransformerShape shape;
   plan::ActivationOptions activations;
+  plan::TransformerSharding sharding;
   plan::PlanOptions options;
   std::string strategy;
   DataParallelShape mesh;
+  std::string backend;  // and why: "gloo", "mpi (FSDP_BACKEND)", ...
+  std::string threads;  // how the ranks' threads are set, for the step time
+  double resident_data_bytes = 0;  // a token file, held whole by every rank for the whole run
 };
 
-// Options the trainer runs but the planner's step replay does not describe yet: refused by key
-// rather than answered with numbers for a different run.
-void refuse_what_the_planner_cannot_model(const FsdpConfig& f) {
-  if (f.model_parallel_size > 1)
-    throw ConfigError("fsdp_config.model_parallel_size: " + std::to_string(f.model_parallel_size) +
-                      " cannot be planned yet: the planner models data parallelism only (no tensor-parallel "
-                      "shards or tp all-reduces); plan with model_parallel_size: 1");
-  if (f.output_head_group)
-    throw ConfigError("fsdp_config.output_head_group: true cannot be planned yet: the planner models the head "
-                      "as part of the root's group; plan with output_head_group: false");
-  if (f.backend == "mpi")
-    throw ConfigError("fsdp_config.backend: mpi cannot be planned yet: the measured collective constants are "
-                      "Gloo's; plan with backend: gloo or auto");
+// data.source: tokens: the trainer reads the token file whole into an int64 tensor on every rank
+// (data.cpp); its header (tools/fsdp-train/data.h) says how many tokens.
+double token_file_tensor_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  unsigned char header[32] = {};
+  if (!f || !f.read(reinterpret_cast<char*>(header), sizeof header) || std::memcmp(header, "FSDPTOK", 8) != 0)
+    throw ConfigError("data.path: " + path + " is not a readable token file (the plan counts its tokens, which "
+                      "every rank keeps in memory); make one with `fsdp-train tokenize`");
+  uint64_t tokens = 0;
+  for (int i = 0; i < 8; ++i) tokens |= static_cast<uint64_t>(header[24 + i]) << (8 * i);
+  return 8.0 * static_cast<double>(tokens);
+}
+
+bool variable_is(const char* name, const std::string& value) {
+  const char* v = std::getenv(name);
+  return v && value == v;
+}
+
+// The ranks' threads, as the launcher and this environment set them: fsdprun gives each of
+// several workers OMP_NUM_THREADS=1 (and OPENBLAS_NUM_THREADS as OMP's) unless they are set; a
+// rank alone keeps the libraries' defaults unless both variables say 1.
+plan::Threads threads_of(int local_world, std::string& described) {
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const bool blas_one = !std::getenv("OPENBLAS_NUM_THREADS") || variable_is("OPENBLAS_NUM_THREADS", "1");
+  if (local_world > 1 ? (!omp || variable_is("OMP_NUM_THREADS", "1")) && blas_one
+                      : variable_is("OMP_NUM_THREADS", "1") && variable_is("OPENBLAS_NUM_THREADS", "1")) {
+    described = "one thread per rank";
+    return plan::Threads::kOnePerRank;
+  }
+  described = "the libraries' own threads (no OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1)";
+  return plan::Threads::kLibraryDefaults;
+}
+
+// The backend the trainer's collectives would run on. auto is mpi only when mpirun or srun starts
+// the job, which a plan cannot know: it plans fsdprun's gloo. FSDP_BACKEND wins, as in the trainer.
+plan::Backend backend_of(const FsdpConfig& f, std::string& described) {
+  const char* env = std::getenv("FSDP_BACKEND");
+  std::string name = f.backend;
+  described = f.backend == "auto" ? "gloo (backend: auto under fsdprun; plan mpirun's with "
+                                    "--fsdp_config.backend=mpi)"
+                                  : f.backend;
+  if (env && *env) {
+    name = env;
+    if (name != "gloo" && name != "mpi")
+      throw ConfigError("FSDP_BACKEND=" + name + " in the environment: expected gloo or mpi");
+    described = name + " (FSDP_BACKEND in the environment)";
+  }
+  return name == "mpi" ? plan::Backend::kMpi : plan::Backend::kGloo;
 }
 
 Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   check_supported(cfg);  // what the trainer refuses (cuda, fp16 on cpu, ...), named
   const auto& f = cfg.fsdp_config;
-  refuse_what_the_planner_cannot_model(f);
   if (f.world_size > 0 && f.world_size != a.world)
     throw ConfigError("fsdp_config.world_size is " + std::to_string(f.world_size) + " but --world is " +
                       std::to_string(a.world));
@@ -146,6 +187,9 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
              m.dropout_p.value_or(preset.dropout_p)};
   const auto& t = cfg.training;
   const int local = a.local_world > 0 ? a.local_world : a.world;
+  check_model_parallel(cfg, a.world, q.shape.n_heads, q.shape.dim);
+  q.sharding.tensor_parallel = f.model_parallel_size;
+  q.sharding.output_head_group = f.output_head_group;
   q.mesh = data_parallel_shape(cfg, a.world, local);
   q.strategy = to_string(f.sharding_strategy);
   const Precision precision = precision_of(f);
@@ -154,13 +198,18 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   q.activations.compute = dtype_of(precision.param);
   q.activations.checkpoint_every = f.activation_checkpointing ? f.activation_checkpointing_every : 0;
   q.activations.loss_chunks = t.loss_chunks;
-  q.activations.global_rows = static_cast<int64_t>(a.world) * t.gradient_accumulation_steps * t.micro_batch_size;
+  if (cfg.data.source == "tokens") q.resident_data_bytes = token_file_tensor_bytes(cfg.data.path);
+  // The tp ranks of one dp rank train on the same rows.
+  q.activations.global_rows =
+      static_cast<int64_t>(a.world / f.model_parallel_size) * t.gradient_accumulation_steps * t.micro_batch_size;
   const bool no_shard = f.sharding_strategy == ShardingStrategy::NO_SHARD;
   q.options.world(a.world).local_world(local).replicate(no_shard ? 1 : q.mesh.replicate).no_shard(no_shard)
       .reshard_after_forward(no_shard || reshard_after_forward(cfg))
       .param_dtype(dtype_of(precision.param)).reduce_dtype(dtype_of(precision.reduce))
       .offload(f.offload_params).optimizer(cfg.optimizer.fused ? plan::Optimizer::kFusedAdamW : plan::Optimizer::kAdamW)
-      .micro_batches(t.gradient_accumulation_steps);
+      .micro_batches(t.gradient_accumulation_steps).backend(backend_of(f, q.backend)).threads(threads_of(local, q.threads))
+      // train() saves in the background every checkpoint_interval steps before the last.
+      .background_checkpoints(f.checkpoint_interval > 0 && f.checkpoint_interval < t.steps);
   if (!a.constants.empty()) {
     const std::string text = read_file(a.constants, {a.constants + " is a directory", "cannot open " + a.constants,
                                                       "reading " + a.constants + " failed"});
@@ -175,7 +224,9 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
 
 plan::Plan plan_of(const Question& q) {
   try {
-    return plan::plan(plan::transformer_spec(q.shape, q.activations), q.options);
+    plan::ModelSpec model = plan::transformer_spec(q.shape, q.activations, q.sharding);
+    model.input_bytes += q.resident_data_bytes;
+    return plan::plan(model, q.options);
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());
   }
@@ -239,14 +290,17 @@ std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& 
   s << "fsdp-train plan: " << (a.config.empty() ? "defaults" : a.config) << " at W=" << a.world << ": "
     << parameter_count(q.shape) << " parameters (" << q.shape.n_layers << " layers, dim " << q.shape.dim << ", "
     << q.shape.n_heads << " heads, vocab " << q.shape.vocab_size << "), " << q.strategy << " ("
-    << q.mesh.replicate << " x " << q.mesh.shard << "), " << precision_of(cfg.fsdp_config).describe()
+    << q.mesh.replicate << " x " << q.mesh.shard << ")"
+    << (q.sharding.tensor_parallel > 1 ? " x tensor-parallel " + std::to_string(q.sharding.tensor_parallel) : "")
+    << ", " << precision_of(cfg.fsdp_config).describe()
     << ", micro-batch " << act.micro_batch << " x " << act.seq << ", " << q.options.micro_batches_
     << " micro-batch(es) per step, checkpointing "
     << (act.checkpoint_every == 0 ? std::string("none")
                                   : act.checkpoint_every == 1 ? std::string("every block")
                                                               : "every " + std::to_string(act.checkpoint_every) + "th block")
     << ", loss in " << act.loss_chunks << " piece(s)" << (cfg.optimizer.fused ? ", FusedAdamW" : ", AdamW")
-    << (cfg.fsdp_config.offload_params ? ", offload (identity copies on cpu)" : "");
+    << (cfg.fsdp_config.offload_params ? ", offload (identity copies on cpu)" : "")
+    << (q.sharding.output_head_group ? ", output head group" : "") << ", collectives on " << q.backend;
   return s.str();
 }
 
@@ -266,6 +320,10 @@ void print_text(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
     s << "  peak tensors " << mib(r.peak_tensor_bytes) << ", at " << r.peak_at << "; alive then:\n";
     for (const auto& b : r.at_peak)
       s << "    " << (b.module.empty() ? "(root)" : b.module) << ": " << b.what << " " << mib(b.bytes) << "\n";
+    if (q.options.background_checkpoints_)
+      s << "  the step after a background checkpoint save: peak tensors " << mib(r.peak_tensor_bytes_after_save)
+        << " (the save's staged copy of the parameters and optimizer state, " << mib(r.checkpoint_staging_bytes)
+        << ", is alive through it)\n";
     s << "  peak RSS " << mib(r.peak_rss_bytes) << " (runtime and block cache included)\n";
     i = j;
   }
@@ -278,10 +336,10 @@ void print_text(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
       s << "  " << c.group << ": " << c.kind << " on the " << c.mesh << " mesh x" << c.count << ", " << mib(c.bytes)
         << "\n";
   }
-  char t[256];
+  char t[512];
   std::snprintf(t, sizeof t,
-                "predicted step time %.4f s (compute %.4f, communication %.4f, optimizer %.4f, overhead %.4f)\n",
-                p.step_time_s, p.compute_s, p.communication_s, p.optimizer_s, p.overhead_s);
+                "predicted step time %.4f s (compute %.4f, communication %.4f, optimizer %.4f, overhead %.4f; %s)\n",
+                p.step_time_s, p.compute_s, p.communication_s, p.optimizer_s, p.overhead_s, q.threads.c_str());
   s << t;
   if (a.memory_per_rank > 0) {
     const int64_t layers = largest_fitting(q, true, a.memory_per_rank);
@@ -310,10 +368,14 @@ void print_json(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
   j["communication_s"] = p.communication_s;
   j["optimizer_s"] = p.optimizer_s;
   j["overhead_s"] = p.overhead_s;
+  j["threads"] = q.threads;
+  j["backend"] = q.backend;
   for (const auto& r : p.ranks) {
     nlohmann::json rj = {{"rank", r.rank}, {"params", dtype_json(r.params)}, {"grads", dtype_json(r.grads)},
                          {"optimizer_state", dtype_json(r.optimizer_state)}, {"activation_bytes", r.activation_bytes},
                          {"peak_tensor_bytes", r.peak_tensor_bytes}, {"peak_at", r.peak_at},
+                         {"checkpoint_staging_bytes", r.checkpoint_staging_bytes},
+                         {"peak_tensor_bytes_after_save", r.peak_tensor_bytes_after_save},
                          {"peak_rss_bytes", r.peak_rss_bytes}};
     rj["at_peak"] = nlohmann::json::array();
     for (const auto& b : r.at_peak) rj["at_peak"].push_back({{"module", b.module}, {"what", b.what}, {"bytes", b.bytes}});
