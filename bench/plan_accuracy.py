@@ -100,7 +100,8 @@ class Run:
 
     def __init__(self, a, key: str, preset: str, world: int, options: list[str], labels: list[str]):
         self.key, self.preset, self.world, self.labels = key, preset, world, labels
-        self.options = [f"--training.steps={a.steps}", f"--fsdp_config.model_parallel_size={a.tp}",
+        self.options = [f"--training.steps={a.steps}", "--fsdp_config.checkpoint_interval=0",
+                        f"--fsdp_config.model_parallel_size={a.tp}",
                         f"--fsdp_config.backend={a.backend}"] + options
         self.mpi = a.backend == "mpi" or "--fsdp_config.backend=mpi" in options
 
@@ -150,8 +151,7 @@ def measure(a, run: Run) -> dict:
     tmp = tempfile.mkdtemp(prefix="plan_accuracy_")
     jsonl = os.path.join(tmp, "m{rank}.jsonl")
     train = [os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), os.path.join(REPO, f"configs/{run.preset}.yaml"),
-             "--training.resume=never", "--training.export=none", "--fsdp_config.checkpoint_interval=0",
-             f"--fsdp_config.checkpoint_dir={tmp}/ck", "--logging.log_interval=1", f"--logging.jsonl={jsonl}",
+             "--training.resume=never", "--training.export=none", f"--fsdp_config.checkpoint_dir={tmp}/ck", "--logging.log_interval=1", f"--logging.jsonl={jsonl}",
              "--logging.progress=off", "--sample.length=0"] + run.options
     if run.mpi:
         cmd = MPIRUN + ["-np", str(run.world)] + train

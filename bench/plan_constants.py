@@ -19,9 +19,10 @@ Collectives: bus bandwidth from bench/bench_collectives at W=2 (a line through i
 all-gather and reduce-scatter times), on Gloo (fsdprun) and MPI (mpirun); latency per ring step
 from the trainer on tiny (whose collectives carry a few KiB): what its step gains from W=1 to W=2,
 and to W=4 on fewer cores (two ranks per core), per step of its collectives' rings. The optimizer's
-memory bandwidth: an in-place add of 64 MiB at one thread, the best of 7. The per-micro-batch
-overhead and the runtime RSS: tiny at W=1 with one thread; RSS per tensor byte: small at W=1,
-(peak RSS - runtime) / peak tensor bytes.
+memory bandwidth: an in-place add of 64 MiB at one thread, the best of 7. The overheads
+beyond the arithmetic (per stage, per checkpointed stage): tiny at W=1 with one thread, plain and
+checkpointed. The runtime RSS: tiny at W=1; RSS per tensor byte: small
+at W=1, (peak RSS - runtime) / peak tensor bytes.
 """
 
 from __future__ import annotations
@@ -156,14 +157,15 @@ def memory_bandwidth() -> float:
     return float(run(["/usr/bin/python3", "-c", code], env=environment(ONE_THREAD)).stdout.strip())
 
 
-def train(build: str, preset: str, world: int = 1, backend: str = "gloo", steps: int = 6) -> dict:
+def train(build: str, preset: str, world: int = 1, backend: str = "gloo", steps: int = 6,
+          extra: list[str] | None = None) -> dict:
     """fsdp-train for a few steps, one thread per rank; its summary (medians after 2 warm-up steps)."""
     tmp = tempfile.mkdtemp(prefix="plan_constants_")
     cmd = launcher(build, world, backend) + [
         f"{build}/tools/fsdp-train/fsdp-train", f"{REPO}/configs/{preset}.yaml", f"--training.steps={steps}",
         f"--fsdp_config.backend={backend}", "--training.resume=never", "--training.export=none",
         "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={tmp}/ck", "--logging.progress=off",
-        f"--logging.summary_json={tmp}/s.json", "--sample.length=0"]
+        f"--logging.summary_json={tmp}/s.json", "--sample.length=0"] + (extra or [])
     run(cmd, cwd=tmp, env=environment(ONE_THREAD))
     with open(f"{tmp}/s.json") as f:
         s = json.load(f)
@@ -172,41 +174,71 @@ def train(build: str, preset: str, world: int = 1, backend: str = "gloo", steps:
             "step_s": s["median_step_s"]}
 
 
+def tiny_step(build: str, world: int = 1, backend: str = "gloo", extra: list[str] | None = None) -> float:
+    """tiny's step time, a few milliseconds: the best of three runs' medians over 40 steps, since other
+    work on the machine only ever slows it down."""
+    return min(train(build, "tiny", world, backend, steps=40, extra=extra)["step_s"] for _ in range(3))
+
+
+def overheads(build: str) -> dict:
+    """What a step costs beyond its arithmetic, from tiny at W=1 (one thread), whose arithmetic is
+    negligible: its step spread over its 4 stages (embeddings, 2 blocks, head), and what
+    checkpointing both blocks adds, per block. (Its steps at 2 and 8 blocks, a line through which
+    would split off a per-step part, vary by a third between runs of 8 blocks on this VM.)"""
+    plain = tiny_step(build)
+    checkpointed = tiny_step(build, extra=["--fsdp_config.activation_checkpointing=true"])
+    return {"stage_overhead_s": plain / 4, "checkpointed_stage_overhead_s": max(0.0, (checkpointed - plain) / 2)}
+
+
 def latencies(build: str, backend: str, cores: int, alone_s: float) -> tuple[float, float]:
     """Seconds per ring step of tiny's collectives: at W=2 (a core each, when there are 2), and at
     two ranks per core (W = 2 x cores), where each rank's compute also takes twice as long."""
-    two = train(build, "tiny", 2, backend, steps=30)["step_s"]
-    over = train(build, "tiny", 2 * cores, backend, steps=30)["step_s"]
+    two = tiny_step(build, 2, backend)
+    over = tiny_step(build, 2 * cores, backend)
     per_step = max(1e-6, (two - alone_s) / (TINY_COLLECTIVES_PER_STEP * 1))
     per_step_over = max(per_step, (over - 2 * alone_s) / (TINY_COLLECTIVES_PER_STEP * (2 * cores - 1)))
     return per_step, per_step_over
+
+
+PARTS = ("compute", "overheads", "gloo", "mpi", "memory")
+
+
+def measure(part: str, b: str, cores: int) -> dict:
+    """The constants of one part of the file."""
+    if part == "compute":
+        torch_threads = libtorch_default_threads()
+        return {"one_thread": compute_rates(b, ONE_THREAD, 1), "single_rank": compute_rates(b, None, torch_threads),
+                "libtorch_default_threads": torch_threads}
+    if part == "overheads":
+        return overheads(b)
+    if part in ("gloo", "mpi"):
+        prefix = "" if part == "gloo" else "mpi_"
+        latency, over = latencies(b, part, cores, tiny_step(b))
+        return {f"{prefix}collective_bytes_per_s": round(bandwidth(b, part)), f"{prefix}collective_latency_s": latency,
+                f"{prefix}collective_latency_s_oversubscribed": over}
+    tiny, small = train(b, "tiny"), train(b, "small")
+    runtime = tiny["rss"] - tiny["tensors"]
+    return {"memory_bytes_per_s": round(memory_bandwidth()), "runtime_rss_bytes": round(runtime),
+            "rss_per_tensor_byte": round((small["rss"] - runtime) / small["tensors"], 3)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build-dir", default=os.path.join(REPO, "build"))
     p.add_argument("--out", default=os.path.join(REPO, "configs/plan_constants.json"))
-    p.add_argument("--no-mpi", action="store_true", help="keep the MPI numbers of the current file")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help="what to measure again (" + ", ".join(PARTS) + "); the rest is kept from --out")
     p.add_argument("--quiet-wait", type=float, default=120.0,
                    help="seconds each measurement waits for no other process to be running")
     a = p.parse_args()
     global QUIET_WAIT_S
     QUIET_WAIT_S = a.quiet_wait
-    b = a.build_dir
     cores = os.cpu_count()
-    torch_threads = libtorch_default_threads()
-    one_thread = compute_rates(b, ONE_THREAD, 1)
-    single_rank = compute_rates(b, None, torch_threads)
-    tiny, small = train(b, "tiny", steps=30), train(b, "small")
-    gloo_latency, gloo_over = latencies(b, "gloo", cores, tiny["step_s"])
-    if a.no_mpi:
-        old = json.load(open(a.out))
-        mpi_bw, mpi_latency, mpi_over = (old["mpi_collective_bytes_per_s"], old["mpi_collective_latency_s"],
-                                         old["mpi_collective_latency_s_oversubscribed"])
-    else:
-        mpi_bw = bandwidth(b, "mpi")
-        mpi_latency, mpi_over = latencies(b, "mpi", cores, tiny["step_s"])
-    runtime = tiny["rss"] - tiny["tensors"]
+    parts = a.parts.split(",")
+    out = json.load(open(a.out)) if set(parts) != set(PARTS) else {}
+    out["cpu_cores"] = cores
+    for part in parts:
+        out.update(measure(part, a.build_dir, cores))
     cpu = "unknown CPU"
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -217,25 +249,18 @@ def main() -> None:
                             text=True).stdout.strip()
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    out = {
-        "source": f"{cpu}, {cores} CPUs, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, commit {commit}, "
-                  f"bench/plan_constants.py; {sum(STARTS)} of {len(STARTS)} measurements started with no other "
-                  f"process running, load average at the end {load}",
-        "cpu_cores": cores,
-        "one_thread": one_thread,
-        "single_rank": single_rank,
-        "libtorch_default_threads": torch_threads,
-        "memory_bytes_per_s": round(memory_bandwidth()),
-        "collective_bytes_per_s": round(bandwidth(b, "gloo")),
-        "collective_latency_s": gloo_latency,
-        "collective_latency_s_oversubscribed": gloo_over,
-        "mpi_collective_bytes_per_s": round(mpi_bw),
-        "mpi_collective_latency_s": mpi_latency,
-        "mpi_collective_latency_s_oversubscribed": mpi_over,
-        "step_overhead_s": tiny["step_s"],
-        "runtime_rss_bytes": round(runtime),
-        "rss_per_tensor_byte": round((small["rss"] - runtime) / small["tensors"], 3),
-    }
+    measured = f"{', '.join(parts)} measured " if set(parts) != set(PARTS) else ""
+    out["source"] = (f"{cpu}, {cores} CPUs, {measured}{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, commit "
+                     f"{commit}, bench/plan_constants.py; {sum(STARTS)} of {len(STARTS)} measurements started with "
+                     f"no other process running, load average at the end {load}")
+    if set(parts) != set(PARTS):
+        out["source"] += "; before: " + json.load(open(a.out)).get("source", "?")
+    order = ["source", "cpu_cores", "one_thread", "single_rank", "libtorch_default_threads", "memory_bytes_per_s",
+             "collective_bytes_per_s", "collective_latency_s", "collective_latency_s_oversubscribed",
+             "mpi_collective_bytes_per_s", "mpi_collective_latency_s", "mpi_collective_latency_s_oversubscribed",
+             "stage_overhead_s", "checkpointed_stage_overhead_s", "runtime_rss_bytes",
+             "rss_per_tensor_byte"]
+    out = {k: out[k] for k in order if k in out}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=2)
         f.write("\n")

@@ -355,7 +355,7 @@ TEST(PlanConstants, BuiltInConstantsParseAndAMissingKeyIsNamed) {
 }
 
 // Round rates: a rank alone twice as fast as one thread; 1 ms per ring step (3 ms with two ranks
-// per core), 1 GB/s, 10 ms of overhead per micro-batch.
+// per core), 1 GB/s, 10 ms of overhead per stage and micro-batch.
 Constants round_rates() {
   Constants c = no_time();
   c.cpu_cores = 2;
@@ -364,7 +364,8 @@ Constants round_rates() {
   c.collective_latency_s = 1e-3;
   c.collective_latency_s_oversubscribed = 3e-3;
   c.collective_bytes_per_s = 1e9;
-  c.step_overhead_s = 0.01;
+  c.stage_overhead_s = 0.01;
+  c.checkpointed_stage_overhead_s = 0;
   return c;
 }
 
@@ -389,6 +390,12 @@ TEST(PlanStepTime, ThreadsAndRanksPerCoreSetTheRates) {
   EXPECT_NEAR(four.compute_s, 1.2, 1e-12);
   EXPECT_NEAR(four.overhead_s, 0.02, 1e-12);
   EXPECT_NEAR(four.communication_s, 2 * (3 * 3e-3 + 400 * 0.75 / 0.5e9), 1e-12);
+  // 2 ms more for a checkpointed stage, per micro-batch.
+  Constants checkpointing = round_rates();
+  checkpointing.checkpointed_stage_overhead_s = 2e-3;
+  m.stages[0].checkpointed = true;
+  EXPECT_NEAR(plan(m, PlanOptions().micro_batches(2).constants(checkpointing)).overhead_s, 2 * 0.012, 1e-12);
+  m.stages[0].checkpointed = false;
   // Told the ranks run apart (--local-world 1 each), W=4 computes as W=1 does.
   EXPECT_NEAR(plan(m, PlanOptions().world(4).local_world(1).constants(round_rates())).compute_s, 0.3, 1e-12);
 }

@@ -149,7 +149,10 @@ struct Constants {
   double mpi_collective_bytes_per_s = 1e9;  // MPI
   double mpi_collective_latency_s = 1e-4;
   double mpi_collective_latency_s_oversubscribed = 1e-4;
-  double step_overhead_s = 0;          // per micro-batch, one thread: hooks, autograd, the trainer
+  // Per micro-batch and stage, one thread, beyond the arithmetic: FSDP's hooks, autograd and the
+  // trainer (stage_overhead_s), and a checkpointed stage's recomputation on top.
+  double stage_overhead_s = 0;
+  double checkpointed_stage_overhead_s = 0;
   double runtime_rss_bytes = 0;        // RSS of a rank with no tensors (LibTorch, Gloo, the program)
   double rss_per_tensor_byte = 1;      // peak RSS above the runtime per byte of peak tensors (block cache)
   std::string source;                  // where the numbers came from (machine, date, commit)

@@ -52,7 +52,8 @@ Constants constants_from_json(const std::string& json_text) {
   c.mpi_collective_bytes_per_s = number("mpi_collective_bytes_per_s");
   c.mpi_collective_latency_s = number("mpi_collective_latency_s");
   c.mpi_collective_latency_s_oversubscribed = number("mpi_collective_latency_s_oversubscribed");
-  c.step_overhead_s = number("step_overhead_s");
+  c.stage_overhead_s = number("stage_overhead_s");
+  c.checkpointed_stage_overhead_s = number("checkpointed_stage_overhead_s");
   c.runtime_rss_bytes = number("runtime_rss_bytes");
   c.rss_per_tensor_byte = number("rss_per_tensor_byte");
   if (c.memory_bytes_per_s <= 0 || c.collective_bytes_per_s <= 0 || c.mpi_collective_bytes_per_s <= 0 ||
