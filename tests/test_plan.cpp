@@ -355,7 +355,7 @@ TEST(PlanConstants, BuiltInConstantsParseAndAMissingKeyIsNamed) {
 }
 
 // Round rates: a rank alone twice as fast as one thread; 1 ms per ring step (3 ms with two ranks
-// per core), 1 GB/s, 10 ms of overhead per stage and micro-batch.
+// per core), 1 GB/s, 10 ms of overhead per stage and micro-batch (30 in bf16).
 Constants round_rates() {
   Constants c = no_time();
   c.cpu_cores = 2;
@@ -365,6 +365,7 @@ Constants round_rates() {
   c.collective_latency_s_oversubscribed = 3e-3;
   c.collective_bytes_per_s = 1e9;
   c.stage_overhead_s = 0.01;
+  c.bf16_stage_overhead_s = 0.03;  // the parameters' casts too
   c.checkpointed_stage_overhead_s = 0;
   return c;
 }
@@ -390,6 +391,7 @@ TEST(PlanStepTime, ThreadsAndRanksPerCoreSetTheRates) {
   EXPECT_NEAR(four.compute_s, 1.2, 1e-12);
   EXPECT_NEAR(four.overhead_s, 0.02, 1e-12);
   EXPECT_NEAR(four.communication_s, 2 * (3 * 3e-3 + 400 * 0.75 / 0.5e9), 1e-12);
+  EXPECT_NEAR(plan(m, PlanOptions().param_dtype(Dtype::kBFloat16).constants(round_rates())).overhead_s, 0.03, 1e-12);
   // 2 ms more for a checkpointed stage, per micro-batch.
   Constants checkpointing = round_rates();
   checkpointing.checkpointed_stage_overhead_s = 2e-3;

@@ -150,8 +150,10 @@ struct Constants {
   double mpi_collective_latency_s = 1e-4;
   double mpi_collective_latency_s_oversubscribed = 1e-4;
   // Per micro-batch and stage, one thread, beyond the arithmetic: FSDP's hooks, autograd and the
-  // trainer (stage_overhead_s), and a checkpointed stage's recomputation on top.
+  // trainer (computing in fp32, or below, which adds the parameters' casts), and a checkpointed
+  // stage's recomputation on top.
   double stage_overhead_s = 0;
+  double bf16_stage_overhead_s = 0;
   double checkpointed_stage_overhead_s = 0;
   double runtime_rss_bytes = 0;        // RSS of a rank with no tensors (LibTorch, Gloo, the program)
   double rss_per_tensor_byte = 1;      // peak RSS above the runtime per byte of peak tensors (block cache)

@@ -53,6 +53,7 @@ Constants constants_from_json(const std::string& json_text) {
   c.mpi_collective_latency_s = number("mpi_collective_latency_s");
   c.mpi_collective_latency_s_oversubscribed = number("mpi_collective_latency_s_oversubscribed");
   c.stage_overhead_s = number("stage_overhead_s");
+  c.bf16_stage_overhead_s = number("bf16_stage_overhead_s");
   c.checkpointed_stage_overhead_s = number("checkpointed_stage_overhead_s");
   c.runtime_rss_bytes = number("runtime_rss_bytes");
   c.rss_per_tensor_byte = number("rss_per_tensor_byte");

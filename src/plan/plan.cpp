@@ -564,8 +564,8 @@ void step_time(const ModelSpec& m, const PlanOptions& o, const std::vector<Colle
   const double optimizer_bytes = (o.optimizer_ == Optimizer::kFusedAdamW ? 28.0 : 60.0) + 4;
   p.optimizer_s = per_rank * optimizer_bytes / (c.memory_bytes_per_s * speed.share);
   double per_micro_batch = 0;
-  for (const StageSpec& s : m.stages)
-    per_micro_batch += c.stage_overhead_s + (s.checkpointed ? c.checkpointed_stage_overhead_s : 0);
+  const double per_stage = fp32 ? c.stage_overhead_s : c.bf16_stage_overhead_s;
+  for (const StageSpec& s : m.stages) per_micro_batch += per_stage + (s.checkpointed ? c.checkpointed_stage_overhead_s : 0);
   p.overhead_s = k * per_micro_batch / speed.share;
   p.step_time_s = p.compute_s + p.communication_s + p.optimizer_s + p.overhead_s;
 }
