@@ -107,7 +107,7 @@ std::vector<double> RankTotals::to_vector() const {
 }
 
 RankTotals RankTotals::from(const double* f, size_t mesh_dims) {
-  RankTotals r{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]};
+  RankTotals r{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], {}};
   f += kScalarFields;
   r.by_mesh_dim.resize(mesh_dims);
   for (MeshDimTotals& dim : r.by_mesh_dim) {
