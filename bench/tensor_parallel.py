@@ -16,7 +16,7 @@ communication comes from the summary JSON's comm_by_mesh_dim (logging.summary_js
 rank sent per step on each mesh dim's process group, measured by that group's counters (the tp
 layers' all-reduces run on the tp group; the gradient norm adds one 8-byte all-reduce per dim).
 
---measure-constants runs bench_collectives (under fsdprun, W = 2 and W, at --collective-sizes-kib)
+--measure-constants runs bench_collectives (under fsdprun, W = 2 and 4, 5 times each, at --collective-sizes-kib)
 and bench_matmul (one thread, the presets' linear layers) and writes DIR/constants.json: for each
 world and kind a line time = latency + bytes sent / bandwidth fitted through the sizes, and the
 median matmul rate. --paper-model prints the model of docs/benchmarks.md from such a file.
@@ -65,6 +65,7 @@ def parse_args(argv):
     p.add_argument("--measure-constants", action="store_true")
     p.add_argument("--collective-sizes-kib", default="16,64,256,1024,4096,16384")
     p.add_argument("--constant-worlds", default="4", help="worlds bench_collectives runs at, besides 2 (default 4)")
+    p.add_argument("--collective-runs", type=int, default=5, help="bench_collectives runs per world (default 5)")
     p.add_argument("--paper-model", metavar="CONSTANTS_JSON")
     a = p.parse_args(argv)
     for k, v in DEFAULTS[a.preset].items():
@@ -195,27 +196,43 @@ def parameters(m: dict, max_seq: int) -> tuple[int, int]:
 
 
 def collective_time(c: dict, world: int, kind: str, sent: float, calls: int = 1) -> float:
-    line = c["collectives"][str(world)][kind]
-    return calls * line["latency_s"] + sent / line["bytes_per_s"]
+    """Ring algorithms on a node with a core per rank, from the two-rank measurement: W - 1
+    steps of the measured latency per call, and the bytes this rank sends at the measured rate."""
+    line = c["collectives"]["2"][kind]
+    return calls * (world - 1) * line["latency_s"] + sent / line["bytes_per_s"]
 
 
-def step_model(c: dict, preset: str, world: int, tp: int, tokens: float, seq: int, max_seq: int,
-               ar_per_block: int = TP_ALL_REDUCES_PER_BLOCK) -> dict:
-    """Seconds per step of one rank: compute, dp collectives and tp all-reduces. tokens = the
+# The tensor-parallel plans the model compares: fsdp-cpp's as built (each column-parallel layer
+# all-reduces its own input gradient: wq, wk, wv and w1, plus wo and w2 in forward; embeddings
+# and output head whole on every tp rank) and Megatron's (one all-reduce for the input gradient
+# wq, wk and wv share; a vocab-parallel embedding and output head with a parallel cross-entropy:
+# one activation all-reduce each, and three of one number per token for the loss).
+PLANS = {
+    "as built": dict(per_block=TP_ALL_REDUCES_PER_BLOCK, split_head=False),
+    "Megatron": dict(per_block=4, split_head=True),
+}
+
+
+def step_model(c: dict, preset: str, world: int, tp: int, tokens: float, seq: int, plan: str = "as built") -> dict:
+    """Seconds per step of one rank: matmuls, dp collectives and tp all-reduces. tokens = the
     tokens of one rank under dp `world` (the global batch's tokens / world)."""
     m = peer_ab.MODEL[preset]
     L, d, V = m["n_layers"], m["dim"], m["vocab_size"]
+    per_block, split_head = PLANS[plan]["per_block"], PLANS[plan]["split_head"]
     dp = world // tp
-    blk, root = parameters(m, max_seq)
-    # Blocks: t ranks split the work of t x tokens, so as much per rank as under dp alone; the
-    # output head is whole on every tp rank, so t times the tokens.
-    flop = 3 * tokens * L * (24 * d * d + 4 * seq * d) + 3 * tp * tokens * 2 * d * V
+    blk, root = parameters(m, seq)
+    # Blocks: t ranks split the work of t x tokens, so as much per rank as under dp alone; a
+    # whole output head on every tp rank does t times the tokens.
+    head_tokens = tokens if split_head else tp * tokens
+    flop = 3 * tokens * L * (24 * d * d + 4 * seq * d) + 3 * head_tokens * 2 * d * V
     compute = flop / c["matmul_flops"]
     frac = (dp - 1) / dp
     # Blocks gathered in forward and backward and reduce-scattered once; the root gathered once
-    # (kept from forward to backward) and reduce-scattered once. A tp rank holds 1/t of each block.
-    gather = frac * 4 * (2 * L * blk / tp + root)
-    scatter = frac * 4 * (L * blk / tp + root)
+    # (kept from forward to backward) and reduce-scattered once. A tp rank holds 1/t of each
+    # block (and of the embedding and head when they are split).
+    root_here = root - (1 - 1 / tp) * 2 * V * d if split_head else root
+    gather = frac * 4 * (2 * L * blk / tp + root_here)
+    scatter = frac * 4 * (L * blk / tp + root_here)
     dp_s = 0.0
     if dp > 1:
         dp_s = (collective_time(c, dp, "all_gather", gather, 2 * L + 1)
@@ -223,57 +240,64 @@ def step_model(c: dict, preset: str, world: int, tp: int, tokens: float, seq: in
     tp_s = 0.0
     if tp > 1:
         activation = tp * tokens * d * 4
-        tp_s = collective_time(c, tp, "all_reduce", L * ar_per_block * ring_all_reduce_sent(activation, tp),
-                               L * ar_per_block)
+        calls = L * per_block + (2 if split_head else 0)
+        tp_s = collective_time(c, tp, "all_reduce", calls * ring_all_reduce_sent(activation, tp), calls)
+        if split_head:
+            tp_s += collective_time(c, tp, "all_reduce", 3 * ring_all_reduce_sent(tp * tokens * 4, tp), 3)
+    # serial: nothing overlaps (this machine, roughly); overlapped: FSDP's prefetched collectives
+    # hide behind the matmuls and the tp all-reduces, which the training thread waits for.
     return dict(compute=compute, dp=dp_s, tp=tp_s, serial=compute + dp_s + tp_s,
                 overlapped=max(compute + tp_s, dp_s))
 
 
-def crossover(c: dict, preset: str, world: int, tp: int, seq: int, max_seq: int, key: str,
-              ar_per_block: int = TP_ALL_REDUCES_PER_BLOCK) -> float:
-    """The tokens per rank below which dp W/t x tp t beats dp W (step time `key`), by bisection;
-    0 when tp never wins, inf when it always does in the range searched."""
+def crossover(c: dict, preset: str, world: int, tp: int, seq: int, key: str, plan: str) -> str:
+    """The tokens per rank (under dp alone) below which dp W/t x tp t beats dp W (step time
+    `key`), by bisection; "never" when it does not at 1 token."""
     def tp_wins(n):
-        return (step_model(c, preset, world, tp, n, seq, max_seq, ar_per_block)[key]
-                < step_model(c, preset, world, 1, n, seq, max_seq)[key])
-    lo, hi = 1.0, 1e9
+        return step_model(c, preset, world, tp, n, seq, plan)[key] < step_model(c, preset, world, 1, n, seq)[key]
+    lo, hi = 1.0, 1e7
     if not tp_wins(lo):
-        return 0.0
+        return "never"
     if tp_wins(hi):
-        return float("inf")
-    for _ in range(200):
+        return "always"
+    for _ in range(100):
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if tp_wins(mid) else (lo, mid)
-    return lo
+    return f"{lo:.0f}"
+
+
+MODEL_CASES = (("small", 256), ("medium", 512))  # preset, sequence length (the presets' max)
+MODEL_TOKENS = 512  # tokens per rank under dp alone, as benchmarked above
+MODEL_WORLDS = (4, 8)
 
 
 def paper_model(path: str) -> str:
     c = peer_ab.load_json(path)
-    out = [f"Constants: {path} ({c.get('source', '?')}); matmul {c['matmul_flops'] / 1e9:.1f} GFLOP/s per rank.", ""]
-    out += ["| world | kind | latency us | bandwidth GB/s (bytes sent per second) |", "|---|---|---|---|"]
+    out = [f"Constants: {os.path.relpath(path, REPO)} ({c.get('source', '?')}); matmul {c['matmul_flops'] / 1e9:.1f} GFLOP/s per rank "
+           "(fp32, one thread). Collectives: time = latency + bytes sent / bandwidth (latency: the smallest size; "
+           "bandwidth: least squares over >= 512 KiB sent), from the per-size medians of the runs. The model uses "
+           "W = 2 (a core per rank); W = 4 is this machine with 4 ranks on 2 vCPUs.", "",
+           "| measured at W | kind | latency us | bandwidth GB/s (bytes sent per second per rank) |", "|---|---|---|---|"]
     for w, kinds in sorted(c["collectives"].items(), key=lambda x: int(x[0])):
         for kind in KINDS:
             out.append(f"| {w} | {kind} | {kinds[kind]['latency_s'] * 1e6:.0f} | {kinds[kind]['bytes_per_s'] / 1e9:.2f} |")
-    out += ["", "| preset | W | tp | tokens / rank | compute s | dp s (dp alone) | dp s (with tp) | tp s | "
-                "serial: dp alone / with tp | overlapped: dp alone / with tp |", "|---|---|---|---|---|---|---|---|---|---|"]
-    # Worlds W whose groups were measured: W itself (dp alone) and W / 2 (dp with tp 2) and 2 (tp).
-    worlds = [w for w in sorted(map(int, c["collectives"])) if w >= 4 and str(w // 2) in c["collectives"]
-              and "2" in c["collectives"]]
-    for preset, (tokens, seq) in (("small", (512, 256)), ("medium", (512, 512))):
-        max_seq = seq
-        for world in worlds:
-            alone = step_model(c, preset, world, 1, tokens, seq, max_seq)
-            with_tp = step_model(c, preset, world, 2, tokens, seq, max_seq)
-            out.append(f"| {preset} | {world} | 2 | {tokens} | {alone['compute']:.3f} / {with_tp['compute']:.3f} | "
-                       f"{alone['dp']:.3f} | {with_tp['dp']:.3f} | {with_tp['tp']:.3f} | "
-                       f"{alone['serial']:.3f} / {with_tp['serial']:.3f} | "
-                       f"{alone['overlapped']:.3f} / {with_tp['overlapped']:.3f} |")
-    out += ["", "Crossover: tp 2 beats dp alone below this many tokens per rank (under dp alone) "
-                "(6 tp all-reduces per block as built; 4 with one all-reduce for the q, k, v input gradient):", "",
-            "| preset | W | serial, 6 / 4 per block | overlapped, 6 / 4 per block |", "|---|---|---|---|"]
-    for preset, seq in (("small", 256), ("medium", 512)):
-        for world in worlds:
-            cells = [" / ".join(f"{crossover(c, preset, world, 2, seq, seq, key, k):.0f}" for k in (6, 4))
+    out += ["", f"Per rank and step at {MODEL_TOKENS} tokens per rank under dp alone (tp 2: twice the tokens per dp "
+                "rank), seconds; tp 2 as built / Megatron's plan:", "",
+            "| preset | W | matmuls: dp alone; tp 2 | dp collectives: dp alone; tp 2 | tp all-reduces | "
+            "serial: dp alone; tp 2 | overlapped: dp alone; tp 2 |", "|---|---|---|---|---|---|---|"]
+    for preset, seq in MODEL_CASES:
+        for world in MODEL_WORLDS:
+            alone = step_model(c, preset, world, 1, MODEL_TOKENS, seq)
+            tp = [step_model(c, preset, world, 2, MODEL_TOKENS, seq, plan) for plan in PLANS]
+            both = lambda key: " / ".join(f"{x[key]:.3f}" for x in tp)  # noqa: E731
+            out.append(f"| {preset} | {world} | {alone['compute']:.3f}; {both('compute')} | {alone['dp']:.3f}; "
+                       f"{both('dp')} | {both('tp')} | {alone['serial']:.3f}; {both('serial')} | "
+                       f"{alone['overlapped']:.3f}; {both('overlapped')} |")
+    out += ["", "Crossover: tp 2 is faster than dp alone below this many tokens per rank (under dp alone):", "",
+            "| preset | W | serial: as built / Megatron | overlapped: as built / Megatron |", "|---|---|---|---|"]
+    for preset, seq in MODEL_CASES:
+        for world in MODEL_WORLDS:
+            cells = [" / ".join(crossover(c, preset, world, 2, seq, key, plan) for plan in PLANS)
                      for key in ("serial", "overlapped")]
             out.append(f"| {preset} | {world} | {cells[0]} | {cells[1]} |")
     return "\n".join(out) + "\n"
@@ -282,26 +306,45 @@ def paper_model(path: str) -> str:
 # --------------------------------------------------------------------------- measured constants
 
 def fit_line(points: list[tuple[float, float]]) -> dict:
-    """time = latency + bytes / bandwidth, least squares."""
-    xs, ys = zip(*points)
+    """time = latency + bytes / bandwidth from (bytes sent, seconds) points: the bandwidth by
+    least squares over the points of 512 KiB sent and more (where latency no longer counts), the
+    latency from the smallest point."""
+    big = [(x, y) for x, y in points if x >= 2**19] or points
+    xs, ys = zip(*big)
     mx, my = statistics.mean(xs), statistics.mean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return {"latency_s": max(0.0, my - slope * mx), "bytes_per_s": 1 / slope}
+    x0, y0 = min(points)
+    return {"latency_s": max(0.0, y0 - x0 * slope), "bytes_per_s": 1 / slope}
+
+
+def median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Per size, the median over runs of each kind's time."""
+    rows = []
+    for same_size in zip(*runs):
+        row = dict(same_size[0])
+        for kind in KINDS:
+            row[f"{kind}_ms"] = statistics.median(r[f"{kind}_ms"] for r in same_size)
+        rows.append(row)
+    return rows
 
 
 def measure_constants(a) -> dict:
+    load = os.getloadavg()[0]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")  # a core per rank
     collectives = {}
     for w in sorted({2, *map(int, a.constant_worlds.split(","))}):
         cmd = [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node", str(w),
                os.path.join(a.build_dir, "bench", "bench_collectives"), "--json", "--sizes-kib", a.collective_sizes_kib]
-        print(f"[constants] {shlex.join(cmd)}", flush=True)
-        text = subprocess.run(cmd, env=peer_ab.run_env(w), capture_output=True, text=True, check=True).stdout
-        rows = [json.loads(line[line.index("{"):]) for line in text.splitlines() if "all_gather_ms" in line]
+        runs = []
         with open(os.path.join(a.out, f"collectives_w{w}.jsonl"), "w") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in rows)
+            for _ in range(a.collective_runs):
+                print(f"[constants] {shlex.join(cmd)}", flush=True)
+                text = subprocess.run(cmd, env=peer_ab.run_env(w), capture_output=True, text=True, check=True).stdout
+                runs.append([json.loads(line[line.index("{"):]) for line in text.splitlines() if "all_gather_ms" in line])
+                fh.writelines(json.dumps(r) + "\n" for r in runs[-1])
         frac = (w - 1) / w
         sent = {"all_gather": frac, "reduce_scatter": frac, "all_reduce": 2 * frac}  # ring algorithms
+        rows = median_rows(runs)
         collectives[str(w)] = {k: fit_line([(r["size_bytes"] * sent[k], r[f"{k}_ms"] / 1e3) for r in rows])
                                for k in KINDS}
     shapes = "1024x256x256,1024x256x1024,1024x1024x256,1024x768x768,1024x768x3072,1024x3072x768"
@@ -309,10 +352,11 @@ def measure_constants(a) -> dict:
            "fp32", "--json"]
     print(f"[constants] {shlex.join(cmd)}", flush=True)
     text = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    results = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])["results"]
+    matmul = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+    peer_ab.write_json(os.path.join(a.out, "matmul_t1.json"), matmul)
+    results = matmul["results"]
     return {"source": f"{peer_ab.cpu_model()}, {len(os.sched_getaffinity(0))} CPUs, {peer_ab.utc_now()}, commit "
-                      f"{peer_ab.sh(['git', '-C', REPO, 'rev-parse', '--short', 'HEAD'])}, load before "
-                      f"{os.getloadavg()[0]:.2f}",
+                      f"{peer_ab.sh(['git', '-C', REPO, 'rev-parse', '--short', 'HEAD'])}, load before {load:.2f}",
             "matmul_flops": statistics.median(r["gflops"] for r in results) * 1e9, "collectives": collectives}
 
 
@@ -326,7 +370,10 @@ def main(argv=None) -> int:
     if a.measure_constants:
         constants = measure_constants(a)
         peer_ab.write_json(os.path.join(a.out, "constants.json"), constants)
-        print(paper_model(os.path.join(a.out, "constants.json")), end="")
+        text = paper_model(os.path.join(a.out, "constants.json"))
+        with open(os.path.join(a.out, "paper_model.md"), "w") as fh:
+            fh.write(text)
+        print(text, end="")
         return 0
     meta_path = os.path.join(a.out, f"meta_{a.preset}.json")
     if a.report_only:
