@@ -1,7 +1,7 @@
 // Tensor parallelism (fsdp/tensor_parallel.h) across real processes: the column- and
 // row-parallel Linear layers against a whole Linear, parallelize on the reference Transformer
 // trained at tp 2 and 4 against one process on the same batch (losses and full parameters),
-// its layouts, and its errors.
+// its layouts, its state dicts and checkpoints (with and without fully_shard), and its errors.
 #include "harness/multiprocess.h"
 
 #include <fsdp/call.h>
@@ -11,6 +11,7 @@
 #include <fsdp/dtensor_parameter.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/models/transformer.h>
+#include <fsdp/optim_state_dict.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/tensor_parallel.h>
@@ -397,4 +398,35 @@ TEST(TensorParallel, StateDictsAndCheckpointsAcrossLayouts) {
       expect_values(fsdp::full_state_dict(*model), other_values(), name + " -> dp2 x tp2");
     });
   }
+}
+
+// Tensor parallelism without fully_shard: the state dicts show the tp placements, the full state
+// dict and the optimizer's hold whole tensors, and a checkpoint saved at tp 2 loads at
+// dp 2 x tp 2.
+TEST(TensorParallel, StateDictsOfAModelNotPassedToFullyShard) {
+  const std::string root = fsdp::testing::shared_temp_path("tp_only_ckpt");
+  if (!fsdp::testing::is_child()) std::filesystem::remove_all(root);
+  run_distributed(2, [&] {
+    auto model = seeded_model(tp_args(12, 4));
+    tp::parallelize(model, tp::TensorParallelMesh(fsdp::init_device_mesh("cpu", {2})));
+    fsdp::load_full_state_dict(*model, other_values());
+    const fsdp::ShardedStateDict sharded = fsdp::sharded_state_dict(*model);
+    EXPECT_EQ(sharded["layers.0.attention.wq.weight"].placements(), std::vector<fsdp::Placement>{fsdp::Shard(0)});
+    EXPECT_EQ(sharded["layers.0.feed_forward.w2.weight"].placements(), std::vector<fsdp::Placement>{fsdp::Shard(1)});
+    EXPECT_EQ(sharded["output.weight"].placements(), std::vector<fsdp::Placement>{fsdp::Replicate()});
+    expect_values(fsdp::full_state_dict(*model), other_values(), "full_state_dict at tp 2");
+    fsdp::save_checkpoint(root + "/tp2", sharded);
+
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+    lm_loss(model, step_tokens(0, 2, 8, 7)).backward();
+    opt.step();
+    const fsdp::ShardedStateDict optim = fsdp::sharded_optimizer_state_dict(*model, opt);
+    EXPECT_EQ(optim["state.layers.0.attention.wq.weight.exp_avg"].sizes(), (std::vector<int64_t>{12, 12}));
+    EXPECT_EQ(optim["state.layers.0.attention.wq.weight.exp_avg"].to_local().size(0), 6);
+  });
+  run_distributed(4, [&] {
+    auto model = build_layout(2, 2);
+    fsdp::load_sharded_state_dict(*model, fsdp::load_checkpoint(root + "/tp2", fsdp::sharded_state_dict(*model)));
+    expect_values(fsdp::full_state_dict(*model), other_values(), "tp 2 -> dp2 x tp2");
+  });
 }
