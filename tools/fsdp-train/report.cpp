@@ -180,6 +180,7 @@ void write_summary_json(const std::string& path, const RunShape& shape, const Ru
     j[name] = values;
   }
   j["model_parallel_size"] = shape.model_parallel_size;
+  j["vocab_parallel"] = shape.vocab_parallel;
   j["mesh_shape"] = shape.mesh_shape;
   j["mesh_dim_names"] = shape.mesh_dim_names;
   j["comm_by_mesh_dim"] = comm_by_mesh_dim(shape.mesh_dim_names, s.ranks);

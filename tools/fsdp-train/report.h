@@ -111,6 +111,7 @@ struct RunShape {
   int64_t n_layers = 0, vocab_size = 0, max_seq_len = 0, dim = 0, n_heads = 0;
   double dropout_p = 0;
   int64_t model_parallel_size = 1;
+  bool vocab_parallel = false;  // the embedding and head split by vocabulary over tp (only with model_parallel_size > 1)
   // The mesh the collectives ran on: a name per dim (those of RankTotals::by_mesh_dim) and its sizes.
   std::vector<std::string> mesh_dim_names;
   std::vector<int64_t> mesh_shape;
@@ -119,7 +120,7 @@ struct RunShape {
 // Writes shape and summary as one JSON object (the keys bench/peer_ab.py reads: world, preset,
 // params, batch, seq, steps, warmup, median_step_s, tokens_per_s, losses, step_s_rank0,
 // model_args and per-rank lists *_per_rank, whose communication is summed over the mesh's dims;
-// and param_dtype, reduce_dtype, model_parallel_size, mesh_shape, mesh_dim_names, and
+// and param_dtype, reduce_dtype, model_parallel_size, vocab_parallel, mesh_shape, mesh_dim_names, and
 // comm_by_mesh_dim: {dim name: {kind: {calls_per_rank, bytes_per_rank, s_per_rank,
 // wait_s_per_rank}}}, run totals). Throws naming path when it cannot be written.
 void write_summary_json(const std::string& path, const RunShape& shape, const RunSummary& s);

@@ -426,7 +426,7 @@ void Run::set_up() {
 
   join_job(env);
   check_checkpoint_dir();
-  check_model_parallel(cfg_, world_, args_.n_heads, args_.dim);
+  check_model_parallel(cfg_, world_, args_.n_heads, args_.dim, args_.vocab_size);
   shape_ = data_parallel_shape(cfg_, world_, env.local_world_size);
   tp_ = cfg_.fsdp_config.model_parallel_size;
   if (tp_ > 1) {
@@ -543,8 +543,9 @@ void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::opt
 }
 
 // model_parallel_size k > 1: each block is split over tp as soon as it is built (the Megatron
-// plan: fsdp::tp::parallelize), then sharded over dp; the embeddings, final norm and head stay
-// whole over tp and are sharded over dp by the root.
+// plan: fsdp::tp::parallelize), then sharded over dp; with vocab_parallel the token embedding
+// and the output head are split by vocabulary over tp; the root shards what it holds (the
+// embeddings, the final norm, the head) over dp.
 void Run::build_tensor_parallel_model(FullyShardOptions block_options, FullyShardOptions root_options) {
   const auto dp_dims = DataParallelMeshDims().shard("dp");
   block_options.dp_mesh_dims(dp_dims);
@@ -554,6 +555,7 @@ void Run::build_tensor_parallel_model(FullyShardOptions block_options, FullyShar
     tp::parallelize_block(*block, args_, tp_mesh);
     fully_shard(block, block_options);
   });
+  if (cfg_.fsdp_config.vocab_parallel) tp::parallelize_vocab(*model_, tp_mesh);
   tp::register_replicated(*model_, tp_mesh);
   fully_shard(model_, root_options);
 }
@@ -675,7 +677,10 @@ std::string Run::data_parallel_description() const {
   if (replicated_.valid()) return "replicated on " + std::to_string(world_) + " rank(s), " + strategy;
   std::string where = "sharded over " + std::to_string(shape_.shard) + " rank(s)";
   if (shape_.hybrid) where += " in each of " + std::to_string(shape_.replicate) + " replicas";
-  if (tp_ > 1) where += " (dp) x tensor-parallel over " + std::to_string(tp_) + " (tp)";
+  if (tp_ > 1) {
+    where += " (dp) x tensor-parallel over " + std::to_string(tp_) + " (tp";
+    where += cfg_.fsdp_config.vocab_parallel ? ", embedding and head split by vocabulary)" : ", embedding and head whole)";
+  }
   return where + ", " + strategy;
 }
 
@@ -1029,6 +1034,7 @@ RunShape Run::run_shape() {
   s.n_layers = args_.n_layers, s.vocab_size = args_.vocab_size, s.max_seq_len = args_.max_seq_len;
   s.dim = args_.dim, s.n_heads = args_.n_heads, s.dropout_p = args_.dropout_p;
   s.model_parallel_size = tp_;
+  s.vocab_parallel = tp_ > 1 && cfg_.fsdp_config.vocab_parallel;
   s.mesh_dim_names = dim_labels(mesh_);
   s.mesh_shape = mesh_.shape();
   return s;
