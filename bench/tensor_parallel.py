@@ -11,7 +11,10 @@ parallelism would pay off, from measured matmul and collective rates.
     /usr/bin/python3 bench/tensor_parallel.py --paper-model DIR/constants.json
 
 Both configurations train on the same global batch: --batch rows per rank under dp W, t * --batch
-rows per dp rank under dp W/t x tp t (the t ranks of a tp group share their rows). The
+rows per dp rank under dp W/t x tp t (the t ranks of a tp group share their rows). The tp
+configuration splits the embedding and the output head by vocabulary (the trainer's default,
+fsdp_config.vocab_parallel); --whole-head adds a third configuration that keeps them whole on
+every tp rank, alternating with the other two. The
 communication comes from the summary JSON's comm_by_mesh_dim (logging.summary_json): what each
 rank sent per step on each mesh dim's process group, measured by that group's counters (the tp
 layers' all-reduces run on the tp group; the gradient norm adds one 8-byte all-reduce per dim).
@@ -45,7 +48,7 @@ DEFAULTS = {  # preset -> per-rank rows under dp W, sequence length, steps, warm
     "medium": dict(batch=1, seq=512, steps=5, warmup=1),
 }
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-TP_ALL_REDUCES_PER_BLOCK = 6  # forward: wo, w2; backward: the input gradients of wq, wk, wv and w1
+TP_ALL_REDUCES_PER_BLOCK = 4  # forward: wo, w2; backward: the attention's input gradient (wq, wk, wv share it), w1's
 
 
 def parse_args(argv):
@@ -58,6 +61,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--whole-head", action="store_true",
+                   help="also run dp W/t x tp t with the embedding and output head whole on every tp rank")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--build-dir", default=os.path.join(REPO, "build"))
     p.add_argument("--out", help="output dir (default bench/results/tensor_parallel/<UTC date-time>)")
@@ -79,33 +84,38 @@ def parse_args(argv):
     return a
 
 
-def configs(a) -> list[tuple[str, int]]:
-    """(name, tp size): FSDP alone first, then FSDP over tp."""
-    return [(f"dp{a.world}", 1), (f"dp{a.world // a.tp}_tp{a.tp}", a.tp)]
+def configs(a) -> list[tuple[str, int, bool]]:
+    """(name, tp size, vocab-parallel): FSDP alone first, then FSDP over tp (vocab-parallel, and
+    with --whole-head the head whole on every tp rank)."""
+    out = [(f"dp{a.world}", 1, False), (f"dp{a.world // a.tp}_tp{a.tp}", a.tp, True)]
+    if a.whole_head:
+        out.append((f"dp{a.world // a.tp}_tp{a.tp}_whole_head", a.tp, False))
+    return out
 
 
 def run_name(a, config: str, pair: int) -> str:
     return f"{a.preset}_{config}_p{pair}"
 
 
-def command(a, tp: int, json_out: str, ckpt_dir: str) -> list[str]:
+def command(a, tp: int, vocab_parallel: bool, json_out: str, ckpt_dir: str) -> list[str]:
     return [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node", str(a.world),
             os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train"),
             os.path.join(REPO, "configs", f"{a.preset}.yaml"), f"--model.preset={a.preset}", "--model.dropout_p=0",
             f"--training.micro_batch_size={a.batch * tp}", f"--training.seq_len={a.seq}", f"--training.steps={a.steps}",
             "--training.max_grad_norm=0", "--training.resume=never", "--training.export=none", "--sample.length=0",
             "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={ckpt_dir}",
-            f"--fsdp_config.model_parallel_size={tp}", "--logging.progress=off", "--logging.log_interval=1000000",
+            f"--fsdp_config.model_parallel_size={tp}", f"--fsdp_config.vocab_parallel={str(vocab_parallel).lower()}",
+            "--logging.progress=off", "--logging.log_interval=1000000",
             f"--logging.summary_json={json_out}", f"--logging.summary_warmup={a.warmup}"]
 
 
 def run_all(a) -> None:
     env = peer_ab.run_env(a.world)
     for k in range(1, a.pairs + 1):
-        for name, tp in configs(a):
+        for name, tp, vocab_parallel in configs(a):
             run = run_name(a, name, k)
             with tempfile.TemporaryDirectory(prefix="tp_bench_ckpt_") as ckpt:
-                cmd = command(a, tp, os.path.join(a.out, run + ".json"), ckpt)
+                cmd = command(a, tp, vocab_parallel, os.path.join(a.out, run + ".json"), ckpt)
                 print(f"[run] {run}: {shlex.join(cmd)}", flush=True)
                 status, rc, wall = peer_ab.run_process(cmd, env, os.path.join(a.out, run + ".log"), a.timeout, REPO)
             print(f"[run] {run}: {status} rc={rc} in {wall:.0f}s", flush=True)
@@ -136,7 +146,7 @@ def render(a, meta: dict) -> str:
              "| config | step s | per pair | peak tensors MiB (max rank) | per rank | peak RSS MiB | final loss |",
              "|---|---|---|---|---|---|---|"]
     runs = {}
-    for name, _ in configs(a):
+    for name, _, _ in configs(a):
         got = [peer_ab.load_json(p) for p in (os.path.join(a.out, run_name(a, name, k) + ".json")
                                                 for k in range(1, a.pairs + 1)) if os.path.exists(p)]
         runs[name] = [r for r in got if isinstance(r, dict) and "median_step_s" in r]
@@ -152,7 +162,7 @@ def render(a, meta: dict) -> str:
                      f"{statistics.median(peak):.1f} | {per_rank} | {rss:.0f} | {rs[0]['losses'][-1]:.6f} |")
     lines += ["", "| config | mesh dim | kind | calls / step | MiB sent / step | busy s / step | waited s / step |",
               "|---|---|---|---|---|---|---|"]
-    for name, _ in configs(a):
+    for name, _, _ in configs(a):
         if not runs[name]:
             continue
         r0 = runs[name][0]
@@ -164,22 +174,33 @@ def render(a, meta: dict) -> str:
                 lines.append(f"| {name} | {dim} | {kind} | {calls:g} | {mib(comm(r0, dim, kind, 'bytes_per_rank'))} | "
                              f"{comm(r0, dim, kind, 's_per_rank'):.3f} | {comm(r0, dim, kind, 'wait_s_per_rank'):.3f} |")
     if all(runs.values()):
-        a_loss, b_loss = (runs[name][0]["losses"] for name, _ in configs(a))
-        lines += ["", f"Largest |loss difference| over the steps of pair 1: "
-                      f"{max(abs(x - y) for x, y in zip(a_loss, b_loss)):.2e}"]
-        lines += ["", paper_check(a, runs[configs(a)[1][0]][0])]
+        alone = runs[configs(a)[0][0]][0]["losses"]
+        for name, _, vocab_parallel in configs(a)[1:]:
+            other = runs[name][0]["losses"]
+            lines += ["", f"Largest |loss difference| from dp{a.world} over the steps of pair 1, {name}: "
+                          f"{max(abs(x - y) for x, y in zip(alone, other)):.2e}"]
+            lines += ["", paper_check(a, runs[name][0], vocab_parallel)]
     return "\n".join(lines) + "\n"
 
 
-def paper_check(a, tp_run: dict) -> str:
-    """The tp all-reduce bytes the paper model predicts for this run, against the counters."""
+def paper_check(a, tp_run: dict, vocab_parallel: bool) -> str:
+    """The tp all-reduces the paper model predicts for this run, against the counters."""
     m = peer_ab.MODEL[a.preset]
-    t = a.tp
-    per_block = TP_ALL_REDUCES_PER_BLOCK * ring_all_reduce_sent(t * a.batch * a.seq * m["dim"] * 4, t)
-    predicted = m["n_layers"] * per_block + ring_all_reduce_sent(8, t)  # and the gradient norm
+    t, rows = a.tp, a.tp * a.batch * a.seq  # the tp group's tokens
+    activation = ring_all_reduce_sent(rows * m["dim"] * 4, t)
+    calls = m["n_layers"] * TP_ALL_REDUCES_PER_BLOCK + 1  # and the gradient norm's
+    predicted = m["n_layers"] * TP_ALL_REDUCES_PER_BLOCK * activation + ring_all_reduce_sent(8, t)
+    what = f"L x {TP_ALL_REDUCES_PER_BLOCK} all-reduces of t x B x T x d fp32"
+    if vocab_parallel:
+        # The embedding's output and the head's input gradient; the loss: the rows' max, then
+        # their sum of exp and target logit.
+        calls += 2 + 2
+        predicted += 2 * activation + ring_all_reduce_sent(rows * 4, t) + ring_all_reduce_sent(2 * rows * 4, t)
+        what += " + 2 more (embedding, head) + the loss's 2 of 4 and 8 bytes a token"
     measured = comm(tp_run, "tp", "all_reduce", "bytes_per_rank")
-    return (f"tp all-reduce bytes per step: model {mib(predicted)} MiB (L x {TP_ALL_REDUCES_PER_BLOCK} all-reduces of "
-            f"t x B x T x d fp32, ring), counters {mib(measured)} MiB.")
+    measured_calls = comm(tp_run, "tp", "all_reduce", "calls_per_rank")
+    return (f"tp all-reduces per step: model {calls} calls, {mib(predicted)} MiB ({what}, ring, and the gradient "
+            f"norm's); counters {measured_calls:g} calls, {mib(measured)} MiB.")
 
 
 # --------------------------------------------------------------------------- the paper model
@@ -202,18 +223,21 @@ def collective_time(c: dict, world: int, kind: str, sent: float, calls: int = 1)
     return calls * (world - 1) * line["latency_s"] + sent / line["bytes_per_s"]
 
 
-# The tensor-parallel plans the model compares: fsdp-cpp's as built (each column-parallel layer
-# all-reduces its own input gradient: wq, wk, wv and w1, plus wo and w2 in forward; embeddings
-# and output head whole on every tp rank) and Megatron's (one all-reduce for the input gradient
-# wq, wk and wv share; a vocab-parallel embedding and output head with a parallel cross-entropy:
-# one activation all-reduce each, and three of one number per token for the loss).
+# The tensor-parallel plans the model compares: fsdp-cpp's first plan ("before": each
+# column-parallel layer all-reduced its own input gradient, wq, wk, wv and w1, plus wo and w2 in
+# forward; embeddings and output head whole on every tp rank), today's with the head whole
+# (fsdp_config.vocab_parallel: false: one all-reduce for the input gradient wq, wk and wv share,
+# 4 per block) and today's default, Megatron's plan (4 per block and a vocab-parallel embedding
+# and output head with a parallel cross-entropy: one activation all-reduce each, and for the loss
+# two of 4 and 8 bytes per token).
 PLANS = {
-    "as built": dict(per_block=TP_ALL_REDUCES_PER_BLOCK, split_head=False),
-    "Megatron": dict(per_block=4, split_head=True),
+    "before": dict(per_block=6, split_head=False),
+    "head whole": dict(per_block=TP_ALL_REDUCES_PER_BLOCK, split_head=False),
+    "vocab-parallel": dict(per_block=TP_ALL_REDUCES_PER_BLOCK, split_head=True),
 }
 
 
-def step_model(c: dict, preset: str, world: int, tp: int, tokens: float, seq: int, plan: str = "as built") -> dict:
+def step_model(c: dict, preset: str, world: int, tp: int, tokens: float, seq: int, plan: str = "vocab-parallel") -> dict:
     """Seconds per step of one rank: matmuls, dp collectives and tp all-reduces. tokens = the
     tokens of one rank under dp `world` (the global batch's tokens / world)."""
     m = peer_ab.MODEL[preset]
@@ -243,7 +267,7 @@ def step_model(c: dict, preset: str, world: int, tp: int, tokens: float, seq: in
         calls = L * per_block + (2 if split_head else 0)
         tp_s = collective_time(c, tp, "all_reduce", calls * ring_all_reduce_sent(activation, tp), calls)
         if split_head:
-            tp_s += collective_time(c, tp, "all_reduce", 3 * ring_all_reduce_sent(tp * tokens * 4, tp), 3)
+            tp_s += collective_time(c, tp, "all_reduce", 3 * ring_all_reduce_sent(tp * tokens * 4, tp), 2)
     # serial: nothing overlaps (this machine, roughly); overlapped: FSDP's prefetched collectives
     # hide behind the matmuls and the tp all-reduces, which the training thread waits for.
     return dict(compute=compute, dp=dp_s, tp=tp_s, serial=compute + dp_s + tp_s,
@@ -282,7 +306,7 @@ def paper_model(path: str) -> str:
         for kind in KINDS:
             out.append(f"| {w} | {kind} | {kinds[kind]['latency_s'] * 1e6:.0f} | {kinds[kind]['bytes_per_s'] / 1e9:.2f} |")
     out += ["", f"Per rank and step at {MODEL_TOKENS} tokens per rank under dp alone (tp 2: twice the tokens per dp "
-                "rank), seconds; tp 2 as built / Megatron's plan:", "",
+                "rank), seconds; tp 2 " + " / ".join(PLANS) + ":", "",
             "| preset | W | matmuls: dp alone; tp 2 | dp collectives: dp alone; tp 2 | tp all-reduces | "
             "serial: dp alone; tp 2 | overlapped: dp alone; tp 2 |", "|---|---|---|---|---|---|---|"]
     for preset, seq in MODEL_CASES:
@@ -294,7 +318,7 @@ def paper_model(path: str) -> str:
                        f"{both('dp')} | {both('tp')} | {alone['serial']:.3f}; {both('serial')} | "
                        f"{alone['overlapped']:.3f}; {both('overlapped')} |")
     out += ["", "Crossover: tp 2 is faster than dp alone below this many tokens per rank (under dp alone):", "",
-            "| preset | W | serial: as built / Megatron | overlapped: as built / Megatron |", "|---|---|---|---|"]
+            f"| preset | W | serial: {' / '.join(PLANS)} | overlapped: {' / '.join(PLANS)} |", "|---|---|---|---|"]
     for preset, seq in MODEL_CASES:
         for world in MODEL_WORLDS:
             cells = [" / ".join(crossover(c, preset, world, 2, seq, key, plan) for plan in PLANS)
