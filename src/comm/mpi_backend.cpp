@@ -148,13 +148,12 @@ int64_t sum_of(const std::vector<int64_t>& v) {
 
 // ------------------------------------------------------------------------------ transfers
 
-// All-gathers, reduce-scatters and all-reduces of at least this many bytes (the whole buffer) run
-// the point-to-point algorithms on MpiTransfers; smaller ones call MPI's collectives, whose
-// latency-optimised algorithms suit small messages and many ranks. Above it, OpenMPI 4.1's
-// reduce-scatter and all-reduce allocate a temporary as large as the input on every call (fresh
-// pages, above glibc's 32 MiB mmap threshold, cost more than the transfer on a VM), while ours
-// reuse the group's scratch; and several messages in flight move faster through shared memory
-// than one large one (docs/benchmarks.md, "MPI against Gloo").
+// Reduce-scatters and all-reduces of at least this many bytes (the whole buffer) run our ring
+// (p2p_algorithms.h) on MpiTransfers; smaller ones call MPI's collectives, whose latency-optimised
+// algorithms suit small messages and many ranks. OpenMPI 4.1's reduce-scatter and all-reduce
+// allocate a temporary as large as the input on every call (fresh pages, above glibc's 32 MiB mmap
+// threshold, which on a VM cost more than the transfer), and its reduce-scatter measured 3-7x
+// slower than the ring from 1 MiB up (docs/benchmarks.md, "MPI against Gloo").
 constexpr int64_t kPointToPointBytes = int64_t{1} << 20;
 // The largest message MpiTransfers sends; a transfer moves as several.
 constexpr size_t kPieceBytes = size_t{1} << 20;
@@ -552,34 +551,37 @@ bool MpiProcessGroup::runs_point_to_point(int64_t total_bytes) const {
   return size() > 1 && total_bytes >= kPointToPointBytes;
 }
 
+// MPI_Allgather(v) at every size: it allocates nothing, and across nodes its ring moves each
+// piece over every node boundary once, where a direct exchange would send it once per rank there.
 void MpiProcessGroup::all_gather(const Op& op) {
   const int W = size(), r = rank();
   const size_t es = op.output.element_size();
+  const MPI_Datatype type = element_type(es);
   char* out = bytes_of(op.output);
   const char* in = bytes_of(op.input);
-  if (runs_point_to_point(sum_of(op.counts) * static_cast<int64_t>(es))) {
-    direct_all_gather(transport(), out, in, op.counts, es);
-  } else {
-    const MPI_Datatype type = element_type(es);
-    int64_t own_offset = 0;
-    for (int p = 0; p < r; ++p) own_offset += op.counts[p];
-    // FSDP may hand in its own shard's slice of the output: MPI then must not copy it onto itself.
-    const void* send = (op.counts[r] > 0 && out + own_offset * es == in) ? MPI_IN_PLACE : in;
-    if (all_equal(op.counts)) {
-      const int n = static_cast<int>(op.counts[0]);
-      check_mpi(MPI_Allgather(send, n, type, out, n, type, comm_), "MPI_Allgather");
-    } else {
-      std::vector<int> counts(W), displs(W);
-      for (int p = 0, off = 0; p < W; off += counts[p], ++p) {
-        counts[p] = static_cast<int>(op.counts[p]);
-        displs[p] = off;
-      }
-      check_mpi(MPI_Allgatherv(send, counts[r], type, out, counts.data(), displs.data(), type, comm_),
-                "MPI_Allgatherv");
-    }
-  }
+  int64_t own_offset = 0;
+  for (int p = 0; p < r; ++p) own_offset += op.counts[p];
+  // FSDP may hand in its own shard's slice of the output: MPI then must not copy it onto itself.
+  const void* send = (op.counts[r] > 0 && out + own_offset * es == in) ? MPI_IN_PLACE : in;
+  all_gather_pieces(send, out, op.counts, type);
   const int64_t own = op.counts[r] * static_cast<int64_t>(es);
   count_bytes(CollectiveKind::kAllGather, own * (W - 1), sum_of(op.counts) * static_cast<int64_t>(es) - own);
+}
+
+void MpiProcessGroup::all_gather_pieces(const void* send, char* out, const std::vector<int64_t>& counts,
+                                        MPI_Datatype type) {
+  const int W = size(), r = rank();
+  if (all_equal(counts)) {
+    const int n = static_cast<int>(counts[0]);
+    check_mpi(MPI_Allgather(send, n, type, out, n, type, comm_), "MPI_Allgather");
+    return;
+  }
+  std::vector<int> ints(W), displs(W);
+  for (int p = 0, off = 0; p < W; off += ints[p], ++p) {
+    ints[p] = static_cast<int>(counts[p]);
+    displs[p] = off;
+  }
+  check_mpi(MPI_Allgatherv(send, ints[r], type, out, ints.data(), displs.data(), type, comm_), "MPI_Allgatherv");
 }
 
 void MpiProcessGroup::reduce_scatter(const Op& op) {
@@ -609,7 +611,10 @@ void MpiProcessGroup::all_reduce(const Op& op) {
   const at::Tensor& t = op.input;
   if (t.numel() == 0) return;
   if (runs_point_to_point(static_cast<int64_t>(t.nbytes()))) {
-    comm::all_reduce(transport(), bytes_of(t), t.numel(), t.scalar_type(), op.reduce);  // divides for avg
+    // Our ring reduce-scatter in place, then MPI's all-gather of the reduced pieces.
+    const std::vector<int64_t> counts = chunk_counts(t.numel(), W);
+    ring_reduce_scatter_in_place(transport(), bytes_of(t), counts, t.scalar_type(), op.reduce);  // divides for avg
+    all_gather_pieces(MPI_IN_PLACE, bytes_of(t), counts, element_type(t.element_size()));
   } else {
     const Reduction red = reduction_for(t.scalar_type(), op.reduce);
     check_mpi(MPI_Allreduce(MPI_IN_PLACE, bytes_of(t), static_cast<int>(t.numel()), red.type, red.op, comm_),

@@ -82,9 +82,11 @@ class MpiProcessGroup final : public QueuedProcessGroup {
   void run_under_watchdog(const Op& op, int64_t seq);
   std::string timeout_message(CollectiveKind kind, int64_t seq);
 
-  // Large all-gathers, reduce-scatters and all-reduces run our point-to-point algorithms.
+  // Large reduce-scatters and all-reduces run our ring on MPI's point-to-point messages.
   bool runs_point_to_point(int64_t total_bytes) const;
   Transport transport();
+  // MPI_Allgather(v) of pieces of `counts` elements of `type` into `out`.
+  void all_gather_pieces(const void* send, char* out, const std::vector<int64_t>& counts, MPI_Datatype type);
 
   void all_gather(const Op& op);
   void reduce_scatter(const Op& op);

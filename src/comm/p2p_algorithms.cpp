@@ -25,13 +25,6 @@ std::vector<int64_t> prefix_offsets(const std::vector<int64_t>& counts) {
   return off;
 }
 
-// torch.chunk's split of n elements into `parts` pieces (the last ones may be short or empty).
-std::vector<int64_t> chunk_counts(int64_t n, int parts) {
-  std::vector<int64_t> counts(parts);
-  for (int i = 0; i < parts; ++i) counts[i] = chunk_bounds(n, parts, i).length;
-  return counts;
-}
-
 at::Tensor view_bytes(char* ptr, int64_t numel, at::ScalarType dtype) {
   return at::from_blob(ptr, {numel}, at::TensorOptions().dtype(dtype));
 }
@@ -53,6 +46,12 @@ void finish_avg(char* ptr, int64_t n, at::ScalarType dtype, ReduceOp op, int wor
 }
 
 }  // namespace
+
+std::vector<int64_t> chunk_counts(int64_t n, int parts) {
+  std::vector<int64_t> counts(parts);
+  for (int i = 0; i < parts; ++i) counts[i] = chunk_bounds(n, parts, i).length;
+  return counts;
+}
 
 void Transfers::wait_recvs() {
   wait_recvs([](char*, size_t) {});
@@ -121,6 +120,30 @@ void ring_reduce_scatter(const Transport& t, char* out, const char* in, const st
   finish_avg(out, counts[r], dtype, op, W);
 }
 
+// As ring_reduce_scatter, but the partial sums arrive in a scratch piece and are added into the
+// data in place; the input pieces of others are overwritten with partial sums on the way.
+void ring_reduce_scatter_in_place(const Transport& t, char* data, const std::vector<int64_t>& counts,
+                                  at::ScalarType dtype, ReduceOp op) {
+  const int W = t.size, r = t.rank;
+  const size_t es = c10::elementSize(dtype);
+  if (W == 1) return;
+  const std::vector<int64_t> off = prefix_offsets(counts);
+  char* incoming = t.scratch(*std::max_element(counts.begin(), counts.end()) * es);
+  const int right = mod(r + 1, W), left = mod(r - 1, W);
+  auto ex = t.transfers();
+  for (int s = 0; s < W - 1; ++s) {
+    const int send_idx = mod(r - s - 1, W), recv_idx = mod(r - s - 2, W);
+    char* target = data + off[recv_idx] * es;
+    if (counts[recv_idx] > 0) ex->recv(incoming, counts[recv_idx] * es, left, slot_of(t.seq, s));
+    if (counts[send_idx] > 0) ex->send(data + off[send_idx] * es, counts[send_idx] * es, right, slot_of(t.seq, s));
+    ex->wait_recvs([&](char* seg, size_t nbytes) {
+      reduce_into(target + (seg - incoming), seg, static_cast<int64_t>(nbytes / es), dtype, op);
+    });
+    ex->wait_sends();
+  }
+  finish_avg(data + off[r] * es, counts[r], dtype, op, W);
+}
+
 void all_reduce(const Transport& t, char* data, int64_t n, at::ScalarType dtype, ReduceOp op) {
   const int W = t.size, r = t.rank;
   const size_t es = c10::elementSize(dtype);
@@ -141,20 +164,8 @@ void all_reduce(const Transport& t, char* data, int64_t n, at::ScalarType dtype,
     return;
   }
   const std::vector<int64_t> counts = chunk_counts(n, W);
+  ring_reduce_scatter_in_place(t, data, counts, dtype, op);
   const std::vector<int64_t> off = prefix_offsets(counts);
-  char* incoming = t.scratch(counts[0] * es);
-  const int right = mod(r + 1, W), left = mod(r - 1, W);
-  for (int s = 0; s < W - 1; ++s) {
-    const int send_idx = mod(r - s - 1, W), recv_idx = mod(r - s - 2, W);
-    char* target = data + off[recv_idx] * es;
-    if (counts[recv_idx] > 0) ex->recv(incoming, counts[recv_idx] * es, left, slot_of(t.seq, s));
-    if (counts[send_idx] > 0) ex->send(data + off[send_idx] * es, counts[send_idx] * es, right, slot_of(t.seq, s));
-    ex->wait_recvs([&](char* seg, size_t nbytes) {
-      reduce_into(target + (seg - incoming), seg, static_cast<int64_t>(nbytes / es), dtype, op);
-    });
-    ex->wait_sends();
-  }
-  finish_avg(data + off[r] * es, counts[r], dtype, op, W);
   for (int p = 0; p < W; ++p) {
     if (p == r) continue;
     if (counts[p] > 0) ex->recv(data + off[p] * es, counts[p] * es, p, slot_of(t.seq, W));

@@ -1,7 +1,7 @@
 // p2p_algorithms.h — the collective algorithms fsdp-cpp runs itself on point-to-point
-// transfers: a direct-exchange all-gather, a ring reduce-scatter that leaves its input alone,
+// transfers: a direct-exchange all-gather, a ring reduce-scatter (out of place or in place),
 // and an all-reduce. The Gloo backend runs every collective with them; the MPI backend runs its
-// large all-gathers, reduce-scatters and all-reduces with them (see mpi_backend.cpp for why).
+// large reduce-scatters and all-reduces with the ring (see mpi_backend.cpp for why).
 //
 // A backend supplies the transport (Transfers: posting byte-range sends and receives and waiting
 // for them) and a scratch area; the algorithms own who sends what to whom, in which step, and the
@@ -66,6 +66,15 @@ void direct_all_gather(const Transport& t, char* output, const char* input, cons
 // is left alone. Sends exactly the W - 1 pieces of others, keeps at most two pieces of scratch.
 void ring_reduce_scatter(const Transport& t, char* output, const char* input, const std::vector<int64_t>& counts,
                          at::ScalarType dtype, ReduceOp op);
+
+// In place: rank i's piece of `data` (laid out as above) becomes op over all ranks of that
+// piece; the other pieces are left holding partial results. One piece of scratch.
+void ring_reduce_scatter_in_place(const Transport& t, char* data, const std::vector<int64_t>& counts,
+                                  at::ScalarType dtype, ReduceOp op);
+
+// torch.chunk's split of n elements into `parts` pieces (the last ones may be short or empty):
+// the pieces all_reduce reduce-scatters.
+std::vector<int64_t> chunk_counts(int64_t n, int parts);
 
 // In place: data = op over all ranks of data (n elements), bitwise the same on every rank.
 // Small: every rank gathers every copy and reduces in rank order. Large: an in-place ring
