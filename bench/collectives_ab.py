@@ -14,8 +14,8 @@ Each round runs build/bench/bench_collectives --json at W ranks once per variant
                    (given only with that option)
 
 and writes every JSON line to <out>/results.jsonl, the machine and command to <out>/meta.json,
-and the table (median bus bandwidth over the rounds in GB/s, [min-max], and the median's ratio
-to gloo) to <out>/table.md.
+and the table (median bus bandwidth over the rounds in GB/s, the median time, [min-max of the
+bandwidth], and the median's ratio to gloo) to <out>/table.md.
 
     OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/collectives_ab.py --out bench/results/collectives/DIR
     /usr/bin/python3 bench/collectives_ab.py --out DIR --report-only
@@ -39,14 +39,15 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 def variants(a) -> dict:
     bench = os.path.join(a.build_dir, "bench", "bench_collectives")
-    args = ["--iters", str(a.iters), "--json"]
+    args = ["--iters", str(a.iters), "--json", *(["--sizes-kib", a.sizes_kib] if a.sizes_kib else [])]
     mpirun = [*MPIRUN, "-np", str(a.world), "-x", "OMP_NUM_THREADS=1"]
     out = {
         "gloo": [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node",
                  str(a.world), bench, *args],
         "mpi": [*mpirun, bench, *args],
-        "mpi_two_copy": [*mpirun, *TWO_COPY, bench, *args],
     }
+    if not a.no_two_copy:
+        out["mpi_two_copy"] = [*mpirun, *TWO_COPY, bench, *args]
     if a.baseline_build_dir:
         lib = os.path.join(a.baseline_build_dir, "src")
         out["mpi_before"] = [*mpirun, *TWO_COPY, "-x", f"LD_LIBRARY_PATH={lib}",
@@ -88,21 +89,28 @@ def run(a) -> None:
         json.dump(meta, fh, indent=1)
 
 
+def size_of(row: dict) -> int:
+    return row.get("size_bytes") or row["size_mib"] << 20
+
+
 def report(out: str) -> str:
     rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
     names = list(dict.fromkeys(r["variant"] for r in rows))
     lines = ["| size | collective | " + " | ".join(names) + " | " +
              " | ".join(f"{n} / gloo" for n in names if n != "gloo") + " |",
              "|---|---|" + "---|" * (2 * len(names) - 1)]
-    for size in sorted({r["size_mib"] for r in rows}):
+    for size in sorted({size_of(r) for r in rows}):
         for kind in KINDS:
             med, cells = {}, []
             for n in names:
-                xs = [r[f"{kind}_busbw"] for r in rows if r["variant"] == n and r["size_mib"] == size]
+                mine = [r for r in rows if r["variant"] == n and size_of(r) == size]
+                xs = [r[f"{kind}_busbw"] for r in mine]
                 med[n] = statistics.median(xs)
-                cells.append(f"{med[n]:.2f} [{min(xs):.2f}-{max(xs):.2f}]")
+                ms = statistics.median(r[f"{kind}_ms"] for r in mine)
+                cells.append(f"{med[n]:.2f} ({ms:.3g} ms) [{min(xs):.2f}-{max(xs):.2f}]")
             ratios = [f"{med[n] / med['gloo']:.1f}x" for n in names if n != "gloo"]
-            lines.append(f"| {size} MiB | {kind.replace('_', '-')} | " + " | ".join(cells + ratios) + " |")
+            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            lines.append(f"| {label} | {kind.replace('_', '-')} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=20, help="bench_collectives --iters (default 20)")
+    p.add_argument("--sizes-kib", default=None, help="bench_collectives --sizes-kib (default: its 1, 8, 64 MiB)")
+    p.add_argument("--no-two-copy", action="store_true", help="leave out the mpi_two_copy variant")
     p.add_argument("--build-dir", default=os.path.join(REPO, "build"))
     p.add_argument("--baseline-build-dir", default=None, help="another build, run as mpi_before")
     p.add_argument("--report-only", action="store_true")
