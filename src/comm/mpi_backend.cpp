@@ -152,9 +152,9 @@ int64_t sum_of(const std::vector<int64_t>& v) {
 // (p2p_algorithms.h) on MpiTransfers; smaller ones call MPI's collectives, whose latency-optimised
 // algorithms suit small messages and many ranks. OpenMPI 4.1's reduce-scatter and all-reduce
 // allocate a temporary as large as the input on every call (fresh pages, above glibc's 32 MiB mmap
-// threshold, which on a VM cost more than the transfer), and its reduce-scatter measured 3-7x
-// slower than the ring from 1 MiB up (docs/benchmarks.md, "MPI against Gloo").
-constexpr int64_t kPointToPointBytes = int64_t{1} << 20;
+// threshold, which on a VM cost more than the transfer); its reduce-scatter measured about 2x
+// slower than the ring at 256 KiB and 3-7x from 1 MiB up (docs/benchmarks.md, "MPI against Gloo").
+constexpr int64_t kPointToPointBytes = int64_t{256} << 10;
 // The largest message MpiTransfers sends; a transfer moves as several.
 constexpr size_t kPieceBytes = size_t{1} << 20;
 
