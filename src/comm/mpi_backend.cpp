@@ -321,11 +321,12 @@ int comm_rank(MPI_Comm comm) {
 
 // OpenMPI's shared memory copies a large message once, straight out of the sender's memory
 // (Linux cross-memory attach: process_vm_readv), where the kernel allows it, and otherwise twice,
-// through a shared segment; the single copy measured 2-3x faster here. A container whose seccomp
-// profile refuses that system call makes each such transfer fail rather than fall back, so
-// unless the user chose a mechanism (OMPI_MCA_btl_vader_single_copy_mechanism, which mpirun's
-// --mca sets), ask for the two-copy path where this process may not make the call on itself.
-// (OpenMPI falls back by itself where Yama's ptrace_scope is the obstacle.)
+// through a shared segment; the single copy measured 1.1-2.4x faster (docs/benchmarks.md, "MPI
+// against Gloo"). A container whose seccomp profile refuses that system call makes each such
+// transfer fail rather than fall back, so unless the user chose a mechanism
+// (OMPI_MCA_btl_vader_single_copy_mechanism, which mpirun's --mca sets), ask for the two-copy
+// path where this process may not make the call on itself. (OpenMPI falls back by itself where
+// Yama's ptrace_scope is the obstacle.)
 void avoid_a_refused_single_copy() {
 #ifdef OPEN_MPI
   if (std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism")) return;
