@@ -3,9 +3,11 @@
 // mpirun or srun. Built only when CMake found MPI (FSDP_WITH_MPI).
 //
 // Design: as in the Gloo backend, each group has one communication thread that runs the
-// group's collectives in issue order (QueuedProcessGroup), here as blocking MPI calls on the
-// group's own communicator; callers overlap compute with them and wait on the Work. Several
-// groups' threads call MPI at once, so MPI runs at MPI_THREAD_MULTIPLE.
+// group's collectives in issue order (QueuedProcessGroup), here as MPI calls on the group's own
+// communicator: MPI's blocking collectives, and for large reductions our ring
+// (p2p_algorithms.h) on MPI's point-to-point messages. Callers overlap compute with them and
+// wait on the Work. Several groups' threads call MPI at once, so MPI runs at
+// MPI_THREAD_MULTIPLE.
 //
 // MPI has no timeouts and cannot cancel a collective. A process-wide watchdog keeps
 // fsdp-cpp's promise instead: when an operation outlives the group's timeout it prints the

@@ -2,10 +2,10 @@
 // through Work::wait(); the thread completes each Work once its operation has run.
 #include "src/comm/queued_process_group.h"
 
+#include "src/util/tensor_bytes.h"
+
 #include <fsdp/flight_recorder.h>
 #include <fsdp/trace.h>
-
-#include "src/util/tensor_bytes.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
