@@ -60,6 +60,7 @@ def json_lines(text: str) -> list[dict]:
     for line in text.splitlines():
         line = line.split("]:", 1)[1] if line.startswith("[rank") else line  # fsdprun's prefix
         if line.startswith("{"):
+            # A baseline build from before bench_collectives wrote null printed nan there.
             rows.append(json.loads(line.replace(": nan", ": null")))
     return rows
 
