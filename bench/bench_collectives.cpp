@@ -138,11 +138,18 @@ int main(int argc, char** argv) {
     auto busbw = [&](double t, double factor) { return W > 1 ? bytes / t * factor / 1e9 : 0.0; };
     if (r != 0) continue;
     if (json) {
+      // JSON has no NaN: a column that was not measured (c10d's, under mpirun) is null.
+      auto number = [](double v) {
+        if (std::isnan(v)) return std::string("null");
+        char b[64];
+        std::snprintf(b, sizeof b, "%.3f", v);
+        return std::string(b);
+      };
       std::printf("{\"backend\": \"%s\", \"world\": %d, \"size_mib\": %.6g, \"size_bytes\": %.0f, \"all_gather_ms\": %.3f, \"all_gather_busbw\": %.3f, "
                   "\"reduce_scatter_ms\": %.3f, \"reduce_scatter_busbw\": %.3f, \"all_reduce_ms\": %.3f, "
-                  "\"all_reduce_busbw\": %.3f, \"c10d_all_gather_ms\": %.3f, \"c10d_all_gather_busbw\": %.3f}\n",
+                  "\"all_reduce_busbw\": %.3f, \"c10d_all_gather_ms\": %s, \"c10d_all_gather_busbw\": %s}\n",
                   backend.c_str(), W, bytes / (1 << 20), bytes, t_ag * 1e3, busbw(t_ag, frac), t_rs * 1e3, busbw(t_rs, frac),
-                  t_ar * 1e3, busbw(t_ar, 2 * frac), t_c10d * 1e3, busbw(t_c10d, frac));
+                  t_ar * 1e3, busbw(t_ar, 2 * frac), number(t_c10d * 1e3).c_str(), number(busbw(t_c10d, frac)).c_str());
     } else {
       auto cell = [&](double t, double factor) -> const char* {
         if (std::isnan(t)) return "-";
