@@ -174,8 +174,10 @@ TEST(FlightJobs, ARankStoppedBySigstopIsNamedAndTheJobEnds) {
   EXPECT_LT(r.seconds, 60) << describe(r);
   EXPECT_CONTAINS(r.err, "rank 1 (pid ");
   EXPECT_CONTAINS(r.err, "is stopped (SIGSTOP or a debugger), not dead");
-  // It stops in a gradient hook that runs after blocks.2's reduce-scatter was issued.
-  EXPECT_CONTAINS(r.err, "reduce_scatter #");
+  // It stops in a gradient hook that runs after blocks.2's reduce-scatter and the backward
+  // prefetch of blocks.1 were issued. Which of the two is first left incomplete depends on
+  // whether the communication thread finished the reduce-scatter before the process stopped.
+  EXPECT_TRUE(contains(r.err, "reduce_scatter #") || contains(r.err, "(backward of blocks.1")) << r.err;
   EXPECT_CONTAINS(r.err, "rank 1 entered it but its process was stopped (SIGSTOP or a debugger): it cannot complete it");
   EXPECT_CONTAINS(r.err, "rank 1: last seen: backward of blocks.");
   EXPECT_CONTAINS(r.err, "its process was stopped (SIGSTOP or a debugger), not dead");
