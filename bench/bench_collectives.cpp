@@ -1,10 +1,12 @@
 // bench_collectives — bus bandwidth of fsdp-cpp's all-gather, reduce-scatter and all-reduce,
 // next to c10d's ProcessGroupGloo all-gather (the baseline LibTorch offers), over real processes.
 //
-//   fsdprun --standalone --nproc-per-node 2 build/bench/bench_collectives [--iters N] [--json]
+//   fsdprun --standalone --nproc-per-node 2 build/bench/bench_collectives [--iters N] [--json] [--sizes-kib K,...]
 //   mpirun -np 2 build/bench/bench_collectives      # the MPI backend (no c10d column: no store)
 //
-// Sizes are the full (unsharded) payload: 1, 8 and 64 MiB of fp32. Each timed iteration starts
+// Sizes are the full (unsharded) payload: 1, 8 and 64 MiB of fp32 unless --sizes-kib lists
+// others (small ones show the latency; each is rounded down to a multiple of W floats, at
+// least W). Sizes of 64 MiB and more run half the iterations (at least 3). Each timed iteration starts
 // after a barrier; a size's time is the maximum over ranks of the per-rank median. Bus bandwidth
 // follows nccl-tests: size/time x (W-1)/W for all-gather and reduce-scatter, x 2(W-1)/W for
 // all-reduce.
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -62,16 +65,35 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_c10d_gloo(const fsdp::Rendezvous
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, info.rank, info.world_size, options);
 }
 
+// "16,256,1024" -> {16, 256, 1024}; empty when any item is not a positive number.
+std::vector<int64_t> parse_sizes(const char* list) {
+  std::vector<int64_t> sizes;
+  for (const char* p = list; *p;) {
+    char* end = nullptr;
+    const long long v = std::strtoll(p, &end, 10);
+    if (end == p || v <= 0 || (*end != ',' && *end != '\0')) return {};
+    sizes.push_back(v);
+    p = *end == ',' ? end + 1 : end;
+  }
+  return sizes;
+}
+
+std::string size_label(int64_t kib) {
+  return kib % 1024 == 0 ? std::to_string(kib / 1024) + " MiB" : std::to_string(kib) + " KiB";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int iters = 10;
   bool json = false;
+  std::vector<int64_t> sizes_kib = {1024, 8 * 1024, 64 * 1024};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--json")) json = true;
-    else {
-      std::fprintf(stderr, "usage: bench_collectives [--iters N] [--json]\n");
+    else if (!std::strcmp(argv[i], "--sizes-kib") && i + 1 < argc && !(sizes_kib = parse_sizes(argv[++i])).empty()) {
+    } else {
+      std::fprintf(stderr, "usage: bench_collectives [--iters N] [--json] [--sizes-kib K,...] (positive KiB)\n");
       return 2;
     }
   }
@@ -91,11 +113,11 @@ int main(int argc, char** argv) {
     std::printf("%-8s %-22s %-22s %-22s %-22s\n", "size", "all_gather (fsdp)", "reduce_scatter (fsdp)",
                 "all_reduce (fsdp)", "all_gather (c10d gloo)");
   }
-  for (int64_t mib : {1, 8, 64}) {
-    const int64_t n = mib * (1 << 20) / 4;  // fp32 elements, full size
-    const int64_t shard = n / W;
+  for (int64_t kib : sizes_kib) {
+    const int64_t n = kib * 1024 / 4;  // fp32 elements, full size
+    const int64_t shard = std::max<int64_t>(1, n / W);
     const double bytes = static_cast<double>(shard * W * 4);
-    const int it = mib >= 64 ? std::max(3, iters / 2) : iters;
+    const int it = kib >= 64 * 1024 ? std::max(3, iters / 2) : iters;
     at::Tensor full = at::rand({shard * W});
     at::Tensor piece = at::rand({shard});
     at::Tensor out = at::empty({shard});
@@ -116,11 +138,18 @@ int main(int argc, char** argv) {
     auto busbw = [&](double t, double factor) { return W > 1 ? bytes / t * factor / 1e9 : 0.0; };
     if (r != 0) continue;
     if (json) {
-      std::printf("{\"backend\": \"%s\", \"world\": %d, \"size_mib\": %lld, \"all_gather_ms\": %.3f, \"all_gather_busbw\": %.3f, "
+      // JSON has no NaN: a column that was not measured (c10d's, under mpirun) is null.
+      auto number = [](double v) {
+        if (std::isnan(v)) return std::string("null");
+        char b[64];
+        std::snprintf(b, sizeof b, "%.3f", v);
+        return std::string(b);
+      };
+      std::printf("{\"backend\": \"%s\", \"world\": %d, \"size_mib\": %.6g, \"size_bytes\": %.0f, \"all_gather_ms\": %.3f, \"all_gather_busbw\": %.3f, "
                   "\"reduce_scatter_ms\": %.3f, \"reduce_scatter_busbw\": %.3f, \"all_reduce_ms\": %.3f, "
-                  "\"all_reduce_busbw\": %.3f, \"c10d_all_gather_ms\": %.3f, \"c10d_all_gather_busbw\": %.3f}\n",
-                  backend.c_str(), W, static_cast<long long>(mib), t_ag * 1e3, busbw(t_ag, frac), t_rs * 1e3, busbw(t_rs, frac),
-                  t_ar * 1e3, busbw(t_ar, 2 * frac), t_c10d * 1e3, busbw(t_c10d, frac));
+                  "\"all_reduce_busbw\": %.3f, \"c10d_all_gather_ms\": %s, \"c10d_all_gather_busbw\": %s}\n",
+                  backend.c_str(), W, bytes / (1 << 20), bytes, t_ag * 1e3, busbw(t_ag, frac), t_rs * 1e3, busbw(t_rs, frac),
+                  t_ar * 1e3, busbw(t_ar, 2 * frac), number(t_c10d * 1e3).c_str(), number(busbw(t_c10d, frac)).c_str());
     } else {
       auto cell = [&](double t, double factor) -> const char* {
         if (std::isnan(t)) return "-";
@@ -130,7 +159,7 @@ int main(int argc, char** argv) {
         std::snprintf(b, 64, "%.2f (%.2f ms)", busbw(t, factor), t * 1e3);
         return b;
       };
-      std::printf("%-8s %-22s %-22s %-22s %-22s\n", (std::to_string(mib) + " MiB").c_str(), cell(t_ag, frac),
+      std::printf("%-8s %-22s %-22s %-22s %-22s\n", size_label(kib).c_str(), cell(t_ag, frac),
                   cell(t_rs, frac), cell(t_ar, 2 * frac), cell(t_c10d, frac));
     }
     std::fflush(stdout);

@@ -17,6 +17,13 @@ also saved as <out>/table.md. The peer is bench/peer/peer_fsdp1.py (--peer-dir).
 
     /usr/bin/python3 bench/peer_ab.py --presets small,medium --worlds 1,2 --dtypes fp32,bf16
     /usr/bin/python3 bench/peer_ab.py --strategy ddp --presets tiny,small --worlds 2   # vs PyTorch DDP
+    /usr/bin/python3 bench/peer_ab.py --backends gloo,mpi --presets tiny,small --worlds 2
+
+Backends (--backends gloo,mpi; default gloo). Ours runs once per backend in every pair, gloo
+first: under fsdprun for gloo, under `mpirun -np W` (MPIRUN below) with
+--fsdp_config.backend=mpi for mpi; the peer is unchanged (FSDP1 on c10d's gloo). Every table
+gets a row per backend; run names of mpi runs have side "ours_mpi". The step-time targets on
+mpi are those of the MPI backend's issue: tiny 0.25x, small 0.35x the peer's.
 
 Data parallelism (--strategy ddp): ours runs sharding_strategy NO_SHARD (fsdp::replicate, DDP's
 bucketed gradient all-reduce), the peer runs torch's DistributedDataParallel (--mode ddp); the
@@ -97,7 +104,15 @@ import time
 
 PY = "/usr/bin/python3"  # has torch 1.13; the python3 on PATH does not
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIDES = ("ours", "peer")  # run order inside a pair: A = ours, B = peer (base first when given)
+# Run order inside a pair: base (when given), ours once per backend in --backends (gloo first),
+# then the peer. Ours on gloo keeps the side name "ours" (and the run names) it had before
+# backends existed.
+BACKENDS = ("gloo", "mpi")
+OURS_SIDE = {"gloo": "ours", "mpi": "ours_mpi"}
+# How ours starts on each backend: fsdprun (gloo) or mpirun (mpi), with mpirun's options for one
+# machine: --oversubscribe (ranks may outnumber cores) and --bind-to none (a rank's compute and
+# communication threads must not share one pinned core).
+MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none"]
 
 # preset -> defaults. seq = the preset's max_seq_len (peer model.py PRESETS).
 PRESETS = {
@@ -126,7 +141,8 @@ TARGET_WORLD = 2
 # preset, ours/peer peak RSS per rank).
 STRATEGIES = {
     "fsdp": {"ours": [], "peer_mode": "fsdp1", "peer_name": "PyTorch FSDP1",
-             "step_target": {"small": 0.6, "medium": 0.8}, "rss_target": 0.9},
+             "step_target": {"small": 0.6, "medium": 0.8}, "rss_target": 0.9,
+             "step_target_by_backend": {"mpi": {"tiny": 0.25, "small": 0.35}}},
     "ddp": {"ours": ["--fsdp_config.sharding_strategy=NO_SHARD"], "peer_mode": "ddp", "peer_name": "PyTorch DDP",
             "step_target": {"tiny": 0.7, "small": 0.7}, "rss_target": 0.7},
 }
@@ -264,15 +280,38 @@ def peer_cmd(a, cell: dict, json_out: str, dtype: str = "fp32") -> list[str]:
             *PEER_DTYPE_ARGS[dtype]]
 
 
+def backends_of(meta_or_args) -> list[str]:
+    if isinstance(meta_or_args, dict):
+        return meta_or_args.get("backends") or ["gloo"]  # results from before --backends: gloo
+    return meta_or_args.backends
+
+
+def ours_sides(meta_or_args) -> tuple:
+    """Our sides, one per backend: "ours" (gloo), "ours_mpi"."""
+    return tuple(OURS_SIDE[b] for b in backends_of(meta_or_args))
+
+
+def backend_of(side: str) -> str:
+    return "mpi" if side == OURS_SIDE["mpi"] else "gloo"
+
+
 def sides_of(meta_or_args) -> tuple:
     base = meta_or_args.get("baseline_build_dir") if isinstance(meta_or_args, dict) else meta_or_args.baseline_build_dir
-    return (("base",) if base else ()) + SIDES
+    return (("base",) if base else ()) + ours_sides(meta_or_args) + ("peer",)
 
 
-def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype: str = "fp32") -> list[str]:
+def launcher(build_dir: str, world: int, backend: str) -> list[str]:
+    """The command that starts `world` ranks of fsdp-train: fsdprun for gloo, mpirun for mpi
+    (fsdp-train then picks mpi itself; the run says so explicitly)."""
+    if backend == "mpi":
+        return [*MPIRUN, "-np", str(world), "-x", "OMP_NUM_THREADS", "-x", "OPENBLAS_NUM_THREADS"]
+    return [os.path.join(build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node", str(world)]
+
+
+def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype: str = "fp32",
+             backend: str = "gloo") -> list[str]:
     p = cell["preset"]
-    return [os.path.join(build_dir, "tools", "fsdprun", "fsdprun"), "--standalone",
-            "--nproc-per-node", str(cell["world"]),
+    return [*launcher(build_dir, cell["world"], backend),
             os.path.join(build_dir, "tools", "fsdp-train", "fsdp-train"),
             os.path.join(REPO, "configs", f"{p}.yaml"),
             f"--model.preset={p}", "--model.dropout_p=0", f"--model.init_from={cell['init']}",
@@ -287,7 +326,8 @@ def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype:
             "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={ckpt_dir}",
             "--logging.progress=off", "--logging.log_interval=1000000",
             f"--logging.summary_json={json_out}", f"--logging.summary_warmup={cell['warmup']}",
-            *OURS_DTYPE_OVERRIDES[dtype], *STRATEGIES[a.strategy]["ours"]]
+            *OURS_DTYPE_OVERRIDES[dtype], *STRATEGIES[a.strategy]["ours"],
+            *(["--fsdp_config.backend=mpi"] if backend == "mpi" else [])]
 
 
 def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
@@ -489,11 +529,13 @@ def run_side(a, cell: dict, pair: int, side: str, dtype: str = "fp32") -> None:
             return
     env = run_env(cell["world"])
     ckpt_dir = None
-    if side in ("ours", "base"):
+    if side != "peer":
         ckpt_dir = tempfile.mkdtemp(prefix="peer_ab_ckpt_")
-        cmd = ours_cmd(a, cell, json_path, ckpt_dir, a.build_dir if side == "ours" else a.baseline_build_dir,
-                       dtype)
+        cmd = ours_cmd(a, cell, json_path, ckpt_dir, a.baseline_build_dir if side == "base" else a.build_dir,
+                       dtype, backend_of(side))
         cwd = REPO
+        if backend_of(side) == "mpi" and os.geteuid() == 0:  # OpenMPI refuses root without both
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     else:
         cmd = peer_cmd(a, cell, json_path, dtype)
         cwd = a.peer_dir
@@ -578,6 +620,8 @@ def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
         "baseline_commit": source_commit(a.baseline_build_dir) if a.baseline_build_dir else None,
         "pairs": a.pairs,
         "dtypes": a.dtypes,
+        "backends": a.backends,
+        "mpirun": shlex.join(MPIRUN) if "mpi" in a.backends else None,
         "strategy": a.strategy,
         "ours_strategy_overrides": STRATEGIES[a.strategy]["ours"],
         "peer_mode": STRATEGIES[a.strategy]["peer_mode"],
@@ -699,72 +743,21 @@ def render(out: str, meta: dict) -> str:
         "runs. Δloss = max over steps of |loss_ours − loss_peer| (global-batch mean), first pair with both runs ok. "
         f"Targets judged at W={TARGET_WORLD}.",
         "",
-        "| preset | W | B/rank | seq | steps (warm-up) | pairs ok | ours step s | peer step s | "
+        "| preset | W | backend | B/rank | seq | steps (warm-up) | pairs ok | ours step s | peer step s | "
         "step ratio ours/peer | per-pair ratios | ours tok/s | peer tok/s | ours RSS MiB | peer RSS MiB | "
         "RSS ratio | max Δloss | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    run_rows = []
     for cell in cells:
-        p, w = cell["preset"], cell["world"]
-        runs = {side: [] for side in sides}
-        ratios, first_pair, notes = [], None, []
-        for k in range(1, pairs + 1):
-            got = {}
-            for side in sides:
-                st, res = load_side(out, cell, k, side)
-                got[side] = (st, res)
-                if res is not None:
-                    runs[side].append(res)
-                run_rows.append((cell, k, side, st, res))
-            (so, ro), (sp, rp) = got["ours"], got["peer"]
-            if ro is not None and rp is not None:
-                ratios.append(ro["median_step_s"] / rp["median_step_s"])
-                if first_pair is None:
-                    first_pair = (k, ro, rp)
-        for side in sides:
-            bad = [f"p{k} {st}" for (c, k, sd, st, r) in run_rows if c is cell and sd == side and st != "ok"]
-            if bad:
-                notes.append(f"{side}: " + ", ".join(bad))
-        step = {s: med([r["median_step_s"] for r in runs[s]]) for s in SIDES}
-        tok = {s: med([r.get("tokens_per_s") for r in runs[s]]) for s in SIDES}
-        rss = {s: med([max_rss(r) for r in runs[s]]) for s in SIDES}
-        ratio = med(ratios)
-        rss_ratio = rss["ours"] / rss["peer"] if rss["ours"] and rss["peer"] else None
-        dloss = None
-        if first_pair:
-            k, ro, rp = first_pair
-            dloss, n = loss_diff(ro, rp)
-            if k != 1:
-                notes.append(f"Δloss from pair {k}")
-            if n:
-                notes.append(n)
-            notes += mismatches(ro, rp)
-            to, tp = ro.get("torch_threads"), rp.get("torch_threads")
-            if to != tp:
-                notes.append(f"torch threads ours {to} ≠ peer {tp}")
-        if runs["peer"] and strategy["peer_mode"] != "ddp":
-            eff = (runs["peer"][0].get("fsdp") or {}).get("effective_sharding_strategy")
-            if eff and eff != "FULL_SHARD":
-                notes.append(f"peer FSDP1 effective {eff}" + (" (torch 1.13 clamps W=1)" if w == 1 else ""))
-        judged = w == TARGET_WORLD
-        lines.append(
-            f"| {p} | {w} | {cell['batch']} | {cell['seq']} | {cell['steps']} ({cell['warmup']}) | "
-            f"{len(ratios)}/{pairs} | {fmt(step['ours'], '.4g')} | {fmt(step['peer'], '.4g')} | "
-            f"{fmt(ratio, '.3f')}{verdict(ratio, strategy['step_target'].get(p)) if judged else ''} | "
-            f"{', '.join(f'{x:.3f}' for x in ratios) or '–'} | "
-            f"{fmt(tok['ours'], '.0f')} | {fmt(tok['peer'], '.0f')} | "
-            f"{fmt(rss['ours'], '.0f')} | {fmt(rss['peer'], '.0f')} | "
-            f"{fmt(rss_ratio, '.3f')}{verdict(rss_ratio, strategy['rss_target']) if judged else ''} | "
-            f"{fmt(dloss, '.2e')}{verdict(dloss, TARGET_LOSS_DIFF) if judged else ''} | "
-            f"{'; '.join(notes)} |")
+        for ours in ours_sides(meta):
+            lines.append(main_row(out, cell, pairs, sides, ours, strategy))
     if "base" in sides:
         lines += baseline_table(out, cells, pairs)
     dtypes = meta.get("dtypes") or ["fp32"]
     if "bf16" in dtypes:
-        lines += mixed_precision_table(out, cells, pairs)
+        lines += mixed_precision_table(out, cells, pairs, ours_sides(meta))
     lines += derived_table(out, meta, cells, pairs, sides, dtypes)
-    lines += comm_table(out, cells, pairs, dtypes)
+    lines += comm_table(out, cells, pairs, dtypes, ours_sides(meta))
     order = run_order(sides, dtypes)
     lines += ["", "Runs (in the order run: for each pair, "
               f"{', then '.join(side if d == 'fp32' and len(dtypes) == 1 else f'{side} {d}' for side, d in order)}):",
@@ -788,6 +781,63 @@ def render(out: str, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def step_target(strategy: dict, backend: str, preset: str):
+    return strategy.get("step_target_by_backend", {}).get(backend, strategy["step_target"]).get(preset)
+
+
+def main_row(out: str, cell: dict, pairs: int, sides, ours: str, strategy: dict) -> str:
+    """One row of the main table: our runs on one backend (side `ours`) against the peer's."""
+    p, w = cell["preset"], cell["world"]
+    runs = {side: [] for side in (ours, "peer")}
+    ratios, first_pair, notes = [], None, []
+    for k in range(1, pairs + 1):
+        (so, ro), (sp, rp) = load_side(out, cell, k, ours), load_side(out, cell, k, "peer")
+        for side, res in ((ours, ro), ("peer", rp)):
+            if res is not None:
+                runs[side].append(res)
+        if ro is not None and rp is not None:
+            ratios.append(ro["median_step_s"] / rp["median_step_s"])
+            if first_pair is None:
+                first_pair = (k, ro, rp)
+    for side in (s for s in sides if s in (ours, "peer", "base")):
+        bad = [f"p{k} {st}" for k in range(1, pairs + 1) for st in [load_side(out, cell, k, side)[0]] if st != "ok"]
+        if bad:
+            notes.append(f"{side}: " + ", ".join(bad))
+    step = {s: med([r["median_step_s"] for r in runs[s]]) for s in runs}
+    tok = {s: med([r.get("tokens_per_s") for r in runs[s]]) for s in runs}
+    rss = {s: med([max_rss(r) for r in runs[s]]) for s in runs}
+    ratio = med(ratios)
+    rss_ratio = rss[ours] / rss["peer"] if rss[ours] and rss["peer"] else None
+    dloss = None
+    if first_pair:
+        k, ro, rp = first_pair
+        dloss, n = loss_diff(ro, rp)
+        if k != 1:
+            notes.append(f"Δloss from pair {k}")
+        if n:
+            notes.append(n)
+        notes += mismatches(ro, rp)
+        to, tp = ro.get("torch_threads"), rp.get("torch_threads")
+        if to != tp:
+            notes.append(f"torch threads ours {to} ≠ peer {tp}")
+    if runs["peer"] and strategy["peer_mode"] != "ddp":
+        eff = (runs["peer"][0].get("fsdp") or {}).get("effective_sharding_strategy")
+        if eff and eff != "FULL_SHARD":
+            notes.append(f"peer FSDP1 effective {eff}" + (" (torch 1.13 clamps W=1)" if w == 1 else ""))
+    judged = w == TARGET_WORLD
+    backend = backend_of(ours)
+    return (
+        f"| {p} | {w} | {backend} | {cell['batch']} | {cell['seq']} | {cell['steps']} ({cell['warmup']}) | "
+        f"{len(ratios)}/{pairs} | {fmt(step[ours], '.4g')} | {fmt(step['peer'], '.4g')} | "
+        f"{fmt(ratio, '.3f')}{verdict(ratio, step_target(strategy, backend, p)) if judged else ''} | "
+        f"{', '.join(f'{x:.3f}' for x in ratios) or '–'} | "
+        f"{fmt(tok[ours], '.0f')} | {fmt(tok['peer'], '.0f')} | "
+        f"{fmt(rss[ours], '.0f')} | {fmt(rss['peer'], '.0f')} | "
+        f"{fmt(rss_ratio, '.3f')}{verdict(rss_ratio, strategy['rss_target']) if judged else ''} | "
+        f"{fmt(dloss, '.2e')}{verdict(dloss, TARGET_LOSS_DIFF) if judged else ''} | "
+        f"{'; '.join(notes)} |")
+
+
 def pair_ratios(out: str, cell: dict, pairs: int, num: tuple, den: tuple) -> list[float]:
     """tokens/s of run `num` / tokens/s of run `den` ((side, dtype) each), within every pair where both ran."""
     ratios = []
@@ -806,7 +856,7 @@ def first_pair_dloss(out: str, cell: dict, pairs: int, x: tuple, y: tuple):
     return None
 
 
-def mixed_precision_table(out: str, cells: list, pairs: int) -> list:
+def mixed_precision_table(out: str, cells: list, pairs: int, ours_list=("ours",)) -> list:
     """bf16 (mixed precision) against fp32, and ours against the peer in bf16."""
     lines = ["", "Mixed precision: bf16 compute, fp32 master weights and gradient reduction (ours: "
              "`--fsdp_config.mixed_precision=true`; peer: FSDP1 `MixedPrecision(param_dtype=bfloat16, "
@@ -814,34 +864,34 @@ def mixed_precision_table(out: str, cells: list, pairs: int) -> list:
              "median over pairs of the ratio within each pair (per-pair values in brackets); tok/s and RSS (peak "
              "per rank, max over ranks) are medians over runs; Δloss = max over steps of the loss difference, first "
              "pair with both runs ok (no target: bf16 rounds).", "",
-             "| preset | W | ours fp32 tok/s | ours bf16 tok/s | ours bf16/fp32 | peer fp32 tok/s | peer bf16 tok/s | "
+             "| preset | W | backend | ours fp32 tok/s | ours bf16 tok/s | ours bf16/fp32 | peer fp32 tok/s | peer bf16 tok/s | "
              "peer bf16/fp32 | ours bf16 / peer bf16 | ours RSS MiB fp32 / bf16 | peer RSS MiB fp32 / bf16 | "
              "Δloss ours bf16 vs fp32 | Δloss ours bf16 vs peer bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio_cell(rs: list) -> str:
         return f"{fmt(med(rs), '.3f')} [{', '.join(f'{x:.2f}' for x in rs)}]" if rs else "–"
 
-    for cell in cells:
+    for cell, o in ((cell, o) for cell in cells for o in ours_list):
         tok, rss = {}, {}
-        for side in SIDES:
+        for side in (o, "peer"):
             for d in DTYPES:
                 runs = [r for r in (load_side(out, cell, k, side, d)[1] for k in range(1, pairs + 1)) if r is not None]
                 tok[side, d] = med([r.get("tokens_per_s") for r in runs])
                 rss[side, d] = med([max_rss(r) for r in runs])
-        if tok["ours", "bf16"] is None and tok["peer", "bf16"] is None:
+        if tok[o, "bf16"] is None and tok["peer", "bf16"] is None:
             continue
         lines.append(
-            f"| {cell['preset']} | {cell['world']} | {fmt(tok['ours', 'fp32'], '.0f')} | "
-            f"{fmt(tok['ours', 'bf16'], '.0f')} | "
-            f"{ratio_cell(pair_ratios(out, cell, pairs, ('ours', 'bf16'), ('ours', 'fp32')))} | "
+            f"| {cell['preset']} | {cell['world']} | {backend_of(o)} | {fmt(tok[o, 'fp32'], '.0f')} | "
+            f"{fmt(tok[o, 'bf16'], '.0f')} | "
+            f"{ratio_cell(pair_ratios(out, cell, pairs, (o, 'bf16'), (o, 'fp32')))} | "
             f"{fmt(tok['peer', 'fp32'], '.0f')} | {fmt(tok['peer', 'bf16'], '.0f')} | "
             f"{ratio_cell(pair_ratios(out, cell, pairs, ('peer', 'bf16'), ('peer', 'fp32')))} | "
-            f"{ratio_cell(pair_ratios(out, cell, pairs, ('ours', 'bf16'), ('peer', 'bf16')))} | "
-            f"{fmt(rss['ours', 'fp32'], '.0f')} / {fmt(rss['ours', 'bf16'], '.0f')} | "
+            f"{ratio_cell(pair_ratios(out, cell, pairs, (o, 'bf16'), ('peer', 'bf16')))} | "
+            f"{fmt(rss[o, 'fp32'], '.0f')} / {fmt(rss[o, 'bf16'], '.0f')} | "
             f"{fmt(rss['peer', 'fp32'], '.0f')} / {fmt(rss['peer', 'bf16'], '.0f')} | "
-            f"{fmt(first_pair_dloss(out, cell, pairs, ('ours', 'bf16'), ('ours', 'fp32')), '.2e')} | "
-            f"{fmt(first_pair_dloss(out, cell, pairs, ('ours', 'bf16'), ('peer', 'bf16')), '.2e')} |")
+            f"{fmt(first_pair_dloss(out, cell, pairs, (o, 'bf16'), (o, 'fp32')), '.2e')} | "
+            f"{fmt(first_pair_dloss(out, cell, pairs, (o, 'bf16'), ('peer', 'bf16')), '.2e')} |")
     return lines
 
 
@@ -911,23 +961,23 @@ def baseline_table(out: str, cells: list, pairs: int) -> list:
     return lines
 
 
-def comm_table(out: str, cells: list, pairs: int, dtypes=("fp32",)) -> list:
+def comm_table(out: str, cells: list, pairs: int, dtypes=("fp32",), ours=("ours",)) -> list:
     """Where our step time goes at W > 1, from fsdp-train's summary: per step (run totals / steps,
     mean over ranks), median over the runs; exposed = waited for by the training thread. bf16 runs
     get their own rows ("<preset> bf16")."""
     fields = ("all_gather_s_per_rank", "all_gather_wait_s_per_rank",
               "reduce_scatter_s_per_rank", "reduce_scatter_wait_s_per_rank")
     lines = ["", "Ours, communication per step (run totals / steps, mean over ranks, median over runs):", "",
-             "| preset | W | step s | all-gather busy / waited for s | reduce-scatter busy / waited for s | "
+             "| preset | W | backend | step s | all-gather busy / waited for s | reduce-scatter busy / waited for s | "
              "exposed, % of step |",
-             "|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|"]
     for cell in cells:
         if cell["world"] < 2:
             continue
-        for d in dtypes:
+        for side, d in ((side, d) for side in ours for d in dtypes):
             per_run = []
             for k in range(1, pairs + 1):
-                _, r = load_side(out, cell, k, "ours", d)
+                _, r = load_side(out, cell, k, side, d)
                 if r is None or not all(f in r for f in fields):
                     continue
                 per_step = [statistics.mean(r[f]) / r["steps"] for f in fields]
@@ -936,7 +986,7 @@ def comm_table(out: str, cells: list, pairs: int, dtypes=("fp32",)) -> list:
                 continue
             step, ag, agw, rs, rsw = (med(list(col)) for col in zip(*per_run))
             label = cell["preset"] + ("" if d == "fp32" else f" {d}")
-            lines.append(f"| {label} | {cell['world']} | {step:.4g} | {ag:.3f} / {agw:.3f} | "
+            lines.append(f"| {label} | {cell['world']} | {backend_of(side)} | {step:.4g} | {ag:.3f} / {agw:.3f} | "
                          f"{rs:.3f} / {rsw:.3f} | {100 * (agw + rsw) / step:.0f} % |")
     return lines
 
@@ -966,6 +1016,8 @@ def parse_args(argv):
                    help="the peer harness (default bench/peer, fsdp-cpp's copy)")
     p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16 (default fp32): bf16 runs ours with "
                    "--fsdp_config.mixed_precision=true and the peer with --mixed-precision bf16")
+    p.add_argument("--backends", default="gloo", help="comma list of gloo,mpi (default gloo): ours runs once per "
+                   "backend in each pair, under fsdprun for gloo and under mpirun -np W for mpi")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="fsdp",
                    help="fsdp (default): ours FULL_SHARD against the peer's FSDP1; ddp: ours "
                         "sharding_strategy NO_SHARD (fsdp::replicate) against the peer's DDP (fp32 only)")
@@ -999,6 +1051,15 @@ def parse_args(argv):
     a.dtypes = [d for d in DTYPES if d in a.dtypes]  # fp32 runs first in a pair
     if not a.dtypes:
         p.error("--dtypes is empty")
+    a.backends = [x.strip() for x in a.backends.split(",") if x.strip()]
+    for x in a.backends:
+        if x not in BACKENDS:
+            p.error(f"unknown backend {x!r}; choose from {', '.join(BACKENDS)}")
+    a.backends = [b for b in BACKENDS if b in a.backends]  # gloo runs first in a pair
+    if not a.backends:
+        p.error("--backends is empty")
+    if "mpi" in a.backends and not shutil.which(MPIRUN[0]):
+        p.error("--backends mpi needs mpirun on PATH (scripts/install-deps.sh installs OpenMPI)")
     if a.strategy == "ddp" and a.dtypes != ["fp32"]:
         p.error("--strategy ddp runs fp32 only: the peer's DDP has no mixed-precision mode")
     if a.matmul_bin:
@@ -1054,7 +1115,7 @@ def main(argv=None) -> int:
             ensure_matmul(a, cells, meta)
             if not a.dry_run:
                 write_json(meta_path, meta)
-        sides = [s for s in sides_of(a) if a.only in (None, s) or (s == "base" and a.only == "ours")]
+        sides = [s for s in sides_of(a) if a.only in (None, s) or (s != "peer" and a.only == "ours")]
         inits = {}
         for cell in cells:
             preset = cell["preset"]

@@ -29,9 +29,12 @@ using TensorStateDict = torch::OrderedDict<std::string, at::Tensor>;
 // order: parameters sharded by fully_shard as their DTensor (Shard(0), or the Shard(d) a
 // shard_placement_fn chose; HSDP: Replicate() first), whose local tensor IS the live shard
 // (no copy); everything else (buffers, parameters fully_shard did not manage) as a
-// Replicate() DTensor over the same mesh, also sharing storage. No communication. Throws if the
-// model has no parameter sharded by fully_shard and no module replicated by replicate()
-// (fsdp/replicate.h; a replicated model's entries are all Replicate() over its mesh).
+// Replicate() DTensor over the same mesh, also sharing storage. A model split by tensor
+// parallelism and not passed to fully_shard (fsdp/tensor_parallel.h) gives its parameters'
+// DTensors on the tp mesh (Shard(0) / Shard(1) / Replicate()), so its full state dict, exports
+// and checkpoints hold the whole tensors. No communication. Throws if the model has no
+// parameter sharded by fully_shard or split by tensor parallelism and no module replicated by
+// replicate() (fsdp/replicate.h; a replicated model's entries are all Replicate() over its mesh).
 ShardedStateDict sharded_state_dict(torch::nn::Module& model);
 
 // Writes `state_dict` into `model` in place. Each value may use any placements: a DTensor with

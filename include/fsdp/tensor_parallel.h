@@ -1,11 +1,13 @@
 // fsdp/tensor_parallel.h — tensor parallelism (Megatron-style) for LibTorch modules: Linear
-// layers whose weights are split over the tp dimension of a mesh, with the tp collectives
-// explicit in their forward and backward, and `parallelize` for the reference Transformer.
+// and Embedding layers whose weights are split over the tp dimension of a mesh, with the tp
+// collectives explicit in their forward and backward, a cross-entropy over logits split by
+// vocabulary, and `parallelize` for the reference Transformer.
 //
 //   auto mesh = fsdp::init_device_mesh("cpu", {world / 2, 2}, {"dp", "tp"});
 //   torch::manual_seed(0);                              // every rank builds the same full model
 //   auto model = fsdp::models::Transformer(args);
-//   fsdp::tp::parallelize(model, fsdp::tp::TensorParallelMesh(mesh, "tp"));   // split it over tp
+//   fsdp::tp::parallelize(model, fsdp::tp::TensorParallelMesh(mesh, "tp"),
+//                         fsdp::tp::ParallelizeOptions().vocab_parallel(true));   // split it over tp
 //   auto dp = fsdp::DataParallelMeshDims().shard("dp");
 //   for (auto& block : model->blocks()) fsdp::fully_shard(block, fsdp::FullyShardOptions().mesh(mesh).dp_mesh_dims(dp));
 //   fsdp::fully_shard(model, fsdp::FullyShardOptions().mesh(mesh).dp_mesh_dims(dp));
@@ -16,9 +18,11 @@
 // slice's contribution). A row-parallel Linear holds columns [r*in/tp, (r+1)*in/tp) of the
 // weight and the whole bias: its input is this rank's slice of the input features (what a
 // column-parallel layer produced), its forward all-reduces the partial products over tp, then
-// adds the bias once; backward needs no communication. Their parameters keep LibTorch's names
-// (weight, bias) and are registered as DTensors on the mesh (fsdp/dtensor_parameter.h):
-// Shard(0) (column) / Shard(1) (row) on tp, Replicate() on every other mesh dim.
+// adds the bias once; backward needs no communication. A vocab-parallel Embedding holds rows
+// [r*V/tp, (r+1)*V/tp) of the table: it looks up the tokens in its rows, zeros the others and
+// all-reduces over tp in forward. Their parameters keep LibTorch's names (weight, bias) and are
+// registered as DTensors on the mesh (fsdp/dtensor_parameter.h): Shard(0) (column, embedding) /
+// Shard(1) (row) on tp, Replicate() on every other mesh dim.
 //
 // Every collective here is on the tp dim's process group, issued in forward or backward in the
 // same order on every tp rank; nothing communicates at construction.
@@ -28,12 +32,16 @@
 #include <fsdp/process_group.h>
 
 #include <ATen/core/Tensor.h>
+#include <torch/arg.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 
@@ -51,6 +59,10 @@ at::Tensor copy_to_tp_region(const at::Tensor& x, const std::shared_ptr<ProcessG
 // All-reduces (sums) over `group` in forward; identity in backward. Put after a row-parallel
 // computation whose output is a partial sum on each tp rank.
 at::Tensor reduce_from_tp_region(const at::Tensor& x, const std::shared_ptr<ProcessGroup>& group);
+// All-gathers over `group` along the last dim in forward (rank order); backward keeps this
+// rank's slice of the gradient. Turns a column-parallel output (this rank's features) into the
+// whole one, the same on every tp rank.
+at::Tensor gather_from_tp_region(const at::Tensor& x, const std::shared_ptr<ProcessGroup>& group);
 
 // Where a tensor-parallel layer lives: a mesh and the name of its tp dim ("" for a 1-D mesh:
 // its one dim). Every other mesh dim holds copies (Replicate()).
@@ -76,9 +88,19 @@ class ColumnParallelLinearImpl : public torch::nn::LinearImpl {
  public:
   ColumnParallelLinearImpl(const torch::nn::LinearImpl& full, const TensorParallelMesh& tp);
   at::Tensor forward(const at::Tensor& x);
+  // linear(x, w, b) alone, for an input that already went through copy_to_tp_region: several
+  // column-parallel layers reading one input share one all-reduce of its gradient that way
+  // (call_linears_on_shared_input). On any other input the input's gradient misses the other tp
+  // ranks' contributions.
+  at::Tensor forward_in_tp_region(const at::Tensor& x);
+
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
+  // The first of the whole layer's output features this rank holds (its rows start there).
+  int64_t first_output_feature() const { return first_output_feature_; }
 
  private:
   std::shared_ptr<ProcessGroup> group_;
+  int64_t first_output_feature_ = 0;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -95,41 +117,121 @@ class RowParallelLinearImpl : public torch::nn::LinearImpl {
 };
 TORCH_MODULE(RowParallelLinear);
 
+// An Embedding with its rows (the vocabulary) split over tp: this rank's rows [first_row(),
+// first_row() + V / tp) of the table. forward(tokens) looks up the tokens among its rows, zeros
+// the rows of the others and all-reduces the result over tp, so every tp rank gets the whole
+// embedding; backward needs no communication (each rank's rows get the gradient of their tokens).
+// Tokens must be the same on every tp rank and in [0, V) (checked). num_embeddings must be
+// divisible by the tp size; padding_idx and max_norm are refused (errors naming them).
+class VocabParallelEmbeddingImpl : public torch::nn::EmbeddingImpl {
+ public:
+  VocabParallelEmbeddingImpl(const torch::nn::EmbeddingImpl& full, const TensorParallelMesh& tp);
+  at::Tensor forward(const at::Tensor& tokens);
+  int64_t first_row() const { return first_row_; }
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+  int64_t first_row_ = 0;
+  int64_t vocab_size_ = 0;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
 // Calls `linear` through fsdp::call with the forward of its actual class: a ColumnParallelLinear
 // or RowParallelLinear put in place of a torch::nn::Linear member runs its own forward (LinearImpl's
 // forward is not virtual). Model code calls its Linear members through this.
 at::Tensor call_linear(const torch::nn::Linear& linear, const at::Tensor& x);
+// call_linear for several Linear members reading the same input x (the attention's wq, wk and
+// wv). When all are column-parallel on one tp group, x goes through copy_to_tp_region once and
+// each layer through forward_in_tp_region: the input's gradient, summed over the layers by
+// autograd, is all-reduced over tp once (Megatron's "f" before its fused QKV projection) instead
+// of once per layer. Otherwise each is call_linear(layer, x). Returns the outputs in order.
+std::vector<at::Tensor> call_linears_on_shared_input(const std::vector<torch::nn::Linear>& linears, const at::Tensor& x);
+// The same for Embedding members: a VocabParallelEmbedding runs its own forward.
+at::Tensor call_embedding(const torch::nn::Embedding& embedding, const at::Tensor& tokens);
+
+// ------------------------------------------------------------------ logits split by vocabulary
+
+// Which part of the vocabulary a rank's logits (or output-head rows) hold: [start, start + size)
+// of the whole vocabulary, the other parts on the other ranks of `group`, in rank order.
+struct VocabSlice {
+  int64_t start = 0;
+  int64_t size = 0;
+  std::shared_ptr<ProcessGroup> group;
+};
+// The slice an output head holds when it is a ColumnParallelLinear (a vocab-parallel head);
+// std::nullopt for a whole head.
+std::optional<VocabSlice> vocab_slice_of(const torch::nn::Linear& head);
+
+// The mean cross-entropy of rows whose logits are split by vocabulary over slice.group, without
+// gathering them: local_logits [rows, slice.size] floating (this rank's columns of the whole
+// [rows, V] logits), targets int64 [rows] indices into the whole vocabulary (ignore_index: a row
+// that counts for nothing). Equals at::cross_entropy(whole_logits, targets) (mean over counted
+// rows) up to float rounding, on every rank of the group; the gradient of local_logits is this
+// rank's columns of the whole logits' gradient. Collective over slice.group, in forward only:
+// two all-reduces of the rows' statistics (combine_vocab_parallel_rows). Keeps local_logits and
+// 4 bytes a row for backward, which allocates one buffer of local_logits' size. Throws c10::Error
+// for mismatched shapes.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                        const VocabSlice& slice, int64_t ignore_index = -100);
+// The whole vocabulary's log-sum-exp and target logit of each row from this rank's: in place,
+// `logsumexp` (fp32 [rows], of this rank's logits) becomes the whole rows', and `target_logit`
+// (fp32 [rows], the target's logit where this rank holds the target, else 0) the target's logit
+// wherever it is. Two all-reduces over `group`: the max of the ranks' log-sum-exps, then the sum
+// of exp(log-sum-exp - max) and of the target logits, as one tensor (Megatron's max trick, on each
+// rank's log-sum-exp rather than its raw maximum, so a rank's logits are read in one pass).
+// Called inside the forward of autograd functions (no autograd of its own).
+void combine_vocab_parallel_rows(at::Tensor& logsumexp, at::Tensor& target_logit, ProcessGroup& group);
+
+struct ParallelizeOptions {
+  // Split the token embedding and the output head by vocabulary over tp (VocabParallelEmbedding,
+  // and a ColumnParallelLinear head whose logits the Transformer's loss reads without gathering
+  // them: vocab_parallel_cross_entropy). false keeps both whole on every tp rank, each tp rank
+  // then computing the head and the loss for all of its tp group's rows.
+  TORCH_ARG(bool, vocab_parallel) = false;
+};
 
 // The Megatron plan for the reference Transformer (fsdp/models/transformer.h), in place, on
 // every rank of `tp.mesh()`:
 //  - attention: wq, wk, wv column-parallel, wo row-parallel, so each tp rank computes
-//    n_heads / tp whole heads (heads h*tp_rank.. of the full model, in order);
+//    n_heads / tp whole heads (heads h*tp_rank.. of the full model, in order); wq, wk and wv
+//    share one all-reduce of their input's gradient (call_linears_on_shared_input);
 //  - feed-forward: w1 column-parallel, w2 row-parallel (the GELU between them is elementwise);
-//  - tok_embeddings, pos_embeddings, the norms and the output head stay whole on every tp rank
-//    (Replicate()): the vocabularies of the presets are small next to the blocks, and a whole
-//    head keeps the loss and the logits unchanged (no parallel cross-entropy). Their gradients
-//    are the same on every tp rank, since every tp rank sees the same activations outside the
-//    split layers.
+//  - with options.vocab_parallel(), tok_embeddings a VocabParallelEmbedding and the output head
+//    a ColumnParallelLinear over the vocabulary (Shard(0) on tp, both); the Transformer's
+//    forward then all-gathers the logits over tp (every tp rank returns the whole logits) and
+//    its forward_loss computes the loss from each rank's slice (vocab_parallel_cross_entropy,
+//    or the chunked head and loss of fsdp/models/linear_cross_entropy.h);
+//  - pos_embeddings, the norms, and without vocab_parallel the token embedding and the output
+//    head, stay whole on every tp rank (Replicate()). Their gradients are the same on every tp
+//    rank, since every tp rank sees the same activations outside the split layers.
+// Per block that is 4 all-reduces of the block's activations on the tp group: 2 in forward (wo,
+// w2), 2 in backward (the attention's input, w1's input); vocab_parallel adds 2 more (the
+// embedding's output in forward, the head's input gradient in backward) and the loss's 2 of a
+// few bytes a row.
 // Every parameter is then registered as a DTensor on tp.mesh() (fsdp/dtensor_parameter.h).
 // The model must be whole and equal on every tp rank (the same seed), before fully_shard.
-// Throws c10::Error when n_heads or dim is not divisible by the tp size, naming them. The tp
-// rank's forward then needs the whole batch of its tp group (the same input on every tp rank).
-void parallelize(models::TransformerImpl& model, const TensorParallelMesh& tp);
+// Throws c10::Error when n_heads or dim (or, with vocab_parallel, vocab_size) is not divisible by
+// the tp size, naming them. The tp rank's forward then needs the whole batch of its tp group
+// (the same input on every tp rank).
+void parallelize(models::TransformerImpl& model, const TensorParallelMesh& tp,
+                 const ParallelizeOptions& options = ParallelizeOptions());
 // The same, a piece at a time, for a model built block by block (so that the whole model never
 // exists on one rank: sharded_transformer's way): parallelize_block on each block as it is built
-// (the hook of TransformerImpl's constructor, before fully_shard of the block), then
-// register_replicated on the finished model for the parameters outside the blocks. Together they
-// do exactly what parallelize does.
+// (the hook of TransformerImpl's constructor, before fully_shard of the block), then on the
+// finished model parallelize_vocab when vocab_parallel, then register_replicated for the
+// parameters outside the blocks that stay whole. Together they do exactly what parallelize does.
 void parallelize_block(models::TransformerBlockImpl& block, const models::ModelArgs& args, const TensorParallelMesh& tp);
+void parallelize_vocab(models::TransformerImpl& model, const TensorParallelMesh& tp);
 void register_replicated(torch::nn::Module& model, const TensorParallelMesh& tp);
 template <typename Holder>
-void parallelize(Holder& model, const TensorParallelMesh& tp) {
-  parallelize(*model, tp);
+void parallelize(Holder& model, const TensorParallelMesh& tp, const ParallelizeOptions& options = ParallelizeOptions()) {
+  parallelize(*model, tp, options);
 }
 
 // The checks parallelize makes, for callers that want them before building anything (e.g. a
 // trainer reading its configuration): throws c10::Error naming the model field and the tp size.
 void check_parallelizable(int64_t n_heads, int64_t dim, int64_t tp_size);
+void check_vocab_parallelizable(int64_t vocab_size, int64_t tp_size);
 
 }  // namespace tp
 }  // namespace fsdp

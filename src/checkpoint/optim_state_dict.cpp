@@ -99,13 +99,13 @@ std::vector<ParamRef> params_in_optimizer(torch::nn::Module& model, torch::optim
   for (const auto& item : model.named_parameters()) {
     auto it = group_of.find(item.value().unsafeGetTensorImpl());
     if (it == group_of.end()) continue;
-    if (!is_sharded_parameter(item.value())) {
+    const std::optional<DTensor> d = detail::parameter_layout(item.value());
+    if (!d) {
       out.push_back({item.key(), item.value(), false, item.value().sizes().vec(), mesh,
                      std::vector<Placement>(mesh.ndim(), Replicate()), it->second});
       continue;
     }
-    const DTensor d = as_dtensor(item.value());
-    out.push_back({item.key(), item.value(), true, d.sizes(), d.device_mesh(), d.placements(), it->second});
+    out.push_back({item.key(), item.value(), true, d->sizes(), d->device_mesh(), d->placements(), it->second});
   }
   return out;
 }

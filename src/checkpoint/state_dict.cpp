@@ -7,6 +7,7 @@
 #include "src/checkpoint/torch_load.h"
 
 #include <fsdp/distributed.h>
+#include <fsdp/dtensor_parameter.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/replicate.h>
 
@@ -38,12 +39,12 @@ std::vector<Target> targets_of(torch::nn::Module& model) {
   const DeviceMesh mesh = detail::model_mesh(model);
   std::vector<Target> out;
   for (const auto& item : model.named_parameters()) {
-    if (!is_sharded_parameter(item.value())) {
+    const std::optional<DTensor> d = detail::parameter_layout(item.value());
+    if (!d) {
       out.push_back(whole_target(item.key(), item.value(), mesh));
       continue;
     }
-    const DTensor d = as_dtensor(item.value());
-    out.push_back(Target{item.key(), item.value(), true, d.sizes(), d.device_mesh(), d.placements()});
+    out.push_back(Target{item.key(), item.value(), true, d->sizes(), d->device_mesh(), d->placements()});
   }
   for (const auto& item : model.named_buffers()) out.push_back(whole_target(item.key(), item.value(), mesh));
   return out;
@@ -175,9 +176,19 @@ DeviceMesh model_mesh(torch::nn::Module& model) {
   for (const auto& m : model.modules(/*include_self=*/false)) {
     if (is_replicated(*m)) return get_replicated_module(*m).mesh();
   }
-  TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard and no module replicated "
-              "by replicate; apply fsdp::fully_shard or fsdp::replicate first, or use the module's own "
-              "named_parameters()/named_buffers()");
+  // Tensor parallelism alone: the mesh its layers split the parameters over. Every other entry
+  // is then whole on every rank of it, as the tp layers' inputs are.
+  for (const auto& p : model.parameters()) {
+    if (std::optional<DTensor> d = dtensor_parameter(p)) return d->device_mesh();
+  }
+  TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard or split by tensor "
+              "parallelism and no module replicated by replicate; apply fsdp::fully_shard, fsdp::tp::parallelize "
+              "or fsdp::replicate first, or use the module's own named_parameters()/named_buffers()");
+}
+
+std::optional<DTensor> parameter_layout(const at::Tensor& param) {
+  if (is_sharded_parameter(param)) return as_dtensor(param);
+  return dtensor_parameter(param);
 }
 
 at::Tensor local_piece_of_full(const at::Tensor& full, const DeviceMesh& mesh, const std::vector<Placement>& placements) {
@@ -200,7 +211,7 @@ at::Tensor local_piece(const DTensor& value, const DeviceMesh& mesh, const std::
 ShardedStateDict sharded_state_dict(torch::nn::Module& model) {
   ShardedStateDict out;
   for (const auto& t : targets_of(model)) {
-    out.insert(t.key, t.sharded ? as_dtensor(t.live) : DTensor::from_local(t.live, t.mesh, t.placements));
+    out.insert(t.key, t.sharded ? *detail::parameter_layout(t.live) : DTensor::from_local(t.live, t.mesh, t.placements));
   }
   return out;
 }

@@ -4,6 +4,8 @@
 
 #include <fsdp/dtensor.h>
 
+#include <optional>
+
 namespace fsdp {
 namespace detail {
 
@@ -20,8 +22,13 @@ at::Tensor local_piece_of_full(const at::Tensor& full, const DeviceMesh& mesh, c
 // True when every placement is Replicate() (the value is whole on every rank).
 bool all_replicate(const std::vector<Placement>& placements);
 
-// The mesh of the model's sharded parameters; throws if it has none.
+// The mesh of the model's sharded parameters (or, with tensor parallelism alone, of its split
+// ones, or of its replicated modules); throws if it has none.
 DeviceMesh model_mesh(torch::nn::Module& model);
+
+// How a parameter is laid out: as fully_shard sharded it or, for one fully_shard did not take,
+// as tensor parallelism split it (fsdp/dtensor_parameter.h); std::nullopt when it is whole.
+std::optional<DTensor> parameter_layout(const at::Tensor& param);
 
 }  // namespace detail
 }  // namespace fsdp

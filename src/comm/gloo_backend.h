@@ -1,24 +1,20 @@
 // gloo_backend.h — the CPU implementation of fsdp::ProcessGroup on Gloo's TCP transport.
 //
-// Every collective of a group runs on that group's one communication thread, in issue order;
-// this is where data moves, and the only place that waits on the transport. The algorithms
-// are ours (Gloo 0.5 has neither an all-gather into a caller's buffer with uneven counts nor a
-// reduce-scatter that leaves the input alone): point-to-point sends and receives of byte ranges
-// through Gloo's unbound buffers.
+// Every collective of a group runs on that group's one communication thread, in issue order
+// (QueuedProcessGroup); this is where data moves, and the only place that waits on the
+// transport. The algorithms are ours (p2p_algorithms.h; Gloo 0.5 has neither an all-gather into a
+// caller's buffer with uneven counts nor a reduce-scatter that leaves the input alone):
+// point-to-point sends and receives of byte ranges through Gloo's unbound buffers.
 #pragma once
 
-#include <fsdp/process_group.h>
+#include "src/comm/p2p_algorithms.h"
+#include "src/comm/queued_process_group.h"
 
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <utility>
 #include <vector>
 
 namespace c10d {
@@ -44,24 +40,16 @@ struct GlooGroupConfig {
   std::shared_ptr<ProgressBoard> board;  // for naming absent ranks on a timeout; may be null
 };
 
-class GlooProcessGroup final : public ProcessGroup {
+class GlooProcessGroup final : public QueuedProcessGroup {
  public:
   // Connects to every other member through the store (collective over the members; blocks
   // until all have connected or the timeout expires) and starts the communication thread.
   explicit GlooProcessGroup(GlooGroupConfig config);
   ~GlooProcessGroup() override;
 
- protected:
-  WorkHandle enqueue(Op op) override;
-
  private:
-  struct Task {
-    Op op;
-    WorkHandle work;
-  };
   void wait_until_every_member_connected();
-  void run_loop();
-  void execute(const Op& op, int64_t seq);
+  void execute(const Op& op, int64_t seq) override;
   [[noreturn]] void fail(const Op& op, int64_t seq, const std::string& cause);
   std::string diagnose_absent_and_stalled(int64_t seq);
 
@@ -72,22 +60,13 @@ class GlooProcessGroup final : public ProcessGroup {
   void broadcast(const Op& op, int64_t seq);
   void barrier(int64_t seq);
 
-  // A scratch area of at least `nbytes`, kept for later operations (communication thread only).
-  char* scratch(size_t nbytes);
-
-  class Exchange;  // posts byte-range sends/receives and waits on them (gloo_backend.cpp)
+  class GlooTransfers;  // posts byte-range sends/receives and waits on them (gloo_backend.cpp)
+  // The algorithms' view of this group for operation `seq`; its transfers count bytes as `kind`.
+  Transport transport(CollectiveKind kind, int64_t seq);
 
   GlooGroupConfig config_;
   std::shared_ptr<gloo::Context> context_;  // null for a group of one
   std::chrono::steady_clock::time_point deadline_;  // of the operation being executed
-  at::Tensor scratch_;                              // see scratch()
-
-  std::mutex queue_mu_;
-  std::condition_variable queue_cv_;
-  std::deque<Task> queue_;
-  bool stopping_ = false;
-  std::string broken_;  // why the group is unusable; empty while healthy
-  std::thread thread_;
 };
 
 }  // namespace comm

@@ -1,15 +1,12 @@
 // The MPI collectives. Where data moves: the MPI calls in the algorithm functions below, each
-// run on the group's communication thread (run_loop). Who waits: the caller, through
+// run on the group's communication thread (QueuedProcessGroup). Who waits: the caller, through
 // Work::wait(). Who ends a stuck job: the Watchdog.
 #include "src/comm/mpi_backend.h"
 
+#include "src/comm/p2p_algorithms.h"
 #include "src/comm/progress_board.h"
 #include "src/util/tensor_bytes.h"
 
-#include <fsdp/flight_recorder.h>
-#include <fsdp/trace.h>
-
-#include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -17,16 +14,20 @@
 
 #include <ATen/ops/div.h>
 
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace fsdp {
 namespace comm {
@@ -145,6 +146,67 @@ int64_t sum_of(const std::vector<int64_t>& v) {
   return s;
 }
 
+// ------------------------------------------------------------------------------ transfers
+
+// Reduce-scatters and all-reduces of at least this many bytes (the whole buffer) run our ring
+// (p2p_algorithms.h) on MpiTransfers; smaller ones call MPI's collectives, whose latency-optimised
+// algorithms suit small messages and many ranks. OpenMPI 4.1's reduce-scatter and all-reduce
+// allocate a temporary as large as the input on every call (fresh pages, above glibc's 32 MiB mmap
+// threshold, which on a VM cost more than the transfer); its reduce-scatter measured about 2x
+// slower than the ring at 256 KiB and 3-7x from 1 MiB up (docs/benchmarks.md, "MPI against Gloo").
+constexpr int64_t kPointToPointBytes = int64_t{256} << 10;
+// The largest message MpiTransfers sends; a transfer moves as several.
+constexpr size_t kPieceBytes = size_t{1} << 20;
+
+// Point-to-point transfers on a group's communicator, for the algorithms of p2p_algorithms.h.
+// A transfer moves as messages of at most kPieceBytes, so that a piece that arrived can be
+// reduced while the next is still moving. Transfers match by posting order (tag 0): each
+// operation runs alone on its group's communicator, and every step waits for its own.
+class MpiTransfers final : public Transfers {
+ public:
+  explicit MpiTransfers(MPI_Comm comm) : comm_(comm) {}
+
+  void send(const char* ptr, size_t nbytes, int peer, uint64_t) override {
+    for (size_t off = 0; off < nbytes; off += kPieceBytes) {
+      sends_.emplace_back();
+      check_mpi(MPI_Isend(ptr + off, piece_len(nbytes, off), MPI_BYTE, peer, 0, comm_, &sends_.back()), "MPI_Isend");
+    }
+  }
+
+  void recv(char* ptr, size_t nbytes, int peer, uint64_t) override {
+    for (size_t off = 0; off < nbytes; off += kPieceBytes) {
+      recvs_.push_back({MPI_REQUEST_NULL, ptr + off, piece_len(nbytes, off)});
+      check_mpi(MPI_Irecv(ptr + off, recvs_.back().nbytes, MPI_BYTE, peer, 0, comm_, &recvs_.back().request),
+                "MPI_Irecv");
+    }
+  }
+
+  void wait_recvs(const std::function<void(char*, size_t)>& on_landed) override {
+    for (auto& r : recvs_) {
+      check_mpi(MPI_Wait(&r.request, MPI_STATUS_IGNORE), "MPI_Wait");
+      on_landed(r.ptr, static_cast<size_t>(r.nbytes));
+    }
+    recvs_.clear();
+  }
+
+  void wait_sends() override {
+    check_mpi(MPI_Waitall(static_cast<int>(sends_.size()), sends_.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+    sends_.clear();
+  }
+
+ private:
+  static int piece_len(size_t nbytes, size_t off) { return static_cast<int>(std::min(kPieceBytes, nbytes - off)); }
+
+  struct Pending {
+    MPI_Request request;
+    char* ptr;
+    int nbytes;
+  };
+  MPI_Comm comm_;
+  std::vector<MPI_Request> sends_;
+  std::vector<Pending> recvs_;
+};
+
 // ------------------------------------------------------------------------------ watchdog
 
 // Ends the job when an MPI call outlives its deadline: prints what `describe` says, then
@@ -257,6 +319,24 @@ int comm_rank(MPI_Comm comm) {
   return r;
 }
 
+// OpenMPI's shared memory copies a large message once, straight out of the sender's memory
+// (Linux cross-memory attach: process_vm_readv), where the kernel allows it, and otherwise twice,
+// through a shared segment; the single copy measured 1.1-2.4x faster (docs/benchmarks.md, "MPI
+// against Gloo"). A container whose seccomp profile refuses that system call makes each such
+// transfer fail rather than fall back, so unless the user chose a mechanism
+// (OMPI_MCA_btl_vader_single_copy_mechanism, which mpirun's --mca sets), ask for the two-copy
+// path where this process may not make the call on itself. (OpenMPI falls back by itself where
+// Yama's ptrace_scope is the obstacle.)
+void avoid_a_refused_single_copy() {
+#ifdef OPEN_MPI
+  if (std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism")) return;
+  char from = 1, to = 0;
+  struct iovec local {&to, 1}, remote{&from, 1};
+  if (process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == 1 && to == 1) return;
+  setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 0);
+#endif
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------ the job
@@ -269,6 +349,7 @@ MpiJob mpi_job(void (*before_finalize)()) {
     if (!initialised) {
       int argc = 0;
       char** argv = nullptr;
+      avoid_a_refused_single_copy();
       TORCH_CHECK(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) == MPI_SUCCESS,
                   "fsdp: MPI_Init_thread failed; is this process started by mpirun or srun --mpi=pmix?");
     } else {
@@ -374,20 +455,15 @@ std::shared_ptr<MpiProcessGroup> MpiProcessGroup::subgroup(MpiGroupConfig config
 }
 
 MpiProcessGroup::MpiProcessGroup(MpiGroupConfig config, MPI_Comm comm)
-    : ProcessGroup(comm_rank(comm), config.global_ranks, config.name, config.timeout),
+    : QueuedProcessGroup(comm_rank(comm), config.global_ranks, config.name, config.timeout, "mpi"),
       config_(std::move(config)),
       comm_(comm) {
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-  thread_ = std::thread([this] { run_loop(); });
+  start_thread();
 }
 
 MpiProcessGroup::~MpiProcessGroup() {
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    stopping_ = true;
-  }
-  queue_cv_.notify_all();
-  thread_.join();
+  stop_thread();
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized) MPI_Comm_free(&comm_);
@@ -407,64 +483,28 @@ WorkHandle MpiProcessGroup::enqueue(Op op) {
   } else if (op.input.defined()) {
     as_mpi_count(op.input.numel(), group);
   }
-  std::lock_guard<std::mutex> lock(queue_mu_);
-  TORCH_CHECK(!stopping_, "process group '", name(), "' is being destroyed; no new collectives");
-  WorkHandle work = make_work(op.kind, {op.output, op.input});
-  queue_.push_back(Task{std::move(op), work});
-  queue_cv_.notify_one();
-  return work;
+  return QueuedProcessGroup::enqueue(std::move(op));
 }
 
-void MpiProcessGroup::run_loop() {
-  c10::InferenceMode no_autograd;  // avg divides through ATen views of the caller's buffers
-  trace::set_thread_name("comm " + name());
-  for (;;) {
-    Task task;
-    {
-      std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    std::exception_ptr error;
-    const int64_t seq = task.work->seq();
-    if (!broken_.empty()) {
-      error = std::make_exception_ptr(CollectiveError(
-          std::string("fsdp: ") + to_string(task.op.kind) + " #" + std::to_string(seq) + " on process group '" +
-          name() + "' was not run: the group is unusable after an earlier failure (" + broken_ + ")"));
-    } else {
-      const auto start = Clock::now();
-      try {
-        execute(task.op, seq);
-      } catch (const std::exception& e) {
-        broken_ = std::string(to_string(task.op.kind)) + " #" + std::to_string(seq) + " failed";
-        error = std::make_exception_ptr(CollectiveError(
-            std::string("fsdp: ") + to_string(task.op.kind) + " #" + std::to_string(seq) + " on process group '" +
-            name() + "' (global ranks " + format_ranks(global_ranks()) + ", MPI backend) failed: " + e.what() +
-            ". The group is now unusable."));
-      }
-      const auto end = Clock::now();
-      count_busy(task.op.kind, std::chrono::duration_cast<std::chrono::nanoseconds>(end - start).count());
-      if (trace::enabled()) {
-        const int64_t bytes = task.op.input.defined() ? static_cast<int64_t>(task.op.input.nbytes()) : 0;
-        trace::record("comm", std::string(to_string(task.op.kind)) + " #" + std::to_string(seq), start, end,
-                      "{\"group\": \"" + name() + "\", \"backend\": \"mpi\", \"input_bytes\": " +
-                          std::to_string(bytes) + "}");
-      }
-    }
-    finish_work(*task.work, error);
+// Failures (an MPI call's error code, the progress board's store) come back as exceptions; they
+// become the CollectiveError the caller's wait() reports.
+void MpiProcessGroup::execute(const Op& op, int64_t seq) {
+  try {
+    if (config_.board) config_.board->entered(name(), seq);
+    run_under_watchdog(op, seq);
+  } catch (const std::exception& e) {
+    throw CollectiveError(std::string("fsdp: ") + to_string(op.kind) + " #" + std::to_string(seq) +
+                          " on process group '" + name() + "' (global ranks " + format_ranks(global_ranks()) +
+                          ", MPI backend) failed: " + e.what() + ". The group is now unusable.");
   }
 }
 
-void MpiProcessGroup::execute(const Op& op, int64_t seq) {
-  if (config_.board) config_.board->entered(name(), seq);
-  FlightRecorder::global().started(name(), seq);
+void MpiProcessGroup::run_under_watchdog(const Op& op, int64_t seq) {
   const CollectiveKind kind = op.kind;
   const uint64_t id = g_mpi->watchdog->arm(Clock::now() + timeout(),
                                            [this, kind, seq] { return timeout_message(kind, seq); });
   try {
-    switch (op.kind) {
+    switch (kind) {
       case CollectiveKind::kAllGather: all_gather(op); break;
       case CollectiveKind::kReduceScatter: reduce_scatter(op); break;
       case CollectiveKind::kAllReduce: all_reduce(op); break;
@@ -498,6 +538,22 @@ std::string MpiProcessGroup::timeout_message(CollectiveKind kind, int64_t seq) {
 // Byte counters hold what a bandwidth-optimal algorithm moves for this rank (MPI does not say
 // what its own algorithm moved): the same figures the Gloo backend counts.
 
+Transport MpiProcessGroup::transport() {
+  Transport t;
+  t.rank = rank();
+  t.size = size();
+  t.seq = 0;  // unused: MpiTransfers match by posting order
+  t.transfers = [this] { return std::make_unique<MpiTransfers>(comm_); };
+  t.scratch = [this](size_t nbytes) { return scratch(nbytes); };
+  return t;
+}
+
+bool MpiProcessGroup::runs_point_to_point(int64_t total_bytes) const {
+  return size() > 1 && total_bytes >= kPointToPointBytes;
+}
+
+// MPI_Allgather(v) at every size: it allocates nothing, and across nodes its ring moves each
+// piece over every node boundary once, where a direct exchange would send it once per rank there.
 void MpiProcessGroup::all_gather(const Op& op) {
   const int W = size(), r = rank();
   const size_t es = op.output.element_size();
@@ -508,36 +564,45 @@ void MpiProcessGroup::all_gather(const Op& op) {
   for (int p = 0; p < r; ++p) own_offset += op.counts[p];
   // FSDP may hand in its own shard's slice of the output: MPI then must not copy it onto itself.
   const void* send = (op.counts[r] > 0 && out + own_offset * es == in) ? MPI_IN_PLACE : in;
-  if (all_equal(op.counts)) {
-    const int n = static_cast<int>(op.counts[0]);
-    check_mpi(MPI_Allgather(send, n, type, out, n, type, comm_), "MPI_Allgather");
-  } else {
-    std::vector<int> counts(W), displs(W);
-    for (int p = 0, off = 0; p < W; off += counts[p], ++p) {
-      counts[p] = static_cast<int>(op.counts[p]);
-      displs[p] = off;
-    }
-    check_mpi(MPI_Allgatherv(send, counts[r], type, out, counts.data(), displs.data(), type, comm_),
-              "MPI_Allgatherv");
-  }
+  all_gather_pieces(send, out, op.counts, type);
   const int64_t own = op.counts[r] * static_cast<int64_t>(es);
   count_bytes(CollectiveKind::kAllGather, own * (W - 1), sum_of(op.counts) * static_cast<int64_t>(es) - own);
 }
 
+void MpiProcessGroup::all_gather_pieces(const void* send, char* out, const std::vector<int64_t>& counts,
+                                        MPI_Datatype type) {
+  const int W = size(), r = rank();
+  if (all_equal(counts)) {
+    const int n = static_cast<int>(counts[0]);
+    check_mpi(MPI_Allgather(send, n, type, out, n, type, comm_), "MPI_Allgather");
+    return;
+  }
+  std::vector<int> ints(W), displs(W);
+  for (int p = 0, off = 0; p < W; off += ints[p], ++p) {
+    ints[p] = static_cast<int>(counts[p]);
+    displs[p] = off;
+  }
+  check_mpi(MPI_Allgatherv(send, ints[r], type, out, ints.data(), displs.data(), type, comm_), "MPI_Allgatherv");
+}
+
 void MpiProcessGroup::reduce_scatter(const Op& op) {
   const int W = size(), r = rank();
-  const Reduction red = reduction_for(op.input.scalar_type(), op.reduce);
   const size_t es = op.output.element_size();
   const char* in = bytes_of(op.input);
   char* out = bytes_of(op.output);
-  if (all_equal(op.counts)) {
-    check_mpi(MPI_Reduce_scatter_block(in, out, static_cast<int>(op.counts[0]), red.type, red.op, comm_),
-              "MPI_Reduce_scatter_block");
+  if (runs_point_to_point(sum_of(op.counts) * static_cast<int64_t>(es))) {
+    ring_reduce_scatter(transport(), out, in, op.counts, op.output.scalar_type(), op.reduce);  // divides for avg
   } else {
-    std::vector<int> counts(op.counts.begin(), op.counts.end());
-    check_mpi(MPI_Reduce_scatter(in, out, counts.data(), red.type, red.op, comm_), "MPI_Reduce_scatter");
+    const Reduction red = reduction_for(op.input.scalar_type(), op.reduce);
+    if (all_equal(op.counts)) {
+      check_mpi(MPI_Reduce_scatter_block(in, out, static_cast<int>(op.counts[0]), red.type, red.op, comm_),
+                "MPI_Reduce_scatter_block");
+    } else {
+      std::vector<int> counts(op.counts.begin(), op.counts.end());
+      check_mpi(MPI_Reduce_scatter(in, out, counts.data(), red.type, red.op, comm_), "MPI_Reduce_scatter");
+    }
+    if (op.reduce == ReduceOp::kAvg && op.output.numel() > 0) op.output.div_(W);
   }
-  if (op.reduce == ReduceOp::kAvg && op.output.numel() > 0) op.output.div_(W);
   const int64_t others = (sum_of(op.counts) - op.counts[r]) * static_cast<int64_t>(es);
   count_bytes(CollectiveKind::kReduceScatter, others, others);
 }
@@ -546,10 +611,17 @@ void MpiProcessGroup::all_reduce(const Op& op) {
   const int W = size();
   const at::Tensor& t = op.input;
   if (t.numel() == 0) return;
-  const Reduction red = reduction_for(t.scalar_type(), op.reduce);
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, bytes_of(t), static_cast<int>(t.numel()), red.type, red.op, comm_),
-            "MPI_Allreduce");
-  if (op.reduce == ReduceOp::kAvg) t.div_(W);
+  if (runs_point_to_point(static_cast<int64_t>(t.nbytes()))) {
+    // Our ring reduce-scatter in place, then MPI's all-gather of the reduced pieces.
+    const std::vector<int64_t> counts = chunk_counts(t.numel(), W);
+    ring_reduce_scatter_in_place(transport(), bytes_of(t), counts, t.scalar_type(), op.reduce);  // divides for avg
+    all_gather_pieces(MPI_IN_PLACE, bytes_of(t), counts, element_type(t.element_size()));
+  } else {
+    const Reduction red = reduction_for(t.scalar_type(), op.reduce);
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, bytes_of(t), static_cast<int>(t.numel()), red.type, red.op, comm_),
+              "MPI_Allreduce");
+    if (op.reduce == ReduceOp::kAvg) t.div_(W);
+  }
   const int64_t moved = 2 * static_cast<int64_t>(t.nbytes()) * (W - 1) / W;  // ring: reduce-scatter + all-gather
   count_bytes(CollectiveKind::kAllReduce, moved, moved);
 }

@@ -3,9 +3,11 @@
 // mpirun or srun. Built only when CMake found MPI (FSDP_WITH_MPI).
 //
 // Design: as in the Gloo backend, each group has one communication thread that runs the
-// group's collectives in issue order, here as blocking MPI calls on the group's own
-// communicator; callers overlap compute with them and wait on the Work. Several groups' threads
-// call MPI at once, so MPI runs at MPI_THREAD_MULTIPLE.
+// group's collectives in issue order (QueuedProcessGroup), here as MPI calls on the group's own
+// communicator: MPI's blocking collectives, and for large reductions our ring
+// (p2p_algorithms.h) on MPI's point-to-point messages. Callers overlap compute with them and
+// wait on the Work. Several groups' threads call MPI at once, so MPI runs at
+// MPI_THREAD_MULTIPLE.
 //
 // MPI has no timeouts and cannot cancel a collective. A process-wide watchdog keeps
 // fsdp-cpp's promise instead: when an operation outlives the group's timeout it prints the
@@ -13,19 +15,16 @@
 // arrived) and ends the whole job with MPI_Abort, since no rank could leave the stuck call.
 #pragma once
 
-#include <fsdp/process_group.h>
+#include "src/comm/p2p_algorithms.h"
+#include "src/comm/queued_process_group.h"
 
 #include <mpi.h>
 
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace c10d {
@@ -66,7 +65,7 @@ struct MpiGroupConfig {
   std::shared_ptr<ProgressBoard> board;  // for naming absent ranks on a timeout; may be null
 };
 
-class MpiProcessGroup final : public ProcessGroup {
+class MpiProcessGroup final : public QueuedProcessGroup {
  public:
   // The world group (all ranks) on a duplicate of MPI_COMM_WORLD. Collective over the world.
   static std::shared_ptr<MpiProcessGroup> world(MpiGroupConfig config);
@@ -76,17 +75,20 @@ class MpiProcessGroup final : public ProcessGroup {
   ~MpiProcessGroup() override;
 
  protected:
+  // Refuses, on the caller's thread, what MPI cannot do (dtypes it cannot reduce, counts past int).
   WorkHandle enqueue(Op op) override;
 
  private:
   MpiProcessGroup(MpiGroupConfig config, MPI_Comm comm);
-  struct Task {
-    Op op;
-    WorkHandle work;
-  };
-  void run_loop();
-  void execute(const Op& op, int64_t seq);
+  void execute(const Op& op, int64_t seq) override;
+  void run_under_watchdog(const Op& op, int64_t seq);
   std::string timeout_message(CollectiveKind kind, int64_t seq);
+
+  // Large reduce-scatters and all-reduces run our ring on MPI's point-to-point messages.
+  bool runs_point_to_point(int64_t total_bytes) const;
+  Transport transport();
+  // MPI_Allgather(v) of pieces of `counts` elements of `type` into `out`.
+  void all_gather_pieces(const void* send, char* out, const std::vector<int64_t>& counts, MPI_Datatype type);
 
   void all_gather(const Op& op);
   void reduce_scatter(const Op& op);
@@ -94,14 +96,7 @@ class MpiProcessGroup final : public ProcessGroup {
   void broadcast(const Op& op);
 
   MpiGroupConfig config_;
-  MPI_Comm comm_;  // this group's own communicator; collectives only from the thread below
-
-  std::mutex queue_mu_;
-  std::condition_variable queue_cv_;
-  std::deque<Task> queue_;
-  bool stopping_ = false;
-  std::string broken_;  // why the group is unusable; empty while healthy
-  std::thread thread_;
+  MPI_Comm comm_;  // this group's own communicator; collectives only from the communication thread
 };
 
 }  // namespace comm

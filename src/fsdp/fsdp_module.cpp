@@ -184,6 +184,29 @@ void FSDPModule::set_allocate_memory_from_process_group_for_comm(bool enable) {
               "all-gather or reduce-scatter (fsdp/custom_comm.h), whose allocate() FSDP uses.");
 }
 
+void FSDPModule::set_post_optim_event(const c10::Event& event) {
+  TORCH_CHECK(false, "fsdp::FSDPModule::set_post_optim_event: not supported on this build's CPU meshes (got an event "
+              "of device type ", c10::DeviceTypeName(event.device_type()), "). It orders the all-gather stream after "
+              "an event instead of the whole current stream, and a CPU mesh has no streams: the next all-gather "
+              "already runs after the optimizer step in program order. Remove the call; nothing needs to replace it.");
+}
+
+void FSDPModule::set_symm_mem_for_comm(const std::string& backend) {
+  TORCH_CHECK(false, "fsdp::FSDPModule::set_symm_mem_for_comm(\"", backend, "\"): not supported: symmetric-memory "
+              "all-gather buffers need NCCL, and fsdp-cpp's process groups are Gloo and MPI on CPU, which send from "
+              "any host memory. Remove the call, or install a custom all-gather (fsdp/custom_comm.h) to control "
+              "the buffers.");
+}
+
+void FSDPModule::set_unshard_async_op(bool async_op) {
+  TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
+  if (!async_op) return;  // the default: how every pre-forward and pre-backward all-gather runs here
+  TORCH_CHECK(false, "fsdp::FSDPModule::set_unshard_async_op(true) is not supported on a CPU mesh: it moves the "
+              "all-gather's allocation onto the default CUDA stream, and a CPU mesh has no streams. Its all-gathers "
+              "already run on the group's communication thread and are waited for right before the module runs; "
+              "for overlap, prefetch explicitly (unshard(true) or set_modules_to_forward_prefetch).");
+}
+
 void FSDPModule::reset_iter_state() {
   TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
   state_->reset_iter_state();

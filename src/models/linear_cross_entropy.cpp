@@ -30,26 +30,43 @@ at::Tensor piece_logits(const at::Tensor& x_piece, const at::Tensor& weight) {
   return at::linear(x_piece, weight).to(at::kFloat);
 }
 
+// Where a row's target falls among the weight's rows [first, first + size) (the whole
+// vocabulary, or a vocab-parallel head's slice): whether it is there, and its column there (0
+// where it is not, so that gather and scatter stay in range).
+struct TargetColumns {
+  at::Tensor here;
+  at::Tensor column;
+};
+
+TargetColumns target_columns(const at::Tensor& targets, int64_t first, int64_t size) {
+  const at::Tensor here = (targets >= first).logical_and_(targets < first + size);
+  return {here, (targets - first).masked_fill_(here.logical_not(), 0)};
+}
+
 struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinearCrossEntropy> {
-  // x: [rows, dim], targets: [rows]. Runs under no-grad (autograd's custom functions do).
+  // x: [rows, dim], targets: [rows]; weight holds the vocabulary's rows [first, first + its rows)
+  // and `group` the other rows (null: weight is the whole head). Runs under no-grad (autograd's
+  // custom functions do).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& targets, int64_t chunks, int64_t ignore_index) {
+                            const at::Tensor& targets, int64_t chunks, int64_t ignore_index, int64_t first,
+                            const std::shared_ptr<ProcessGroup>& group) {
     const int64_t rows = x.size(0);
     at::Tensor logsumexp = at::empty({rows}, x.options().dtype(at::kFloat));
-    at::Tensor total = at::zeros({}, x.options().dtype(at::kFloat));
+    at::Tensor target_logit = at::empty({rows}, x.options().dtype(at::kFloat));
     for (const auto& [start, length] : row_pieces(rows, chunks)) {
       const at::Tensor logits = piece_logits(x.narrow(0, start, length), weight);
-      const at::Tensor t = targets.narrow(0, start, length);
-      const at::Tensor counted = t != ignore_index;
-      const at::Tensor lse = at::logsumexp(logits, {1});
-      const at::Tensor target_logit = logits.gather(1, t.masked_fill(~counted, 0).unsqueeze(1)).squeeze(1);
-      total.add_(at::where(counted, lse - target_logit, at::zeros({}, lse.options())).sum());
-      logsumexp.narrow(0, start, length).copy_(lse);
+      const TargetColumns t = target_columns(targets.narrow(0, start, length), first, weight.size(0));
+      logsumexp.narrow(0, start, length).copy_(at::logsumexp(logits, {1}));
+      target_logit.narrow(0, start, length)
+          .copy_(logits.gather(1, t.column.unsqueeze(1)).squeeze(1).masked_fill_(t.here.logical_not(), 0.0));
     }
+    if (group) tp::combine_vocab_parallel_rows(logsumexp, target_logit, *group);
+    const at::Tensor counted = targets != ignore_index;
     ctx->save_for_backward({x, weight, targets, logsumexp});
     ctx->saved_data["chunks"] = chunks;
     ctx->saved_data["ignore_index"] = ignore_index;
-    return total;
+    ctx->saved_data["first"] = first;
+    return (logsumexp - target_logit).masked_fill_(counted.logical_not(), 0.0).sum();
   }
 
   // d loss / d logits of a row = softmax(logits) - onehot(target), times the incoming gradient;
@@ -60,6 +77,7 @@ struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinea
     const at::Tensor &x = saved[0], &weight = saved[1], &targets = saved[2], &logsumexp = saved[3];
     const int64_t chunks = ctx->saved_data["chunks"].toInt();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const int64_t first = ctx->saved_data["first"].toInt();
     const at::Tensor grad_total = grad_outputs[0].to(at::kFloat);
     const bool want_x = ctx->needs_input_grad(0), want_weight = ctx->needs_input_grad(1);
     at::Tensor grad_x = want_x ? at::empty_like(x) : at::Tensor();
@@ -68,11 +86,13 @@ struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinea
       const at::Tensor x_piece = x.narrow(0, start, length);
       const at::Tensor t = targets.narrow(0, start, length);
       const at::Tensor counted = t != ignore_index;
-      // In place on the recomputed logits: softmax, minus one at the target, times the
-      // incoming gradient (zero for ignored rows), so the piece holds one [length, vocab] buffer.
+      const TargetColumns here = target_columns(t, first, weight.size(0));
+      // In place on the recomputed logits: softmax, minus one at the target (where this weight
+      // holds it), times the incoming gradient (zero for ignored rows), so the piece holds one
+      // [length, vocab] buffer.
       at::Tensor g = piece_logits(x_piece, weight);
       g.sub_(logsumexp.narrow(0, start, length).unsqueeze(1)).exp_();
-      g.scatter_add_(1, t.masked_fill(~counted, 0).unsqueeze(1), at::full({length, 1}, -1.0, g.options()));
+      g.scatter_add_(1, here.column.unsqueeze(1), here.here.to(at::kFloat).neg_().unsqueeze(1));
       g.mul_((counted.to(at::kFloat) * grad_total).unsqueeze(1));
       const at::Tensor g_in = g.to(x.scalar_type());
       if (want_x) {
@@ -90,14 +110,15 @@ struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinea
       }
     }
     if (grad_weight.defined()) grad_weight = grad_weight.to(weight.scalar_type());
-    return {grad_x, grad_weight, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_x, grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-}  // namespace
-
-at::Tensor chunked_linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
-                                        int64_t chunks, int64_t ignore_index) {
+// The checks of both forms, and the call: weight holds the rows [first, first + rows) of the
+// vocabulary, `group` the others (null: all of them).
+at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                int64_t chunks, int64_t ignore_index, int64_t first,
+                                const std::shared_ptr<ProcessGroup>& group) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
               "chunked_linear_cross_entropy: x has shape ", x.sizes(), " and weight ", weight.sizes(),
               "; give x [..., dim] and weight [vocab, dim]");
@@ -111,7 +132,28 @@ at::Tensor chunked_linear_cross_entropy(const at::Tensor& x, const at::Tensor& w
   const int64_t rows = rows_x.size(0);
   TORCH_CHECK(chunks >= 1 && chunks <= rows, "chunked_linear_cross_entropy: chunks=", chunks, " must be in [1, ",
               rows, "] (at most one piece per row)");
-  return ChunkedLinearCrossEntropy::apply(rows_x, weight, targets.reshape({-1}), chunks, ignore_index);
+  // A target outside the vocabulary would otherwise count as a logit of 0 (no rank holds it).
+  const int64_t vocab = group ? weight.size(0) * group->size() : weight.size(0);
+  const at::Tensor outside = (targets < 0).logical_or_(targets >= vocab).logical_and_(targets != ignore_index);
+  TORCH_CHECK(!outside.any().item<bool>(), "chunked_linear_cross_entropy: a target is outside the vocabulary [0, ",
+              vocab, ") and is not ignore_index=", ignore_index, "; give class indices the head has");
+  return ChunkedLinearCrossEntropy::apply(rows_x, weight, targets.reshape({-1}), chunks, ignore_index, first, group);
+}
+
+}  // namespace
+
+at::Tensor chunked_linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                        int64_t chunks, int64_t ignore_index) {
+  return linear_cross_entropy(x, weight, targets, chunks, ignore_index, 0, nullptr);
+}
+
+at::Tensor chunked_linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                        int64_t chunks, const tp::VocabSlice& slice, int64_t ignore_index) {
+  TORCH_CHECK(slice.group != nullptr && weight.dim() == 2 && weight.size(0) == slice.size,
+              "chunked_linear_cross_entropy: weight has shape ", weight.sizes(), " for a vocabulary slice of ",
+              slice.size, " rows", slice.group ? "" : " and no process group",
+              "; give this rank's rows of the head and the tp group holding the others (tp::vocab_slice_of)");
+  return linear_cross_entropy(x, weight, targets, chunks, ignore_index, slice.start, slice.group);
 }
 
 }  // namespace models

@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -50,11 +51,13 @@ AttentionImpl::AttentionImpl(const ModelArgs& args)
 at::Tensor AttentionImpl::forward(const at::Tensor& x) {
   const int64_t bsz = x.size(0), seq = x.size(1);
   // The heads this rank computes: all n_heads, or n_heads / tp under tensor parallelism (wq, wk
-  // and wv then produce only this rank's heads' features).
+  // and wv then produce only this rank's heads' features, and share one all-reduce of x's
+  // gradient).
   auto heads = [&](const at::Tensor& t) { return t.view({bsz, seq, -1, head_dim_}).transpose(1, 2); };
-  at::Tensor q = heads(tp::call_linear(wq, x));
-  at::Tensor k = heads(tp::call_linear(wk, x));
-  at::Tensor v = heads(tp::call_linear(wv, x));
+  const std::vector<at::Tensor> qkv = tp::call_linears_on_shared_input({wq, wk, wv}, x);
+  at::Tensor q = heads(qkv[0]);
+  at::Tensor k = heads(qkv[1]);
+  at::Tensor v = heads(qkv[2]);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
   at::Tensor future = at::ones({seq, seq}, x.options().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
@@ -105,7 +108,7 @@ at::Tensor TransformerImpl::hidden_states(const at::Tensor& tokens) {
   const int64_t seq = tokens.size(1);
   TORCH_CHECK(seq <= args_.max_seq_len, "sequence length ", seq, " > max_seq_len ", args_.max_seq_len);
   at::Tensor pos = at::arange(seq, tokens.options().dtype(at::kLong));
-  at::Tensor h = fsdp::call(dropout, fsdp::call(tok_embeddings, tokens) + fsdp::call(pos_embeddings, pos));
+  at::Tensor h = fsdp::call(dropout, tp::call_embedding(tok_embeddings, tokens) + fsdp::call(pos_embeddings, pos));
   for (size_t i = 0; i < blocks_.size(); ++i) {
     TransformerBlock& block = blocks_[i];
     h = is_block_checkpointed(static_cast<int64_t>(i)) ? fsdp::call_checkpointed(checkpoint_options_, block, h)
@@ -117,8 +120,9 @@ at::Tensor TransformerImpl::hidden_states(const at::Tensor& tokens) {
 namespace {
 
 // The logits of hidden states h: final norm, output head, in fp32 whatever the compute dtype.
+// A vocab-parallel head gives this rank's slice of the vocabulary.
 at::Tensor head_logits(torch::nn::LayerNorm& norm, torch::nn::Linear& output, const at::Tensor& h) {
-  return fsdp::call(output, fsdp::call(norm, h)).to(at::kFloat);
+  return tp::call_linear(output, fsdp::call(norm, h)).to(at::kFloat);
 }
 
 constexpr int64_t kIgnoreIndex = -100;  // cross_entropy's default
@@ -126,7 +130,9 @@ constexpr int64_t kIgnoreIndex = -100;  // cross_entropy's default
 }  // namespace
 
 at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
-  return head_logits(norm, output, hidden_states(tokens));
+  const at::Tensor logits = head_logits(norm, output, hidden_states(tokens));
+  const std::optional<tp::VocabSlice> slice = tp::vocab_slice_of(output);
+  return slice ? tp::gather_from_tp_region(logits, slice->group) : logits;
 }
 
 at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks) {
@@ -136,17 +142,24 @@ at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Ten
   TORCH_CHECK(chunks >= 1 && chunks <= seq, "forward_loss: chunks=", chunks, " must be in [1, ", seq,
               "] (at most one piece per position of the sequence)");
   at::Tensor h = hidden_states(tokens);
+  // A vocab-parallel head: this rank's logits are a slice of the vocabulary, and the loss reads
+  // the slices where they are (the logits are never gathered).
+  const std::optional<tp::VocabSlice> slice = tp::vocab_slice_of(output);
   if (chunks == 1) {
-    return torch::nn::functional::cross_entropy(head_logits(norm, output, h).reshape({-1, vocab}),
-                                                targets.reshape({-1}));
+    const at::Tensor logits = head_logits(norm, output, h);
+    if (slice) return tp::vocab_parallel_cross_entropy(logits.reshape({-1, slice->size}), targets.reshape({-1}), *slice);
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), targets.reshape({-1}));
   }
   // The output head and the loss in one autograd node (the head's weight gets one gradient),
   // run as the head's forward so that an FSDP group holding it gathers and reduces around it.
   const at::Tensor normed = fsdp::call(norm, h);
   const at::Tensor total = fsdp::call_as_forward(
       output,
-      [&output = output, chunks](const at::Tensor& x, const at::Tensor& t) {
-        return chunked_linear_cross_entropy(x, output->weight, t, chunks, kIgnoreIndex);
+      [&output = output, chunks, &slice](const at::Tensor& x, const at::Tensor& t) {
+        if (!slice) return chunked_linear_cross_entropy(x, output->weight, t, chunks, kIgnoreIndex);
+        // Each rank's piece of x's gradient comes from its slice: copy_to_tp_region sums them.
+        return chunked_linear_cross_entropy(tp::copy_to_tp_region(x, slice->group), output->weight, t, chunks,
+                                            *slice, kIgnoreIndex);
       },
       normed, targets);
   const double counted = (targets != kIgnoreIndex).sum().item<double>();

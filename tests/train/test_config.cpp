@@ -73,9 +73,15 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   EXPECT_EQ(c.fsdp_config.checkpoint_interval, 1000);
   EXPECT_EQ(c.fsdp_config.model_parallel_size, 2);
   EXPECT_NO_THROW(check_supported(c));
-  EXPECT_NO_THROW(check_model_parallel(c, 8, 4, 16));
-  expect_error([&] { check_model_parallel(c, 3, 4, 16); }, {"fsdp_config.model_parallel_size: 2", "world of 3"});
-  expect_error([&] { check_model_parallel(c, 8, 3, 15); }, {"fsdp_config.model_parallel_size: 2", "model.n_heads: 3"});
+  EXPECT_TRUE(c.fsdp_config.vocab_parallel);
+  EXPECT_NO_THROW(check_model_parallel(c, 8, 4, 16, 8));
+  expect_error([&] { check_model_parallel(c, 3, 4, 16, 8); }, {"fsdp_config.model_parallel_size: 2", "world of 3"});
+  expect_error([&] { check_model_parallel(c, 8, 3, 15, 8); }, {"fsdp_config.model_parallel_size: 2", "model.n_heads: 3"});
+  expect_error([&] { check_model_parallel(c, 8, 4, 16, 7); },
+               {"fsdp_config.model_parallel_size: 2", "fsdp_config.vocab_parallel: true", "model.vocab_size: 7",
+                "vocab_parallel: false"});
+  TrainConfig whole_head = load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.vocab_parallel=false"});
+  EXPECT_NO_THROW(check_model_parallel(whole_head, 8, 4, 16, 7));
   expect_error([] {
     check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"}));
   }, {"fsdp_config.model_parallel_size: 2", "HYBRID_SHARD", "not supported yet"});

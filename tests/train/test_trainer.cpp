@@ -435,6 +435,9 @@ std::vector<BadCase> bad_cases() {
        "fsdp_config.model_parallel_size: 3 does not divide the world of 2 rank(s)", 2},
       {"ModelParallelNotDividingHeads", "", {"--fsdp_config.model_parallel_size=2", "--model.n_heads=1"},
        "fsdp_config.model_parallel_size: 2 does not divide model.n_heads: 1", 2},
+      {"ModelParallelNotDividingVocab", "", {"--fsdp_config.model_parallel_size=2", "--model.vocab_size=7"},
+       "fsdp_config.model_parallel_size: 2 with fsdp_config.vocab_parallel: true (the default) does not divide "
+       "model.vocab_size: 7", 2},
       {"WorldSizeMismatch", "", {"--fsdp_config.world_size=4"}, "fsdp_config.world_size is 4 but the launcher started 2", 2},
       {"SeqLongerThanModel", "", {"--training.seq_len=999"}, "training.seq_len (999) is longer than model.max_seq_len (16)"},
       {"LossChunksZero", "", {"--training.loss_chunks=0"}, "training.loss_chunks: must be >= 1, got 0"},

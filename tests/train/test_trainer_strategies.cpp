@@ -149,16 +149,57 @@ TEST(TrainerStrategies, OneCheckpointCarriesARunAcrossStrategiesAndWorldSizes) {
   expect_losses_near(sharded, want, 5, "FULL_SHARD W=4 from NO_SHARD W=2");
 }
 
-// model_parallel_size: 2 at W=4 (dp 2 x tp 2) trains like one process, and its checkpoint
+// logging.summary_json's communication of one mesh dim: {kind: {calls_per_rank, ...}}.
+double per_rank(const nlohmann::json& summary, const std::string& dim, const std::string& kind,
+                const std::string& field, int rank) {
+  return summary.at("comm_by_mesh_dim").at(dim).at(kind).at(field).at(rank).get<double>();
+}
+
+// The summary splits communication by mesh dim: FSDP's all-gathers and reduce-scatters on dp,
+// the tensor-parallel layers' all-reduces on tp (4 per block: 2 in forward, 2 in backward; the
+// vocab-parallel embedding's and head's, and the loss's 2), and one all-reduce of the gradient
+// norm on each; the dims add up to the summed per-kind totals.
+void expect_dp_and_tp_split(const nlohmann::json& summary, int world, int64_t steps, int64_t blocks) {
+  EXPECT_EQ(summary.at("mesh_dim_names"), nlohmann::json({"dp", "tp"}));
+  EXPECT_EQ(summary.at("mesh_shape"), nlohmann::json({world / 2, 2}));
+  EXPECT_EQ(summary.at("model_parallel_size"), 2);
+  EXPECT_EQ(summary.at("vocab_parallel"), true);
+  for (int q = 0; q < world; ++q) {
+    SCOPED_TRACE("rank " + std::to_string(q));
+    // Forward gathers every block and the root, backward the blocks again.
+    EXPECT_EQ(per_rank(summary, "dp", "all_gather", "calls_per_rank", q), steps * (2 * blocks + 1));
+    EXPECT_EQ(per_rank(summary, "dp", "reduce_scatter", "calls_per_rank", q), steps * (blocks + 1));
+    EXPECT_EQ(per_rank(summary, "dp", "all_reduce", "calls_per_rank", q), steps);
+    EXPECT_EQ(per_rank(summary, "tp", "all_reduce", "calls_per_rank", q), steps * (4 * blocks + 4 + 1));
+    EXPECT_EQ(per_rank(summary, "tp", "all_gather", "calls_per_rank", q), 0);
+    EXPECT_EQ(per_rank(summary, "tp", "reduce_scatter", "calls_per_rank", q), 0);
+    EXPECT_GT(per_rank(summary, "tp", "all_reduce", "bytes_per_rank", q), 0);
+    EXPECT_GE(per_rank(summary, "tp", "all_reduce", "s_per_rank", q), 0);
+    for (const std::string kind : {"all_gather", "reduce_scatter", "all_reduce"}) {
+      const double dp = per_rank(summary, "dp", kind, "bytes_per_rank", q);
+      const double tp = per_rank(summary, "tp", kind, "bytes_per_rank", q);
+      EXPECT_EQ(dp + tp, summary.at(kind + "_bytes_per_rank").at(q).get<double>()) << kind;
+    }
+  }
+}
+
+// model_parallel_size: 2 at W=4 (dp 2 x tp 2) trains like one process (the embedding and head
+// split by vocabulary, the default; the loss in pieces; the head whole), and its checkpoint
 // resumes at W=2 without tensor parallelism, continuing with the same losses.
 TEST(TrainerStrategies, TensorParallelTrainsLikeOneProcessAndResumesWithoutIt) {
   const auto& want = single_process_losses();
   TempDir dir;
   const std::string tp = dir / "tp", plain = dir / "plain";
-  expect_losses_near(train(tp, 4, {}, 1, kSteps, /*model_parallel=*/2), want, 1, "dp2 x tp2 W=4");
+  expect_losses_near(train(tp, 4, {"--logging.summary_json=" + tp + "/summary.json"}, 1, kSteps, /*model_parallel=*/2),
+                     want, 1, "dp2 x tp2 W=4");
+  expect_dp_and_tp_split(nlohmann::json::parse(read_file(tp + "/summary.json")), 4, kSteps, /*tiny's blocks*/ 2);
   ASSERT_TRUE(std::filesystem::exists(tp + "/ckpt/step_4/metadata.json"));
   expect_losses_near(train(plain, 2, {"--training.resume=" + tp + "/ckpt/step_4"}), want, 5,
                      "FULL_SHARD W=2 from dp2 x tp2");
+  expect_losses_near(train(dir / "chunked", 4, {"--training.loss_chunks=3"}, 1, kSteps, 2), want, 1,
+                     "dp2 x tp2 W=4, the loss in 3 pieces");
+  expect_losses_near(train(dir / "whole_head", 4, {"--fsdp_config.vocab_parallel=false"}, 1, kSteps, 2), want, 1,
+                     "dp2 x tp2 W=4, the embedding and head whole");
 }
 
 // configs/seed002.yaml as it stands (model_parallel_size: 2, bf16, activation checkpointing,
@@ -174,7 +215,8 @@ TEST(TrainerStrategies, Seed002RunsTensorParallelAndResumesWithoutIt) {
   };
   RunResult r = seed002(4, "ckpt", {});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  EXPECT_NE(r.out.find("tensor-parallel over 2 (tp)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("tensor-parallel over 2 (tp, embedding and head split by vocabulary)"), std::string::npos)
+      << r.out;
   ASSERT_TRUE(std::filesystem::exists(dir / "ckpt/step_2/metadata.json"));
   r = seed002(2, "ckpt", {"--fsdp_config.model_parallel_size=1", "--training.resume=" + dir / "ckpt/step_2"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);

@@ -208,6 +208,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
          require(v >= 1, "must be >= 1, got " + std::to_string(v));
          f.model_parallel_size = v;
        }},
+      {"fsdp_config", "vocab_parallel", boolean(f.vocab_parallel)},
       {"fsdp_config", "checkpoint_interval", int_at_least(f.checkpoint_interval, 0)},
       {"fsdp_config", "checkpoint_dir", string(f.checkpoint_dir)},
       {"fsdp_config", "collective_timeout_s",
@@ -646,7 +647,7 @@ bool reshard_after_forward(const TrainConfig& cfg) {
                     " does not shard, so it has no reshard_after_forward");
 }
 
-void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, int64_t dim) {
+void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, int64_t dim, int64_t vocab_size) {
   const int k = cfg.fsdp_config.model_parallel_size;
   if (k == 1) return;
   const std::string key = "fsdp_config.model_parallel_size: " + std::to_string(k);
@@ -658,6 +659,11 @@ void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, in
                       "; each tensor-parallel rank computes whole heads");
   if (dim % k != 0)
     throw ConfigError(key + " does not divide model.dim: " + std::to_string(dim));
+  if (cfg.fsdp_config.vocab_parallel && vocab_size % k != 0)
+    throw ConfigError(key + " with fsdp_config.vocab_parallel: true (the default) does not divide model.vocab_size: " +
+                      std::to_string(vocab_size) + "; each tensor-parallel rank holds vocab_size / " +
+                      std::to_string(k) + " rows of the embedding and the output head, so choose a vocab_size it "
+                      "divides or set fsdp_config.vocab_parallel: false");
 }
 
 DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int local_world) {

@@ -95,6 +95,11 @@ struct FsdpConfig {
   // >= 1: tensor-parallel ranks per model copy. k > 1 trains on the mesh (world / k, k) named
   // (dp, tp): the blocks split over tp (fsdp::tp::parallelize), FSDP over dp.
   int model_parallel_size = 1;
+  // With model_parallel_size k > 1: the token embedding and the output head split by vocabulary
+  // over tp too (ParallelizeOptions::vocab_parallel), the loss computed from each rank's slice of
+  // the logits; model.vocab_size must be divisible by k. false keeps both whole on every tp rank.
+  // Without tensor parallelism there is nothing to split, and either value trains the same.
+  bool vocab_parallel = true;
   int64_t checkpoint_interval = 0;  // save every N steps; 0 = only the final export
   // Created if needed and checked for writing at start-up (rank 0), before any training.
   std::string checkpoint_dir = "./checkpoints";
@@ -259,8 +264,9 @@ struct DataParallelShape {
 DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int local_world);
 
 // Throws ConfigError naming fsdp_config.model_parallel_size when it does not divide the world,
-// or the model's n_heads or dim (each tensor-parallel rank computes whole heads).
-void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, int64_t dim);
+// or the model's n_heads or dim (each tensor-parallel rank computes whole heads), or, with
+// fsdp_config.vocab_parallel, vocab_size.
+void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, int64_t dim, int64_t vocab_size);
 
 }  // namespace train
 }  // namespace fsdp

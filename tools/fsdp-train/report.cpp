@@ -42,6 +42,29 @@ std::string duration(double s) {
   return buf;
 }
 
+// {dim name: {kind: {calls_per_rank, bytes_per_rank, s_per_rank, wait_s_per_rank}}}.
+nlohmann::json comm_by_mesh_dim(const std::vector<std::string>& dim_names, const std::vector<RankTotals>& ranks) {
+  const std::pair<const char*, double KindTotals::*> fields[] = {{"calls_per_rank", &KindTotals::calls},
+                                                                  {"bytes_per_rank", &KindTotals::bytes},
+                                                                  {"s_per_rank", &KindTotals::s},
+                                                                  {"wait_s_per_rank", &KindTotals::wait_s}};
+  nlohmann::json by_dim = nlohmann::json::object();
+  for (size_t d = 0; d < dim_names.size(); ++d) {
+    nlohmann::json by_kind = nlohmann::json::object();
+    for (int k = 0; k < kCollectiveKinds; ++k) {
+      nlohmann::json kind = nlohmann::json::object();
+      for (const auto& [name, field] : fields) {
+        std::vector<double> values;
+        for (const RankTotals& r : ranks) values.push_back(d < r.by_mesh_dim.size() ? r.by_mesh_dim[d].by_kind[k].*field : 0.0);
+        kind[name] = values;
+      }
+      by_kind[kCollectiveKindNames[k]] = kind;
+    }
+    by_dim[dim_names[d]] = by_kind;
+  }
+  return by_dim;
+}
+
 }  // namespace
 
 double now_seconds() {
@@ -62,13 +85,38 @@ std::string format_step_line(const StepReport& r) {
   return s.str();
 }
 
-std::vector<double> RankTotals::to_vector() const {
-  return {peak_rss_mib, peak_tensor_mib, median_step_s, ag_s, ag_wait_s, rs_s, rs_wait_s, ar_s, ar_wait_s,
-          ag_bytes, rs_bytes, ar_bytes, build_peak_tensor_mib};
+const char* const kCollectiveKindNames[kCollectiveKinds] = {"all_gather", "reduce_scatter", "all_reduce",
+                                                             "broadcast", "barrier"};
+
+namespace {
+constexpr size_t kScalarFields = 13;  // RankTotals' numbers before by_mesh_dim
+constexpr size_t kKindFields = 4;     // KindTotals' numbers
+}  // namespace
+
+size_t RankTotals::field_count(size_t mesh_dims) {
+  return kScalarFields + mesh_dims * kCollectiveKinds * kKindFields;
 }
 
-RankTotals RankTotals::from(const double* f) {
-  return RankTotals{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12]};
+std::vector<double> RankTotals::to_vector() const {
+  std::vector<double> v = {peak_rss_mib, peak_tensor_mib, median_step_s, ag_s, ag_wait_s, rs_s, rs_wait_s, ar_s,
+                           ar_wait_s, ag_bytes, rs_bytes, ar_bytes, build_peak_tensor_mib};
+  for (const MeshDimTotals& dim : by_mesh_dim) {
+    for (const KindTotals& k : dim.by_kind) v.insert(v.end(), {k.calls, k.bytes, k.s, k.wait_s});
+  }
+  return v;
+}
+
+RankTotals RankTotals::from(const double* f, size_t mesh_dims) {
+  RankTotals r{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], {}};
+  f += kScalarFields;
+  r.by_mesh_dim.resize(mesh_dims);
+  for (MeshDimTotals& dim : r.by_mesh_dim) {
+    for (KindTotals& k : dim.by_kind) {
+      k = KindTotals{f[0], f[1], f[2], f[3]};
+      f += kKindFields;
+    }
+  }
+  return r;
 }
 
 size_t summary_warmup_steps(int64_t summary_warmup, size_t steps) {
@@ -131,6 +179,11 @@ void write_summary_json(const std::string& path, const RunShape& shape, const Ru
     for (const RankTotals& r : s.ranks) values.push_back(r.*field);
     j[name] = values;
   }
+  j["model_parallel_size"] = shape.model_parallel_size;
+  j["vocab_parallel"] = shape.vocab_parallel;
+  j["mesh_shape"] = shape.mesh_shape;
+  j["mesh_dim_names"] = shape.mesh_dim_names;
+  j["comm_by_mesh_dim"] = comm_by_mesh_dim(shape.mesh_dim_names, s.ranks);
   std::ofstream f(path);
   f << j.dump() << "\n";
   if (!f) throw std::runtime_error(path + ": cannot write the summary (logging.summary_json)");

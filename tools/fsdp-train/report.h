@@ -38,6 +38,23 @@ struct StepReport {
   double ag_busy_s = 0, ag_wait_s = 0, rs_busy_s = 0, rs_wait_s = 0;
 };
 
+// One kind of collective on one process group, over the run, as one rank saw it.
+struct KindTotals {
+  double calls = 0;
+  double bytes = 0;   // payload bytes this rank sent
+  double s = 0;       // busy on the group's communication thread
+  double wait_s = 0;  // waited for by the training thread (exposed)
+};
+
+// The collectives of one mesh dim's process group (dp, tp, replicate, shard ...), per kind in
+// kCollectiveKindNames' order. Kept apart per dim so that a (dp, tp) run shows which
+// communication is data-parallel and which tensor-parallel.
+constexpr int kCollectiveKinds = 5;
+extern const char* const kCollectiveKindNames[kCollectiveKinds];  // "all_gather", ... as in fsdp::to_string
+struct MeshDimTotals {
+  KindTotals by_kind[kCollectiveKinds];
+};
+
 // One rank's totals over the run, for the summary.
 struct RankTotals {
   double peak_rss_mib = 0;     // VmHWM
@@ -51,9 +68,11 @@ struct RankTotals {
   // Peak of tensor bytes while the model was built and sharded (before any weights were loaded):
   // below the whole model's parameters under the sharded strategies, which build it sharded.
   double build_peak_tensor_mib = 0;
-  static constexpr int kFields = 13;
+  std::vector<MeshDimTotals> by_mesh_dim;  // one per dim of the run's mesh
+  // Flattened for the all-gather to rank 0: the same count on every rank of one mesh.
+  static size_t field_count(size_t mesh_dims);
   std::vector<double> to_vector() const;
-  static RankTotals from(const double* fields);
+  static RankTotals from(const double* fields, size_t mesh_dims);
 };
 
 // How many leading steps the summary's medians leave out: logging.summary_warmup, but at most
@@ -91,11 +110,19 @@ struct RunShape {
   // The model's ModelArgs.
   int64_t n_layers = 0, vocab_size = 0, max_seq_len = 0, dim = 0, n_heads = 0;
   double dropout_p = 0;
+  int64_t model_parallel_size = 1;
+  bool vocab_parallel = false;  // the embedding and head split by vocabulary over tp (only with model_parallel_size > 1)
+  // The mesh the collectives ran on: a name per dim (those of RankTotals::by_mesh_dim) and its sizes.
+  std::vector<std::string> mesh_dim_names;
+  std::vector<int64_t> mesh_shape;
 };
 
 // Writes shape and summary as one JSON object (the keys bench/peer_ab.py reads: world, preset,
 // params, batch, seq, steps, warmup, median_step_s, tokens_per_s, losses, step_s_rank0,
-// model_args and per-rank lists *_per_rank; and param_dtype, reduce_dtype). Throws naming path when it cannot be written.
+// model_args and per-rank lists *_per_rank, whose communication is summed over the mesh's dims;
+// and param_dtype, reduce_dtype, model_parallel_size, vocab_parallel, mesh_shape, mesh_dim_names, and
+// comm_by_mesh_dim: {dim name: {kind: {calls_per_rank, bytes_per_rank, s_per_rank,
+// wait_s_per_rank}}}, run totals). Throws naming path when it cannot be written.
 void write_summary_json(const std::string& path, const RunShape& shape, const RunSummary& s);
 
 class Console {

@@ -248,12 +248,19 @@ struct CommSeconds {
   double all_gather_bytes, reduce_scatter_bytes, all_reduce_bytes;
 };
 
-// The counters of every process group of `mesh` (one per dim: the shard group and, on a 2-D
-// mesh, the replicate group), summed.
+// The counters of each process group of `mesh`, one per dim: the shard group and, on a 2-D
+// mesh, the replicate group or (model_parallel_size > 1) the tp group, whose all-reduces the
+// tensor-parallel layers issue.
+std::vector<CollectiveStats> mesh_dim_stats(const DeviceMesh& mesh) {
+  std::vector<CollectiveStats> by_dim;
+  for (int64_t d = 0; d < mesh.ndim(); ++d) by_dim.push_back(mesh.get_group(d)->stats());
+  return by_dim;
+}
+
+// The same, summed over the dims.
 CollectiveStats mesh_stats(const DeviceMesh& mesh) {
   CollectiveStats sum;
-  for (int64_t d = 0; d < mesh.ndim(); ++d) {
-    const CollectiveStats s = mesh.get_group(d)->stats();
+  for (const CollectiveStats& s : mesh_dim_stats(mesh)) {
     for (int k = 0; k < kNumCollectiveKinds; ++k) {
       CollectiveCounters& to = sum.by_kind[k];
       const CollectiveCounters& from = s.by_kind[k];
@@ -262,6 +269,29 @@ CollectiveStats mesh_stats(const DeviceMesh& mesh) {
     }
   }
   return sum;
+}
+
+static_assert(kNumCollectiveKinds == kCollectiveKinds, "report.h names every kind of collective");
+
+// One mesh dim's collectives between two snapshots of its group's counters, per kind.
+MeshDimTotals dim_totals(const CollectiveStats& before, const CollectiveStats& after) {
+  MeshDimTotals t;
+  for (int k = 0; k < kNumCollectiveKinds; ++k) {
+    const CollectiveCounters &b = before.by_kind[k], &a = after.by_kind[k];
+    t.by_kind[k] = KindTotals{static_cast<double>(a.calls - b.calls), static_cast<double>(a.bytes_sent - b.bytes_sent),
+                              1e-9 * static_cast<double>(a.busy_ns - b.busy_ns),
+                              1e-9 * static_cast<double>(a.blocked_ns - b.blocked_ns)};
+  }
+  return t;
+}
+
+// The names the summary gives the mesh's dims: the mesh's own, or "dp" for the trainer's
+// unnamed 1-D data-parallel mesh.
+std::vector<std::string> dim_labels(const DeviceMesh& mesh) {
+  if (!mesh.dim_names().empty()) return mesh.dim_names();
+  std::vector<std::string> labels;
+  for (int64_t d = 0; d < mesh.ndim(); ++d) labels.push_back(mesh.ndim() == 1 ? "dp" : "dim" + std::to_string(d));
+  return labels;
 }
 
 // A number for a message: NaN and infinities spelled out (a stream writes "-nan").
@@ -380,6 +410,7 @@ class Run {
   std::string save_error_;         // this rank's failed background save, as poll() reported it
   std::vector<double> losses_, step_times_;
   CollectiveStats comm_before_;
+  std::vector<CollectiveStats> comm_before_by_dim_;
 };
 
 void Run::set_up() {
@@ -395,7 +426,7 @@ void Run::set_up() {
 
   join_job(env);
   check_checkpoint_dir();
-  check_model_parallel(cfg_, world_, args_.n_heads, args_.dim);
+  check_model_parallel(cfg_, world_, args_.n_heads, args_.dim, args_.vocab_size);
   shape_ = data_parallel_shape(cfg_, world_, env.local_world_size);
   tp_ = cfg_.fsdp_config.model_parallel_size;
   if (tp_ > 1) {
@@ -512,8 +543,9 @@ void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::opt
 }
 
 // model_parallel_size k > 1: each block is split over tp as soon as it is built (the Megatron
-// plan: fsdp::tp::parallelize), then sharded over dp; the embeddings, final norm and head stay
-// whole over tp and are sharded over dp by the root.
+// plan: fsdp::tp::parallelize), then sharded over dp; with vocab_parallel the token embedding
+// and the output head are split by vocabulary over tp; the root shards what it holds (the
+// embeddings, the final norm, the head) over dp.
 void Run::build_tensor_parallel_model(FullyShardOptions block_options, FullyShardOptions root_options) {
   const auto dp_dims = DataParallelMeshDims().shard("dp");
   block_options.dp_mesh_dims(dp_dims);
@@ -523,6 +555,7 @@ void Run::build_tensor_parallel_model(FullyShardOptions block_options, FullyShar
     tp::parallelize_block(*block, args_, tp_mesh);
     fully_shard(block, block_options);
   });
+  if (cfg_.fsdp_config.vocab_parallel) tp::parallelize_vocab(*model_, tp_mesh);
   tp::register_replicated(*model_, tp_mesh);
   fully_shard(model_, root_options);
 }
@@ -644,7 +677,10 @@ std::string Run::data_parallel_description() const {
   if (replicated_.valid()) return "replicated on " + std::to_string(world_) + " rank(s), " + strategy;
   std::string where = "sharded over " + std::to_string(shape_.shard) + " rank(s)";
   if (shape_.hybrid) where += " in each of " + std::to_string(shape_.replicate) + " replicas";
-  if (tp_ > 1) where += " (dp) x tensor-parallel over " + std::to_string(tp_) + " (tp)";
+  if (tp_ > 1) {
+    where += " (dp) x tensor-parallel over " + std::to_string(tp_) + " (tp";
+    where += cfg_.fsdp_config.vocab_parallel ? ", embedding and head split by vocabulary)" : ", embedding and head whole)";
+  }
   return where + ", " + strategy;
 }
 
@@ -693,6 +729,7 @@ int Run::train() {
     trace::set_thread_name("train");
   }
   comm_before_ = mesh_stats(mesh_);
+  comm_before_by_dim_ = mesh_dim_stats(mesh_);
   const int64_t interval = cfg_.fsdp_config.checkpoint_interval;
   for (int64_t step = start_step_ + 1; step <= cfg_.training.steps; ++step) {
     StepReport r = compute_step(step);
@@ -979,6 +1016,8 @@ RankTotals Run::my_totals(size_t warmup) const {
   mine.ar_s = comm.all_reduce, mine.ar_wait_s = comm.all_reduce_wait;
   mine.ag_bytes = comm.all_gather_bytes, mine.rs_bytes = comm.reduce_scatter_bytes;
   mine.ar_bytes = comm.all_reduce_bytes;
+  const std::vector<CollectiveStats> now = mesh_dim_stats(mesh_);
+  for (size_t d = 0; d < now.size(); ++d) mine.by_mesh_dim.push_back(dim_totals(comm_before_by_dim_.at(d), now[d]));
   return mine;
 }
 
@@ -994,6 +1033,10 @@ RunShape Run::run_shape() {
   s.param_dtype = to_string(precision_.param), s.reduce_dtype = to_string(precision_.reduce);
   s.n_layers = args_.n_layers, s.vocab_size = args_.vocab_size, s.max_seq_len = args_.max_seq_len;
   s.dim = args_.dim, s.n_heads = args_.n_heads, s.dropout_p = args_.dropout_p;
+  s.model_parallel_size = tp_;
+  s.vocab_parallel = tp_ > 1 && cfg_.fsdp_config.vocab_parallel;
+  s.mesh_dim_names = dim_labels(mesh_);
+  s.mesh_shape = mesh_.shape();
   return s;
 }
 
@@ -1006,7 +1049,8 @@ void Run::write_summary(int64_t steps_run) {
   const RankTotals mine = my_totals(s.warmup);
   const std::vector<double> all = all_gather_numbers(mine.to_vector());
   if (rank_ != 0) return;
-  for (int q = 0; q < world_; ++q) s.ranks.push_back(RankTotals::from(all.data() + q * RankTotals::kFields));
+  const size_t dims = mine.by_mesh_dim.size(), fields = RankTotals::field_count(dims);
+  for (int q = 0; q < world_; ++q) s.ranks.push_back(RankTotals::from(all.data() + q * fields, dims));
   s.median_step_s = mine.median_step_s;
   s.tokens_per_s = static_cast<double>(tokens_per_step()) / mine.median_step_s;
   s.losses = losses_;

@@ -22,6 +22,9 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kBarrierPollMs = 50;       // store polling while waiting for other agents
 constexpr double kExitBarrierS = 30.0;   // node 0 keeps the store up this long at most
+// After a failure, how much longer than a monitor interval plus the stop grace period an agent
+// waits for the other nodes' flight-recorder dumps.
+constexpr double kFlightGatherMarginS = 5.0;
 // The supervision loop wakes for worker output, SIGCHLD, stop signals and news from the
 // other nodes; this is only a safety net, should a wake-up ever be lost.
 constexpr int kSupervisionWakeMs = 1000;
@@ -336,9 +339,55 @@ void Agent::continue_stopped_workers(WorkerGroup& group) {
 
 void Agent::report_flight_recorder(const WorkerGroup& group, int k) {
   for (const auto& [rank, how] : group.exits()) flight_status_[rank].exit = how;
-  std::istringstream lines(diagnose_dir(flight_recorder_attempt_dir(flight_dir_, k), flight_status_, opt_.world_size()));
+  const std::string dir = flight_recorder_attempt_dir(flight_dir_, k);
+  if (several_nodes()) gather_flight_dumps(k, dir);
+  std::istringstream lines(diagnose_dir(dir, flight_status_, opt_.world_size()));
   for (std::string line; std::getline(lines, line);) say(line);
   flight_status_.clear();
+}
+
+void Agent::gather_flight_dumps(int k, const std::string& dir) {
+  std::vector<int> local_ranks;
+  for (int local = 0; local < opt_.nproc_per_node; ++local) local_ranks.push_back(opt_.node_rank * opt_.nproc_per_node + local);
+  try {
+    store_->share_flight_dumps(k, opt_.node_rank, pack_node_dumps(dir, local_ranks, flight_status_));
+  } catch (const std::exception& e) {
+    say(std::string("flight recorder: cannot share this node's dumps with the other nodes: ") + e.what());
+    return;
+  }
+  // The other nodes hear of the failure within a monitor interval and give their workers the
+  // grace period to dump and end before they share.
+  const double wait_s = opt_.monitor_interval_s + opt_.stop_grace_s + kFlightGatherMarginS;
+  const auto deadline = Clock::now() + seconds(wait_s);
+  std::vector<int> missing;
+  for (int node = 0; node < opt_.nnodes; ++node) {
+    if (node != opt_.node_rank) missing.push_back(node);
+  }
+  while (!missing.empty()) {
+    try {
+      std::vector<int> still_missing;
+      for (int node : missing) {
+        auto document = store_->flight_dumps(k, node);
+        if (document) unpack_node_dumps(*document, dir, &flight_status_);
+        else still_missing.push_back(node);
+      }
+      missing = std::move(still_missing);
+    } catch (const std::exception& e) {
+      say(std::string("flight recorder: cannot fetch the other nodes' dumps: ") + e.what());
+      return;
+    }
+    if (missing.empty() || Clock::now() >= deadline) break;
+    nap(kBarrierPollMs);
+    if (stop_requested()) break;  // asked to leave: diagnose with what is here
+  }
+  for (int node : missing) {
+    const int first = node * opt_.nproc_per_node, last = first + opt_.nproc_per_node - 1;
+    say("flight recorder: node " + std::to_string(node) + " shared no dumps within " + format_seconds(wait_s) +
+        " (its fsdprun is gone or still stopping its workers): " +
+        (first == last ? "rank " + std::to_string(first) + " is"
+                       : "ranks " + std::to_string(first) + "-" + std::to_string(last) + " are") +
+        " diagnosed without them");
+  }
 }
 
 // SIGUSR1: every worker dumps and goes on; the diagnosis is a snapshot of a running job.

@@ -62,6 +62,9 @@ class Agent {
   void note_stopped_workers(WorkerGroup& group);
   void continue_stopped_workers(WorkerGroup& group);
   void report_flight_recorder(const WorkerGroup& group, int k);
+  // Several nodes: shares this node's dumps through the store and fetches the other nodes'
+  // into `dir` (waiting, bounded, for nodes still stopping their workers).
+  void gather_flight_dumps(int k, const std::string& dir);
   void serve_dump_request(WorkerGroup& group, int k);
 
   std::string flight_dir_;     // base folder of the dumps (flight_recorder_base_dir)

@@ -222,6 +222,19 @@ void AgentStore::mark_shutdown(const std::string& why) {
 }
 std::optional<std::string> AgentStore::shutdown() { return get_if_set("/fsdprun/shutdown"); }
 
+namespace {
+std::string flight_key(int attempt, int node) {
+  return key(attempt, "flight_dumps/node_") + std::to_string(node);
+}
+}  // namespace
+
+void AgentStore::share_flight_dumps(int attempt, int node, const std::string& document) {
+  guarded(kLostStore, [&] { store_->set(flight_key(attempt, node), bytes(document)); });
+}
+std::optional<std::string> AgentStore::flight_dumps(int attempt, int node) {
+  return get_if_set(flight_key(attempt, node));
+}
+
 void AgentStore::register_agent() { counter("/fsdprun/agents", 1); }
 void AgentStore::mark_exited() { counter("/fsdprun/exited", 1); }
 bool AgentStore::all_exited() { return counter("/fsdprun/exited", 0) >= counter("/fsdprun/agents", 0); }

@@ -53,6 +53,10 @@ class AgentStore {
   // No more restarts anywhere (an agent was interrupted or cannot start its workers).
   void mark_shutdown(const std::string& why);
   std::optional<std::string> shutdown();
+  // The flight-recorder dumps of node N's ranks for attempt K (flight_dumps.h's document),
+  // shared once that node's workers are gone after a failure.
+  void share_flight_dumps(int attempt, int node, const std::string& document);
+  std::optional<std::string> flight_dumps(int attempt, int node);
   // Lets node 0 keep the store up until every registered agent has read its final
   // answer (an agent that never came does not keep it waiting).
   void mark_exited();

@@ -1,5 +1,7 @@
 #include "flight_dumps.h"
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -9,6 +11,7 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 namespace fsdprun {
@@ -66,6 +69,65 @@ std::string diagnose_dir(const std::string& dir, const std::map<int, RankStatus>
   for (const auto& p : problems) out += "\nflight recorder: could not read " + p;
   out += "\nflight recorder: dumps in " + dir;
   return out;
+}
+
+namespace {
+
+std::string rank_dump_path(const std::string& dir, int rank) {
+  return dir + "/rank_" + std::to_string(rank) + ".json";
+}
+
+std::optional<std::string> read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Written under a temporary name and renamed, so that a reader never sees half a dump.
+void write_dump(const std::string& dir, int rank, const std::string& text) {
+  fs::create_directories(dir);
+  const std::string path = rank_dump_path(dir, rank);
+  const std::string partial = path + ".from-peer." + std::to_string(getpid());
+  {
+    std::ofstream out(partial, std::ios::binary);
+    out << text;
+    if (!out) throw std::runtime_error("cannot write " + partial);
+  }
+  fs::rename(partial, path);
+}
+
+}  // namespace
+
+std::string pack_node_dumps(const std::string& dir, const std::vector<int>& ranks,
+                            const std::map<int, RankStatus>& status) {
+  nlohmann::json doc = nlohmann::json::array();
+  for (int rank : ranks) {
+    nlohmann::json r = {{"rank", rank}};
+    if (auto text = read_text(rank_dump_path(dir, rank))) r["dump"] = *text;
+    if (auto it = status.find(rank); it != status.end()) {
+      r["exit"] = it->second.exit;
+      r["stopped"] = it->second.stopped;
+    }
+    doc.push_back(std::move(r));
+  }
+  return doc.dump();
+}
+
+void unpack_node_dumps(const std::string& document, const std::string& dir, std::map<int, RankStatus>* status) {
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(document);
+    for (const auto& r : doc) {
+      const int rank = r.at("rank").get<int>();
+      if (r.contains("exit")) (*status)[rank] = {r.at("exit").get<std::string>(), r.value("stopped", false)};
+      if (r.contains("dump") && !fs::exists(rank_dump_path(dir, rank)))
+        write_dump(dir, rank, r.at("dump").get<std::string>());
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(std::string("not a node's flight-recorder dumps: ") + e.what());
+  }
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 #include <sys/types.h>
 
 namespace fsdprun {
@@ -30,6 +31,17 @@ bool wait_for_dumps(const std::string& dir, int ranks, int64_t since_us, int tim
 // The diagnosis of the dumps in `dir`, as lines to print (see diagnose()), with a last line
 // naming the folder. Never throws: problems reading the dumps are lines of their own.
 std::string diagnose_dir(const std::string& dir, const std::map<int, RankStatus>& status, int world_size);
+
+// Several nodes: each node's fsdprun shares its ranks' dumps with the others through the agent
+// store, so that every node diagnoses the whole job and keeps every rank's dump on its disk.
+// The document holds, for each of `ranks` whose dump is in `dir`, the dump's text and what
+// this fsdprun knows of the rank (status; ranks without a dump are listed with their status).
+std::string pack_node_dumps(const std::string& dir, const std::vector<int>& ranks,
+                            const std::map<int, RankStatus>& status);
+// Writes the dumps of another node's document into `dir` as rank_R.json (unless that file is
+// there already, as on a folder shared by the nodes) and adds its ranks' status to `status`.
+// Throws std::runtime_error naming what is wrong with a malformed document.
+void unpack_node_dumps(const std::string& document, const std::string& dir, std::map<int, RankStatus>* status);
 
 // fsdprun --dump PID: sends SIGUSR1 to that fsdprun (it asks its workers for dumps and keeps
 // running), waits for the dumps and prints the diagnosis. Returns the exit status: 0, or 1 when

@@ -14,6 +14,8 @@
 // matmul of the head per piece in backward.
 #pragma once
 
+#include <fsdp/tensor_parallel.h>
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -31,6 +33,16 @@ namespace models {
 // unless 1 <= chunks <= rows, or for mismatched shapes or dtypes.
 at::Tensor chunked_linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
                                         int64_t chunks, int64_t ignore_index = -100);
+// The same for an output head split by vocabulary over tensor parallelism (a vocab-parallel head,
+// fsdp/tensor_parallel.h): weight is this rank's rows [slice.start, slice.start + slice.size) of
+// the whole head, targets index the whole vocabulary, and the result is the whole vocabulary's
+// loss sum, the same on every rank of slice.group. Each rank computes only its slice's logits;
+// after the pieces, two all-reduces of a few bytes a row combine the ranks' log-sum-exps and
+// target logits (tp::combine_vocab_parallel_rows); backward communicates nothing. x's gradient
+// is this rank's part (from its slice of the logits): pass x through tp::copy_to_tp_region first,
+// which sums the parts over tp in backward. Collective over slice.group, in forward.
+at::Tensor chunked_linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& targets,
+                                        int64_t chunks, const tp::VocabSlice& slice, int64_t ignore_index = -100);
 
 }  // namespace models
 }  // namespace fsdp
