@@ -191,9 +191,7 @@ TEST(Plan, AHeadGroupGathersOnceAndIsFreedBeforeTheBlocksBackward) {
 ModelSpec tensor_parallel_blocks() {
   ModelSpec m = root_and_block();
   m.tensor_parallel = 2;
-  m.stages[1].tp_all_reduces_forward = 2;
-  m.stages[1].tp_all_reduces_backward = 4;
-  m.stages[1].tp_all_reduce_bytes = 100 * 1024;
+  m.stages[1].tp_all_reduces = {{2, 4, 100 * 1024}};
   return m;
 }
 
@@ -300,19 +298,56 @@ TEST(PlanTransformer, TensorParallelBlocksHoldTheirPiecesAndAllReduceTheirActiva
   // wq, wk, wv, wo: D^2 / 2 each; w1, w2: 4 D^2 / 2 each; w1's bias 4 D / 2; w2's bias and the
   // two norms' weights and biases whole (5 D).
   EXPECT_EQ(block, 4 * 64 / 2 + 2 * 4 * 64 / 2 + 4 * 8 / 2 + 5 * 8);
-  int64_t root = 0;
-  for (const ParamSpec& p : m.groups[0].params) root += p.numel();
-  EXPECT_EQ(root, 2 * 50 * 8 + 20 * 8 + 2 * 8);  // the embeddings and the head stay whole
+  auto root_numel = [](const ModelSpec& spec) {
+    int64_t n = 0;
+    for (const ParamSpec& p : spec.groups[0].params) n += p.numel();
+    return n;
+  };
+  // The token embedding and the head split by vocabulary (25 rows each), the positions and the
+  // final norm whole.
+  EXPECT_EQ(root_numel(m), 2 * 25 * 8 + 20 * 8 + 2 * 8);
   // N = 20 rows: 4 N D whole and 12 N D / 2 split, the probabilities B H T^2 / 2, fp32; the mask
   // and the norms' statistics.
   const double N = 20;
   const StageSpec& s = m.stages[1];
   EXPECT_DOUBLE_EQ(s.saved_bytes, 4 * (4 * N * 8 + 6 * N * 8 + 2 * 2 * 10 * 10 / 2) + 10 * 10 + 2 * 2 * N * 4);
-  EXPECT_EQ(s.tp_all_reduces_forward, 2);
-  EXPECT_EQ(s.tp_all_reduces_backward, 4);
-  EXPECT_DOUBLE_EQ(s.tp_all_reduce_bytes, 4 * N * 8);
-  EXPECT_EQ(m.stages[0].tp_all_reduces_forward + m.stages.back().tp_all_reduces_backward, 0);
+  // Two all-reduces of the [N, D] activations in forward (wo, w2), two of their gradients in
+  // backward (the shared input of wq, wk and wv; w1's).
+  ASSERT_EQ(s.tp_all_reduces.size(), 1u);
+  EXPECT_EQ(s.tp_all_reduces[0].forward, 2);
+  EXPECT_EQ(s.tp_all_reduces[0].backward, 2);
+  EXPECT_DOUBLE_EQ(s.tp_all_reduces[0].bytes, 4 * N * 8);
+  // The embedding all-reduces its output; the head its input's gradient and the loss its rows'
+  // maximum (4 bytes) and sum of exponentials with the target's logit (8 bytes).
+  ASSERT_EQ(m.stages[0].tp_all_reduces.size(), 1u);
+  EXPECT_EQ(m.stages[0].tp_all_reduces[0].forward, 1);
+  EXPECT_DOUBLE_EQ(m.stages[0].tp_all_reduces[0].bytes, 4 * N * 8);
+  const StageSpec& head = m.stages.back();
+  ASSERT_EQ(head.tp_all_reduces.size(), 3u);
+  EXPECT_EQ(head.tp_all_reduces[0].backward, 1);
+  EXPECT_DOUBLE_EQ(head.tp_all_reduces[1].bytes + head.tp_all_reduces[2].bytes, 12 * N);
+  // The slice's fp32 logits kept ([N, 25]), one gradient of them in backward.
+  EXPECT_DOUBLE_EQ(head.saved_bytes, 4 * N * 8 + 4 * N * 25 + 2 * N * 4 + 4 * N);
+  EXPECT_DOUBLE_EQ(head.backward_extra_bytes, 4 * N * 25);
+  EXPECT_DOUBLE_EQ(head.forward_flops, 2 * N * 8 * 25);
+  // Per micro-batch on the tp group: 2 + 2 per block, 1 at the embedding, 3 at the head.
+  const Plan p = plan(m, PlanOptions().world(2).constants(no_time()));
+  int64_t tp_all_reduces = 0;
+  for (const Collectives& x : p.ranks[0].collectives)
+    if (x.mesh == "tp") tp_all_reduces += x.count;
+  EXPECT_EQ(tp_all_reduces, 2 * 4 + 1 + 3);
+
+  tp.vocab_parallel = false;  // the embeddings and the head whole, no all-reduce outside the blocks
+  const ModelSpec whole = transformer_spec(t, a, tp);
+  EXPECT_EQ(root_numel(whole), 2 * 50 * 8 + 20 * 8 + 2 * 8);
+  EXPECT_TRUE(whole.stages[0].tp_all_reduces.empty());
+  EXPECT_TRUE(whole.stages.back().tp_all_reduces.empty());
   tp.tensor_parallel = 4;  // does not divide n_heads 2
+  EXPECT_THROW(transformer_spec(t, a, tp), std::invalid_argument);
+  t.n_heads = 4;
+  t.vocab_size = 50;  // 4 does not divide it: refused only with the vocabulary split
+  EXPECT_NO_THROW(transformer_spec(t, a, tp));
+  tp.vocab_parallel = true;
   EXPECT_THROW(transformer_spec(t, a, tp), std::invalid_argument);
 }
 

@@ -56,6 +56,16 @@ struct GroupSpec {
   bool reshard_after_forward = true;
 };
 
+// All-reduces of one size on the tp group that a stage runs per micro-batch: in its forward, in
+// its backward, and the forward's again when a checkpointed stage recomputes it (recomputed =
+// false for those outside the recomputed part, such as the loss's).
+struct TpAllReduce {
+  int64_t forward = 0;
+  int64_t backward = 0;
+  double bytes = 0;
+  bool recomputed = true;
+};
+
 // One part of forward, in forward order, run by one group's module (the root's embeddings and
 // its output head are two stages of group 0). Bytes are per micro-batch, in the dtypes the stage
 // computes in.
@@ -74,11 +84,8 @@ struct StageSpec {
   double forward_flops = 0;          // matmul FLOPs of one forward (all pieces), on this rank
   double other_bytes_moved = 0;      // bytes the non-matmul operations of one forward read and write
   bool elementwise_in_fp32 = false;  // those run in fp32 whatever the compute dtype (the loss)
-  // Tensor parallelism: the all-reduces on the tp group of one forward and of one backward (a
-  // checkpointed stage's recomputation repeats the forward's), each of tp_all_reduce_bytes.
-  int64_t tp_all_reduces_forward = 0;
-  int64_t tp_all_reduces_backward = 0;
-  double tp_all_reduce_bytes = 0;
+  // Tensor parallelism: the stage's all-reduces on the tp group, by size.
+  std::vector<TpAllReduce> tp_all_reduces;
 };
 
 struct ModelSpec {
@@ -97,6 +104,7 @@ struct TransformerShape {
 struct TransformerSharding {
   bool output_head_group = false;  // the final norm and the output head a group of their own
   int64_t tensor_parallel = 1;     // the blocks split over this many tp ranks (fsdp::tp::parallelize)
+  bool vocab_parallel = true;      // with tensor_parallel > 1: the embedding and head split by vocabulary too
 };
 struct ActivationOptions {
   int64_t micro_batch = 1;       // rows per rank per micro-batch
@@ -111,9 +119,12 @@ struct ActivationOptions {
 // holding the final norm and the head, kept gathered from its forward to its backward). With
 // tensor_parallel k each block holds its Megatron pieces (wq, wk, wv, w1 split by rows, wo, w2 by
 // columns, the norms and w2's bias whole) and all-reduces its activations on the tp group twice in
-// forward and four times in backward; the embeddings and the head stay whole. Throws
+// forward and twice in backward. With vocab_parallel the token embedding and the head hold
+// vocab_size / k rows: the embedding all-reduces its output, the head its input's gradient, and
+// the loss two numbers per row (the vocab-parallel cross-entropy); without it they stay whole. Throws
 // std::invalid_argument for sizes the model refuses (dim not divisible by n_heads, loss_chunks
-// outside [1, seq], seq > max_seq_len, a tp size that does not divide n_heads and dim).
+// outside [1, seq], seq > max_seq_len, a tp size that does not divide n_heads and dim, or with
+// vocab_parallel the vocabulary).
 ModelSpec transformer_spec(const TransformerShape& shape, const ActivationOptions& activations,
                            const TransformerSharding& sharding = {});
 

@@ -213,8 +213,8 @@ class StepReplay {
     double tp = 0;  // the tp group's, grown to its largest all-reduce
     if (m_.tensor_parallel > 1)
       for (const StageSpec& s : m_.stages)
-        if (s.tp_all_reduces_forward + s.tp_all_reduces_backward > 0)
-          tp = std::max(tp, all_reduce(s.tp_all_reduce_bytes, m_.tensor_parallel));
+        for (const TpAllReduce& x : s.tp_all_reduces)
+          if (x.forward + x.backward > 0) tp = std::max(tp, all_reduce(x.bytes, m_.tensor_parallel));
     if (o_.no_shard_) {
       if (o_.world_ == 1) return 0;
       double total = 0;
@@ -483,11 +483,16 @@ std::vector<Collectives> collectives_of(const ModelSpec& m, const PlanOptions& o
   }
   if (m.tensor_parallel > 1) {
     for (const StageSpec& s : m.stages) {
-      // A checkpointed stage runs its forward again in backward, all-reduces included.
-      const int64_t per_micro = s.tp_all_reduces_forward * (s.checkpointed ? 2 : 1) + s.tp_all_reduces_backward;
-      if (per_micro == 0) continue;
-      out.push_back({label(s.name), "all_reduce", "tp", per_micro * k,
-                     static_cast<int64_t>(std::llround(per_micro * k * s.tp_all_reduce_bytes))});
+      int64_t count = 0;
+      double bytes = 0;
+      for (const TpAllReduce& x : s.tp_all_reduces) {
+        // A checkpointed stage runs its forward again in backward, all-reduces included.
+        const int64_t per_micro = x.forward * (s.checkpointed && x.recomputed ? 2 : 1) + x.backward;
+        count += per_micro;
+        bytes += per_micro * x.bytes;
+      }
+      if (count == 0) continue;
+      out.push_back({label(s.name), "all_reduce", "tp", count * k, static_cast<int64_t>(std::llround(k * bytes))});
     }
   }
   return out;

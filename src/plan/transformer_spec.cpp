@@ -14,6 +14,8 @@
 //   gradients while most of the feed-forward's activations are gone).
 //   The head keeps the final norm's output (N D) and the fp32 log-softmax (4 N V); its backward
 //   adds the loss's and the log-softmax's gradients (8 N V) before the output head's gradient.
+//   Split by vocabulary over k tp ranks, V is the rank's V / k rows, the log-softmax is replaced
+//   by the fp32 logits themselves, and backward makes one gradient of them.
 // The trainer's own measurements (docs/benchmarks.md, "Planner accuracy") check these.
 #include <fsdp/plan.h>
 
@@ -30,9 +32,10 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("fsdp::plan::transformer_spec: " + what);
 }
 
-// The root: the embeddings, and the final norm and head unless they are a group of their own.
-GroupSpec root_group(const TransformerShape& t, bool with_head) {
-  const int64_t V = t.vocab_size, D = t.dim, S = t.max_seq_len;
+// The root: the embeddings, and the final norm and head unless they are a group of their own; a
+// vocab-parallel token embedding and head hold this tp rank's rows of the vocabulary.
+GroupSpec root_group(const TransformerShape& t, bool with_head, int64_t vocab_split) {
+  const int64_t V = t.vocab_size / vocab_split, D = t.dim, S = t.max_seq_len;
   GroupSpec g{"", {{"tok_embeddings.weight", {V, D}}, {"pos_embeddings.weight", {S, D}}}};
   if (with_head) g.params.insert(g.params.end(), {{"norm.weight", {D}}, {"norm.bias", {D}}, {"output.weight", {V, D}}});
   return g;
@@ -77,6 +80,9 @@ void check_sizes(const TransformerShape& t, const ActivationOptions& a, const Tr
               " and dim " + std::to_string(t.dim) + " (each tp rank computes whole heads)");
   require(k == 1 || !s.output_head_group,
           "output_head_group with tensor_parallel > 1: the tensor-parallel model shards its head with the root");
+  require(k == 1 || !s.vocab_parallel || t.vocab_size % k == 0,
+          "vocab_parallel with tensor_parallel " + std::to_string(k) + ": it does not divide vocab_size " +
+              std::to_string(t.vocab_size) + " (each tp rank holds vocab_size / tp rows)");
 }
 
 // A block's activations (see the top of the file), with its attention heads and feed-forward
@@ -108,11 +114,9 @@ StageSpec block_stage(const TransformerShape& t, const ActivationOptions& a, int
                                          : c * std::max(0.0, P - (2 + 8 / kd) * ND);
   b.forward_flops = (2 * N * 12 * D * D + 4 * B * T * T * D) / kd;
   b.other_bytes_moved = b.saved_bytes * 2 + c * 4 * P;
-  if (k > 1) {  // wo and w2 all-reduce their outputs; wq, wk, wv and w1 their input gradients
-    b.tp_all_reduces_forward = 2;
-    b.tp_all_reduces_backward = 4;
-    b.tp_all_reduce_bytes = c * ND;
-  }
+  // wo and w2 all-reduce their outputs; wq, wk and wv (which share their input) and w1 their
+  // input's gradients.
+  if (k > 1) b.tp_all_reduces.push_back({2, 2, c * ND});
   return b;
 }
 
@@ -121,13 +125,15 @@ StageSpec block_stage(const TransformerShape& t, const ActivationOptions& a, int
 ModelSpec transformer_spec(const TransformerShape& t, const ActivationOptions& a, const TransformerSharding& s) {
   check_sizes(t, a, s);
   const double c = static_cast<double>(bytes_of(a.compute));
-  const double B = a.micro_batch, T = a.seq, D = t.dim, V = t.vocab_size;
+  const bool split_vocab = s.tensor_parallel > 1 && s.vocab_parallel;
+  const int64_t vocab_split = split_vocab ? s.tensor_parallel : 1;
+  const double B = a.micro_batch, T = a.seq, D = t.dim, V = static_cast<double>(t.vocab_size / vocab_split);
   const double N = B * T, ND = N * D;
   const bool dropout = t.dropout_p > 0;
 
   ModelSpec m;
   m.tensor_parallel = static_cast<int>(s.tensor_parallel);
-  m.groups.push_back(root_group(t, !s.output_head_group));
+  m.groups.push_back(root_group(t, !s.output_head_group, vocab_split));
   for (int64_t i = 0; i < t.n_layers; ++i) m.groups.push_back(block_group(t, i, s.tensor_parallel));
   if (s.output_head_group) m.groups.push_back(head_group(t));
   // The global batch (int64, seq + 1 columns) every rank draws, and its micro-batch's inputs
@@ -143,6 +149,13 @@ ModelSpec transformer_spec(const TransformerShape& t, const ActivationOptions& a
   emb.forward_extra_bytes = c * (ND + T * D);
   emb.backward_extra_bytes = c * ND;
   emb.other_bytes_moved = 3 * c * ND;
+  if (split_vocab) {
+    // Each rank looks up the tokens in its rows, zeroes the others' (a copy, and its mask kept
+    // for backward, which zeroes the gradient the same way) and all-reduces the sum.
+    emb.saved_bytes += N;
+    emb.backward_extra_bytes += c * ND;
+    emb.tp_all_reduces.push_back({1, 0, c * ND});
+  }
   m.stages.push_back(emb);
 
   for (int64_t i = 0; i < t.n_layers; ++i) m.stages.push_back(block_stage(t, a, i, s.tensor_parallel));
@@ -158,6 +171,20 @@ ModelSpec transformer_spec(const TransformerShape& t, const ActivationOptions& a
   head.saved_bytes = c * Np * D + 4 * Np * V + 2 * Np * 4;
   head.backward_extra_bytes = 8 * Np * V;
   head.forward_extra_bytes = head.checkpointed ? c * Np * D + 8 * Np * V : 4 * Np * V;
+  if (split_vocab) {
+    // The vocab-parallel loss keeps the fp32 logits of the rank's slice and each row's
+    // log-sum-exp instead of a log-softmax; its backward makes one gradient of the logits (and,
+    // below fp32, its cast to the compute dtype). Forward all-reduces each row's maximum (4 bytes)
+    // and its sum of exponentials with its target's logit (8 bytes), once, outside any
+    // recomputation; backward all-reduces the head input's gradient.
+    if (!head.checkpointed) {
+      head.saved_bytes += 4 * N;
+      head.backward_extra_bytes = 4 * N * V + (c < 4 ? c * N * V : 0);
+    }
+    head.tp_all_reduces.push_back({0, 1, c * ND, false});
+    head.tp_all_reduces.push_back({1, 0, 4 * N, false});
+    head.tp_all_reduces.push_back({1, 0, 8 * N, false});
+  }
   // In pieces, forward keeps the final norm's whole output, its statistics and each row's
   // log-sum-exp (chunked_linear_cross_entropy), and recomputes the logits piece by piece.
   head.output_bytes = head.checkpointed ? c * ND + 4 * N + 2 * N * 4 : 0;

@@ -69,6 +69,7 @@ TEST(PlanCli, PredictsTheTrainersPeakAtTwoRanksWithMixedPrecisionAndCheckpointin
 
 TEST(PlanCli, PredictsTheTrainersPeakWithTensorParallelism) {
   expect_within_ten_percent(2, {"--fsdp_config.model_parallel_size=2"});
+  expect_within_ten_percent(2, {"--fsdp_config.model_parallel_size=2", "--fsdp_config.vocab_parallel=false"});
 }
 
 TEST(PlanCli, PredictsTheTrainersPeakWithTheOutputHeadAsAGroupOfItsOwn) {

@@ -187,8 +187,9 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
              m.dropout_p.value_or(preset.dropout_p)};
   const auto& t = cfg.training;
   const int local = a.local_world > 0 ? a.local_world : a.world;
-  check_model_parallel(cfg, a.world, q.shape.n_heads, q.shape.dim);
+  check_model_parallel(cfg, a.world, q.shape.n_heads, q.shape.dim, q.shape.vocab_size);
   q.sharding.tensor_parallel = f.model_parallel_size;
+  q.sharding.vocab_parallel = f.vocab_parallel;
   q.sharding.output_head_group = f.output_head_group;
   q.mesh = data_parallel_shape(cfg, a.world, local);
   q.strategy = to_string(f.sharding_strategy);
@@ -291,7 +292,9 @@ std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& 
     << parameter_count(q.shape) << " parameters (" << q.shape.n_layers << " layers, dim " << q.shape.dim << ", "
     << q.shape.n_heads << " heads, vocab " << q.shape.vocab_size << "), " << q.strategy << " ("
     << q.mesh.replicate << " x " << q.mesh.shard << ")"
-    << (q.sharding.tensor_parallel > 1 ? " x tensor-parallel " + std::to_string(q.sharding.tensor_parallel) : "")
+    << (q.sharding.tensor_parallel > 1 ? " x tensor-parallel " + std::to_string(q.sharding.tensor_parallel) +
+                                             (q.sharding.vocab_parallel ? " (vocabulary split too)" : " (embedding and head whole)")
+                                       : "")
     << ", " << precision_of(cfg.fsdp_config).describe()
     << ", micro-batch " << act.micro_batch << " x " << act.seq << ", " << q.options.micro_batches_
     << " micro-batch(es) per step, checkpointing "
