@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -23,6 +24,21 @@ std::vector<std::pair<int64_t, int64_t>> row_pieces(int64_t rows, int64_t chunks
     start += length;
   }
   return pieces;
+}
+
+// Rows of the weight's gradient added to the fp32 sum at a time below fp32: add_ promotes the
+// product to fp32 in a temporary, which stays this many rows (about 4 MiB at dim 1024) instead of
+// the whole [vocab, dim].
+constexpr int64_t kAddElements = int64_t{1} << 20;
+
+// sum += product (product in a lower dtype), a block of rows at a time.
+void add_in_row_blocks(at::Tensor& sum, const at::Tensor& product) {
+  const int64_t rows = product.size(0);
+  const int64_t block = std::max<int64_t>(1, kAddElements / std::max<int64_t>(1, product.size(1)));
+  for (int64_t start = 0; start < rows; start += block) {
+    const int64_t n = std::min(block, rows - start);
+    sum.narrow(0, start, n).add_(product.narrow(0, start, n));
+  }
 }
 
 // One piece's fp32 logits, computed as linear() computes them, in the inputs' dtype.
@@ -105,7 +121,7 @@ struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinea
         } else if (x.scalar_type() == at::kFloat) {
           grad_weight.addmm_(g_in.t(), x_piece);  // no [vocab, dim] temporary per piece
         } else {
-          grad_weight.add_(at::mm(g_in.t(), x_piece));  // the piece in x's dtype, summed in fp32
+          add_in_row_blocks(grad_weight, at::mm(g_in.t(), x_piece));  // the piece in x's dtype, summed in fp32
         }
       }
     }
