@@ -281,8 +281,15 @@ TEST(PlanTransformer, CheckpointingKeepsOnlyTheCheckpointedBlocksOutputs) {
   const ModelSpec chunked = transformer_spec(t, a);
   EXPECT_TRUE(chunked.stages.back().checkpointed);
   EXPECT_EQ(chunked.stages.back().pieces, 4);
-  // One piece's logits: a quarter of the sequence.
-  EXPECT_DOUBLE_EQ(chunked.stages.back().backward_extra_bytes, 8 * 4 * 4 * 8);
+  // One piece's logits' gradient (a quarter of the sequence, fp32) and x's whole gradient; the
+  // weight's gradient is an fp32 accumulator from the first piece on.
+  EXPECT_DOUBLE_EQ(chunked.stages.back().backward_extra_bytes, 4 * (4 * 4) * 8 + 4 * 64 * 16);
+  EXPECT_TRUE(chunked.stages.back().grads_accumulated_in_fp32);
+  // Below fp32 also the logits' gradient cast, one piece's weight-gradient product, and the fp32
+  // copy of the block of it being added (here all 8 rows).
+  a.compute = Dtype::kBFloat16;
+  EXPECT_DOUBLE_EQ(transformer_spec(t, a).stages.back().backward_extra_bytes,
+                   4 * 16 * 8 + 2 * 64 * 16 + 2 * 16 * 8 + 2 * 8 * 16 + 4 * 8 * 16);
 }
 
 TEST(PlanTransformer, TensorParallelBlocksHoldTheirPiecesAndAllReduceTheirActivations) {

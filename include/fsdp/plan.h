@@ -81,6 +81,9 @@ struct StageSpec {
   bool checkpointed = false;         // keeps only output_bytes; recomputes its forward in backward
                                      // (forward_extra_bytes is then the high point of the no-grad forward)
   int64_t pieces = 1;                // checkpointed in this many pieces, one at a time (the bytes are per piece)
+  // Its backward accumulates its parameters' gradients in fp32 from the first piece on, and casts
+  // them to the compute dtype at the end (false: they are made in the compute dtype).
+  bool grads_accumulated_in_fp32 = false;
   double forward_flops = 0;          // matmul FLOPs of one forward (all pieces), on this rank
   double other_bytes_moved = 0;      // bytes the non-matmul operations of one forward read and write
   bool elementwise_in_fp32 = false;  // those run in fp32 whatever the compute dtype (the loss)

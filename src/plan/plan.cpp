@@ -324,7 +324,12 @@ class StepReplay {
           const std::string where = at + (st.pieces > 1 ? " (piece " + std::to_string(piece + 1) + ")" : "");
           std::vector<Buffer> extra = {{st.name, "activations (recomputed)",
                                         static_cast<int64_t>(st.saved_bytes + st.backward_extra_bytes)}};
-          if (piece > 0 || st.pieces == 1) extra.insert(extra.end(), grads.begin(), grads.end());
+          if (st.grads_accumulated_in_fp32) {
+            for (const Buffer& b : grads)
+              extra.push_back({b.module, "gradients (fp32 accumulator)", b.bytes / pb_ * 4});
+          } else if (piece > 0 || st.pieces == 1) {
+            extra.insert(extra.end(), grads.begin(), grads.end());
+          }
           ledger_.point(where, extra);
         }
       } else {

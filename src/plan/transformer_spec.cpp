@@ -168,19 +168,35 @@ ModelSpec transformer_spec(const TransformerShape& t, const ActivationOptions& a
   head.pieces = a.loss_chunks;
   head.checkpointed = a.loss_chunks > 1;
   const double Np = B * std::ceil(T / static_cast<double>(a.loss_chunks));  // rows of the longest piece
-  head.saved_bytes = c * Np * D + 4 * Np * V + 2 * Np * 4;
-  head.backward_extra_bytes = 8 * Np * V;
-  head.forward_extra_bytes = head.checkpointed ? c * Np * D + 8 * Np * V : 4 * Np * V;
+  if (head.checkpointed) {
+    // chunked_linear_cross_entropy: forward keeps no piece (output_bytes below) and holds one
+    // piece's logits at a time, in the compute dtype and in fp32, with log-sum-exp's temporary.
+    // Backward, per piece: the fp32 gradient of the piece's logits (and its cast below fp32), x's
+    // gradient (whole, written piece by piece), and the weight's gradient accumulated in fp32 from
+    // the first piece (below fp32 each piece's product is made in the compute dtype, then added a
+    // block of 2^20 elements at a time through an fp32 temporary of the block).
+    head.saved_bytes = 0;
+    head.forward_extra_bytes = 8 * Np * V + (c < 4 ? c * Np * V : 0);
+    const double add_block = 4.0 * std::min(V, std::max(1.0, std::floor((1 << 20) / D))) * D;
+    head.backward_extra_bytes = 4 * Np * V + c * ND + (c < 4 ? c * Np * V + c * V * D + add_block : 0);
+    head.grads_accumulated_in_fp32 = true;
+  } else {
+    head.saved_bytes = c * Np * D + 4 * Np * V + 2 * Np * 4;
+    head.backward_extra_bytes = 8 * Np * V;
+    head.forward_extra_bytes = 4 * Np * V;
+  }
   if (split_vocab) {
     // The vocab-parallel loss keeps the fp32 logits of the rank's slice and each row's
-    // log-sum-exp instead of a log-softmax; its backward makes one gradient of the logits (and,
-    // below fp32, its cast to the compute dtype). Forward all-reduces each row's maximum (4 bytes)
+    // log-sum-exp instead of a log-softmax; its backward makes one fp32 gradient of the logits
+    // (below fp32 its cast to the compute dtype comes once the kept logits are freed, which is
+    // no higher). Forward all-reduces each row's maximum (4 bytes)
     // and its sum of exponentials with its target's logit (8 bytes), once, outside any
-    // recomputation; backward all-reduces the head input's gradient.
+    // recomputation; backward all-reduces the head input's gradient (one more copy of it).
     if (!head.checkpointed) {
       head.saved_bytes += 4 * N;
-      head.backward_extra_bytes = 4 * N * V + (c < 4 ? c * N * V : 0);
+      head.backward_extra_bytes = 4 * N * V;
     }
+    if (head.checkpointed) head.backward_extra_bytes += c * ND;
     head.tp_all_reduces.push_back({0, 1, c * ND, false});
     head.tp_all_reduces.push_back({1, 0, 4 * N, false});
     head.tp_all_reduces.push_back({1, 0, 8 * N, false});
