@@ -237,7 +237,7 @@ def table(a, runs: list[Run], cache: dict, coverage: bool) -> list[str]:
 
 
 def token_file(a) -> str:
-    path = os.path.join(a.out, "gpl3.tokens")
+    path = os.path.abspath(os.path.join(a.out, "gpl3.tokens"))  # the runs start in a directory of their own
     if not os.path.exists(path):
         subprocess.run([os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), "tokenize",
                         "/usr/share/common-licenses/GPL-3", path], check=True, capture_output=True)

@@ -242,25 +242,29 @@ def main() -> None:
     parts = a.parts.split(",")
     out = json.load(open(a.out)) if set(parts) != set(PARTS) else {}
     out["cpu_cores"] = cores
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    # When and how each part was last measured: a part measured again replaces its own line only.
+    when = out.get("measured_parts", {})
     for part in parts:
+        first = len(STARTS)
         out.update(measure(part, a.build_dir, cores))
+        quiet = STARTS[first:]
+        when[part] = (f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, commit {commit}, {sum(quiet)} of "
+                      f"{len(quiet)} runs started with no other process running")
+    out["measured_parts"] = {part: when[part] for part in PARTS if part in when}
     cpu = "unknown CPU"
     with open("/proc/cpuinfo") as f:
         for line in f:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    measured = f"{', '.join(parts)} measured " if set(parts) != set(PARTS) else ""
-    out["source"] = (f"{cpu}, {cores} CPUs, {measured}{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, commit "
-                     f"{commit}, bench/plan_constants.py; {sum(STARTS)} of {len(STARTS)} measurements started with "
-                     f"no other process running, load average at the end {load}")
-    if set(parts) != set(PARTS):
-        out["source"] += "; before: " + json.load(open(a.out)).get("source", "?")
-    order = ["source", "cpu_cores", "one_thread", "single_rank", "libtorch_default_threads", "memory_bytes_per_s",
+    out["source"] = (f"{cpu}, {cores} CPUs, bench/plan_constants.py: " +
+                     "; ".join(f"{part} {line}" for part, line in out["measured_parts"].items()) +
+                     f"; load average at the end {load}")
+    order = ["source", "measured_parts", "cpu_cores", "one_thread", "single_rank", "libtorch_default_threads", "memory_bytes_per_s",
              "collective_bytes_per_s", "collective_latency_s", "collective_latency_s_oversubscribed",
              "mpi_collective_bytes_per_s", "mpi_collective_latency_s", "mpi_collective_latency_s_oversubscribed",
              "stage_overhead_s", "bf16_stage_overhead_s", "checkpointed_stage_overhead_s", "runtime_rss_bytes",
