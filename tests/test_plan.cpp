@@ -216,14 +216,22 @@ TEST(Plan, TensorParallelShardsOverDataParallelRanksAndAllReducesOnTheTpGroup) {
   EXPECT_THROW(plan(tensor_parallel_blocks(), PlanOptions().world(4).replicate(2)), std::invalid_argument);
 }
 
-TEST(Plan, MpiKeepsNoScratchInTensorsAndUsesItsOwnRates) {
+TEST(Plan, MpiKeepsScratchInTensorsOnlyForItsRingsAndUsesItsOwnRates) {
   // W=4: Gloo's ring reduce-scatter keeps two chunks of the largest row (the block's 2 x 2
-  // elements, fp32) in its scratch for the whole step; MPI's temporaries are not tensors.
+  // elements, fp32) in its scratch for the whole step; MPI leaves a reduce-scatter below 256 KiB
+  // to OpenMPI, whose temporaries are not tensors.
   Constants c = no_time();
   c.mpi_collective_latency_s = c.mpi_collective_latency_s_oversubscribed = 1;  // a second per ring step
   const Plan gloo = plan(root_and_block(), PlanOptions().world(4).constants(c));
   const Plan mpi = plan(root_and_block(), PlanOptions().world(4).backend(Backend::kMpi).constants(c));
   EXPECT_EQ(gloo.ranks[0].peak_tensor_bytes - mpi.ranks[0].peak_tensor_bytes, 2 * 2 * 2 * 4);
+  // From 256 KiB MPI runs the same ring: a [65536, 2] block reduce-scatters 512 KiB in fp32, two
+  // rows of 16384 x 2 elements kept, as Gloo keeps them.
+  ModelSpec large = root_and_block();
+  large.groups[1].params[0].shape = {65536, 2};
+  const Plan large_gloo = plan(large, PlanOptions().world(4).constants(c));
+  const Plan large_mpi = plan(large, PlanOptions().world(4).backend(Backend::kMpi).constants(c));
+  EXPECT_EQ(large_gloo.ranks[0].peak_tensor_bytes, large_mpi.ranks[0].peak_tensor_bytes);
   // 2 + 1 all-gathers and 2 reduce-scatters, each a ring of 3 steps.
   EXPECT_GE(mpi.communication_s, 15.0);
   EXPECT_LT(gloo.communication_s, 1.0);

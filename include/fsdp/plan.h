@@ -132,7 +132,8 @@ ModelSpec transformer_spec(const TransformerShape& shape, const ActivationOption
                            const TransformerSharding& sharding = {});
 
 // The process-group backend the collectives run on: its rates, and whether its scratch is in
-// tensor bytes (Gloo's is; MPI allocates its own outside LibTorch).
+// tensor bytes (Gloo's always; MPI's for the collectives from 256 KiB that run on fsdp-cpp's
+// rings, while OpenMPI allocates its own for the smaller ones outside LibTorch).
 enum class Backend { kGloo, kMpi };
 const char* name_of(Backend b);  // gloo | mpi
 

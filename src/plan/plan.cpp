@@ -201,14 +201,21 @@ class StepReplay {
     ledger_.set("scratch", "", "collective scratch (kept by the process groups)", scratch_bytes());
   }
 
-  // The Gloo backend keeps one scratch buffer per process group, grown to the largest call
-  // (src/comm/gloo_backend.cpp): a ring reduce-scatter over more than two ranks holds two
-  // chunks; an all-reduce of up to 64 KiB every rank's copy, a larger one a chunk. MPI's
-  // collectives allocate their temporaries themselves, outside LibTorch's tensors.
+  // Each process group keeps one scratch tensor, grown to its largest call
+  // (src/comm/queued_process_group.cpp). Gloo: a ring reduce-scatter over more than two ranks
+  // holds two chunks; an all-reduce of up to 64 KiB every rank's copy, a larger one a chunk. MPI
+  // leaves collectives below 256 KiB to OpenMPI (whose temporaries are not tensors) and runs the
+  // larger ones on the same rings: two chunks for a reduce-scatter over more than two ranks, a
+  // chunk for an all-reduce.
   double scratch_bytes() const {
-    if (o_.backend_ == Backend::kMpi) return 0;
-    auto all_reduce = [](double bytes, double ranks) {
-      return bytes <= 64 * 1024 ? ranks * bytes : std::ceil(bytes / ranks / 4) * 4;
+    const bool mpi = o_.backend_ == Backend::kMpi;
+    const double ring_from = mpi ? 256 * 1024 : 0;
+    auto all_reduce = [mpi, ring_from](double bytes, double ranks) {
+      if (ranks <= 1 || bytes < ring_from) return 0.0;
+      return !mpi && bytes <= 64 * 1024 ? ranks * bytes : std::ceil(bytes / ranks / 4) * 4;
+    };
+    auto reduce_scatter = [ring_from](double row_bytes, double ranks) {
+      return ranks > 2 && ranks * row_bytes >= ring_from ? 2 * row_bytes : 0.0;
     };
     double tp = 0;  // the tp group's, grown to its largest all-reduce
     if (m_.tensor_parallel > 1)
@@ -216,15 +223,15 @@ class StepReplay {
         for (const TpAllReduce& x : s.tp_all_reduces)
           if (x.forward + x.backward > 0) tp = std::max(tp, all_reduce(x.bytes, m_.tensor_parallel));
     if (o_.no_shard_) {
-      if (o_.world_ == 1) return 0;
       double total = 0;
       for (const GroupLayout& l : layouts_) total += l.unsharded_numel * 4.0;
       return all_reduce(std::min(total, 25.0 * (1 << 20)), o_.world_);
     }
     double rs = 0, ar = 0;
     for (const GroupLayout& l : layouts_) {
-      if (shards_ > 2) rs = std::max(rs, 2.0 * l.row_numel * rb_);
-      if (o_.replicate_ > 1) ar = std::max(ar, all_reduce(static_cast<double>(l.row_numel) * rb_, o_.replicate_));
+      const double row_bytes = static_cast<double>(l.row_numel) * rb_;
+      rs = std::max(rs, reduce_scatter(row_bytes, static_cast<double>(shards_)));
+      if (o_.replicate_ > 1) ar = std::max(ar, all_reduce(row_bytes, o_.replicate_));
     }
     return rs + ar + tp;
   }
