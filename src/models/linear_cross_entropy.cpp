@@ -26,9 +26,9 @@ std::vector<std::pair<int64_t, int64_t>> row_pieces(int64_t rows, int64_t chunks
   return pieces;
 }
 
-// Rows of the weight's gradient added to the fp32 sum at a time below fp32: add_ promotes the
-// product to fp32 in a temporary, which stays this many rows (about 4 MiB at dim 1024) instead of
-// the whole [vocab, dim].
+// Elements of the weight's gradient added to the fp32 sum at a time below fp32 (whole rows, at
+// least one): add_ promotes the product to fp32 in a temporary, which stays about this size
+// (4 MiB) instead of the whole [vocab, dim].
 constexpr int64_t kAddElements = int64_t{1} << 20;
 
 // sum += product (product in a lower dtype), a block of rows at a time.
