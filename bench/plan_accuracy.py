@@ -34,7 +34,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from plan_constants import wait_for_quiet  # bench/, the script's own directory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = {"true": "FULL_SHARD", "false": "SHARD_GRAD_OP"}
@@ -53,20 +54,6 @@ MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl_vader_
           "-x", "OMP_NUM_THREADS=1", "-x", "OPENBLAS_NUM_THREADS=1", "-x", "OPENBLAS_CORETYPE"]
 
 
-
-def wait_for_quiet(limit_s: float) -> bool:
-    """Waits (up to limit_s) until no other process is running for 3 s in a row: builds and tests
-    at idle priority still slow multi-threaded timings down. Returns whether it got there."""
-    deadline, quiet_since = time.time() + limit_s, None
-    while time.time() < deadline:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
-        now = time.time()
-        quiet_since = (quiet_since or now) if running <= 1 else None
-        if quiet_since and now - quiet_since >= 3:
-            return True
-        time.sleep(0.5)
-    return False
 
 # Options beyond the matrix, each planned and trained once at small (W=2 and 4 unless it needs
 # a world): --coverage. "{tokens}" is a token file of the GPL-3 text the script makes.
