@@ -173,6 +173,14 @@ std::optional<VocabSlice> vocab_slice_of(const torch::nn::Linear& head);
 // for mismatched shapes.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         const VocabSlice& slice, int64_t ignore_index = -100);
+// Where each row's target falls among the vocabulary rows [first, first + size) that a head (or
+// a vocab-parallel rank's slice of it) holds: `here` (bool [rows]) and `column` (int64 [rows],
+// the target's column there; 0 where it is not, so that gather and scatter stay in range).
+struct TargetColumns {
+  at::Tensor here;
+  at::Tensor column;
+};
+TargetColumns target_columns(const at::Tensor& targets, int64_t first, int64_t size);
 // The whole vocabulary's log-sum-exp and target logit of each row from this rank's: in place,
 // `logsumexp` (fp32 [rows], of this rank's logits) becomes the whole rows', and `target_logit`
 // (fp32 [rows], the target's logit where this rank holds the target, else 0) the target's logit

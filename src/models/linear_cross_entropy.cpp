@@ -46,19 +46,6 @@ at::Tensor piece_logits(const at::Tensor& x_piece, const at::Tensor& weight) {
   return at::linear(x_piece, weight).to(at::kFloat);
 }
 
-// Where a row's target falls among the weight's rows [first, first + size) (the whole
-// vocabulary, or a vocab-parallel head's slice): whether it is there, and its column there (0
-// where it is not, so that gather and scatter stay in range).
-struct TargetColumns {
-  at::Tensor here;
-  at::Tensor column;
-};
-
-TargetColumns target_columns(const at::Tensor& targets, int64_t first, int64_t size) {
-  const at::Tensor here = (targets >= first).logical_and_(targets < first + size);
-  return {here, (targets - first).masked_fill_(here.logical_not(), 0)};
-}
-
 struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinearCrossEntropy> {
   // x: [rows, dim], targets: [rows]; weight holds the vocabulary's rows [first, first + its rows)
   // and `group` the other rows (null: weight is the whole head). Runs under no-grad (autograd's
@@ -71,7 +58,7 @@ struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinea
     at::Tensor target_logit = at::empty({rows}, x.options().dtype(at::kFloat));
     for (const auto& [start, length] : row_pieces(rows, chunks)) {
       const at::Tensor logits = piece_logits(x.narrow(0, start, length), weight);
-      const TargetColumns t = target_columns(targets.narrow(0, start, length), first, weight.size(0));
+      const tp::TargetColumns t = tp::target_columns(targets.narrow(0, start, length), first, weight.size(0));
       logsumexp.narrow(0, start, length).copy_(at::logsumexp(logits, {1}));
       target_logit.narrow(0, start, length)
           .copy_(logits.gather(1, t.column.unsqueeze(1)).squeeze(1).masked_fill_(t.here.logical_not(), 0.0));
@@ -102,7 +89,7 @@ struct ChunkedLinearCrossEntropy : public torch::autograd::Function<ChunkedLinea
       const at::Tensor x_piece = x.narrow(0, start, length);
       const at::Tensor t = targets.narrow(0, start, length);
       const at::Tensor counted = t != ignore_index;
-      const TargetColumns here = target_columns(t, first, weight.size(0));
+      const tp::TargetColumns here = tp::target_columns(t, first, weight.size(0));
       // In place on the recomputed logits: softmax, minus one at the target (where this weight
       // holds it), times the incoming gradient (zero for ignored rows), so the piece holds one
       // [length, vocab] buffer.

@@ -14,25 +14,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Where a row's target falls in this rank's slice: whether it is there, and its column (0 where
-// it is not, so that gather and scatter stay in range).
-struct LocalTargets {
-  at::Tensor here;
-  at::Tensor column;
-};
-
-LocalTargets local_targets(const at::Tensor& targets, int64_t start, int64_t size) {
-  const at::Tensor here = (targets >= start).logical_and_(targets < start + size);
-  return {here, (targets - start).masked_fill_(here.logical_not(), 0)};
-}
-
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   // logits: [rows, size] of this rank's slice. Returns the fp32 sum of the counted rows' losses.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                             const VocabSlice& slice, int64_t ignore_index) {
     const at::Tensor fp32 = logits.to(at::kFloat);
     at::Tensor logsumexp = at::logsumexp(fp32, {1});
-    const LocalTargets t = local_targets(targets, slice.start, slice.size);
+    const TargetColumns t = target_columns(targets, slice.start, slice.size);
     at::Tensor target_logit = fp32.gather(1, t.column.unsqueeze(1)).squeeze(1).masked_fill_(t.here.logical_not(), 0.0);
     combine_vocab_parallel_rows(logsumexp, target_logit, *slice.group);
     const at::Tensor counted = targets != ignore_index;
@@ -46,7 +34,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &logits = saved[0], &targets = saved[1], &logsumexp = saved[2];
-    const LocalTargets t = local_targets(targets, ctx->saved_data["start"].toInt(), logits.size(1));
+    const TargetColumns t = target_columns(targets, ctx->saved_data["start"].toInt(), logits.size(1));
     const at::Tensor counted = targets != ctx->saved_data["ignore_index"].toInt();
     at::Tensor g = logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     g.sub_(logsumexp.unsqueeze(1)).exp_();
@@ -57,6 +45,11 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 };
 
 }  // namespace
+
+TargetColumns target_columns(const at::Tensor& targets, int64_t first, int64_t size) {
+  const at::Tensor here = (targets >= first).logical_and_(targets < first + size);
+  return {here, (targets - first).masked_fill_(here.logical_not(), 0)};
+}
 
 void combine_vocab_parallel_rows(at::Tensor& logsumexp, at::Tensor& target_logit, ProcessGroup& group) {
   TORCH_CHECK(logsumexp.scalar_type() == at::kFloat && target_logit.scalar_type() == at::kFloat &&
