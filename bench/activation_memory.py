@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Peak tensor memory and step time of fsdp-train with activation checkpointing: none, every
 block, every second block, every block with the loss in pieces of the rows (training.loss_chunks:
 the output head and loss one autograd function that holds one piece's logits at a time), and
@@ -10,9 +10,9 @@ For each setting, rank 0's JSONL metrics give, per step, the live tensor bytes a
 the step's peak tensor bytes. The table reports the peak above the floor (max over the timed
 steps), its ratio to no checkpointing, and the median step time and its ratio.
 
-    /usr/bin/python3 bench/activation_memory.py --out bench/results/activation_memory/DIR
-    /usr/bin/python3 bench/activation_memory.py --preset medium --world 2 --seq 512 --batch 2 --steps 4 --pairs 1
-    /usr/bin/python3 bench/activation_memory.py --out DIR --settings "none,every block + loss in 8 pieces"
+    python3 bench/activation_memory.py --out bench/results/activation_memory/DIR
+    python3 bench/activation_memory.py --preset medium --world 2 --seq 512 --batch 2 --steps 4 --pairs 1
+    python3 bench/activation_memory.py --out DIR --settings "none,every block + loss in 8 pieces"
 
 Only the standard library is needed. OPENBLAS_CORETYPE is passed through (see docs/blas.md).
 """

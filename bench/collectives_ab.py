@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """bench_collectives on each backend, alternating, several rounds: the "MPI against Gloo" table.
 
 Each round runs build/bench/bench_collectives --json at W ranks once per variant, in this order:
@@ -17,8 +17,8 @@ and writes every JSON line to <out>/results.jsonl, the machine and command to <o
 and the table (median bus bandwidth over the rounds in GB/s, the median time, [min-max of the
 bandwidth], and the median's ratio to gloo) to <out>/table.md.
 
-    OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/collectives_ab.py --out bench/results/collectives/DIR
-    /usr/bin/python3 bench/collectives_ab.py --out DIR --report-only
+    python3 bench/collectives_ab.py --out bench/results/collectives/DIR
+    python3 bench/collectives_ab.py --out DIR --report-only
 """
 
 from __future__ import annotations

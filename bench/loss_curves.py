@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Loss curves of fsdp-train in fp32 and in bf16 mixed precision, from the same initial weights.
 
 Runs the gpl3 run (configs/gpl3.yaml) once per precision under fsdprun, with the same seed (so
@@ -8,8 +8,8 @@ the same initial weights and batches), logs every step to JSONL, and writes to -
   curves.svg                           both loss curves
   table.md                             loss every --every steps, the final losses and their ratio
 
-    /usr/bin/python3 bench/loss_curves.py --out bench/results/loss_curves/DIR
-    /usr/bin/python3 bench/loss_curves.py --steps 300 --world 2 --out ...  (the defaults)
+    python3 bench/loss_curves.py --out bench/results/loss_curves/DIR
+    python3 bench/loss_curves.py --steps 300 --world 2 --out ...  (the defaults)
 
 Only the standard library is needed. OPENBLAS_CORETYPE is passed through (see docs/blas.md).
 """

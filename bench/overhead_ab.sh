@@ -18,7 +18,7 @@ for ((k = 1; k <= pairs; ++k)); do
     echo "== pair $k $side ($dir)"; grep -E 'plain|sharded' "$out/$side.$k.txt"
   done
 done
-/usr/bin/python3 - "$out" "$pairs" <<'PY'
+python3 - "$out" "$pairs" <<'PY'
 import re, statistics, sys
 out, pairs = sys.argv[1], int(sys.argv[2])
 def field(text, name):

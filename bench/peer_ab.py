@@ -1,39 +1,44 @@
-#!/usr/bin/python3
-"""A/B benchmark: fsdp-train (ours) against PyTorch FSDP1 (the peer, torch 1.13).
+#!/usr/bin/env python3
+"""A/B benchmark: fsdp-train (ours) against PyTorch FSDP2 (the peer, fully_shard on torch 2.15).
 
 For every (preset, world size) cell the two programs run alternately,
 ours then peer, --pairs times (A B A B A B). Both use the same preset,
 per-rank batch, sequence length, steps, world size, data, optimizer math
 (Adam, lr 1e-3, no clipping, constant LR, dropout 0) and the same starting
 weights. The script writes every raw JSON to --out and prints a markdown table,
-also saved as <out>/table.md. The peer is bench/peer/peer_fsdp1.py (--peer-dir).
+also saved as <out>/table.md. The peer is bench/peer/peer_fsdp2.py (--peer-dir).
 
-    /usr/bin/python3 bench/peer_ab.py                                  # tiny,small x W=1,2 x 3 pairs
-    /usr/bin/python3 bench/peer_ab.py --presets small --worlds 2 --pairs 5
-    /usr/bin/python3 bench/peer_ab.py --only peer --presets tiny --pairs 1 --steps 6
-    /usr/bin/python3 bench/peer_ab.py --out bench/results/peer_ab/DIR --report-only
-    /usr/bin/python3 bench/peer_ab.py --dry-run                        # print the commands only
-    /usr/bin/python3 bench/peer_ab.py --presets small --worlds 2 --baseline-build-dir ../old/build
+    python3 bench/peer_ab.py                                  # tiny,small x W=1,2 x 3 pairs
+    python3 bench/peer_ab.py --presets small --worlds 2 --pairs 5
+    python3 bench/peer_ab.py --only peer --presets tiny --pairs 1 --steps 6
+    python3 bench/peer_ab.py --out bench/results/peer_ab/DIR --report-only
+    python3 bench/peer_ab.py --dry-run                        # print the commands only
+    python3 bench/peer_ab.py --presets small --worlds 2 --baseline-build-dir ../old/build
 
-    /usr/bin/python3 bench/peer_ab.py --presets small,medium --worlds 1,2 --dtypes fp32,bf16
-    /usr/bin/python3 bench/peer_ab.py --strategy ddp --presets tiny,small --worlds 2   # vs PyTorch DDP
-    /usr/bin/python3 bench/peer_ab.py --backends gloo,mpi --presets tiny,small --worlds 2
+    python3 bench/peer_ab.py --presets small,medium --worlds 1,2 --dtypes fp32,bf16
+    python3 bench/peer_ab.py --strategy ddp --presets tiny,small --worlds 2   # vs PyTorch DDP
+    python3 bench/peer_ab.py --backends gloo,mpi --presets tiny,small --worlds 2
 
 Backends (--backends gloo,mpi; default gloo). Ours runs once per backend in every pair, gloo
 first: under fsdprun for gloo, under `mpirun -np W` (MPIRUN below) with
---fsdp_config.backend=mpi for mpi; the peer is unchanged (FSDP1 on c10d's gloo). Every table
+--fsdp_config.backend=mpi for mpi; the peer is unchanged (FSDP2 on c10d's gloo). Every table
 gets a row per backend; run names of mpi runs have side "ours_mpi". The step-time targets on
 mpi are those of the MPI backend's issue: tiny 0.25x, small 0.35x the peer's.
 
 Data parallelism (--strategy ddp): ours runs sharding_strategy NO_SHARD (fsdp::replicate, DDP's
 bucketed gradient all-reduce), the peer runs torch's DistributedDataParallel (--mode ddp); the
-targets are then 0.7x the peer's step time and peak RSS per rank.
+targets are then 0.9x the peer's step time on tiny and small, and 0.8x its peak RSS per rank.
+
+Targets (--strategy fsdp, the default; judged at W = 2): ours/peer median step time <= 0.5 on
+tiny, <= 0.6 on small (and <= 0.8 on medium); ours/peer peak RSS per rank <= 0.8; max |Δloss|
+<= 1e-5 in fp32. The peer runs FSDP2's fully_shard on every world size, W = 1 included (a real
+1-rank mesh: the sharding code runs, the collectives move nothing).
 
 Mixed precision (--dtypes fp32,bf16; default fp32 only). Each pair then runs, in this order:
 ours fp32, ours bf16, peer fp32, peer bf16. Ours bf16 = fsdp-train with
 --fsdp_config.mixed_precision=true (param bf16, reduce fp32, fp32 master weights); peer bf16 =
-peer_fsdp1.py --mixed-precision bf16 (FSDP1's MixedPrecision(param_dtype=bfloat16,
-reduce_dtype=float32, buffer_dtype=bfloat16)). The fp32 table, its targets and Δloss are as
+peer_fsdp2.py --mixed-precision bf16 (FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)). The fp32 table, its targets and Δloss are as
 without --dtypes; a second table gives tokens/s ratios within each pair (ours bf16 / ours fp32,
 peer bf16 / peer fp32, ours bf16 / peer bf16), peak RSS per rank per dtype, and the largest
 loss difference of ours bf16 against ours fp32 and against peer bf16 (no target: bf16 rounds).
@@ -73,8 +78,9 @@ fsdp-cpp moved its step time and memory, measured in the same alternating run.
 
 Runs already stored in --out with the same settings and a good result are not
 repeated, so an interrupted benchmark resumes when given the same --out
-(--force reruns them). Only the standard library is needed. The peer runs
-under /usr/bin/python3, the interpreter that has torch.
+(--force reruns them). Only the standard library is needed, so any python3 runs this script;
+the peer runs under $FSDP_PYTHON (set by scripts/torch-env.sh; default
+~/.cache/fsdp-cpp/venv-torch-2.15.0/bin/python, the venv with torch 2.15.0).
 
 Files in --out:
   meta.json                          settings, machine, BLAS, versions
@@ -102,7 +108,9 @@ import sys
 import tempfile
 import time
 
-PY = "/usr/bin/python3"  # has torch 1.13; the python3 on PATH does not
+# The Python with torch 2.15 that runs the peer (scripts/torch-env.sh exports FSDP_PYTHON).
+PY = os.environ.get("FSDP_PYTHON") or os.path.expanduser("~/.cache/fsdp-cpp/venv-torch-2.15.0/bin/python")
+PEER_SCRIPT = "peer_fsdp2.py"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Run order inside a pair: base (when given), ours once per backend in --backends (gloo first),
 # then the peer. Ours on gloo keeps the side name "ours" (and the run names) it had before
@@ -140,11 +148,11 @@ TARGET_WORLD = 2
 # What each side runs for --strategy, and the targets judged (ours/peer median step time per
 # preset, ours/peer peak RSS per rank).
 STRATEGIES = {
-    "fsdp": {"ours": [], "peer_mode": "fsdp1", "peer_name": "PyTorch FSDP1",
-             "step_target": {"small": 0.6, "medium": 0.8}, "rss_target": 0.9,
+    "fsdp": {"ours": [], "peer_mode": "fsdp2", "peer_name": "PyTorch FSDP2",
+             "step_target": {"tiny": 0.5, "small": 0.6, "medium": 0.8}, "rss_target": 0.8,
              "step_target_by_backend": {"mpi": {"tiny": 0.25, "small": 0.35}}},
     "ddp": {"ours": ["--fsdp_config.sharding_strategy=NO_SHARD"], "peer_mode": "ddp", "peer_name": "PyTorch DDP",
-            "step_target": {"tiny": 0.7, "small": 0.7}, "rss_target": 0.7},
+            "step_target": {"tiny": 0.9, "small": 0.9}, "rss_target": 0.8},
 }
 TARGET_LOSS_DIFF = 1e-5  # max |loss_ours - loss_peer| over all steps
 
@@ -272,7 +280,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 # --------------------------------------------------------------------------- commands
 
 def peer_cmd(a, cell: dict, json_out: str, dtype: str = "fp32") -> list[str]:
-    return [PY, os.path.join(a.peer_dir, "peer_fsdp1.py"),
+    return [PY, os.path.join(a.peer_dir, PEER_SCRIPT),
             "--mode", STRATEGIES[a.strategy]["peer_mode"], "--world", str(cell["world"]), "--preset", cell["preset"],
             "--batch", str(cell["batch"]), "--seq", str(cell["seq"]), "--steps", str(cell["steps"]),
             "--warmup", str(cell["warmup"]), "--lr", "1e-3", "--seed", str(SEED),
@@ -331,7 +339,7 @@ def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype:
 
 
 def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
-    return [PY, os.path.join(a.peer_dir, "peer_fsdp1.py"), "--mode", "single", "--preset", preset,
+    return [PY, os.path.join(a.peer_dir, PEER_SCRIPT), "--mode", "single", "--preset", preset,
             "--steps", "3", "--warmup", "2", "--batch", "1", "--seq", str(seq), "--seed", str(SEED),
             "--save-init", path]
 
@@ -595,22 +603,26 @@ def source_commit(build_dir: str) -> str:
 
 
 def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
-    torch_info = sh([PY, "-c", "import torch, os; print(torch.__version__); print(os.path.dirname(torch.__file__))"])
-    torch_version, torch_dir = (torch_info.splitlines() + ["?", ""])[:2]
-    deb = sh(["dpkg-query", "-W", "-f=${Version}", "python3-torch"])
+    torch_info = sh([PY, "-c", "import torch, os, re; print(torch.__version__); print(os.path.dirname(torch.__file__)); "
+                         "m = re.search(r'BLAS_INFO=([^,\\s]+)', torch.__config__.show()); print(m.group(1) if m else '?')"])
+    torch_version, torch_dir, torch_blas = (torch_info.splitlines() + ["?", "", "?"])[:3]
     libtorch_so = os.path.join(torch_dir, "lib", "libtorch_cpu.so") if torch_dir else ""
     ours_bin = os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train")
     git = sh(["git", "-C", REPO, "rev-parse", "--short", "HEAD"])
     dirty = sh(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"])
     return {
-        "command": shlex.join([PY, os.path.relpath(os.path.abspath(__file__), REPO), *argv]),
+        "command": shlex.join([sys.executable, os.path.relpath(os.path.abspath(__file__), REPO), *argv]),
         "date_utc": utc_now(),
         "cpu_model": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),
         "libblas.so.3": os.path.realpath("/usr/lib/x86_64-linux-gnu/libblas.so.3"),
-        "blas_peer_libtorch_cpu": blas_libs(libtorch_so),
+        # the torch wheel links its BLAS (MKL) statically: ldd lists none, torch's build config names it
+        "blas_peer_libtorch_cpu": blas_libs(libtorch_so) or [f"built in (torch BLAS_INFO={torch_blas})"],
         "blas_ours_fsdp_train": blas_libs(ours_bin),
-        "torch_version": torch_version + (f" (Debian python3-torch {deb})" if deb else ""),
+        "torch_version": torch_version,
+        "peer_python": PY,
+        "peer_script": PEER_SCRIPT,
+        "peer_name": STRATEGIES[a.strategy]["peer_name"],
         "repo_commit": (git + ("-dirty" if dirty else "")) if git else "?",
         "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")},
         "threads_per_rank": {str(w): threads_for(w) for w in sorted({c["world"] for c in cells})},
@@ -719,8 +731,10 @@ def render(out: str, meta: dict) -> str:
     pairs = meta["pairs"]
     sides = sides_of(meta)
     strategy = STRATEGIES[meta.get("strategy", "fsdp")]
+    # results stored by an earlier peer harness keep the peer's name they were run with
+    peer_name = meta.get("peer_name") or ("PyTorch FSDP1" if meta.get("peer_mode") == "fsdp1" else strategy["peer_name"])
     lines = [
-        f"# fsdp-train vs {strategy['peer_name']} (A/B, alternating)",
+        f"# fsdp-train vs {peer_name} (A/B, alternating)",
         "",
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date_utc']}; CPU: {meta['cpu_model']}; cores: {meta['cores']}; "
@@ -823,7 +837,7 @@ def main_row(out: str, cell: dict, pairs: int, sides, ours: str, strategy: dict)
     if runs["peer"] and strategy["peer_mode"] != "ddp":
         eff = (runs["peer"][0].get("fsdp") or {}).get("effective_sharding_strategy")
         if eff and eff != "FULL_SHARD":
-            notes.append(f"peer FSDP1 effective {eff}" + (" (torch 1.13 clamps W=1)" if w == 1 else ""))
+            notes.append(f"peer effective {eff}")
     judged = w == TARGET_WORLD
     backend = backend_of(ours)
     return (
@@ -859,8 +873,8 @@ def first_pair_dloss(out: str, cell: dict, pairs: int, x: tuple, y: tuple):
 def mixed_precision_table(out: str, cells: list, pairs: int, ours_list=("ours",)) -> list:
     """bf16 (mixed precision) against fp32, and ours against the peer in bf16."""
     lines = ["", "Mixed precision: bf16 compute, fp32 master weights and gradient reduction (ours: "
-             "`--fsdp_config.mixed_precision=true`; peer: FSDP1 `MixedPrecision(param_dtype=bfloat16, "
-             "reduce_dtype=float32, buffer_dtype=bfloat16)`). Ratios are of tokens/s (> 1: the first is faster), "
+             "`--fsdp_config.mixed_precision=true`; peer: FSDP2 `MixedPrecisionPolicy(param_dtype=bfloat16, "
+             "reduce_dtype=float32)`). Ratios are of tokens/s (> 1: the first is faster), "
              "median over pairs of the ratio within each pair (per-pair values in brackets); tok/s and RSS (peak "
              "per rank, max over ranks) are medians over runs; Δloss = max over steps of the loss difference, first "
              "pair with both runs ok (no target: bf16 rounds).", "",
@@ -1019,7 +1033,7 @@ def parse_args(argv):
     p.add_argument("--backends", default="gloo", help="comma list of gloo,mpi (default gloo): ours runs once per "
                    "backend in each pair, under fsdprun for gloo and under mpirun -np W for mpi")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="fsdp",
-                   help="fsdp (default): ours FULL_SHARD against the peer's FSDP1; ddp: ours "
+                   help="fsdp (default): ours FULL_SHARD against the peer's FSDP2 fully_shard; ddp: ours "
                         "sharding_strategy NO_SHARD (fsdp::replicate) against the peer's DDP (fp32 only)")
     p.add_argument("--matmul-bin", default=None, help="bench_matmul to measure matmul rates with "
                    "(default <build-dir>/bench/bench_matmul)")
@@ -1099,7 +1113,7 @@ def main(argv=None) -> int:
         cells = make_cells(a)
         if not a.dry_run:
             os.makedirs(a.out, exist_ok=True)
-        missing = [x for x in ([os.path.join(a.peer_dir, "peer_fsdp1.py")] +
+        missing = [x for x in ([os.path.join(a.peer_dir, PEER_SCRIPT), PY] +
                                ([] if a.only == "peer" else
                                 [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"),
                                  os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train")]) +

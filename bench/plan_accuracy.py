@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """The planner (`fsdp-train plan`) against the trainer: predicted vs measured peak tensor bytes
 and step time, for every combination of preset, world size, reshard_after_forward (FULL_SHARD /
 SHARD_GRAD_OP), precision (fp32 / bf16 compute) and checkpointing mode asked for, optionally
@@ -11,7 +11,7 @@ is asked the same configuration with --json. Measurements are cached in OUT/meas
 an entry to measure it again), so a changed planner is compared again without retraining, and a
 long sweep can be split into several commands.
 
-    OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/plan_accuracy.py --out bench/results/plan_accuracy/DIR \\
+    python3 bench/plan_accuracy.py --out bench/results/plan_accuracy/DIR \\
         --presets tiny,small --worlds 1,2,4 --lock /tmp/fsdp-bench.lock
 
 --lock FILE holds that lock (flock) around each timed run, so that benchmarks of others never

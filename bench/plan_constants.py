@@ -1,12 +1,16 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Measures the rates the planner (fsdp::plan, `fsdp-train plan`) predicts step times and RSS
 with, and writes them to configs/plan_constants.json, the one file they live in (the library
 builds it in; `fsdp-train plan --constants FILE` reads another). Run it on a quiet machine,
 holding the benchmark lock, and rebuild afterwards:
 
     bash scripts/build.sh
-    flock /tmp/fsdp-bench.lock env OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/plan_constants.py \\
+    flock /tmp/fsdp-bench.lock python3 bench/plan_constants.py \\
         [--out configs/plan_constants.json]
+
+Any python3 runs this script; its measurements in Python (plan_elementwise.py, LibTorch's default
+thread count, the memory bandwidth) run under $FSDP_PYTHON, the venv with torch 2.15 (set by
+scripts/torch-env.sh; default ~/.cache/fsdp-cpp/venv-torch-2.15.0/bin/python).
 
 Two thread settings are measured, as the trainer runs: one thread per rank (fsdprun's workers when
 several share a machine: OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1), and a rank alone with no
@@ -38,6 +42,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The Python with torch 2.15 (scripts/torch-env.sh exports FSDP_PYTHON).
+PY = os.environ.get("FSDP_PYTHON", "/root/.cache/fsdp-cpp/venv-torch-2.15.0/bin/python")
 MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl_vader_single_copy_mechanism", "none",
           "-x", "OMP_NUM_THREADS=1", "-x", "OPENBLAS_NUM_THREADS=1", "-x", "OPENBLAS_CORETYPE"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -87,7 +93,7 @@ def last_json(text: str):
 
 
 def libtorch_default_threads() -> int:
-    out = subprocess.run(["/usr/bin/python3", "-c", "import torch; print(torch.get_num_threads())"],
+    out = subprocess.run([PY, "-c", "import torch; print(torch.get_num_threads())"],
                          capture_output=True, text=True, check=True, env=environment(None)).stdout
     return int(out.strip())
 
@@ -110,7 +116,7 @@ def elementwise(threads: dict | None) -> dict:
     for dtype in ("fp32", "bf16"):
         best = None
         for _ in range(3):
-            out = run(["/usr/bin/python3", os.path.join(REPO, "bench/plan_elementwise.py"), "--dtype", dtype],
+            out = run([PY, os.path.join(REPO, "bench/plan_elementwise.py"), "--dtype", dtype],
                       env=environment(threads)).stdout
             r = last_json(out)
             # The block's work beyond its matmuls; at least a tenth of the block, against noise.
@@ -154,7 +160,7 @@ def memory_bandwidth() -> float:
     code = ("import torch,time\ntorch.set_num_threads(1)\na=torch.ones(16*2**20);b=torch.ones(16*2**20)\n"
             "a.add_(b)\nts=[]\nfor _ in range(7):\n t=time.perf_counter();a.add_(b);ts.append(time.perf_counter()-t)\n"
             "ts.sort();print(3*a.numel()*4/ts[0])")
-    return float(run(["/usr/bin/python3", "-c", code], env=environment(ONE_THREAD)).stdout.strip())
+    return float(run([PY, "-c", code], env=environment(ONE_THREAD)).stdout.strip())
 
 
 def train(build: str, preset: str, world: int = 1, backend: str = "gloo", steps: int = 6,

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """How fast a Transformer block's non-matmul work runs on this machine, in the planner's terms
 (fsdp::plan, src/plan/transformer_spec.cpp): one forward and backward of the block of
 fsdp::models::Transformer (the same LibTorch operations, from Python), timed whole and with its
@@ -7,7 +7,7 @@ residuals), reported per byte the planner counts for it (3 passes of saved_bytes
 bench/plan_constants.py runs it with the thread settings it measures (OMP_NUM_THREADS,
 OPENBLAS_NUM_THREADS in the environment) and writes the results into configs/plan_constants.json.
 
-    OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 /usr/bin/python3 bench/plan_elementwise.py --dtype bf16
+    OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "$FSDP_PYTHON" bench/plan_elementwise.py --dtype bf16
 
 Prints one JSON object: block_s, matmul_s (the best of the repetitions), planned_bytes.
 """

@@ -1,12 +1,12 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """fsdp-train's sharding strategies side by side: step time, peak memory and per-step
 communication of FULL_SHARD, HYBRID_SHARD (HSDP) and NO_SHARD at one world size, run
 alternately (one run of each strategy per pair, --pairs pairs) on the same model, data and
 starting weights.
 
-    /usr/bin/python3 bench/strategies.py --out bench/results/strategies/DIR
-    /usr/bin/python3 bench/strategies.py --preset small --world 4 --pairs 2 --steps 6
-    /usr/bin/python3 bench/strategies.py --out DIR --report-only
+    python3 bench/strategies.py --out bench/results/strategies/DIR
+    python3 bench/strategies.py --preset small --world 4 --pairs 2 --steps 6
+    python3 bench/strategies.py --out DIR --report-only
 
 Each run's summary JSON (logging.summary_json) gives per rank the payload bytes it sent per kind
 of collective over every group of the data-parallel mesh (the shard group and, for HSDP, the
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         meta = peer_ab.load_json(meta_path)
     else:
         os.makedirs(a.out, exist_ok=True)
-        meta = {"command": shlex.join(["/usr/bin/python3", "bench/strategies.py", *argv]), "date": peer_ab.utc_now(),
+        meta = {"command": shlex.join([sys.executable, "bench/strategies.py", *argv]), "date": peer_ab.utc_now(),
                 "cpu": peer_ab.cpu_model(), "cores": len(os.sched_getaffinity(0)),
                 "commit": peer_ab.sh(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]) or "?",
                 "coretype": os.environ.get("OPENBLAS_CORETYPE")}

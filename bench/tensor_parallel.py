@@ -1,14 +1,14 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """FSDP alone (dp W) against FSDP over tensor parallelism (dp W/t x tp t) in fsdp-train: per-rank
 peak tensor bytes, per-step communication per kind of collective split by mesh dim, and step
 time, from alternating runs (one configuration, then the other, --pairs times) on the same
 model, data, starting weights and global batch. Then, with --paper-model, when tensor
 parallelism would pay off, from measured matmul and collective rates.
 
-    OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/tensor_parallel.py --preset small --pairs 3 --out DIR
-    OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/tensor_parallel.py --out DIR --report-only
-    OPENBLAS_CORETYPE=Haswell /usr/bin/python3 bench/tensor_parallel.py --measure-constants --out DIR
-    /usr/bin/python3 bench/tensor_parallel.py --paper-model DIR/constants.json
+    python3 bench/tensor_parallel.py --preset small --pairs 3 --out DIR
+    python3 bench/tensor_parallel.py --out DIR --report-only
+    python3 bench/tensor_parallel.py --measure-constants --out DIR
+    python3 bench/tensor_parallel.py --paper-model DIR/constants.json
 
 Both configurations train on the same global batch: --batch rows per rank under dp W, t * --batch
 rows per dp rank under dp W/t x tp t (the t ranks of a tp group share their rows). The tp
@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     if a.report_only:
         meta = peer_ab.load_json(meta_path)
     else:
-        meta = {"command": shlex.join(["/usr/bin/python3", "bench/tensor_parallel.py", *argv]), "date": peer_ab.utc_now(),
+        meta = {"command": shlex.join([sys.executable, "bench/tensor_parallel.py", *argv]), "date": peer_ab.utc_now(),
                 "cpu": peer_ab.cpu_model(), "cores": len(os.sched_getaffinity(0)),
                 "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
                 "commit": peer_ab.sh(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]) or "?",

@@ -1,53 +1,63 @@
-# Gloo, the transport under fsdp-cpp's collectives. Defines the INTERFACE target `fsdp_gloo`
-# (gloo's headers, and gloo's library where it is a library of its own).
+# Gloo, the transport under fsdp-cpp's CPU collectives: the one copy inside LibTorch 2.x's
+# libtorch_cpu, reached through c10d's ProcessGroupGloo. A second gloo in the process (a separate
+# libgloo, e.g. Debian's libgloo-dev, linked beside libtorch_cpu) gives two definitions of every
+# gloo symbol and corrupts memory silently, so this build refuses any configuration that would
+# link one, and a LibTorch that itself links a separate libgloo (Debian's LibTorch 1.13).
 #
-# Two layouts are known:
-#  - a LibTorch that links a separate libgloo (Debian's libtorch-dev): the headers are in a
-#    system include dir and libgloo.so is in that prefix's lib dir (or its multiarch subdir);
-#  - a LibTorch from a PyTorch wheel: gloo's headers are in the LibTorch's include dir and
-#    gloo's code is inside libtorch_cpu, so there is no library to find, and none is linked.
-# The LibTorch's own include and library dirs are searched first, then CMake's default paths
-# (which add the multiarch subdirs through CMAKE_LIBRARY_ARCHITECTURE themselves).
-find_path(FSDP_GLOO_INCLUDE_DIR gloo/context.h HINTS ${TORCH_INCLUDE_DIRS})
-if(NOT FSDP_GLOO_INCLUDE_DIR)
-  message(FATAL_ERROR "gloo headers not found: install libgloo-dev (Debian) or use a LibTorch that ships include/gloo")
-endif()
+# Defines fsdp_gloo_names_dir (the include path for src/comm/gloo_backend.cpp only; see
+# src/comm/gloo_names/README.md) and fsdp_refuse_second_gloo(<target>...), called on every target
+# the project links once they are all defined.
 
-# Where this LibTorch keeps its libraries, and the lib dir next to the gloo headers.
-set(_fsdp_gloo_hints)
-if(TORCH_LIBRARY)
-  get_filename_component(_fsdp_torch_lib_dir "${TORCH_LIBRARY}" DIRECTORY)
-  list(APPEND _fsdp_gloo_hints "${_fsdp_torch_lib_dir}")
-endif()
-get_filename_component(_fsdp_gloo_prefix "${FSDP_GLOO_INCLUDE_DIR}" DIRECTORY)
-list(APPEND _fsdp_gloo_hints "${_fsdp_gloo_prefix}/lib")
-find_library(FSDP_GLOO_LIBRARY NAMES gloo HINTS ${_fsdp_gloo_hints} NO_DEFAULT_PATH)
+set(fsdp_gloo_names_dir "${PROJECT_SOURCE_DIR}/src/comm/gloo_names")
 
-# Headers that are this LibTorch's own, with no libgloo beside them, are the wheel layout:
-# looking further could pick up an unrelated system libgloo next to the gloo inside libtorch_cpu.
-set(_fsdp_gloo_in_torch FALSE)
-if(TORCH_INSTALL_PREFIX)
-  get_filename_component(_fsdp_torch_include "${TORCH_INSTALL_PREFIX}/include" REALPATH)
-  get_filename_component(_fsdp_gloo_include "${FSDP_GLOO_INCLUDE_DIR}" REALPATH)
-  if(_fsdp_gloo_include STREQUAL _fsdp_torch_include)
-    set(_fsdp_gloo_in_torch TRUE)
+# The LibTorch's own libraries must not load a libgloo of their own.
+function(_fsdp_check_torch_has_gloo_inside)
+  get_target_property(_torch_cpu_location torch_cpu IMPORTED_LOCATION)
+  if(NOT _torch_cpu_location)
+    get_target_property(_torch_cpu_location torch_cpu IMPORTED_LOCATION_RELEASE)
   endif()
-endif()
-if(NOT FSDP_GLOO_LIBRARY AND NOT _fsdp_gloo_in_torch)
-  find_library(FSDP_GLOO_LIBRARY NAMES gloo)
-endif()
+  if(NOT _torch_cpu_location OR NOT EXISTS "${_torch_cpu_location}")
+    return()
+  endif()
+  if(NOT CMAKE_OBJDUMP)
+    return()
+  endif()
+  execute_process(COMMAND "${CMAKE_OBJDUMP}" -p "${_torch_cpu_location}"
+                  OUTPUT_VARIABLE _dynamic ERROR_QUIET RESULT_VARIABLE _rc)
+  string(REGEX MATCH "NEEDED +libgloo[^\n]*" _gloo_needed "${_dynamic}")
+  if(_rc EQUAL 0 AND _gloo_needed)
+    message(FATAL_ERROR "fsdp: this LibTorch (${_torch_cpu_location}) links a separate gloo "
+            "(${_gloo_needed}); fsdp-cpp needs a LibTorch 2.x with gloo inside libtorch_cpu "
+            "(the PyTorch wheel or the LibTorch archive; scripts/install-deps.sh installs one).")
+  endif()
+endfunction()
+_fsdp_check_torch_has_gloo_inside()
 
-add_library(fsdp_gloo INTERFACE)
-target_include_directories(fsdp_gloo INTERFACE ${FSDP_GLOO_INCLUDE_DIR})
-if(FSDP_GLOO_LIBRARY)
-  target_link_libraries(fsdp_gloo INTERFACE ${FSDP_GLOO_LIBRARY})
-  message(STATUS "fsdp: gloo headers in ${FSDP_GLOO_INCLUDE_DIR}, library ${FSDP_GLOO_LIBRARY}")
-else()
-  message(STATUS "fsdp: gloo headers in ${FSDP_GLOO_INCLUDE_DIR}; no separate libgloo (its code is in libtorch_cpu)")
-endif()
-unset(_fsdp_gloo_hints)
-unset(_fsdp_gloo_prefix)
-unset(_fsdp_gloo_in_torch)
-unset(_fsdp_torch_lib_dir)
-unset(_fsdp_torch_include)
-unset(_fsdp_gloo_include)
+# Any mention of a gloo library on a target's link line or in the global linker flags.
+function(fsdp_refuse_second_gloo)
+  foreach(_flags_var CMAKE_EXE_LINKER_FLAGS CMAKE_SHARED_LINKER_FLAGS CMAKE_MODULE_LINKER_FLAGS)
+    if("${${_flags_var}}" MATCHES "(^|[ /:])(lib)?gloo([.][a-z0-9.]*)?( |$)|-lgloo")
+      message(FATAL_ERROR "fsdp: ${_flags_var} links a separate gloo ('${${_flags_var}}'). LibTorch "
+              "already carries gloo inside libtorch_cpu, and a second copy in the process corrupts "
+              "memory silently: remove it.")
+    endif()
+  endforeach()
+  foreach(_target IN LISTS ARGN)
+    if(NOT TARGET ${_target})
+      continue()
+    endif()
+    foreach(_prop LINK_LIBRARIES INTERFACE_LINK_LIBRARIES)
+      get_target_property(_libs ${_target} ${_prop})
+      if(NOT _libs)
+        continue()
+      endif()
+      foreach(_lib IN LISTS _libs)
+        if(_lib MATCHES "(^|/)(lib)?gloo([.][a-z0-9.]*)?$|^-lgloo$|^Gloo::")
+          message(FATAL_ERROR "fsdp: target ${_target} links a separate gloo ('${_lib}'). LibTorch "
+                  "already carries gloo inside libtorch_cpu, and a second copy in the process "
+                  "corrupts memory silently: remove it.")
+        endif()
+      endforeach()
+    endforeach()
+  endforeach()
+endfunction()

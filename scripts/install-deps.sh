@@ -1,31 +1,78 @@
 #!/usr/bin/env bash
-# install-deps.sh — everything fsdp-cpp needs on a fresh Debian 12 machine, from Debian's
-# packages only, and the fast BLAS for LibTorch (scripts/select-blas.sh, docs/blas.md).
+# install-deps.sh — everything fsdp-cpp needs on a fresh Debian 12 machine:
+#  - Debian's packages for the toolchain, the test and benchmark libraries, OpenMPI and OpenBLAS;
+#  - LibTorch 2.x, as the one pinned PyTorch wheel from PyPI (a CUDA build that also runs without
+#    a GPU; it carries LibTorch's headers, libraries and share/cmake/Torch, and gloo inside
+#    libtorch_cpu), installed with the Python-side test tools into a virtual environment outside
+#    the clone (scripts/torch-env.sh says where).
 # Idempotent: installs only what is missing, so a second run needs no network.
+#
+# A user who already has LibTorch 2.x (the official archive, or their own PyTorch) sets
+#   FSDP_LIBTORCH=/path/to/libtorch        (the folder holding share/cmake/Torch)
+# and no wheel is downloaded; the Python-side tests then use FSDP_PYTHON (default python3), which
+# needs torch for those tests to run (they report skipped otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/torch-env.sh
 
 packages=(
   cmake ninja-build g++ make pkg-config
-  libtorch-dev libgloo-dev          # LibTorch 1.13 (CPU) with c10d, and the gloo transport
+  python3-venv                      # the virtual environment that holds the PyTorch wheel
   libgtest-dev libbenchmark-dev     # tests and benchmarks
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev zlib1g-dev
-  python3-torch                     # tests: Python's torch.load reads our exports
-  libopenblas0-pthread              # the BLAS LibTorch is pointed at (select-blas.sh)
   libopenmpi-dev openmpi-bin        # the MPI backend and mpirun (optional at build time)
+  iproute2                          # ss, for the tests that look at listening sockets
 )
 
 as_root() {
   if [[ ${EUID:-$(id -u)} -eq 0 ]]; then "$@"; else sudo "$@"; fi
 }
 
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  echo "install-deps: installing ${missing[*]}"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
-as_root bash scripts/select-blas.sh
+# A second gloo in the process corrupts memory silently (LibTorch 2.x links its own into
+# libtorch_cpu), and Debian's LibTorch 1.13 is no longer supported: neither may stay installed.
+refuse_old_packages() {
+  local old=()
+  for p in libtorch-dev libtorch1.13 python3-torch libgloo-dev libgloo0; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" && old+=("$p")
+  done
+  if ((${#old[@]})); then
+    echo "install-deps: removing ${old[*]} (Debian's LibTorch 1.13 and its separate gloo; fsdp-cpp" \
+         "uses LibTorch ${FSDP_TORCH_VERSION} and the gloo inside it)"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get remove -y -qq "${old[@]}"
+  fi
+}
+
+install_debian_packages() {
+  local missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    echo "install-deps: installing ${missing[*]}"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+}
+
+# The venv is complete once its torch reports the pinned version; a half-finished one (a
+# download cut off) is made again from scratch.
+install_torch_wheel() {
+  if [[ -n "${FSDP_LIBTORCH:-}" ]]; then
+    echo "install-deps: using LibTorch from FSDP_LIBTORCH=${FSDP_LIBTORCH}; no wheel downloaded"
+    return
+  fi
+  if "$FSDP_PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${FSDP_TORCH_VERSION}')" 2>/dev/null; then
+    return
+  fi
+  echo "install-deps: installing torch==${FSDP_TORCH_VERSION} into ${FSDP_VENV} (about 5 GiB with its CUDA libraries)"
+  rm -rf "$FSDP_VENV"
+  mkdir -p "$(dirname "$FSDP_VENV")"
+  "${FSDP_BASE_PYTHON}" -m venv "$FSDP_VENV"
+  "$FSDP_VENV/bin/pip" install -q --disable-pip-version-check \
+      "torch==${FSDP_TORCH_VERSION}" numpy pytest pyyaml
+  "$FSDP_PYTHON" -c "import torch; print('install-deps: torch', torch.__version__, 'at', torch.__file__)"
+}
+
+refuse_old_packages
+install_debian_packages
+install_torch_wheel

@@ -107,6 +107,8 @@ TEST(InitChecks, ParametersFsdpCannotShardAreRefusedByName) {
                  {"parameter 'w' does not own a contiguous storage", "clone()"});
     expect_error([&] { fsdp::fully_shard(WithParam(at::randn({8}).narrow(0, 2, 4)), opts); },
                  {"parameter 'w' does not own a contiguous storage"});
+    expect_error([&] { fsdp::fully_shard(WithParam(at::empty({4, 3}, at::TensorOptions().device(at::kMeta))), opts); },
+                 {"parameter 'w' is on the meta device", "not supported yet", "to_empty()"});
     // A refused call leaves the module unmanaged: a fixed parameter then shards.
     WithParam m(at::ones({}));
     expect_error([&] { fsdp::fully_shard(m, opts); }, {"0-dim"});

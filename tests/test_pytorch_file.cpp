@@ -3,11 +3,13 @@
 // nn.Module's state_dict(), bf16/int64/bool tensors, tied and strided views of one storage,
 // bundles with an optimizer and other Python objects), every value compared bitwise; and every
 // kind of bad file, each named in its error.
+#include "python_path.h"
 #include <fsdp/state_dict.h>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <csignal>
 #include <cstdlib>
@@ -84,12 +86,13 @@ json.dump(manifest, open(out + '/manifest.json', 'w'))
 class StateDictPyTorchFile : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
+    FSDP_SKIP_WITHOUT_PYTHON();
     const char* tmp = std::getenv("TMPDIR");
     dir_ = std::string(tmp && *tmp ? tmp : "/tmp") + "/fsdp_pt_" + std::to_string(::getpid());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     std::ofstream(dir_ + "/writer.py") << kWriter;
-    const std::string cmd = "/usr/bin/python3 " + dir_ + "/writer.py " + dir_;
+    const std::string cmd = fsdp_test::python() + " " + dir_ + "/writer.py " + dir_;
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     std::ifstream in(dir_ + "/manifest.json");
     manifest_ = json::parse(in);
@@ -182,6 +185,26 @@ TEST_F(StateDictPyTorchFile, EveryStateDictPythonSavesLoadsBitwise) {
       EXPECT_TRUE(t.device().is_cpu());
     }
   }
+}
+
+// Why src/checkpoint/torch_load.cpp exists: LibTorch's own unpickler still turns Python's
+// collections.OrderedDict (every nn.Module.state_dict()) into None, while a plain dict reads. When
+// a LibTorch release reads it, this test fails, and the reader can give way to torch::pickle_load.
+TEST_F(StateDictPyTorchFile, LibTorchsOwnUnpicklerStillCannotReadAModulesStateDict) {
+  auto bytes_of = [&](const std::string& name) {
+    std::ifstream in(path(name), std::ios::binary);
+    return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_TRUE(torch::pickle_load(bytes_of("plain")).isGenericDict());
+  try {
+    c10::IValue v = torch::pickle_load(bytes_of("module"));
+    EXPECT_FALSE(v.isGenericDict()) << "torch::pickle_load now reads an OrderedDict state dict: "
+                                       "load_pytorch_state_dict could use it";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("GenericDict"), std::string::npos) << e.what();
+  }
+  // Ours reads both.
+  EXPECT_EQ(fsdp::load_pytorch_state_dict(path("module")).size(), manifest_["module"].size());
 }
 
 TEST_F(StateDictPyTorchFile, ViewsOfOneStorageStayViewsOfOneStorage) {

@@ -4,6 +4,7 @@
 #include "harness/multiprocess.h"
 #include "test_models.h"
 
+#include "python_path.h"
 #include <fsdp/call.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
@@ -115,7 +116,7 @@ void check_with_python(const std::string& dir, const std::string& prefix, const 
   ASSERT_TRUE(fs::exists(script)) << script << " (located through __FILE__)";
   const std::string ref = dir + "/reference.pt", log = dir + "/python.log";
   fsdp::save_pytorch_state_dict(full, ref);
-  const std::string cmd = "/usr/bin/python3 '" + script + "' '" + dir + "/" + prefix + ".safetensors.index.json' '" +
+  const std::string cmd = fsdp_test::python() + " '" + script + "' '" + dir + "/" + prefix + ".safetensors.index.json' '" +
                           ref + "' > '" + log + "' 2>&1";
   const int rc = std::system(cmd.c_str());
   const std::string out = slurp(log);
@@ -126,6 +127,7 @@ void check_with_python(const std::string& dir, const std::string& prefix, const 
 }  // namespace
 
 TEST(Safetensors, ShardedModelIsWrittenOneFilePerRankAndReadsBackExactly) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   for (int world : {1, 2, 3}) {
     run_distributed(world, [world] {
       DirGuard guard{test_dir("model_w" + std::to_string(world))};
@@ -149,6 +151,7 @@ TEST(Safetensors, ShardedModelIsWrittenOneFilePerRankAndReadsBackExactly) {
 // Every dtype, uneven and empty shards, 0-d tensors, a custom prefix, and ranks left without
 // any tensor (which still write a valid, empty file).
 TEST(Safetensors, EveryDtypeAndEmptyRanks) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   run_distributed(3, [] {
     DirGuard guard{test_dir("dtypes")};
     auto mesh = fsdp::init_device_mesh("cpu", {3});

@@ -3,6 +3,7 @@
 #include "harness/multiprocess.h"
 #include "test_models.h"
 
+#include "python_path.h"
 #include <fsdp/call.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
@@ -133,6 +134,7 @@ TEST(StateDict, BadInputNamesTheKeyAndLoadsNothing) {
 }
 
 TEST(StateDict, PyTorchFileFormatRoundTripsAndPythonReadsIt) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   run_distributed(2, [] {
     auto m = make_sharded(1);
     auto full = fsdp::full_state_dict(*m);
@@ -144,7 +146,7 @@ TEST(StateDict, PyTorchFileFormatRoundTripsAndPythonReadsIt) {
     if (fsdp::get_rank() == 0) {
       const std::string check = temp_path("check.txt");
       const std::string cmd =
-          "/usr/bin/python3 -c \"import sys, torch; sd = torch.load(sys.argv[1]); "
+          fsdp_test::python() + " -c \"import sys, torch; sd = torch.load(sys.argv[1]); "
           "open(sys.argv[2], 'w').write(''.join('%s %s %.9g\\n' % (k, list(v.shape), v.double().sum().item()) "
           "for k, v in sd.items()))\" " + path + " " + check;
       ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;

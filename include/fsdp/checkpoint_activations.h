@@ -67,7 +67,7 @@ namespace fsdp {
 struct CheckpointOptions {
   // Recompute by calling the function again inside backward and backpropagating through the
   // recomputation (PyTorch's use_reentrant=True). false (PyTorch's saved-tensor-hooks variant) is
-  // not available: LibTorch 1.13's C++ API has no default saved-tensor hooks
+  // supported yet: LibTorch's C++ API (2.15 included) has no default saved-tensor hooks
   // (at::SavedTensorDefaultHooks holds Python callables, and only Python's autograd engine
   // consults them), so checkpoint() with use_reentrant(false) throws a c10::Error saying so.
   TORCH_ARG(bool, use_reentrant) = true;

@@ -24,8 +24,8 @@
 //  - A dtype equal to the parameters' own dtype is the same as leaving it unset.
 //
 // Each fully_shard call takes its own policy. On a CPU mesh, float16 compute needs LibTorch's fp16
-// CPU kernels (LibTorch 1.13 has no fp16 matmul on CPU): fully_shard checks and refuses with a
-// message that suggests bfloat16 when they are missing.
+// CPU kernels (LibTorch 2.x has them): fully_shard checks once and refuses, suggesting bfloat16,
+// on a LibTorch built without them.
 #pragma once
 
 #include <c10/core/ScalarType.h>

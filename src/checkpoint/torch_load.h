@@ -2,10 +2,10 @@
 // a zip archive holding data.pkl, a pickle (protocol 2) of the saved object whose tensors refer
 // to their storages by persistent id, and one record data/<key> per storage.
 //
-// LibTorch 1.13's own unpickler (torch::pickle_load) cannot read what Python users save: it
-// turns every collections.OrderedDict into None (it expects one only as a tensor's empty
-// backward hooks), so model.state_dict() fails with "Expected GenericDict but got None", and it
-// has no SETITEM opcode, which Python's pickler uses for a dict of one entry. This reader
+// LibTorch's own unpickler (torch::pickle_load, still in 2.15) cannot read what Python users
+// save: it turns every collections.OrderedDict into None (it expects one only as a tensor's empty
+// backward hooks), so loading model.state_dict() fails with "Expected GenericDict but got None"
+// (tests/test_pytorch_file.cpp checks that this is still so, and where). This reader
 // implements the subset of the protocol torch.save emits, checking every read against the
 // data's bounds. It executes nothing: the Python objects it rebuilds are dicts (plain and
 // OrderedDict), lists, tuples, None, bools, ints, floats, strings and tensors; any other

@@ -1,5 +1,11 @@
 // The CPU collectives. Where data moves: the algorithm functions below, each run on the
 // group's communication thread (QueuedProcessGroup). Who waits: the caller, through Work::wait().
+//
+// The transport is c10d's ProcessGroupGloo, used for its point-to-point send and recv only.
+// This is the one file that includes its header, which names a few gloo types: PyTorch's
+// wheel and archive ship no gloo headers, so src/comm/gloo_names/ declares those names and
+// nothing more (see its README). Nothing here constructs, derives from or calls into a gloo
+// type; every call goes through c10d's exported Backend interface.
 #include "src/comm/gloo_backend.h"
 
 #include "src/comm/p2p_algorithms.h"
@@ -7,11 +13,10 @@
 #include "src/util/tensor_bytes.h"
 
 #include <c10/util/Exception.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/store.h>
-#include <gloo/transport/tcp/device.h>
-#include <gloo/transport/unbound_buffer.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <link.h>
 
 #include <algorithm>
 #include <cstring>
@@ -27,32 +32,55 @@ using detail::bytes_of;
 // Large transfers move in segments so that reducing one segment overlaps receiving the next.
 constexpr size_t kSegmentBytes = size_t{4} << 20;
 
-// gloo's rendezvous talks to c10d's store through this adapter.
-class GlooStoreAdapter : public gloo::rendezvous::Store {
- public:
-  explicit GlooStoreAdapter(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
-  void set(const std::string& key, const std::vector<char>& data) override {
-    store_->set(key, std::vector<uint8_t>(data.begin(), data.end()));
-  }
-  std::vector<char> get(const std::string& key) override {
-    std::vector<uint8_t> v = store_->get(key);
-    return std::vector<char>(v.begin(), v.end());
-  }
-  void wait(const std::vector<std::string>& keys) override { store_->wait(keys); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    store_->wait(keys, timeout);
-  }
-
- private:
-  c10::intrusive_ptr<c10d::Store> store_;
-};
-
 std::string ranks_str(const std::vector<int>& ranks) {
   std::ostringstream s;
   s << "[";
   for (size_t i = 0; i < ranks.size(); ++i) s << (i ? ", " : "") << ranks[i];
   s << "]";
   return s.str();
+}
+
+// c10d's tags are non-negative 32-bit ints; slot_of() numbers the transfers of one operation in
+// 64 bits (sequence number, step, segment). Only the transfers of the operation being executed
+// are in flight on a pair at once, so the low bits of each part are enough to tell them apart.
+int tag_of(uint64_t slot) {
+  const uint64_t seq = slot >> 28, step = (slot >> 16) & 0xFFF, segment = slot & 0xFFFF;
+  return static_cast<int>(((seq & 0x7F) << 24) | ((step & 0xFFF) << 12) | (segment & 0xFFF));
+}
+
+// A byte range as the uint8 tensor c10d's send and recv take; it borrows the memory.
+at::Tensor byte_tensor(char* ptr, size_t nbytes) {
+  return at::from_blob(ptr, {static_cast<int64_t>(nbytes)}, at::TensorOptions().dtype(at::kByte));
+}
+
+// A second gloo in the process (a libgloo beside the one inside libtorch_cpu) would give two
+// definitions of every gloo symbol and corrupt memory silently; the build refuses to link one,
+// and this catches one that a plugin or LD_PRELOAD brought in.
+int find_separate_gloo(struct dl_phdr_info* info, size_t, void* found) {
+  const char* name = info->dlpi_name;
+  if (name != nullptr && std::strstr(name, "/libgloo") != nullptr) {
+    *static_cast<std::string*>(found) = name;
+    return 1;
+  }
+  return 0;
+}
+
+void refuse_a_second_gloo() {
+  std::string found;
+  dl_iterate_phdr(find_separate_gloo, &found);
+  TORCH_CHECK(found.empty(), "fsdp: this process has loaded a separate gloo library (", found,
+              ") beside the gloo inside LibTorch's libtorch_cpu; two copies of gloo corrupt memory. "
+              "Remove it from the link line, LD_PRELOAD and LD_LIBRARY_PATH.");
+}
+
+c10::intrusive_ptr<c10d::Backend> connect_gloo(const GlooGroupConfig& config, int size) {
+  auto options = c10d::ProcessGroupGloo::Options::create(config.timeout);
+  options->devices.push_back(config.transport_iface.empty()
+                                 ? c10d::ProcessGroupGloo::createDeviceForHostname(config.transport_host)
+                                 : c10d::ProcessGroupGloo::createDeviceForInterface(config.transport_iface));
+  // Its worker threads run c10d's own collectives, which this backend does not use.
+  options->threads = 1;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(config.store, config.rank, size, options);
 }
 
 }  // namespace
@@ -67,21 +95,11 @@ class GlooProcessGroup::GlooTransfers final : public Transfers {
   GlooTransfers(GlooProcessGroup& group, CollectiveKind kind) : group_(group), kind_(kind) {}
 
   void send(const char* ptr, size_t nbytes, int peer, uint64_t slot) override {
-    for (size_t off = 0, seg = 0; off < nbytes; off += kSegmentBytes, ++seg) {
-      const size_t len = std::min(kSegmentBytes, nbytes - off);
-      auto buf = group_.context_->createUnboundBuffer(const_cast<char*>(ptr) + off, len);
-      buf->send(peer, slot + seg, 0, len);
-      sends_.push_back({std::move(buf), nullptr, len});
-    }
+    post(sends_, const_cast<char*>(ptr), nbytes, peer, slot, /*is_send=*/true);
   }
 
   void recv(char* ptr, size_t nbytes, int peer, uint64_t slot) override {
-    for (size_t off = 0, seg = 0; off < nbytes; off += kSegmentBytes, ++seg) {
-      const size_t len = std::min(kSegmentBytes, nbytes - off);
-      auto buf = group_.context_->createUnboundBuffer(ptr + off, len);
-      buf->recv(peer, slot + seg, 0, len);
-      recvs_.push_back({std::move(buf), ptr + off, len});
-    }
+    post(recvs_, ptr, nbytes, peer, slot, /*is_send=*/false);
   }
 
   // A transfer that does not complete by the deadline throws a plain exception: execute() turns
@@ -89,7 +107,7 @@ class GlooProcessGroup::GlooTransfers final : public Transfers {
   // the absent ranks.
   void wait_recvs(const std::function<void(char*, size_t)>& on_segment) override {
     for (auto& r : recvs_) {
-      if (!r.buffer->waitRecv(nullptr, remaining())) throw std::runtime_error("receive aborted");
+      if (!r.work->wait(remaining())) throw std::runtime_error("receive aborted");
       group_.count_bytes(kind_, 0, static_cast<int64_t>(r.nbytes));
       on_segment(r.ptr, r.nbytes);
     }
@@ -99,13 +117,29 @@ class GlooProcessGroup::GlooTransfers final : public Transfers {
 
   void wait_sends() override {
     for (auto& s : sends_) {
-      if (!s.buffer->waitSend(nullptr, remaining())) throw std::runtime_error("send aborted");
+      if (!s.work->wait(remaining())) throw std::runtime_error("send aborted");
       group_.count_bytes(kind_, static_cast<int64_t>(s.nbytes), 0);
     }
     sends_.clear();
   }
 
  private:
+  struct Pending {
+    c10::intrusive_ptr<c10d::Work> work;
+    char* ptr;
+    size_t nbytes;
+  };
+
+  void post(std::vector<Pending>& pending, char* ptr, size_t nbytes, int peer, uint64_t slot, bool is_send) {
+    for (size_t off = 0, seg = 0; off < nbytes; off += kSegmentBytes, ++seg) {
+      const size_t len = std::min(kSegmentBytes, nbytes - off);
+      std::vector<at::Tensor> piece{byte_tensor(ptr + off, len)};
+      const int tag = tag_of(slot + seg);
+      auto work = is_send ? group_.peers_->send(piece, peer, tag) : group_.peers_->recv(piece, peer, tag);
+      pending.push_back({std::move(work), ptr + off, len});
+    }
+  }
+
   // Rounded up, so that a transfer Gloo gives up on has really outlived the deadline and the
   // error says "timed out" (truncating let Gloo stop up to 1 ms early).
   std::chrono::milliseconds remaining() const {
@@ -113,11 +147,6 @@ class GlooProcessGroup::GlooTransfers final : public Transfers {
     return std::max(left, std::chrono::milliseconds(1));
   }
 
-  struct Pending {
-    std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
-    char* ptr;
-    size_t nbytes;
-  };
   GlooProcessGroup& group_;
   const CollectiveKind kind_;
   std::vector<Pending> sends_;
@@ -142,20 +171,10 @@ GlooProcessGroup::GlooProcessGroup(GlooGroupConfig config)
     : QueuedProcessGroup(config.rank, config.global_ranks, config.name, config.timeout, "gloo"),
       config_(std::move(config)) {
   if (size() > 1) {
-    gloo::transport::tcp::attr attr;
-    if (!config_.transport_iface.empty()) {
-      attr.iface = config_.transport_iface;
-    } else {
-      attr.hostname = config_.transport_host;
-    }
+    refuse_a_second_gloo();
     try {
-      auto device = gloo::transport::tcp::CreateDevice(attr);
-      auto context = std::make_shared<gloo::rendezvous::Context>(rank(), size());
-      context->setTimeout(timeout());
-      GlooStoreAdapter store(config_.store);
-      context->connectFullMesh(store, device);
+      peers_ = connect_gloo(config_, size());
       wait_until_every_member_connected();
-      context_ = std::move(context);
     } catch (const std::exception& e) {
       throw CollectiveError("fsdp: could not connect process group '" + name() + "' (global ranks " +
                             ranks_str(global_ranks()) + ") within " +

@@ -1,10 +1,12 @@
-// gloo_backend.h — the CPU implementation of fsdp::ProcessGroup on Gloo's TCP transport.
+// gloo_backend.h — the CPU implementation of fsdp::ProcessGroup on Gloo's TCP transport, through
+// c10d's ProcessGroupGloo of the same LibTorch (so the process holds one gloo: the one inside
+// libtorch_cpu).
 //
 // Every collective of a group runs on that group's one communication thread, in issue order
 // (QueuedProcessGroup); this is where data moves, and the only place that waits on the
-// transport. The algorithms are ours (p2p_algorithms.h; Gloo 0.5 has neither an all-gather into a
-// caller's buffer with uneven counts nor a reduce-scatter that leaves the input alone):
-// point-to-point sends and receives of byte ranges through Gloo's unbound buffers.
+// transport. The algorithms are ours (p2p_algorithms.h: c10d's Gloo reduce-scatters by an
+// all-reduce and a copy, and all-gathers through a staging copy): they run on ProcessGroupGloo's
+// point-to-point send and recv of byte ranges.
 #pragma once
 
 #include "src/comm/p2p_algorithms.h"
@@ -19,9 +21,7 @@
 
 namespace c10d {
 class Store;
-}
-namespace gloo {
-class Context;
+class Backend;
 }
 
 namespace fsdp {
@@ -65,7 +65,7 @@ class GlooProcessGroup final : public QueuedProcessGroup {
   Transport transport(CollectiveKind kind, int64_t seq);
 
   GlooGroupConfig config_;
-  std::shared_ptr<gloo::Context> context_;  // null for a group of one
+  c10::intrusive_ptr<c10d::Backend> peers_;  // c10d's ProcessGroupGloo; null for a group of one
   std::chrono::steady_clock::time_point deadline_;  // of the operation being executed
 };
 

@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
 #include <memory>
@@ -62,7 +63,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     size_t bucket = 0;
     int64_t offset = 0;  // elements into its bucket
     at::Tensor slot;     // its piece of the bucket, shaped like the parameter
-    std::shared_ptr<torch::autograd::Node> accumulator;  // kept alive: the tensor holds it weakly
+    // Kept alive: the tensor holds it weakly. Whatever smart pointer this LibTorch hands out.
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>())) accumulator;
     uintptr_t hook_key = 0;
     bool ready = false;  // its gradient is in the bucket for the current synced backward
     bool used = false;   // it got a gradient since the last synced backward ended

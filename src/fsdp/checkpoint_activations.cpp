@@ -153,9 +153,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 }  // namespace
 
 void check_checkpoint_options(const CheckpointOptions& options) {
-  TORCH_CHECK(options.use_reentrant(), "fsdp::checkpoint: use_reentrant(false) is not available: LibTorch 1.13's "
-              "C++ API has no default saved-tensor hooks (at::SavedTensorDefaultHooks takes Python callables, and "
-              "only Python's autograd engine consults them), which non-reentrant checkpointing needs. Use "
+  TORCH_CHECK(options.use_reentrant(), "fsdp::checkpoint: use_reentrant(false) is not supported yet: LibTorch 2.x's "
+              "C++ API still has no default saved-tensor hooks (at::SavedTensorDefaultHooks takes Python callables, "
+              "and only Python's autograd engine consults them), which non-reentrant checkpointing needs. Use "
               "fsdp::CheckpointOptions().use_reentrant(true), the default");
 }
 

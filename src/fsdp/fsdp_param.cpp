@@ -15,6 +15,13 @@ FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64
   const at::Tensor& u = unsharded_;
   TORCH_CHECK(u.dim() >= 1, "fully_shard: parameter '", fqn_, "' is a scalar (0-dim); FSDP shards along dim 0 "
               "and needs at least one dim. Make it shape [1], or keep it out of the FSDP module.");
+  // PyTorch's meta-device initialisation (fully_shard on meta, then to_empty() and
+  // reset_parameters()) needs modules that can re-create their parameters on another device; C++
+  // modules allocate and initialise theirs in their constructors only.
+  TORCH_CHECK(!u.is_meta(), "fully_shard: parameter '", fqn_, "' is on the meta device; meta-device "
+              "initialisation is not supported yet (LibTorch's C++ modules have no to_empty(), and allocate and "
+              "initialise their parameters in their constructors). Build the model on the CPU, sharding each "
+              "block as soon as it is built (models::sharded_transformer shows how).");
   TORCH_CHECK(u.device().is_cpu(), "fully_shard: parameter '", fqn_, "' is on ", u.device(),
               "; this build of fsdp-cpp shards CPU parameters only");
   TORCH_CHECK(u.is_contiguous() && u.storage_offset() == 0 &&
@@ -91,7 +98,7 @@ void FSDPParam::free_unsharded() {
   at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(), 0);
 }
 
-char* FSDPParam::unsharded_bytes() const { return static_cast<char*>(unsharded_.storage().data()); }
+char* FSDPParam::unsharded_bytes() const { return static_cast<char*>(unsharded_.storage().mutable_data()); }
 
 void FSDPParam::alias_shard(const at::Tensor& flat_shard, int64_t offset) {
   // Same TensorImpl (the module member keeps pointing at it), new storage: the shard's.

@@ -36,7 +36,7 @@ void check_floating(const std::optional<at::ScalarType>& dtype, const char* fiel
 }
 
 // Whether this LibTorch has an fp16 matmul on CPU, and if not, what it said. Probed once: the
-// answer depends on the LibTorch build (1.13 has none), not on the input.
+// answer depends on the LibTorch build (2.x's have one), not on the input.
 const std::string& cpu_half_matmul_error() {
   static std::once_flag once;
   static std::string error;

@@ -18,7 +18,8 @@ namespace fsdp {
 namespace detail {
 
 // Throws, naming the field, when a dtype of `policy` is not floating point, or when its
-// param_dtype needs kernels the mesh's device lacks (fp16 matmul on CPU in LibTorch 1.13).
+// param_dtype needs kernels the mesh's device lacks (fp16 matmul on CPU, in a LibTorch built
+// without it).
 void check_mp_policy(const MixedPrecisionPolicy& policy, const DeviceMesh& mesh);
 
 // The dtypes of a group whose parameters have dtype `orig`, as FSDP2 resolves them: a

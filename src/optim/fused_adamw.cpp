@@ -26,7 +26,7 @@ namespace {
 
 using torch::optim::AdamWOptions;
 using torch::optim::AdamWParamState;
-// Keyed by a string in LibTorch 1.13 and by the TensorImpl pointer later (see fsdp/compat.h).
+// Keyed by the parameter's TensorImpl (fsdp/compat.h).
 using StateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 
 // Parameters of one dtype that are views into one storage, updated in one pass.
@@ -68,7 +68,7 @@ bool is_fusable(const at::Tensor& param, const AdamWParamState* state) {
   return matches_param_layout(state->exp_avg(), param) && matches_param_layout(state->exp_avg_sq(), param) && max_ok;
 }
 
-// torch::optim::AdamW::step for one parameter, op for op (LibTorch 1.13's adamw.cpp).
+// torch::optim::AdamW::step for one parameter, op for op (LibTorch's adamw.cpp).
 void step_unfused(at::Tensor& p, const AdamWOptions& options, StateMap& states) {
   const at::Tensor& grad = p.grad();
   if (options.weight_decay() != 0) p.mul_(1 - options.lr() * options.weight_decay());

@@ -30,7 +30,6 @@
 // at exit still find it.
 #include <fsdp/memory.h>
 
-#include <fsdp/compat.h>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -185,9 +184,7 @@ void counting_delete(void* ptr) {
 
 class CountingAllocator final : public c10::Allocator {
  public:
-  // Version difference (fsdp/compat.h): allocate() is const in LibTorch 1.13 and non-const
-  // in 2.3 and later.
-  c10::DataPtr allocate(size_t n) FSDP_ALLOCATOR_CONST override {
+  c10::DataPtr allocate(size_t n) override {
     c10::Allocator* inner = wrapped_.load(std::memory_order_acquire);
     if (n == 0 || inner == nullptr) {
       // Nothing to count. Keep one deleter for every DataPtr we return (raw_deleter()).
@@ -217,12 +214,9 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
 
-  // LibTorch 2.x has a pure virtual copy_data(). It is defined here in every version, without
-  // `override` where the macro says the base lacks it, so the class is concrete whatever the
-  // exact release that introduced it; in 1.13 it is an unused extra virtual.
-  void copy_data(void* dest, const void* src, std::size_t count) const
-#if FSDP_ALLOCATOR_HAS_COPY_DATA
-      override {
+  // Copies between two blocks of this allocator (Allocator::clone uses it): the wrapped
+  // allocator's way, which is a memcpy for CPU memory.
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
     c10::Allocator* inner = wrapped_.load(std::memory_order_acquire);
     if (inner != nullptr) {
       inner->copy_data(dest, src, count);
@@ -230,11 +224,6 @@ class CountingAllocator final : public c10::Allocator {
     }
     std::memcpy(dest, src, count);
   }
-#else
-  {
-    std::memcpy(dest, src, count);
-  }
-#endif
 
   // Sets the allocator to delegate to. Safe while others allocate: every block remembers the
   // deleter of the allocator that made it.

@@ -4,6 +4,7 @@
 #include "process_harness.h"
 #include "trainer_runs.h"
 
+#include "../python_path.h"
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -200,6 +201,7 @@ TEST(Trainer, TokenizeThenTrainOnATextFile) {
 // model.init_from reads what Python's torch.save wrote: here our own export, saved again by
 // Python torch; a run with a vanishing learning rate exports the same weights back.
 TEST(Trainer, StartsFromATorchSaveFile) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   TempDir dir;
   const auto common = [&](const std::string& name, int steps) {
     return with(base_args(dir / name, steps),
@@ -210,7 +212,7 @@ TEST(Trainer, StartsFromATorchSaveFile) {
   const std::string python = "import sys, torch\n"
                              "torch.save(dict(torch.load(sys.argv[1])), sys.argv[2])\n";
   std::ofstream(dir / "resave.py") << python;
-  ASSERT_EQ(std::system(("/usr/bin/python3 " + dir / "resave.py" + " " + dir / "a.pt" + " " + dir / "init.pt").c_str()), 0);
+  ASSERT_EQ(std::system((fsdp_test::python() + " " + dir / "resave.py" + " " + dir / "a.pt" + " " + dir / "init.pt").c_str()), 0);
   RunResult b = fsdprun.run(under_fsdprun(2, with(common("b", 1), {"--model.init_from=" + dir / "init.pt",
                                                                    "--optimizer.lr=1e-30", "--schedule.min_lr=0"})),
                             {}, 120);
@@ -220,7 +222,7 @@ TEST(Trainer, StartsFromATorchSaveFile) {
                                         "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
                                         "for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k\n"
                                         "print('OK', len(a))\n";
-  EXPECT_EQ(std::system(("/usr/bin/python3 " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
+  EXPECT_EQ(std::system((fsdp_test::python() + " " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
 }
 
 // model.init_from also takes a safetensors export, of which each rank reads only its rows: a
@@ -228,6 +230,7 @@ TEST(Trainer, StartsFromATorchSaveFile) {
 // exported as a torch.save file: the runs are deterministic), and with a vanishing learning
 // rate exports them back.
 TEST(Trainer, StartsFromASafetensorsExportAtAnotherWorldSize) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   TempDir dir;
   const auto common = [&](const std::string& name, int steps, const std::string& export_path) {
     return with(base_args(dir / name, steps),
@@ -247,7 +250,7 @@ TEST(Trainer, StartsFromASafetensorsExportAtAnotherWorldSize) {
                                         "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
                                         "for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k\n"
                                         "print('OK', len(a))\n";
-  EXPECT_EQ(std::system(("/usr/bin/python3 " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
+  EXPECT_EQ(std::system((fsdp_test::python() + " " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
 }
 
 TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaitsAndSafetensorsExport) {

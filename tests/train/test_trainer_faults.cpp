@@ -5,6 +5,7 @@
 #include "process_harness.h"
 #include "trainer_runs.h"
 
+#include "../python_path.h"
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -158,6 +159,7 @@ TEST(TrainerFaults, ARankThatCannotReadTheChosenCheckpointStopsEveryRankNamingIt
 // The defect, as reported: configs/gpl3.yaml at W=2 with lr 1e3 and a checkpoint every step
 // saved a step whose gradient norm was not finite, and named it as the last checkpoint.
 TEST(TrainerFaults, ANonFiniteStepIsNeitherAppliedNorSavedAndTheLastGoodCheckpointResumes) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   TempDir dir;
   RunResult tok = trainer.run({"tokenize", "/usr/share/common-licenses/GPL-3", dir / "gpl3.tokens"}, {}, 30);
   ASSERT_EQ(tok.exit_code, 0) << describe(tok);
@@ -276,6 +278,7 @@ print('OK', len(a))
 )";
 
 TEST(TrainerFaults, InitFromReadsPythonStateDictsAndBundles) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   TempDir dir;
   write_text(dir / "model.py", kPythonModel);
   write_text(dir / "compare.py", kPythonCompare);
@@ -295,6 +298,7 @@ TEST(TrainerFaults, InitFromReadsPythonStateDictsAndBundles) {
 // The advice used to be "set training.max_grad_norm" even when it was set; weights that are
 // not finite cannot train at all, so the file is refused naming the tensor.
 TEST(TrainerFaults, InitFromWithNonFiniteWeightsIsRefusedNamingTheFileAndTensor) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   TempDir dir;
   write_text(dir / "model.py", kPythonModel);
   ASSERT_EQ(run_python(dir / "model.py", {dir.path()}), 0);
@@ -310,6 +314,7 @@ TEST(TrainerFaults, InitFromWithNonFiniteWeightsIsRefusedNamingTheFileAndTensor)
 // A safetensors directory is read a rank's rows at a time: the rank whose rows hold a NaN names
 // it, and every rank stops with that line before training (none waits in a collective).
 TEST(TrainerFaults, InitFromSafetensorsWithANaNInOneRanksRowsStopsEveryRankNamingIt) {
+  FSDP_SKIP_WITHOUT_PYTHON();
   TempDir dir;
   RunResult a = fsdprun.run(under_fsdprun(2, with(base_args(dir / "a", 1), {"--fsdp_config.checkpoint_interval=0",
                                                                           "--training.export=" + dir / "a.safetensors"})),

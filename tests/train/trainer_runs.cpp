@@ -1,6 +1,7 @@
 // trainer_runs.cpp — the shared pieces of the fsdp-train end-to-end tests (trainer_runs.h).
 #include "trainer_runs.h"
 
+#include "../python_path.h"
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -98,7 +99,7 @@ void write_text(const std::string& path, const std::string& text, bool executabl
 }
 
 int run_python(const std::string& script_path, const std::vector<std::string>& args) {
-  std::string cmd = "/usr/bin/python3 '" + script_path + "'";
+  std::string cmd = fsdp_test::python() + " '" + script_path + "'";
   for (const auto& a : args) cmd += " '" + a + "'";
   return std::system(cmd.c_str());
 }

@@ -73,8 +73,8 @@ struct FsdpConfig {
   // Activation checkpointing (fsdp::call_checkpointed): the checkpointed blocks keep no
   // activations and recompute their forward in backward. Every activation_checkpointing_every-th
   // block is checkpointed (1 = every block, 2 = every second one, as torchtitan's selective
-  // layer option counts). Only reentrant checkpointing exists in C++ (LibTorch 1.13 has no
-  // saved-tensor hooks), so activation_checkpointing with use_reentrant: false is refused.
+  // layer option counts). Only reentrant checkpointing exists in C++ (LibTorch's C++ API has no
+  // default saved-tensor hooks), so activation_checkpointing with use_reentrant: false is refused.
   bool activation_checkpointing = false;
   int64_t activation_checkpointing_every = 1;  // >= 1; only meaningful with activation_checkpointing
   // The final norm and the output head as an FSDP group of their own instead of the root's

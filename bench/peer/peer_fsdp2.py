@@ -1,61 +1,60 @@
-#!/usr/bin/python3
-"""Peer baseline: train model.Transformer with PyTorch's own FSDP1
-(torch.distributed.fsdp.FullyShardedDataParallel), DDP or a single process,
-on CPU with the gloo backend, using Debian's python3-torch 1.13.1.
+#!/usr/bin/env python3
+"""Peer baseline: train model.Transformer with PyTorch's own FSDP2
+(torch.distributed.fsdp.fully_shard), DDP or a single process, on CPU with the
+gloo backend, using PyTorch 2.15.
 
-Run with /usr/bin/python3 (see README.md). Examples:
+Run with the project's Python: $FSDP_PYTHON (scripts/torch-env.sh), by default
+~/.cache/fsdp-cpp/venv-torch-2.15.0/bin/python (see README.md). Examples:
 
-    /usr/bin/python3 peer_fsdp1.py --mode single --preset tiny --batch 4 --steps 10
-    /usr/bin/python3 peer_fsdp1.py --mode fsdp1 --world 2 --preset small --batch 8 --steps 8
-    /usr/bin/python3 peer_fsdp1.py --mode fsdp1 --world 2 --preset tiny --mixed-precision bf16
-    /usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
-        peer_fsdp1.py --mode fsdp1 --preset tiny --batch 4
+    PY=${FSDP_PYTHON:-~/.cache/fsdp-cpp/venv-torch-2.15.0/bin/python}
+    $PY peer_fsdp2.py --mode single --preset tiny --batch 8 --steps 10
+    $PY peer_fsdp2.py --mode fsdp2 --world 2 --preset small --batch 8 --steps 8
+    $PY peer_fsdp2.py --mode fsdp2-grad-op --world 2 --preset tiny --batch 4
+    $PY peer_fsdp2.py --mode fsdp2 --world 2 --preset tiny --mixed-precision bf16
+    $PY -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        peer_fsdp2.py --mode fsdp2 --preset tiny --batch 4 --json-out out.json
 
 Prints one JSON line (rank 0) at the end; see README.md for the fields.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import datetime
+import json
 import os
+import platform
+import re
+import resource
+import socket
+import statistics
 import sys
+import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-# Must run before anything imports torch.distributed.fsdp (Python 3.11 vs
-# Debian torch 1.13 dataclass bug; see torch113_compat.py). No file is changed.
-import torch113_compat  # noqa: E402
-
-torch113_compat.install_metadata_import_hook()
-
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import resource  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from model import Transformer, TransformerBlock, add_model_cli_args, count_params, model_args_from_cli  # noqa: E402
+from model import Transformer, add_model_cli_args, count_params, model_args_from_cli  # noqa: E402
 
-MODES = ("single", "ddp", "fsdp1", "fsdp1-grad-op", "fsdp1-no-shard")
+MODES = ("single", "ddp", "fsdp2", "fsdp2-grad-op")
 MIXED_PRECISION = ("none", "bf16")
-FSDP_STRATEGY = {"fsdp1": "FULL_SHARD", "fsdp1-grad-op": "SHARD_GRAD_OP", "fsdp1-no-shard": "NO_SHARD"}
+# fully_shard(reshard_after_forward=...) per mode, and the FSDP1 sharding strategy it corresponds to
+RESHARD_AFTER_FORWARD = {"fsdp2": True, "fsdp2-grad-op": False}
+FSDP_STRATEGY = {"fsdp2": "FULL_SHARD", "fsdp2-grad-op": "SHARD_GRAD_OP"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=MODES, default="single")
+    p.add_argument("--mode", choices=MODES, default="single",
+                   help="single: one process, no process group; ddp: DistributedDataParallel; "
+                        "fsdp2: fully_shard(reshard_after_forward=True) (FULL_SHARD); "
+                        "fsdp2-grad-op: fully_shard(reshard_after_forward=False) (SHARD_GRAD_OP)")
     p.add_argument("--world", type=int, default=None,
                    help="number of ranks (default 1; under torchrun, taken from WORLD_SIZE)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (B)")
@@ -69,20 +68,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
                    help="cores shared by all ranks (threads per rank = max(1, cores // world))")
     p.add_argument("--threads", type=int, default=None, help="override torch intra-op threads per rank")
-    p.add_argument("--use-orig-params", action="store_true",
-                   help="pass use_orig_params=True to FSDP (torch >= 2.0 only; torch 1.13's FSDP has no "
-                        "such argument and always exposes FlatParameters to the optimizer)")
     p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="none",
-                   help="bf16: FSDP1's MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32, "
-                        "buffer_dtype=bfloat16) -- bf16 compute, fp32 gradient reduction and fp32 "
-                        "master weights for the optimizer; --mode single does the same by hand "
-                        "with a bf16 working copy of the model (see README.md); not for ddp")
+                   help="bf16: FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) -- "
+                        "bf16 compute, fp32 gradient reduction and fp32 master weights for the optimizer; "
+                        "--mode single does the same by hand with a bf16 working copy of the model "
+                        "(see README.md); not for ddp")
     p.add_argument("--json-out", default=None, help="also write the JSON line to this file (rank 0)")
     p.add_argument("--save-init", default=None,
                    help="rank 0 writes the freshly initialised model's state_dict here with torch.save "
-                        "(FQN -> tensor, before any wrapping), so another implementation can start from the same weights")
+                        "(a plain dict FQN -> tensor, before any wrapping), so another implementation can "
+                        "start from the same weights")
     p.add_argument("--init-from", default=None,
-                   help="load a state_dict saved by torch.save (FQN -> tensor) into the model before wrapping")
+                   help="load a state_dict saved by torch.save (FQN -> tensor; read with weights_only=True) "
+                        "into the model before wrapping")
     p.add_argument("--master-port", type=int, default=None, help="port for the spawn/in-process launcher")
     add_model_cli_args(p)  # --preset, --n-layers, --vocab-size, --max-seq-len, --dim, --n-heads, --dropout-p/--dropout
     args = p.parse_args(argv)
@@ -95,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
     if args.mixed_precision != "none" and args.mode == "ddp":
-        p.error("--mixed-precision is for --mode single and the fsdp1 modes")
+        p.error("--mixed-precision is for --mode single and the fsdp2 modes")
     return args
 
 
@@ -118,6 +116,12 @@ def global_batch(step: int, args, world: int) -> torch.Tensor:
     return torch.randint(0, args.model_args.vocab_size, (world * args.batch, args.seq + 1), generator=g)
 
 
+def local_numel(p: torch.Tensor) -> int:
+    """Elements this rank holds of a parameter (the local shard of an FSDP2 DTensor parameter)."""
+    to_local = getattr(p, "to_local", None)
+    return (to_local() if to_local is not None else p).numel()
+
+
 def wrap_model(model, args, world):
     """Returns (wrapped_model, info dict)."""
     info = {}
@@ -126,53 +130,47 @@ def wrap_model(model, args, world):
     if args.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model), info
-    # FSDP1
-    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel as FSDP, ShardingStrategy
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-    info["fsdp_cpu_shim"] = torch113_compat.patch_fsdp_for_cpu_gloo()
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
-    kwargs = {}
+    # FSDP2: one fully_shard per TransformerBlock, then one on the root (which takes the
+    # remaining parameters: embeddings, final norm, output head), as in PyTorch's FSDP2 tutorial.
+    # FULL_SHARD: the blocks reshard after forward; the root is left at fully_shard's default
+    # (reshard_after_forward=None, which FSDP2 resolves to False for the root: backward needs its
+    # parameters first), as fsdp-train does. SHARD_GRAD_OP: nothing reshards after forward.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    reshard = RESHARD_AFTER_FORWARD[args.mode]
+    kwargs = {"mesh": mesh}
     if args.mixed_precision == "bf16":
-        from torch.distributed.fsdp import MixedPrecision
-        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                   buffer_dtype=torch.bfloat16)
-    has_uop = "use_orig_params" in inspect.signature(FSDP.__init__).parameters
-    if args.use_orig_params:
-        if not has_uop:
-            raise SystemExit(f"--use-orig-params: FSDP in torch {torch.__version__} has no use_orig_params")
-        kwargs["use_orig_params"] = True
-    with warnings.catch_warnings():
-        # "Module is put on CPU ... recommend passing in device_id" -- CPU is the point here
-        warnings.filterwarnings("ignore", message=".*Module is put on CPU.*")
-        wrapped = FSDP(
-            model,
-            sharding_strategy=getattr(ShardingStrategy, FSDP_STRATEGY[args.mode]),
-            auto_wrap_policy=policy,
-            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-            **kwargs,
-        )
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root_reshard = None if reshard else False
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
+    units = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     info.update(
+        api="torch.distributed.fsdp.fully_shard",
+        reshard_after_forward={"blocks": reshard, "root": root_reshard},
         sharding_strategy=FSDP_STRATEGY[args.mode],
-        effective_sharding_strategy=wrapped.sharding_strategy.name,  # 1.13 clamps world 1 to NO_SHARD
-        backward_prefetch="BACKWARD_PRE",
-        auto_wrap="transformer_auto_wrap_policy({TransformerBlock})",
-        use_orig_params=kwargs.get("use_orig_params", False) if has_uop else "n/a (torch 1.13: FlatParameter)",
-        mixed_precision=str(kwargs["mixed_precision"]) if "mixed_precision" in kwargs else None,
-        n_fsdp_units=len(FSDP.fsdp_modules(wrapped)),
+        # FSDP2 shards over every rank of the mesh, W = 1 included (one shard = the whole tensor).
+        effective_sharding_strategy=FSDP_STRATEGY[args.mode],
+        mesh=str(mesh),
+        wrap="fully_shard per TransformerBlock, then on the root",
+        fsdp_units=units,
+        n_fsdp_units=len(units),
+        mixed_precision=str(kwargs["mp_policy"]) if "mp_policy" in kwargs else None,
     )
-    return wrapped, info
+    return model, info
 
 
 class Bf16WorkingCopy:
-    """``--mode single --mixed-precision bf16``: what FSDP1's ``MixedPrecision(param_dtype=bfloat16,
-    reduce_dtype=float32, buffer_dtype=bfloat16)`` does on one rank, done by hand. The model given
-    keeps the fp32 master weights (the optimizer's parameters); a bf16 copy computes. Before every
-    forward the master weights are cast into the copy (FSDP1 casts its full-precision flat
-    parameter into a bf16 one at each unshard); forward and backward run in bf16 (activations,
-    LayerNorm, softmax, GELU included, as under FSDP1's param_dtype); after backward the bf16
-    gradients are cast to fp32 and handed to the master weights (FSDP1 casts them to reduce_dtype
-    for the reduction, then to the parameters' dtype). Not torch.autocast, which would keep
-    LayerNorm/softmax in fp32 and cast weights per op."""
+    """``--mode single --mixed-precision bf16``: what FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)`` does on one rank, done by hand. The model given keeps the fp32 master
+    weights (the optimizer's parameters); a bf16 copy computes. Before every forward the master
+    weights are cast into the copy (FSDP2 casts its fp32 shard to bf16 at each all-gather); forward
+    and backward run in bf16 (activations, LayerNorm, softmax, GELU included, as under FSDP2's
+    param_dtype); after backward the bf16 gradients are cast to fp32 and handed to the master weights
+    (FSDP2 casts them to reduce_dtype for the reduce-scatter, which leaves them fp32 for the
+    optimizer). Not torch.autocast, which would keep LayerNorm/softmax in fp32 and cast weights per op."""
 
     def __init__(self, master: torch.nn.Module):
         self.work = copy.deepcopy(master).to(torch.bfloat16)
@@ -201,19 +199,24 @@ def worker(rank: int, world: int, args, init_method) -> None:
     torch.manual_seed(args.seed)  # identical init on every rank
     model = Transformer(margs)
     if args.init_from:
-        model.load_state_dict(torch.load(args.init_from, map_location="cpu"), strict=True)
+        state = torch.load(args.init_from, map_location="cpu", weights_only=True)
+        model.load_state_dict(state, strict=True)
     if args.save_init and rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.save_init)
+        # a plain dict of plain, contiguous CPU tensors (FQN -> tensor), taken before any wrapping
+        torch.save({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, args.save_init)
     n_params = count_params(model)
     model, info = wrap_model(model, args, world)
-    local_numel = sum(p.numel() for p in model.parameters())
+    local_numel_total = sum(local_numel(p) for p in model.parameters())
+    # Adam with its defaults: on CPU torch picks the single-tensor (for-loop) implementation
+    # (neither foreach nor fused), for plain and for DTensor parameters alike; the JSON records it.
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    adam_impl = _adam_impl(opt)
     model.train()
     forward, working_copy = model, None
     mp_impl = None
     if args.mixed_precision == "bf16":
         mp_impl = ("bf16 working copy of the model (params bfloat16, grads cast to float32, fp32 master "
-                   "weights)" if args.mode == "single" else "FSDP1 " + str(info.get("mixed_precision")))
+                   "weights)" if args.mode == "single" else "FSDP2 " + str(info.get("mixed_precision")))
     if args.mode == "single" and args.mixed_precision == "bf16":
         working_copy = Bf16WorkingCopy(model)
         forward = working_copy
@@ -236,10 +239,12 @@ def worker(rank: int, world: int, args, init_method) -> None:
         if rank == 0 and os.environ.get("PEER_VERBOSE"):
             print(f"[rank0] step {step} loss {loss.item():.6f} {step_s[-1]:.3f}s", file=sys.stderr, flush=True)
 
+    if info:
+        info["root_reshards_after_forward"] = _root_reshards_after_forward(model)
     median_s = statistics.median(step_s[args.warmup:])
     loss_t = torch.stack(losses).double()
     per_rank = {"median_s": median_s, "vmhwm": _mib_vmhwm(), "ru_maxrss": _mib_ru_maxrss(),
-                "local_numel": local_numel}
+                "local_numel": local_numel_total}
     if distributed:
         dist.all_reduce(loss_t)  # mean over ranks of per-rank mean loss == global-batch mean loss
         loss_t /= world
@@ -250,6 +255,7 @@ def worker(rank: int, world: int, args, init_method) -> None:
 
     if rank == 0:
         tokens_per_step = world * args.batch * args.seq
+        group = opt.param_groups[0]
         result = {
             "mode": args.mode,
             "world": world,
@@ -275,15 +281,18 @@ def worker(rank: int, world: int, args, init_method) -> None:
             "lr": args.lr,
             "seed": args.seed,
             "data_seed": args.data_seed,
+            "optimizer": {"name": "Adam", "lr": args.lr, "betas": list(group["betas"]), "eps": group["eps"],
+                          "foreach": group.get("foreach"), "fused": group.get("fused"), "impl": adam_impl},
             "launcher": args.launcher,
             "backend": "gloo" if distributed else None,
             "mixed_precision": args.mixed_precision,
             "mixed_precision_impl": mp_impl,
             "fsdp": info or None,
-            "metadata_import_hook": torch113_compat.metadata_hook_status(),
             "torch_version": torch.__version__,
             "torch_file": torch.__file__,
+            "blas": _blas_info(),
             "python": platform.python_version(),
+            "python_executable": sys.executable,
         }
         line = json.dumps(result)
         print(line, flush=True)
@@ -292,13 +301,39 @@ def worker(rank: int, world: int, args, init_method) -> None:
                 fh.write(line + "\n")
     if distributed:
         dist.barrier()
-        # torch 1.13 + gloo can deadlock in teardown: ~ProcessGroupGloo (run from
-        # Python, GIL held, e.g. when DDP's Reducer or the default group is freed)
-        # joins a gloo worker thread that is itself waiting for the GIL to free a
-        # tensor. Everything is reported already, so leave without destructors.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        dist.destroy_process_group()
+
+
+def _root_reshards_after_forward(model) -> bool | None:
+    """Whether the root's parameters were resharded after forward, as FSDP2 resolved it at its
+    lazy init (None when that private state is not where torch 2.15 keeps it)."""
+    try:
+        group = model._get_fsdp_state()._fsdp_param_group
+        return None if group is None else group.post_forward_mesh_info is not None
+    except AttributeError:
+        return None
+
+
+def _adam_impl(opt: torch.optim.Optimizer) -> str:
+    """Which Adam implementation torch runs for these parameters: "fused", "foreach" or
+    "single-tensor" (what torch.optim resolves foreach=None, fused=None to)."""
+    group = opt.param_groups[0]
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach") is not None:
+        return "foreach" if group["foreach"] else "single-tensor"
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+        _, foreach = _default_to_fused_or_foreach(list(group["params"]), differentiable=False, use_fused=False)
+    except (ImportError, TypeError):
+        return "default (unknown)"
+    return "foreach" if foreach else "single-tensor"
+
+
+def _blas_info() -> str | None:
+    """BLAS_INFO from torch's build configuration (the wheel links MKL statically, so ldd shows none)."""
+    m = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    return m.group(1) if m else None
 
 
 def _free_port() -> int:

@@ -1,0 +1,20 @@
+# No object file of the library defines a gloo symbol: the declarations in src/comm/gloo_names
+# are declarations only, so every gloo definition the process uses is libtorch_cpu's own.
+#   cmake -DOBJECT_DIR=build/src/CMakeFiles/fsdp.dir -DNM=nm -P no_gloo_symbols.cmake
+file(GLOB_RECURSE objects "${OBJECT_DIR}/*.o")
+list(LENGTH objects count)
+if(count EQUAL 0)
+  message(FATAL_ERROR "no object files under ${OBJECT_DIR}")
+endif()
+foreach(object IN LISTS objects)
+  execute_process(COMMAND "${NM}" --defined-only -C "${object}" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "nm failed on ${object}: ${err}")
+  endif()
+  string(REGEX MATCHALL "[^\n]* gloo::[^\n]*" defined "${out}")
+  if(defined)
+    string(REPLACE ";" "\n" defined "${defined}")
+    message(FATAL_ERROR "${object} defines gloo symbols, which could take the place of libtorch_cpu's:\n${defined}")
+  endif()
+endforeach()
+message(STATUS "${count} objects under ${OBJECT_DIR}: none defines a gloo symbol")
