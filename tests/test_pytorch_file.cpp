@@ -195,10 +195,10 @@ TEST_F(StateDictPyTorchFile, LibTorchsOwnUnpicklerStillCannotReadAModulesStateDi
     std::ifstream in(path(name), std::ios::binary);
     return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   };
-  EXPECT_TRUE(torch::pickle_load(bytes_of("plain")).isGenericDict());
+  EXPECT_TRUE(torch::jit::pickle_load(bytes_of("plain")).isGenericDict());
   try {
-    c10::IValue v = torch::pickle_load(bytes_of("module"));
-    EXPECT_FALSE(v.isGenericDict()) << "torch::pickle_load now reads an OrderedDict state dict: "
+    c10::IValue v = torch::jit::pickle_load(bytes_of("module"));
+    EXPECT_FALSE(v.isGenericDict()) << "torch::jit::pickle_load now reads an OrderedDict state dict: "
                                        "load_pytorch_state_dict could use it";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("GenericDict"), std::string::npos) << e.what();

@@ -13,7 +13,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/jit/serialization/pickle.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <set>
 #include <sstream>
@@ -260,6 +262,33 @@ TensorStateDict full_state_dict(torch::nn::Module& model, const FullStateDictOpt
   return out;
 }
 
+namespace {
+
+// What torch::jit::pickle_save writes (a zip archive: data.pkl and one data/<i> record per
+// storage), except that the dict is pickled as a plain dict. pickle_save wraps every typed
+// container in torch.jit._pickle.restore_type_tag, a global that torch.load refuses under
+// weights_only=True, its default since PyTorch 2.6.
+std::vector<char> torch_save_bytes(const c10::IValue& value) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler([&](const char* p, size_t n) { pickled.insert(pickled.end(), p, p + n); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+                              /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  std::vector<char> archive;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) {
+    const char* bytes = static_cast<const char*>(p);
+    archive.insert(archive.end(), bytes, bytes + n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
+  writer.writeEndOfFile();
+  return archive;
+}
+
+}  // namespace
+
 void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::string& path) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& item : state_dict) {
@@ -271,7 +300,7 @@ void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::strin
     }
     dict.insert(item.key(), t);
   }
-  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(dict));
+  const std::vector<char> bytes = torch_save_bytes(c10::IValue(dict));
   // Under a temporary name, then renamed: a failed write leaves an earlier file at `path` whole.
   try {
     detail::write_file_durably(path, bytes.data(), bytes.size());

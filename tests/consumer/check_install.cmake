@@ -9,6 +9,7 @@ function(run)
 endfunction()
 run(${CMAKE_COMMAND} --install "${FSDP_BINARY_DIR}" --prefix "${WORK_DIR}/prefix")
 run(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build"
-    "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix;${TORCH_PREFIX}" -DCMAKE_BUILD_TYPE=Release -G Ninja)
+    -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix "-DTorch_DIR=${TORCH_DIR}"
+    -DCMAKE_BUILD_TYPE=Release -G Ninja)
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 run("${WORK_DIR}/build/consumer")

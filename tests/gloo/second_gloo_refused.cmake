@@ -2,8 +2,8 @@
 # configure time, naming the gloo. Configures the project itself into WORK_DIR, once with each
 # way a library reaches the link line: the global linker flags, and a target's link libraries
 # (through a project of one file that adds this source tree and links gloo to a target of its own).
-#   cmake -DSOURCE_DIR=... -DWORK_DIR=... -DTORCH_PREFIX=... -P second_gloo_refused.cmake
-set(common_args -G Ninja "-DCMAKE_PREFIX_PATH=${TORCH_PREFIX}" -DFSDP_BUILD_TESTS=OFF
+#   cmake -DSOURCE_DIR=... -DWORK_DIR=... -DTORCH_DIR=<LibTorch's share/cmake/Torch> -P second_gloo_refused.cmake
+set(common_args -G Ninja "-DTorch_DIR=${TORCH_DIR}" -DFSDP_BUILD_TESTS=OFF
     -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_TOOLS=OFF)
 
 function(expect_refused label)
