@@ -1,6 +1,7 @@
 // bench_collectives — bus bandwidth of fsdp-cpp's all-gather, reduce-scatter and all-reduce,
 // next to c10d's ProcessGroupGloo all-gather and reduce-scatter into one tensor (what PyTorch's
-// FSDP2 calls: all_gather_into_tensor and reduce_scatter_tensor), over real processes.
+// FSDP2 calls: all_gather_into_tensor and reduce_scatter_tensor) and its all-gather into a list
+// of tensors (what FSDP1 and DDP-era code call), over real processes.
 //
 //   fsdprun --standalone --nproc-per-node 2 build/bench/bench_collectives [--iters N] [--json] [--sizes-kib K,...]
 //   mpirun -np 2 build/bench/bench_collectives      # the MPI backend (no c10d column: no store)
@@ -111,8 +112,8 @@ int main(int argc, char** argv) {
   if (r == 0 && !json) {
     std::printf("bench_collectives: W=%d, backend %s, fp32, bus bandwidth in GB/s (time in ms), median of %d, max "
                 "over ranks\n", W, backend.c_str(), iters);
-    std::printf("%-8s %-22s %-22s %-22s %-22s %-22s\n", "size", "all_gather (fsdp)", "reduce_scatter (fsdp)",
-                "all_reduce (fsdp)", "all_gather (c10d gloo)", "reduce_scatter (c10d)");
+    std::printf("%-8s %-22s %-22s %-22s %-22s %-22s %-22s\n", "size", "all_gather (fsdp)", "reduce_scatter (fsdp)",
+                "all_reduce (fsdp)", "all_gather (c10d gloo)", "reduce_scatter (c10d)", "all_gather list (c10d)");
   }
   for (int64_t kib : sizes_kib) {
     const int64_t n = kib * 1024 / 4;  // fp32 elements, full size
@@ -132,6 +133,11 @@ int main(int argc, char** argv) {
     at::Tensor c10d_full = at::empty({shard * W});
     const double t_c10d =
         baseline ? time_op([&] { c10d_pg->_allgather_base(c10d_full, piece)->wait(); }, it) : std::nan("");
+    std::vector<at::Tensor> c10d_in = {piece};
+    std::vector<std::vector<at::Tensor>> c10d_list(1);
+    for (int p = 0; p < W; ++p) c10d_list[0].push_back(at::empty({shard}));
+    const double t_c10d_list =
+        baseline ? time_op([&] { c10d_pg->allgather(c10d_list, c10d_in)->wait(); }, it) : std::nan("");
     at::Tensor c10d_rs_in = at::rand({shard * W}), c10d_rs_out = at::empty({shard});
     const double t_c10d_rs =
         baseline ? time_op([&] { c10d_pg->_reduce_scatter_base(c10d_rs_out, c10d_rs_in)->wait(); }, it)
@@ -151,21 +157,24 @@ int main(int argc, char** argv) {
       std::printf("{\"backend\": \"%s\", \"world\": %d, \"size_mib\": %.6g, \"size_bytes\": %.0f, \"all_gather_ms\": %.3f, \"all_gather_busbw\": %.3f, "
                   "\"reduce_scatter_ms\": %.3f, \"reduce_scatter_busbw\": %.3f, \"all_reduce_ms\": %.3f, "
                   "\"all_reduce_busbw\": %.3f, \"c10d_all_gather_ms\": %s, \"c10d_all_gather_busbw\": %s, "
-                  "\"c10d_reduce_scatter_ms\": %s, \"c10d_reduce_scatter_busbw\": %s}\n",
+                  "\"c10d_reduce_scatter_ms\": %s, \"c10d_reduce_scatter_busbw\": %s, "
+                  "\"c10d_all_gather_list_ms\": %s, \"c10d_all_gather_list_busbw\": %s}\n",
                   backend.c_str(), W, bytes / (1 << 20), bytes, t_ag * 1e3, busbw(t_ag, frac), t_rs * 1e3, busbw(t_rs, frac),
                   t_ar * 1e3, busbw(t_ar, 2 * frac), number(t_c10d * 1e3).c_str(), number(busbw(t_c10d, frac)).c_str(),
-                  number(t_c10d_rs * 1e3).c_str(), number(busbw(t_c10d_rs, frac)).c_str());
+                  number(t_c10d_rs * 1e3).c_str(), number(busbw(t_c10d_rs, frac)).c_str(),
+                  number(t_c10d_list * 1e3).c_str(), number(busbw(t_c10d_list, frac)).c_str());
     } else {
       auto cell = [&](double t, double factor) -> const char* {
         if (std::isnan(t)) return "-";
-        static char buf[5][64];
+        static char buf[6][64];
         static int k = 0;
-        char* b = buf[k++ % 5];
+        char* b = buf[k++ % 6];
         std::snprintf(b, 64, "%.2f (%.2f ms)", busbw(t, factor), t * 1e3);
         return b;
       };
-      std::printf("%-8s %-22s %-22s %-22s %-22s %-22s\n", size_label(kib).c_str(), cell(t_ag, frac),
-                  cell(t_rs, frac), cell(t_ar, 2 * frac), cell(t_c10d, frac), cell(t_c10d_rs, frac));
+      std::printf("%-8s %-22s %-22s %-22s %-22s %-22s %-22s\n", size_label(kib).c_str(), cell(t_ag, frac),
+                  cell(t_rs, frac), cell(t_ar, 2 * frac), cell(t_c10d, frac), cell(t_c10d_rs, frac),
+                  cell(t_c10d_list, frac));
     }
     std::fflush(stdout);
   }

@@ -2,9 +2,10 @@
 // asynchronous, with timeouts and per-group counters.
 //
 // FSDP code talks only to this interface, never to c10d, so c10d's version differences and
-// its Gloo gaps (no all-gather into one flat tensor, no real reduce-scatter in 1.13) stay
-// out of it. The CPU implementation runs its own algorithms on Gloo's transport; a CUDA
-// build can add an NCCL implementation of the same interface.
+// its Gloo gaps (a reduce-scatter that is an all-reduce and a copy, no uneven all-gather into
+// one tensor) stay out of it. The CPU implementation runs its own algorithms on the
+// point-to-point send and recv of c10d's ProcessGroupGloo; a CUDA build can add an NCCL
+// implementation of the same interface.
 //
 // Example (every rank of the group runs the same lines, in the same order):
 //

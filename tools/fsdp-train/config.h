@@ -59,16 +59,15 @@ struct FsdpConfig {
   //     mixed_precision. Each one set wins over mixed_precision, whatever its value: as in
   //     torchtitan the dtypes are the policy, so `param_dtype: bfloat16` alone turns bf16 on
   //     and `param_dtype: float32` turns it off again under mixed_precision: true.
-  // All float32 (the default) is no policy at all. On device cpu, float16 parameters are
-  // refused (LibTorch has no fp16 matmul on CPU); float16 reductions are allowed. The resolved
+  // All float32 (the default) is no policy at all. float16 parameters compute with LibTorch
+  // 2.x's fp16 kernels (on CPU too), without a gradient scaler. The resolved
   // dtypes: precision_of(). With bf16 parameters, rank 0 checks at start-up that the CPU has
   // native bf16 and warns with measured rates when it has not (hardware.h).
   bool mixed_precision = false;
   std::optional<Dtype> param_dtype;
   std::optional<Dtype> reduce_dtype;
-  // fp16 parameters with a gradient scaler (PyTorch's GradScaler). Refused on device cpu at
-  // configuration time (no fp16 matmul on CPU; use mixed_precision: true for bf16); not
-  // supported yet elsewhere.
+  // fp16 parameters with a gradient scaler (PyTorch's GradScaler). Not supported yet: refused at
+  // configuration time naming the key (fsdp::GradScaler is not wired into the trainer).
   bool fp16 = false;
   // Activation checkpointing (fsdp::call_checkpointed): the checkpointed blocks keep no
   // activations and recompute their forward in backward. Every activation_checkpointing_every-th

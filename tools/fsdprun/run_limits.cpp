@@ -8,8 +8,8 @@ namespace {
 
 // Descriptors fsdprun holds apart from its workers' (stdio, the self-pipe, LibTorch's own).
 constexpr rlim_t kBaseFiles = 256;
-// What one client of the store costs on node 0: LibTorch 1.13's TCPStore client opens
-// two connections (requests and key-watch callbacks).
+// What one client of the store costs on node 0, at most: a TCPStore client's connection for
+// requests, and the one for key-watch callbacks that older LibTorch clients opened as well.
 constexpr rlim_t kStoreFilesPerClient = 2;
 
 rlim_t files_needed(const Options& opt) {

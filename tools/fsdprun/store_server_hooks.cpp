@@ -7,14 +7,14 @@
 // in the same constructor connects without binding.
 //
 // Loopback: with --standalone the store must be reachable from this machine only, but
-// LibTorch 1.13's server always listens on the wildcard address (its listen op resolves
+// LibTorch's store server listens on the wildcard address (its listen op resolves
 // getaddrinfo(nullptr, port, AI_PASSIVE), giving 0.0.0.0 or the dual-stack ::). While a
 // StoreServerBind(loopback_only) lives, a wildcard address is rewritten to loopback. It
 // also remembers an EADDRINUSE, so that fsdprun can say "port in use" in its own words
 // instead of parsing LibTorch's message.
 //
-// Stalled clients: the server of LibTorch 1.13 (TCPStoreMasterDaemon, and the non-libuv
-// backend of 2.x) is one thread that polls all client sockets and, once one is readable,
+// Stalled clients: LibTorch's older store server (TCPStoreMasterDaemon: 1.13's, and 2.x's
+// non-libuv backend) is one thread that polls all client sockets and, once one is readable,
 // reads the whole request with blocking recv() calls. A client that sends the first
 // bytes of a request and then nothing stops that thread, and so the store, for every
 // other client, for as long as it likes. So the store's listener gets SO_RCVTIMEO and
