@@ -28,17 +28,17 @@ as_root() {
   if [[ ${EUID:-$(id -u)} -eq 0 ]]; then "$@"; else sudo "$@"; fi
 }
 
-# A second gloo in the process corrupts memory silently (LibTorch 2.x links its own into
-# libtorch_cpu), and Debian's LibTorch 1.13 is no longer supported: neither may stay installed.
-refuse_old_packages() {
+# Debian's LibTorch 1.13 and its separate gloo are no longer used: nothing here installs them.
+# Left installed by something else they do no harm (the build finds the pinned LibTorch first and
+# refuses any link of a second gloo), but say so, since the project no longer needs them.
+note_old_packages() {
   local old=()
-  for p in libtorch-dev libtorch1.13 python3-torch libgloo-dev libgloo0; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" && old+=("$p")
+  for p in libtorch-dev python3-torch libgloo-dev; do
+    if dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then old+=("$p"); fi
   done
   if ((${#old[@]})); then
-    echo "install-deps: removing ${old[*]} (Debian's LibTorch 1.13 and its separate gloo; fsdp-cpp" \
-         "uses LibTorch ${FSDP_TORCH_VERSION} and the gloo inside it)"
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get remove -y -qq "${old[@]}"
+    echo "install-deps: note: ${old[*]} (Debian's LibTorch 1.13 and its separate gloo) are installed;" \
+         "fsdp-cpp no longer uses them (apt-get remove ${old[*]} if nothing else does)"
   fi
 }
 
@@ -73,6 +73,6 @@ install_torch_wheel() {
   "$FSDP_PYTHON" -c "import torch; print('install-deps: torch', torch.__version__, 'at', torch.__file__)"
 }
 
-refuse_old_packages
+note_old_packages
 install_debian_packages
 install_torch_wheel
