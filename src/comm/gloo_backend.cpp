@@ -2,7 +2,7 @@
 // group's communication thread (QueuedProcessGroup). Who waits: the caller, through Work::wait().
 //
 // The transport is c10d's ProcessGroupGloo, used for its point-to-point send and recv only.
-// This is the one file that includes its header, which names a few gloo types: PyTorch's
+// This is the library's one file that includes its header, which names a few gloo types: PyTorch's
 // wheel and archive ship no gloo headers, so src/comm/gloo_names/ declares those names and
 // nothing more (see its README). Nothing here constructs, derives from or calls into a gloo
 // type; every call goes through c10d's exported Backend interface.
