@@ -5,8 +5,8 @@
 # link one, and a LibTorch that itself links a separate libgloo (Debian's LibTorch 1.13).
 #
 # Defines fsdp_gloo_names_dir (the include path for the two files that include c10d's
-# ProcessGroupGloo.hpp; see src/comm/gloo_names/README.md) and fsdp_refuse_second_gloo(<target>...), called on every target
-# the project links once they are all defined.
+# ProcessGroupGloo.hpp; see src/comm/gloo_names/README.md) and fsdp_refuse_second_gloo(<target>...),
+# called on every target the project links once they are all defined.
 
 set(fsdp_gloo_names_dir "${PROJECT_SOURCE_DIR}/src/comm/gloo_names")
 
