@@ -2,8 +2,8 @@
 #
 # With the CUDA parts off (FSDP_USE_CUDA=OFF), only LibTorch's CPU libraries: the PyTorch wheel's
 # `torch` target also links libtorch_cuda, which loads the CUDA libraries into every process
-# (about 370 MiB more resident memory and 0.2-0.4 s more start-up per process on the project's
-# machines) for nothing a CPU mesh uses. With them on, the whole of LibTorch.
+# (hundreds of MiB more resident memory and a slower start for every process) for nothing a
+# CPU mesh uses. With them on, the whole of LibTorch.
 # Installed beside fsdpConfig.cmake, which includes it the same way for find_package(fsdp).
 if(NOT TARGET fsdp_torch)
   add_library(fsdp_torch INTERFACE IMPORTED GLOBAL)

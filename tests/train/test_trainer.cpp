@@ -323,6 +323,15 @@ void expect_fp32_model(const std::string& checkpoint) {
   EXPECT_GT(model_keys, 0) << checkpoint;
 }
 
+// A mixed-precision run of kMixedSteps: every step finite, and the loss fell.
+void expect_finite_and_learning(const std::map<int64_t, StepMetrics>& metrics) {
+  ASSERT_EQ(metrics.size(), static_cast<size_t>(kMixedSteps));
+  for (const auto& [step, m] : metrics) {
+    EXPECT_TRUE(std::isfinite(m.loss) && std::isfinite(m.grad_norm)) << "step " << step;
+  }
+  EXPECT_LT(metrics.at(kMixedSteps).loss, metrics.at(1).loss);
+}
+
 // The losses of a run resumed at first_step - 1 under another precision: within 0.2 % of the
 // uninterrupted run's (bf16 moves them by about 0.01 % here; a model that lost its trained
 // weights would be about 2 % off), and returns whether any differs at all.
@@ -357,11 +366,8 @@ TEST(Trainer, MixedPrecisionTrainsInBf16AndResumesBitwiseFromItsOwnCheckpoint) {
   EXPECT_EQ(summary.at("param_dtype"), "bfloat16");
   EXPECT_EQ(summary.at("reduce_dtype"), "float32");
   const auto want = read_metrics(dir / "whole/m0.jsonl");
+  expect_finite_and_learning(want);
   ASSERT_EQ(want.size(), static_cast<size_t>(kMixedSteps));
-  for (const auto& [step, m] : want) {
-    EXPECT_TRUE(std::isfinite(m.loss) && std::isfinite(m.grad_norm)) << "step " << step;
-  }
-  EXPECT_LT(want.at(kMixedSteps).loss, want.at(1).loss);
   expect_fp32_model(dir / "whole/ckpt/step_10");
 
   const RunResult resumed = train(dir / "resumed", with(bf16, {"--training.resume=" + dir / "whole/ckpt/step_10"}));
@@ -402,12 +408,7 @@ TEST(Trainer, Fp16ParametersTrainOnCpu) {
   TempDir dir;
   const RunResult fp16 = train(dir / "fp16", {"--fsdp_config.param_dtype=float16"});
   EXPECT_TRUE(has(fp16, "precision: param fp16, reduce fp32")) << fp16.out;
-  const auto got = read_metrics(dir / "fp16/m0.jsonl");
-  ASSERT_EQ(got.size(), static_cast<size_t>(kMixedSteps));
-  for (const auto& [step, m] : got) {
-    EXPECT_TRUE(std::isfinite(m.loss) && std::isfinite(m.grad_norm)) << "step " << step;
-  }
-  EXPECT_LT(got.at(kMixedSteps).loss, got.at(1).loss);
+  expect_finite_and_learning(read_metrics(dir / "fp16/m0.jsonl"));
   expect_fp32_model(dir / "fp16/ckpt/step_10");
 }
 
