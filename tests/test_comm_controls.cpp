@@ -15,10 +15,12 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
+#include <chrono>
 #include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <thread>
 
 using fsdp::testing::expect_training_parity;
 using fsdp::testing::ParityOptions;
@@ -62,12 +64,18 @@ struct NetImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = at::relu(fsdp::call(l1, x));
     h = fsdp::call(mid, h);
-    h = at::relu(fsdp::call(l3, h));
-    return fsdp::call(head, h);
+    h = fsdp::call(l3, h);
+    pause_in_backward(h, pause_before_l3_backward);
+    return fsdp::call(head, at::relu(h));
+  }
+  // Backward stops this long when it reaches `t`'s gradient: a rank made late on purpose.
+  static void pause_in_backward(at::Tensor& t, std::chrono::milliseconds pause) {
+    if (pause.count() > 0) t.register_hook([pause](const at::Tensor&) { std::this_thread::sleep_for(pause); });
   }
   torch::nn::Linear l1{nullptr};
   Flaky mid{nullptr};
   torch::nn::Linear l3{nullptr}, head{nullptr};
+  std::chrono::milliseconds pause_before_l3_backward{0};
 };
 TORCH_MODULE(Net);
 
@@ -169,6 +177,50 @@ TEST(ResetIterState, DropsHsdpPartialSums) {
       return false;
     };
     expect_training_parity(reference.ptr(), model.ptr(), net_forward, "hsdp", o);
+  });
+}
+
+// A reduce-scatter that has finished before it returns, so that FSDP sees it done at once.
+struct FinishedOnReturn : fsdp::ReduceScatter {
+  fsdp::WorkHandle operator()(const at::Tensor& output, const at::Tensor& input, fsdp::ProcessGroup& group,
+                              fsdp::ReduceOp op) override {
+    group.reduce_scatter_into(output, input, op)->wait();
+    return nullptr;
+  }
+};
+
+// HSDP starts a group's all-reduce once its reduce-scatter is seen finished, and each rank looks
+// at its own moment. Here rank 0 sees l3's reduce-scatter finished at once (it starts l3's
+// all-reduce) and rank 2 does not (its shard partner, rank 3, reaches l3 late), then both throw
+// in mid. Unless reset_iter_state() issues what a rank had not started, the replicate group
+// [0, 2] is one all-reduce out of step from then on.
+TEST(ResetIterState, LeavesTheReplicateGroupsInStepWhateverEachRankHadStarted) {
+  run_distributed(4, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+    const auto opts = fsdp::FullyShardOptions().mesh(mesh);
+    Net reference = make_net();
+    Net model = make_net();
+    fsdp::fully_shard(model->l1, opts);
+    fsdp::fully_shard(model->mid, opts);
+    fsdp::FSDPModule l3 = fsdp::fully_shard(model->l3, opts);
+    fsdp::FSDPModule root = fsdp::fully_shard(model, opts);
+    const int rank = fsdp::get_rank();
+    ParityOptions o;
+    o.steps = 4;
+    o.before_step = [&](int step, const at::Tensor& local) {
+      if (step != 1) return true;
+      if (rank == 0) l3.set_custom_reduce_scatter(std::make_shared<FinishedOnReturn>());
+      if (rank == 3) model->pause_before_l3_backward = std::chrono::milliseconds(300);
+      model->mid->fail_backward = true;
+      at::Tensor loss = parity_loss(fsdp::call(model, local), local);
+      model->mid->fail_backward = false;
+      model->pause_before_l3_backward = std::chrono::milliseconds(0);
+      expect_error([&] { loss.backward(); }, "injected backward failure");
+      root.reset_iter_state();
+      if (rank == 0) l3.set_custom_reduce_scatter(nullptr);
+      return false;
+    };
+    expect_training_parity(reference.ptr(), model.ptr(), net_forward, "hsdp, ranks at different points", o);
   });
 }
 

@@ -118,16 +118,24 @@ void CommContext::make_room_for_reduction(int64_t max_in_flight) {
   write_reduced_gradients(false);
 }
 
+// Every reduction still pending takes its collectives to the end, as on every other rank, and
+// its gradients are then dropped. Whether a rank had started an HSDP all-reduce when the
+// exception came depends on when it last looked at the reduce-scatter, so it is started here
+// where it was not: every member of a replicate group then has issued the same all-reduces.
+// After a failed collective the groups are unusable, and nothing more is issued.
 void CommContext::discard_reductions() {
   std::exception_ptr first_error;
   for (PendingReduction& r : reductions) {
-    for (const WorkHandle& work : {r.reduce_scatter.work, r.all_reduce}) {
-      if (!work) continue;
-      try {
-        work->wait();
-      } catch (...) {
-        if (!first_error) first_error = std::current_exception();
+    try {
+      if (r.reduce_scatter.work) r.reduce_scatter.work->wait();
+      if (!r.reduce_scattered) {
+        r.reduce_scattered = true;
+        r.group->after_reduce_scatter(r);
       }
+      if (r.all_reduce) r.all_reduce->wait();
+    } catch (...) {
+      first_error = std::current_exception();
+      break;
     }
   }
   reductions.clear();

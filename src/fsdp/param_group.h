@@ -72,8 +72,9 @@ struct CommContext {
   // writing of its gradients), so that at most that many reduce-scatter inputs are alive. An
   // HSDP all-reduce already issued keeps running.
   void make_room_for_reduction(int64_t max_in_flight);
-  // FSDPModule::reset_iter_state: waits for every collective of the pending reductions, then
-  // drops them without writing a gradient. Rethrows the first failure, after dropping them all.
+  // FSDPModule::reset_iter_state: takes every pending reduction's collectives to the end (an
+  // HSDP all-reduce not yet started is started, as other ranks may have), then drops them
+  // without writing a gradient. Rethrows the first failure, after dropping them all.
   void discard_reductions();
 
  private:
