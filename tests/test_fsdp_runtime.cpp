@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 
@@ -118,6 +119,65 @@ TEST(FsdpRuntime, CollectiveCountsPerStep) {
       }
     });
   }
+}
+
+namespace {
+
+// A shared layer, then two heads on its output; the loss of each head runs its own backward.
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() {
+    shared = register_module("shared", torch::nn::Linear(8, 8));
+    head1 = register_module("head1", torch::nn::Linear(8, 8));
+    head2 = register_module("head2", torch::nn::Linear(8, 8));
+  }
+  std::vector<at::Tensor> forward(const at::Tensor& x) {
+    at::Tensor h = fsdp::call(shared, x);
+    return {fsdp::call(head1, h), fsdp::call(head2, h)};
+  }
+  torch::nn::Linear shared{nullptr}, head1{nullptr}, head2{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+}  // namespace
+
+// The backward of head2's loss prefetches head1 (the module before it in forward), which that
+// backward never reaches. With set_is_last_backward(false) the prefetched all-gather stays
+// pending, as in FSDP2, and the backward of head1's loss uses it: it gathers only `shared`.
+TEST(FsdpRuntime, APrefetchUnusedInOneBackwardServesTheNext) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    auto pg = mesh.get_group(0);
+    torch::manual_seed(0);
+    TwoHeads reference;
+    torch::manual_seed(0);
+    TwoHeads model;
+    const auto opts = fsdp::FullyShardOptions().mesh(mesh);
+    fsdp::fully_shard(model->shared, opts);
+    fsdp::fully_shard(model->head1, opts);
+    fsdp::fully_shard(model->head2, opts);
+    fsdp::FSDPModule root = fsdp::fully_shard(model, opts);
+    at::Tensor x = at::randn({4, 8}, at::make_generator<at::CPUGeneratorImpl>(7));  // the same on every rank
+
+    std::vector<at::Tensor> out = fsdp::call(model, x);
+    root.set_is_last_backward(false);
+    pg->reset_stats();
+    out[1].sum().backward({}, /*retain_graph=*/true);
+    EXPECT_EQ(pg->stats()[CollectiveKind::kAllGather].calls, 3) << "head2, head1 (prefetched), shared";
+    root.set_is_last_backward(true);
+    pg->reset_stats();
+    out[0].sum().backward();
+    EXPECT_EQ(pg->stats()[CollectiveKind::kAllGather].calls, 1) << "shared only: head1 was gathered already";
+    EXPECT_EQ(fsdp::get_fsdp_module(*model->head1).unsharded_parameter_bytes(), 0);
+
+    std::vector<at::Tensor> ref_out = reference->forward(x);
+    (ref_out[0].sum() + ref_out[1].sum()).backward();
+    auto ref_params = reference->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
+      EXPECT_LT((full_grad_of(item.value()) - ref_params[item.key()].grad()).abs().max().item<double>(), 1e-6)
+          << item.key();
+    }
+  });
 }
 
 TEST(FsdpRuntime, NoBackwardAllGatherWithoutReshardAfterForward) {

@@ -56,7 +56,9 @@ class FSDPModule {
   // new: the module's member tensors become usable. With async_op the all-gather is only
   // issued; use the handle (or the next forward) to wait. No-op if already unsharded.
   UnshardHandle unshard(bool async_op = false);
-  // Frees the gathered parameters (waiting out an issued all-gather first). Not collective.
+  // Frees the gathered parameters. Not collective, never blocks. An all-gather issued by
+  // unshard(true) and not yet waited for stays pending, as in FSDP2: the next unshard (or
+  // forward) uses it rather than gathering again.
   void reshard();
 
   // After this module's all-gather in forward, also issue the all-gathers of `modules`

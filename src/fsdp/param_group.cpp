@@ -234,8 +234,10 @@ void FSDPParamGroup::drop_pending_all_gather() {
   if (dropped.work) wait_for(dropped.work, "all_gather", module_fqn_);
 }
 
+// An all-gather issued and not yet used (a backward prefetch for a module this backward did not
+// reach, or unshard(async_op)) stays pending, as in FSDP2: the next unshard uses it instead of
+// gathering again. Only the end of the last backward and reset_iter_state() drop one.
 void FSDPParamGroup::reshard() {
-  drop_pending_all_gather();
   if (unsharded_aliases_shard_) return;  // the unsharded tensors are the shards
   if (sharded_state_ == ShardedState::kUnsharded) free_unsharded_params();
   post_forward_shard_ = at::Tensor();
@@ -273,7 +275,9 @@ void FSDPParamGroup::prefetch_in_forward() {
 void FSDPParamGroup::drop_unused_forward_prefetch() {
   if (!prefetched_in_forward_) return;
   prefetched_in_forward_ = false;
-  if (reshards_after_forward()) reshard();
+  if (!reshards_after_forward()) return;
+  drop_pending_all_gather();
+  reshard();
 }
 
 // ------------------------------------------------------------------------------ hook steps
@@ -484,7 +488,8 @@ void FSDPParamGroup::reset_iter_state() {
   post_forward_indices_.clear();
   partial_reduce_output_ = at::Tensor();
   for (auto& p : params_) p->clear_unsharded_grad();
-  reshard();  // last: it waits for an all-gather in flight, which may throw
+  reshard();
+  drop_pending_all_gather();  // last: it waits for an all-gather in flight, which may throw
 }
 
 int64_t FSDPParamGroup::unsharded_bytes() const {
