@@ -6,6 +6,7 @@
 
 #include "src/comm/gloo_backend.h"
 #include "src/comm/progress_board.h"
+#include "src/comm/store_server.h"
 #ifdef FSDP_WITH_MPI
 #include "src/comm/mpi_backend.h"
 #endif
@@ -59,10 +60,6 @@ int slurm_tasks_per_node() {
   return v ? std::atoi(v) : 1;
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
-}
-
 // ------------------------------------------------------------------------------ runtime
 
 struct Runtime {
@@ -85,23 +82,37 @@ Runtime& runtime() {
   return *g_runtime;
 }
 
+// Rank 0's store: on loopback only when MASTER_ADDR is a loopback address (every rank is on
+// this machine), else on every address, as torchrun's.
+c10::intrusive_ptr<c10d::Store> host_rendezvous_store(const RendezvousInfo& info, std::chrono::milliseconds timeout) {
+  comm::StoreServerOptions o;
+  o.bind_address = comm::is_loopback_address(info.master_addr) ? info.master_addr : "";
+  o.port = info.master_port;
+  o.timeout = timeout;
+  return comm::host_store(o);
+}
+
+c10::intrusive_ptr<c10d::Store> connect_rendezvous_store(const RendezvousInfo& info, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(info.master_port);
+  opts.isServer = false;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(info.master_addr, opts);
+}
+
 // A store connection under the launcher's or our own key prefix.
 c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousInfo& info, std::chrono::milliseconds timeout,
                                               bool may_host) {
   if (info.world_size == 1 && !info.use_agent_store) {
     return c10::make_intrusive<c10d::HashStore>();  // alone: nothing to talk to
   }
-  c10d::TCPStoreOptions opts;
-  opts.port = static_cast<std::uint16_t>(info.master_port);
-  opts.isServer = may_host && !info.use_agent_store && info.rank == 0;
-  opts.numWorkers = info.use_agent_store ? c10::nullopt : c10::optional<std::size_t>(info.world_size);
-  opts.waitWorkers = false;
-  opts.timeout = timeout;
+  const bool host = may_host && !info.use_agent_store && info.rank == 0;
   c10::intrusive_ptr<c10d::Store> tcp;
   try {
-    tcp = c10::make_intrusive<c10d::TCPStore>(info.master_addr, opts);
+    tcp = host ? host_rendezvous_store(info, timeout) : connect_rendezvous_store(info, timeout);
   } catch (const std::exception& e) {
-    throw CollectiveError(c10::str("fsdp: rank ", info.rank, " could not ", opts.isServer ? "host" : "reach",
+    throw CollectiveError(c10::str("fsdp: rank ", info.rank, " could not ", host ? "host" : "reach",
                                    " the rendezvous store at ", info.master_addr, ":", info.master_port, " (",
                                    e.what(), "). Check MASTER_ADDR/MASTER_PORT, and that no other job uses that port."));
   }
@@ -301,7 +312,7 @@ void init_process_group(const RendezvousInfo& info, InitOptions options) {
     rt->transport_iface = iface;
   } else if (!options.transport_host().empty()) {
     rt->transport_host = options.transport_host();
-  } else if (is_loopback(info.master_addr)) {
+  } else if (comm::is_loopback_address(info.master_addr)) {
     rt->transport_host = "127.0.0.1";
   } else {
     char host[256] = {0};

@@ -5,6 +5,7 @@
 
 #include "src/comm/p2p_algorithms.h"
 #include "src/comm/progress_board.h"
+#include "src/comm/store_server.h"
 #include "src/util/tensor_bytes.h"
 
 #include <c10/util/BFloat16.h>
@@ -375,6 +376,34 @@ MpiJob mpi_job(void (*before_finalize)()) {
   return job;
 }
 
+namespace {
+
+// Where rank 0's board store listens, and the others reach it: loopback when every rank is on
+// this node; else the interface the user named (FSDP_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), else
+// MASTER_ADDR, else this host's name, which must not resolve to loopback.
+std::string board_address(bool single_node) {
+  if (single_node) return "127.0.0.1";
+  for (const char* name : {"FSDP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    if (const char* iface = std::getenv(name)) {
+      try {
+        return address_of_interface(iface);
+      } catch (const std::exception& e) {
+        throw CollectiveError(c10::str("fsdp: ", name, "=", iface, ": ", e.what()));
+      }
+    }
+  }
+  if (const char* addr = std::getenv("MASTER_ADDR")) return addr;
+  char host[256] = {0};
+  TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "fsdp: gethostname() failed");
+  TORCH_CHECK(!is_loopback_address(host), "fsdp: this MPI job spans several nodes, and rank 0's host name '", host,
+              "' resolves to a loopback address, which the other nodes cannot reach for the progress board. Set "
+              "FSDP_SOCKET_IFNAME to the network interface the ranks reach rank 0 on, or MASTER_ADDR to an address "
+              "of rank 0's host.");
+  return host;
+}
+
+}  // namespace
+
 MpiBoardStore mpi_board_store(std::chrono::milliseconds timeout) {
   const MpiJob job = mpi_job(nullptr);
   // One node when every rank shares this node's memory: then loopback reaches rank 0.
@@ -391,20 +420,19 @@ MpiBoardStore mpi_board_store(std::chrono::milliseconds timeout) {
     int port;
   } where{};
   if (job.rank == 0) {
-    c10d::TCPStoreOptions opts;
-    opts.port = 0;  // any free port: jobs on one machine never collide
-    opts.isServer = true;
-    opts.waitWorkers = false;
-    opts.timeout = timeout;
-    out.server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
-    where.port = static_cast<c10d::TCPStore&>(*out.server).getPort();
-    if (node_size == job.size) {
-      std::snprintf(where.host, sizeof(where.host), "127.0.0.1");
-    } else if (const char* addr = std::getenv("MASTER_ADDR")) {
-      std::snprintf(where.host, sizeof(where.host), "%s", addr);
-    } else {
-      TORCH_CHECK(gethostname(where.host, sizeof(where.host) - 1) == 0, "fsdp: gethostname() failed");
+    const std::string address = board_address(node_size == job.size);
+    StoreServerOptions o;
+    o.bind_address = address;
+    o.timeout = timeout;
+    try {
+      out.server = host_store(o);
+    } catch (const StoreBindError& e) {
+      throw CollectiveError(c10::str("fsdp: rank 0 could not host the progress board's store (", e.what(),
+                                     "). Set FSDP_SOCKET_IFNAME to the network interface the ranks reach rank 0 "
+                                     "on, or MASTER_ADDR to an address of rank 0's host."));
     }
+    where.port = static_cast<c10d::TCPStore&>(*out.server).getPort();
+    std::snprintf(where.host, sizeof(where.host), "%s", address.c_str());
   }
   check_mpi(MPI_Bcast(&where, sizeof(where), MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
   c10d::TCPStoreOptions opts;

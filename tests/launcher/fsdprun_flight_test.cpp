@@ -15,6 +15,7 @@ namespace {
 
 using namespace process_test;
 using fsdprun::diagnose;
+using fsdprun::may_have_hung;
 using fsdprun::FlightDump;
 using fsdprun::FlightEntry;
 using fsdprun::RankStatus;
@@ -99,6 +100,10 @@ TEST(FlightDiagnosis, NothingPendingAndTheFirstPendingOpPerGroup) {
                                    dump_of(1, {entry("all_gather", 1, "completed", "forward", "a", 1)}, "", "")};
   for (auto& d : dumps) d.groups["dp"] = {0, 1};
   EXPECT_CONTAINS(diagnose(dumps, {}, 2), "no rank that dumped was inside a collective");
+  EXPECT_FALSE(may_have_hung(dumps, {}, 2));
+  std::map<int, RankStatus> one_stopped;
+  one_stopped[1].stopped = true;
+  EXPECT_TRUE(may_have_hung(dumps, one_stopped, 2));
 
   // Rank 0 failed #2 and never ran #3: #2 is the one to report, not the later ones.
   dumps[0].entries.push_back(entry("reduce_scatter", 2, "failed", "post-backward", "a", 2));
@@ -196,6 +201,18 @@ TEST(FlightJobs, ARankThatRaisesMidBackwardIsNamedWithWhereItWas) {
   // Its hook runs after the pre-backward of blocks.1 (both are on blocks.2's input).
   EXPECT_CONTAINS(r.err, "rank 1: last seen: backward of blocks.1; it dumped on signal SIGABRT");
   expect_dumps(dir);
+}
+
+// Every rank stops with an error between collectives: not a hang, so fsdprun prints no
+// diagnosis (at most one line saying so).
+TEST(FlightJobs, AnErrorThatIsNoHangGetsNoDiagnosis) {
+  TempDir dir;
+  const RunResult r = run_job("exit", dir);
+  EXPECT_FALSE(r.timed_out) << describe(r);
+  EXPECT_EQ(r.exit_code, 1) << describe(r);
+  EXPECT_CONTAINS(r.err, "stops: bad input");
+  EXPECT_EQ(r.err.find("flight recorder: dumps of"), std::string::npos) << describe(r);
+  EXPECT_EQ(r.err.find("no rank that dumped"), std::string::npos) << describe(r);
 }
 
 // Two nodes (two fsdprun on this machine, each with a folder of its own, as on two machines):

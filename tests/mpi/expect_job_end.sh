@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# expect_job_end.sh EXPECTED_TEXT -- MPIRUN_COMMAND...
+# expect_job_end.sh EXPECTED_TEXT [--within SECONDS] -- MPIRUN_COMMAND...
 # Runs an MPI job that must END (not hang, not succeed): fails if the job runs past 120 s,
-# exits 0, or its output lacks each |-separated piece of EXPECTED_TEXT.
+# exits 0, or its output lacks each |-separated piece of EXPECTED_TEXT. With --within, the job
+# must also end within SECONDS of the last "job-clock-start: <epoch ms>" line a rank printed.
 set -uo pipefail
 expected=$1
 shift
+within=""
+if [[ $1 == --within ]]; then
+  within=$2
+  shift 2
+fi
 [[ $1 == -- ]] && shift
 start=$SECONDS
 out=$(timeout --kill-after=10 120 "$@" 2>&1)
@@ -28,4 +34,18 @@ for piece in "${pieces[@]}"; do
     exit 1
   fi
 done
+if [[ -n $within ]]; then
+  ended_ms=$(date +%s%3N)
+  started_ms=$(grep -o 'job-clock-start: [0-9]*' <<<"$out" | tail -n 1 | awk '{print $2}')
+  if [[ -z $started_ms ]]; then
+    echo "expect_job_end: FAIL: no rank printed job-clock-start"
+    exit 1
+  fi
+  took_ms=$((ended_ms - started_ms))
+  echo "expect_job_end: the job ended ${took_ms} ms after job-clock-start (allowed: ${within} s)"
+  if ((took_ms > within * 1000)); then
+    echo "expect_job_end: FAIL: the job ended later than ${within} s after job-clock-start"
+    exit 1
+  fi
+fi
 echo "expect_job_end: ok"

@@ -11,9 +11,21 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 using fsdp::CollectiveKind;
 using fsdp::ReduceOp;
@@ -212,5 +224,96 @@ TEST(MpiJobEnd, ARankKilledBySigkillEndsTheJob) {
     if (pg->rank() == 1) std::raise(SIGKILL);
     pg->barrier()->wait();
     ADD_FAILURE() << "the barrier completed without rank 1";
+  }, opts);
+}
+
+namespace {
+
+// A TCP socket of this process in the LISTEN state: its address as /proc/net/tcp* writes it
+// (hex) and its port.
+struct Listener {
+  std::string address_hex;
+  int port;
+};
+
+std::set<std::string> socket_inodes_of_this_process() {
+  std::set<std::string> inodes;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return inodes;
+  while (dirent* e = readdir(dir)) {
+    char target[256] = {0};
+    const std::string path = std::string("/proc/self/fd/") + e->d_name;
+    const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
+    const std::string link(target, n > 0 ? static_cast<size_t>(n) : 0);
+    if (link.rfind("socket:[", 0) == 0) inodes.insert(link.substr(8, link.size() - 9));
+  }
+  closedir(dir);
+  return inodes;
+}
+
+std::vector<Listener> listeners_of_this_process() {
+  const std::set<std::string> mine = socket_inodes_of_this_process();
+  std::vector<Listener> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      if (state != "0A" || mine.count(inode) == 0) continue;  // 0A: LISTEN
+      const auto colon = local.find(':');
+      out.push_back({local.substr(0, colon), std::stoi(local.substr(colon + 1), nullptr, 16)});
+    }
+  }
+  return out;
+}
+
+bool is_loopback_hex(const std::string& hex) {
+  return hex == "0100007F" || hex == "0000000000000000FFFF00000100007F" || hex == "00000000000000000000000001000000";
+}
+
+// Connects to 127.0.0.1:port and sends the first bytes of a store request (a SET whose 16-byte
+// key never comes); the connection stays open until the process ends.
+bool hold_half_a_request(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return false;
+  const char half[] = {1, 16, 0, 0, 0, 0, 0, 0, 0, 'k'};
+  return send(fd, half, sizeof half, 0) == static_cast<ssize_t>(sizeof half);
+}
+
+}  // namespace
+
+// The progress board's store under a client that sends part of a request and holds the
+// connection: the last rank never joins the all-gather; rank 0's watchdog times out, reads the
+// board to name it and aborts the job, all within the timeout plus 5 s of the collective's start
+// (expect_job_end.sh --within). In a job on one machine the board listens on loopback only: it
+// is rank 0's only TCP listener (Open MPI's TCP transport is left out of this job).
+TEST(MpiJobEnd, AStalledClientOfTheBoardDelaysNothing) {
+  fsdp::testing::DistOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(3000);
+  run_distributed(2, [] {
+    auto pg = fsdp::world();
+    pg->barrier()->wait();
+    if (pg->rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(60));  // far past the timeout
+      return;
+    }
+    const std::vector<Listener> listeners = listeners_of_this_process();
+    ASSERT_EQ(listeners.size(), 1u) << "rank 0 should listen for the board's store only";
+    ASSERT_TRUE(is_loopback_hex(listeners[0].address_hex))
+        << "the board listens on " << listeners[0].address_hex << ", not on loopback";
+    ASSERT_TRUE(hold_half_a_request(listeners[0].port));
+    const auto now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::system_clock::now().time_since_epoch());
+    std::fprintf(stderr, "job-clock-start: %lld\n", static_cast<long long>(now_ms.count()));
+    at::Tensor out = at::empty({4 * pg->size()});
+    pg->all_gather_into(out, at::ones({4}))->wait();
+    ADD_FAILURE() << "the all-gather completed without the last rank";
   }, opts);
 }

@@ -341,7 +341,7 @@ void Agent::report_flight_recorder(const WorkerGroup& group, int k) {
   for (const auto& [rank, how] : group.exits()) flight_status_[rank].exit = how;
   const std::string dir = flight_recorder_attempt_dir(flight_dir_, k);
   if (several_nodes()) gather_flight_dumps(k, dir);
-  std::istringstream lines(diagnose_dir(dir, flight_status_, opt_.world_size()));
+  std::istringstream lines(diagnose_failure(dir, flight_status_, opt_.world_size()));
   for (std::string line; std::getline(lines, line);) say(line);
   flight_status_.clear();
 }

@@ -1,6 +1,6 @@
 #include "agent_store.h"
 
-#include "store_server_hooks.h"
+#include "src/comm/store_server.h"
 
 #include <c10/util/Flags.h>
 
@@ -23,7 +23,6 @@ namespace {
 
 using Ms = std::chrono::milliseconds;
 
-constexpr int kStandalonePortTries = 10;
 const char* const kLostStore = "lost the agent store (hosted by the fsdprun of node 0)";
 constexpr Ms kProbeTimeout{1000};  // one connection probe; signals are checked in between
 
@@ -50,23 +49,6 @@ auto guarded(const std::string& what, F&& f) -> decltype(f()) {
 }
 
 Ms seconds(double s) { return Ms(static_cast<int64_t>(s * 1000)); }
-
-// A port that was free a moment ago: bind 127.0.0.1:0, read the port, close. Another
-// process may take it before the store binds it; the caller retries then.
-int free_loopback_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  const int err = errno;
-  close(fd);
-  if (!ok) throw std::runtime_error(std::string("cannot find a free port: ") + std::strerror(err));
-  return ntohs(addr.sin_port);
-}
 
 // True when a TCP connection to host:port succeeds within kProbeTimeout.
 bool accepts_connections(const std::string& host, int port) {
@@ -108,10 +90,10 @@ void silence_c10d_logging() {
   c10::ParseCommandLineFlags(&argc, &argv);
 }
 
-c10d::TCPStoreOptions store_options(int port, bool server, Ms timeout) {
+c10d::TCPStoreOptions client_options(int port, Ms timeout) {
   c10d::TCPStoreOptions o;
   o.port = static_cast<std::uint16_t>(port);
-  o.isServer = server;
+  o.isServer = false;
   o.numWorkers = c10::nullopt;
   o.waitWorkers = false;
   o.timeout = timeout;
@@ -132,40 +114,27 @@ AgentStore::AgentStore(const Options& opt, const std::function<bool()>& keep_wai
 
 AgentStore::~AgentStore() = default;
 
+// --standalone: loopback only, on any free port. Otherwise every address of MASTER_PORT, so that
+// the other nodes reach it (as torchrun's). Either way c10d's non-blocking server, which a
+// stalled or lying client cannot hold up (src/comm/store_server.h).
 void AgentStore::host(const Options& opt) {
-  if (opt.standalone) {
-    host_on_loopback(opt);
-    return;
-  }
-  port_ = opt.master_port;
-  const std::string what = "cannot host the agent store on port " + std::to_string(port_);
-  // Also gives the server's sockets the timeouts that drop stalled clients.
-  StoreServerBind watch_bind(/*loopback_only=*/false);
+  fsdp::comm::StoreServerOptions o;
+  o.bind_address = opt.standalone ? "127.0.0.1" : "";
+  o.port = opt.standalone ? 0 : opt.master_port;
+  o.timeout = seconds(opt.join_timeout_s);
+  const std::string what = opt.standalone ? std::string("cannot host the agent store on loopback")
+                                          : "cannot host the agent store on port " + std::to_string(opt.master_port);
   try {
-    store_ = std::make_unique<c10d::TCPStore>(opt.master_addr,
-                                              store_options(port_, /*server=*/true, seconds(opt.join_timeout_s)));
-  } catch (const std::exception& e) {
-    if (!watch_bind.address_in_use()) throw std::runtime_error(what + ": " + message_of(e));
+    store_ = fsdp::comm::host_store(o);
+  } catch (const fsdp::comm::StoreBindError& e) {
+    if (!e.address_in_use() || opt.standalone) throw std::runtime_error(what + ": " + e.what());
     throw std::runtime_error(what +
                              ": the port is already in use (by another fsdprun or another program); "
                              "choose a free --master-port, or use --standalone on a single node");
+  } catch (const std::exception& e) {
+    throw std::runtime_error(what + ": " + message_of(e));
   }
-}
-
-void AgentStore::host_on_loopback(const Options& opt) {
-  std::string last_error;
-  for (int i = 0; i < kStandalonePortTries && !store_; ++i) {
-    port_ = free_loopback_port();
-    try {
-      // The store's wildcard bind becomes 127.0.0.1; its sockets drop stalled clients.
-      StoreServerBind loopback_only(/*loopback_only=*/true);
-      store_ = std::make_unique<c10d::TCPStore>("127.0.0.1",
-                                                store_options(port_, /*server=*/true, seconds(opt.join_timeout_s)));
-    } catch (const std::exception& e) {
-      last_error = message_of(e);  // port taken in between: try another
-    }
-  }
-  if (!store_) throw std::runtime_error("cannot host the agent store on loopback: " + last_error);
+  port_ = store_->getPort();
 }
 
 // Waits for node 0's store with plain connection probes (which can be interrupted by
@@ -178,8 +147,8 @@ void AgentStore::connect(const Options& opt, const std::function<bool()>& keep_w
   for (;;) {
     if (accepts_connections(opt.master_addr, port_)) {
       try {
-        store_ = std::make_unique<c10d::TCPStore>(
-            opt.master_addr, store_options(port_, false, seconds(opt.join_timeout_s)));
+        store_ = c10::make_intrusive<c10d::TCPStore>(
+            opt.master_addr, client_options(port_, seconds(opt.join_timeout_s)));
         return;
       } catch (const std::exception& e) {
         last_error = ": " + message_of(e);

@@ -7,6 +7,8 @@
 
 #include "options.h"
 
+#include <c10/util/intrusive_ptr.h>
+
 #include <functional>
 #include <memory>
 #include <cstdint>
@@ -28,7 +30,7 @@ struct Interrupted : std::runtime_error {
 class AgentStore {
  public:
   // Node 0 hosts the store (with --standalone: on a free port, listening on loopback
-  // only), whose server drops a client when its request stalls (store_server_hooks.h);
+  // only), on c10d's server that no stalled or lying client holds up (store_server.h);
   // other nodes connect to it, retrying until --join-timeout. keep_waiting is asked
   // between retries; when it says false, Interrupted is thrown. Store errors are thrown
   // as std::runtime_error with a one-line message (a port in use says so).
@@ -64,12 +66,11 @@ class AgentStore {
 
  private:
   void host(const Options& opt);
-  void host_on_loopback(const Options& opt);  // --standalone: a free port, loopback only
   void connect(const Options& opt, const std::function<bool()>& keep_waiting);
   std::optional<std::string> get_if_set(const std::string& key);
   int64_t counter(const std::string& key, int64_t delta);
 
-  std::unique_ptr<c10d::TCPStore> store_;
+  c10::intrusive_ptr<c10d::TCPStore> store_;
   int nnodes_ = 1;
   int port_ = 0;
   bool host_ = false;

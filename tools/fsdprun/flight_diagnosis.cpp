@@ -233,34 +233,65 @@ std::vector<FlightDump> read_flight_dumps(const std::string& dir, std::vector<st
   return dumps;
 }
 
-std::string diagnose(const std::vector<FlightDump>& dumps, const std::map<int, RankStatus>& status, int world_size) {
+namespace {
+
+// The dumps indexed: by rank, each group's members, the latest dump time, the world size.
+struct DumpIndex {
   std::map<int, const FlightDump*> by_rank;
   std::map<std::string, std::vector<int>> groups;
   int64_t ref_us = 0;
+  int world_size = 0;
+};
+
+DumpIndex index_dumps(const std::vector<FlightDump>& dumps, int world_size) {
+  DumpIndex x;
+  x.world_size = world_size;
   for (const FlightDump& d : dumps) {
-    by_rank[d.rank] = &d;
-    ref_us = std::max(ref_us, d.dump_time_us);
-    for (const auto& [name, ranks] : d.groups) groups[name] = ranks;
+    x.by_rank[d.rank] = &d;
+    x.ref_us = std::max(x.ref_us, d.dump_time_us);
+    for (const auto& [name, ranks] : d.groups) x.groups[name] = ranks;
     for (const FlightEntry& e : d.entries) {
-      auto& members = groups[e.group];
+      auto& members = x.groups[e.group];
       if (!d.groups.count(e.group) && std::find(members.begin(), members.end(), d.rank) == members.end())
         members.push_back(d.rank);  // an older dump without the group table: its own ranks only
     }
-    for (const auto& [name, ranks] : groups)
-      for (int r : ranks) world_size = std::max(world_size, r + 1);
+    for (const auto& [name, ranks] : x.groups)
+      for (int r : ranks) x.world_size = std::max(x.world_size, r + 1);
   }
+  for (auto& [name, members] : x.groups) std::sort(members.begin(), members.end());
+  return x;
+}
+
+// Every collective the job is stuck in, the oldest first.
+std::vector<Stuck> stuck_collectives(const DumpIndex& x, const std::map<int, RankStatus>& status) {
+  std::vector<Stuck> stuck;
+  for (const auto& [name, members] : x.groups) {
+    for (Stuck& s : stuck_in(name, members, x.by_rank, status, x.ref_us)) stuck.push_back(std::move(s));
+  }
+  std::sort(stuck.begin(), stuck.end(), [](const Stuck& a, const Stuck& b) { return a.since_us < b.since_us; });
+  return stuck;
+}
+
+}  // namespace
+
+bool may_have_hung(const std::vector<FlightDump>& dumps, const std::map<int, RankStatus>& status, int world_size) {
+  for (const auto& [rank, st] : status) {
+    if (st.stopped) return true;
+  }
+  return !stuck_collectives(index_dumps(dumps, world_size), status).empty();
+}
+
+std::string diagnose(const std::vector<FlightDump>& dumps, const std::map<int, RankStatus>& status, int world_size) {
+  const DumpIndex x = index_dumps(dumps, world_size);
+  const auto& by_rank = x.by_rank;
+  world_size = x.world_size;
   std::vector<std::string> lines;
   std::vector<int> with_dump, without;
   for (int r = 0; r < world_size; ++r) (by_rank.count(r) ? with_dump : without).push_back(r);
   lines.push_back("flight recorder: dumps of " + (with_dump.empty() ? std::string("no rank") : rank_word(with_dump)) +
                   (without.empty() ? "" : "; none from " + rank_word(without)));
 
-  std::vector<Stuck> stuck;
-  for (auto& [name, members] : groups) {
-    std::sort(members.begin(), members.end());
-    for (Stuck& s : stuck_in(name, members, by_rank, status, ref_us)) stuck.push_back(std::move(s));
-  }
-  std::sort(stuck.begin(), stuck.end(), [](const Stuck& a, const Stuck& b) { return a.since_us < b.since_us; });
+  const std::vector<Stuck> stuck = stuck_collectives(x, status);
   std::set<int> named;
   for (const Stuck& s : stuck) {
     lines.push_back(s.text);

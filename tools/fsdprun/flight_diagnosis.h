@@ -52,4 +52,8 @@ struct RankStatus {
 // dumps' groups.
 std::string diagnose(const std::vector<FlightDump>& dumps, const std::map<int, RankStatus>& status, int world_size);
 
+// True when the dumps show a rank inside a collective some member has not completed, or a rank
+// was stopped: the job may have hung, and diagnose() has something to say.
+bool may_have_hung(const std::vector<FlightDump>& dumps, const std::map<int, RankStatus>& status, int world_size);
+
 }  // namespace fsdprun

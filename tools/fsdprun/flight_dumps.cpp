@@ -62,6 +62,16 @@ bool wait_for_dumps(const std::string& dir, int ranks, int64_t since_us, int tim
   }
 }
 
+std::string diagnose_failure(const std::string& dir, const std::map<int, RankStatus>& status, int world_size) {
+  std::vector<std::string> problems;
+  const std::vector<FlightDump> dumps = read_flight_dumps(dir, &problems);
+  if (dumps.empty() && problems.empty()) return "";
+  if (problems.empty() && !may_have_hung(dumps, status, world_size)) {
+    return "flight recorder: no rank was inside a collective when the job ended (not a hang); dumps in " + dir;
+  }
+  return diagnose_dir(dir, status, world_size);
+}
+
 std::string diagnose_dir(const std::string& dir, const std::map<int, RankStatus>& status, int world_size) {
   std::vector<std::string> problems;
   const std::vector<FlightDump> dumps = read_flight_dumps(dir, &problems);

@@ -31,6 +31,10 @@ bool wait_for_dumps(const std::string& dir, int ranks, int64_t since_us, int tim
 // The diagnosis of the dumps in `dir`, as lines to print (see diagnose()), with a last line
 // naming the folder. Never throws: problems reading the dumps are lines of their own.
 std::string diagnose_dir(const std::string& dir, const std::map<int, RankStatus>& status, int world_size);
+// After a failed attempt: diagnose_dir's text when a rank may have hung; one line when every
+// rank that dumped had completed each collective it entered (a config error, a NaN stop: not a
+// hang); nothing when no rank dumped.
+std::string diagnose_failure(const std::string& dir, const std::map<int, RankStatus>& status, int world_size);
 
 // Several nodes: each node's fsdprun shares its ranks' dumps with the others through the agent
 // store, so that every node diagnoses the whole job and keeps every rank's dump on its disk.

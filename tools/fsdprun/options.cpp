@@ -108,9 +108,12 @@ void validate(const Options& o) {
   require(!o.master_addr.empty(), "--master-addr must not be empty");
   require(!(o.standalone && o.nnodes > 1), "--standalone is single-node: it cannot be used with --nnodes > 1");
   require(o.max_restarts >= 0, got("--max-restarts must be at least 0", o.max_restarts));
-  require(o.monitor_interval_s > 0, got("--monitor-interval must be positive", o.monitor_interval_s));
-  require(o.stop_grace_s >= 0, got("--stop-grace-seconds must be at least 0", o.stop_grace_s));
-  require(o.join_timeout_s > 0, got("--join-timeout must be positive", o.join_timeout_s));
+  require(o.monitor_interval_s > 0 && o.monitor_interval_s <= kMaxIntervalS,
+          got("--monitor-interval must be in (0, 3600] seconds", o.monitor_interval_s));
+  require(o.stop_grace_s >= 0 && o.stop_grace_s <= kMaxIntervalS,
+          got("--stop-grace-seconds must be in [0, 3600] seconds", o.stop_grace_s));
+  require(o.join_timeout_s > 0 && o.join_timeout_s <= kMaxJoinTimeoutS,
+          got("--join-timeout must be in (0, 604800] seconds (a week)", o.join_timeout_s));
   if (o.dump_pid != 0) {
     require(o.dump_pid > 0, got("--dump needs the pid of a running fsdprun", o.dump_pid));
     require(o.command.empty(), "--dump asks a running fsdprun for dumps: it takes no program to run");
