@@ -290,6 +290,46 @@ int wait_until_stopped(const std::string& pid_file, std::chrono::milliseconds li
   return 0;
 }
 
+// Rank 2 stops inside the all-gather; rank 1 never enters it and leaves the job. Both are
+// silent on the board, but only rank 2 is stopped: rank 0's error names it alone as stopped.
+TEST(Collectives, AStoppedRankIsNamedButNotOneThatLeft) {
+  fsdp::testing::DistOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(3000);
+  run_distributed(3, [] {
+    auto pg = fsdp::world();
+    const int r = pg->rank();
+    const std::string pid_file = "/tmp/fsdp_stopped_rank_left_" + std::to_string(getppid());
+    pg->barrier()->wait();  // #0
+    at::Tensor out = at::empty({12});
+    if (r == 2) {
+      std::ofstream(pid_file) << getpid();
+      auto work = pg->all_gather_into(out, at::ones({4}));  // #1: entered, waiting for the others
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));
+      raise(SIGSTOP);  // until rank 0 sends SIGCONT
+      EXPECT_THROW(work->wait(), fsdp::CollectiveError);
+      return;
+    }
+    ASSERT_GT(wait_until_stopped(pid_file, std::chrono::seconds(30)), 0) << "rank 2 did not stop";
+    if (r == 1) return;  // leaves the job: destroy_process_group, then the process ends
+    auto work = pg->all_gather_into(out, at::ones({4}));
+    try {
+      work->wait();
+      ADD_FAILURE() << "expected the all-gather to fail";
+    } catch (const fsdp::CollectiveError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("ranks that stopped making progress: [2] (their process is stopped"), std::string::npos)
+          << msg;
+      EXPECT_EQ(msg.find("stopped making progress: [1"), std::string::npos) << msg;
+    }
+    int pid = 0;
+    std::ifstream(pid_file) >> pid;
+    ASSERT_GT(pid, 0);
+    kill(pid, SIGCONT);
+    std::remove(pid_file.c_str());
+  }, opts);
+}
+
 // A rank that entered a collective and then stopped (SIGSTOP) looks as if it arrived; the
 // others' timeout must still name it, from its missing heartbeat.
 TEST(Collectives, AStoppedRankIsNamedByTheOthersTimeout) {

@@ -343,8 +343,11 @@ void destroy_process_group() {
     std::lock_guard<std::mutex> lock(g_mu);
     rt.swap(g_runtime);
   }
-  // Groups (and their threads) go first, then the board and the store connections.
+  // Groups (and their threads) go first, then the board and the store connections. The board
+  // says first that this rank is leaving: peers that see its connections close must not
+  // diagnose it as stopped.
   if (!rt) return;
+  if (rt->board) rt->board->leave();
   rt->world.reset();
   rt->board.reset();
 }

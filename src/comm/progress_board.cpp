@@ -4,18 +4,79 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstdlib>
+#include <fstream>
 #include <sstream>
 #include <string>
 
 namespace fsdp {
 namespace comm {
 
+namespace {
+
+// The counter a rank's publishing thread bumps every kHeartbeat while its process runs.
+std::string heartbeat_key(int rank) { return "alive/" + std::to_string(rank); }
+// Set when a rank leaves the job (its board is destroyed).
+std::string left_key(int rank) { return "left/" + std::to_string(rank); }
+// "<machine> <pid>": which process a rank is, for ranks on the same machine to look at.
+std::string whois_key(int rank) { return "whois/" + std::to_string(rank); }
+
+std::string read_first_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// The kernel this process runs on (its boot id) and its pid namespace: two processes that
+// agree on both can look at each other's /proc entries.
+std::string this_machine() {
+  char ns[128] = {0};
+  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  return read_first_line("/proc/sys/kernel/random/boot_id") + "/" + std::string(ns, n > 0 ? static_cast<size_t>(n) : 0);
+}
+
+// The state letter of process `pid` (R, S, D, T, t, Z, ...), or 0 when there is no such process.
+char process_state(long pid) {
+  const std::string stat = read_first_line("/proc/" + std::to_string(pid) + "/stat");
+  const auto paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return 0;
+  return stat[paren + 2];
+}
+
+// A value publish_dirty() wrote: a sequence number in decimal.
+int64_t parse_seq(const std::string& key, const std::vector<uint8_t>& value) {
+  const std::string text(value.begin(), value.end());
+  errno = 0;
+  char* end = nullptr;
+  const long long seq = std::strtoll(text.c_str(), &end, 10);
+  TORCH_CHECK(!text.empty() && end == text.c_str() + text.size() && errno == 0, "fsdp: store key '", key,
+              "' holds '", text, "', not a collective sequence number; is another program using this job's "
+              "store (MASTER_ADDR/MASTER_PORT)?");
+  return static_cast<int64_t>(seq);
+}
+
+}  // namespace
+
 ProgressBoard::ProgressBoard(c10::intrusive_ptr<c10d::Store> store, int global_rank)
-    : store_(std::move(store)), rank_(global_rank), thread_([this] { publish_loop(); }) {}
+    : store_(std::move(store)), rank_(global_rank), thread_([this] { publish_loop(); }) {
+  introduce();
+}
+
+void ProgressBoard::leave() {
+  try {
+    std::lock_guard<std::mutex> lock(store_mu_);
+    store_->set(left_key(rank_), std::vector<uint8_t>{1});
+  } catch (const std::exception&) {
+    // The store is gone already (rank 0 left first): nobody is left to diagnose.
+  }
+}
 
 ProgressBoard::~ProgressBoard() {
+  leave();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -35,24 +96,6 @@ std::string ProgressBoard::key(const std::string& group, int rank) const {
   return "progress/" + group + "/" + std::to_string(rank);
 }
 
-namespace {
-
-// The counter a rank's publishing thread bumps every kHeartbeat while its process runs.
-std::string heartbeat_key(int rank) { return "alive/" + std::to_string(rank); }
-
-// A value publish_dirty() wrote: a sequence number in decimal.
-int64_t parse_seq(const std::string& key, const std::vector<uint8_t>& value) {
-  const std::string text(value.begin(), value.end());
-  errno = 0;
-  char* end = nullptr;
-  const long long seq = std::strtoll(text.c_str(), &end, 10);
-  TORCH_CHECK(!text.empty() && end == text.c_str() + text.size() && errno == 0, "fsdp: store key '", key,
-              "' holds '", text, "', not a collective sequence number; is another program using this job's "
-              "store (MASTER_ADDR/MASTER_PORT)?");
-  return static_cast<int64_t>(seq);
-}
-
-}  // namespace
 
 void ProgressBoard::publish_dirty() {
   std::vector<std::pair<std::string, int64_t>> todo;
@@ -69,6 +112,33 @@ void ProgressBoard::publish_dirty() {
     std::string v = std::to_string(item.second);
     store_->set(key(item.first, rank_), std::vector<uint8_t>(v.begin(), v.end()));
   }
+}
+
+void ProgressBoard::introduce() {
+  const std::string who = this_machine() + " " + std::to_string(getpid());
+  try {
+    std::lock_guard<std::mutex> lock(store_mu_);
+    store_->set(whois_key(rank_), std::vector<uint8_t>(who.begin(), who.end()));
+  } catch (const std::exception&) {
+    // Without it, a diagnosis calls this rank silent rather than stopped or gone.
+  }
+}
+
+ProgressBoard::Fate ProgressBoard::fate(int global_rank) {
+  std::string who;
+  {
+    std::lock_guard<std::mutex> lock(store_mu_);
+    if (store_->check({left_key(global_rank)})) return Fate::kLeft;
+    if (!store_->check({whois_key(global_rank)})) return Fate::kSilent;
+    const std::vector<uint8_t> value = store_->get(whois_key(global_rank));
+    who.assign(value.begin(), value.end());
+  }
+  const auto space = who.rfind(' ');
+  if (space == std::string::npos || who.substr(0, space) != this_machine()) return Fate::kSilent;
+  const char state = process_state(std::strtol(who.c_str() + space + 1, nullptr, 10));
+  if (state == 0 || state == 'Z' || state == 'X') return Fate::kGone;
+  if (state == 'T' || state == 't') return Fate::kStopped;
+  return Fate::kSilent;
 }
 
 void ProgressBoard::beat() {
@@ -155,15 +225,29 @@ std::string describe_absent_and_stalled(ProgressBoard& board, const std::string&
              << (last[i] < 0 ? std::string("none") : "#" + std::to_string(last[i]));
     }
     const std::vector<int> stalled = board.stalled(global_ranks);
+    std::vector<int> stopped, silent, left;
+    for (int r : stalled) {
+      switch (board.fate(r)) {
+        case ProgressBoard::Fate::kLeft:
+        case ProgressBoard::Fate::kGone: left.push_back(r); break;
+        case ProgressBoard::Fate::kStopped: stopped.push_back(r); break;
+        case ProgressBoard::Fate::kSilent: silent.push_back(r); break;
+      }
+    }
     if (!absent.empty()) {
       msg << "; ranks that did not arrive: " << format_ranks(absent)
           << " (last collective they entered on this group: " << detail.str() << ")";
     }
-    if (!stalled.empty()) {
-      msg << "; ranks that stopped making progress: " << format_ranks(stalled) << " (their process published no "
+    if (!stopped.empty()) {
+      msg << "; ranks that stopped making progress: " << format_ranks(stopped)
+          << " (their process is stopped, e.g. by SIGSTOP or a debugger)";
+    }
+    if (!silent.empty()) {
+      msg << "; ranks that stopped making progress: " << format_ranks(silent) << " (their process published no "
           << "heartbeat for " << 4 * ProgressBoard::kHeartbeat.count() << " ms: stopped, e.g. by SIGSTOP or a "
           << "debugger, or frozen)";
     }
+    if (!left.empty()) msg << "; ranks whose process has ended: " << format_ranks(left) << " (it exited or was killed)";
     if (absent.empty() && stalled.empty()) {
       msg << "; every rank entered it and is running, so the transfer itself failed: check that all ranks "
              "issue the same collectives with the same sizes";

@@ -39,6 +39,10 @@ class ProgressBoard {
   ProgressBoard(const ProgressBoard&) = delete;
   ProgressBoard& operator=(const ProgressBoard&) = delete;
 
+  // Marks this rank as leaving the job (destroy_process_group, or the board's destruction), so
+  // that the others' diagnoses do not name its silence a stop. Blocks on the store; never throws.
+  void leave();
+
   // Records that this rank entered collective `seq` of `group`. Cheap; never blocks on I/O.
   void entered(const std::string& group, int64_t seq);
 
@@ -52,6 +56,13 @@ class ProgressBoard {
   // few heartbeat periods. Blocks for about 4 * kHeartbeat; throws if the store is unreachable.
   std::vector<int> stalled(const std::vector<int>& global_ranks);
 
+  // What became of a rank whose heartbeat stopped. Each rank leaves its process's identity on
+  // the board when it starts and a mark when it leaves the job: a rank that left, or whose
+  // process is gone, is not blamed as stopped. Only on this rank's machine (the same kernel
+  // and pid namespace) can a process be looked at; elsewhere it is kSilent. Blocks on the store.
+  enum class Fate { kLeft, kGone, kStopped, kSilent };
+  Fate fate(int global_rank);
+
   static constexpr std::chrono::milliseconds kPeriod{20};
   static constexpr std::chrono::milliseconds kHeartbeat{250};
 
@@ -59,6 +70,7 @@ class ProgressBoard {
   void publish_loop();
   void publish_dirty();
   void beat();
+  void introduce();
   std::string key(const std::string& group, int rank) const;
   std::vector<int64_t> heartbeats(const std::vector<int>& global_ranks);
 
