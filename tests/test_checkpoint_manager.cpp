@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -119,15 +120,15 @@ TEST(CheckpointManager, ScanAndIsCompleteReportEveryStateOfTheRoot) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"", root + "/latest is empty"},
       {" \n\t", root + "/latest is empty"},
-      {"x/../y", root + "/latest names 'x/../y', which is not a step directory of this root"},
-      {"../step_10", root + "/latest names '../step_10', which is not a step directory of this root"},
-      {std::string("\x01\x02garbage\n", 10), root + "/latest names '\\x01\\x02garbage', which is not a step "
-                                             "directory of this root"},
+      // Anything but a step_<N> name may be another file's content: never quoted.
+      {"x/../y", root + "/latest does not hold a step_<N> name (6 bytes, not shown)"},
+      {"../step_10", root + "/latest does not hold a step_<N> name (10 bytes, not shown)"},
+      {std::string("\x01\x02garbage\n", 10), root + "/latest does not hold a step_<N> name (9 bytes, not shown)"},
       {"step_99\n", root + "/latest names 'step_99', which does not exist"},
       {std::string(5000, 's'), root + "/latest cannot be read or is longer than 4096 bytes: it does not name a step "
                                "directory"},
       // A path to a complete checkpoint, but not a step directory's name.
-      {"step_10/../step_10", root + "/latest names 'step_10/../step_10', which is not a step directory of this root"},
+      {"step_10/../step_10", root + "/latest does not hold a step_<N> name (18 bytes, not shown)"},
       {"step_30", root + "/latest names 'step_30', which has no metadata.json (an incomplete save)"},
       {" step_10\n", ""},
       {"step_10", ""}};
@@ -157,6 +158,17 @@ TEST(CheckpointManager, ScanAndIsCompleteReportEveryStateOfTheRoot) {
   EXPECT_EQ(scan.newest_complete, root + "/step_40");
   EXPECT_TRUE(has_finding(scan, root + "/latest is missing; the newest complete checkpoint is " + root + "/step_40"));
   EXPECT_FALSE(manager.latest().has_value());
+  // A link is not read, whether it leads to a checkpoint or to a file that is not ours.
+  for (const char* target : {"/etc/passwd", "step_40"}) {
+    fs::create_symlink(target, root + "/latest");
+    scan = manager.scan();
+    EXPECT_TRUE(has_finding(scan, root + "/latest is a symbolic link, not the file a save writes; it is not read"))
+        << all_findings(scan);
+    EXPECT_FALSE(scan.latest_complete.has_value());
+    EXPECT_FALSE(manager.latest().has_value());
+    EXPECT_EQ(all_findings(scan).find("root:"), std::string::npos) << all_findings(scan);
+    fs::remove(root + "/latest");
+  }
   fs::create_directory(root + "/latest");
   EXPECT_TRUE(has_finding(manager.scan(), root + "/latest is not a regular file")) << all_findings(manager.scan());
   EXPECT_FALSE(manager.latest().has_value());
@@ -188,6 +200,26 @@ TEST(CheckpointManager, PruningCountsOnlyCompleteCheckpoints) {
   EXPECT_TRUE(fsdp::CheckpointManager::is_complete(root + "/step_0"));
   EXPECT_FALSE(fs::exists(root + "/step_3"));
   EXPECT_EQ(one.latest(), root + "/step_0");
+}
+
+// The attributes travel inside metadata.json, with the checkpoint or not at all; a checkpoint
+// saved without any (as by builds before them) reads as none.
+TEST(CheckpointManager, AttributesAreRecordedInEveryCheckpointSavedAfterThem) {
+  WorldOfOne w("mgr_attributes");
+  const std::string& root = w.root;
+  fsdp::CheckpointManager manager(root);
+  manager.save(1, state());
+  EXPECT_TRUE(fsdp::CheckpointManager::attributes(root + "/step_1").empty());
+  const std::map<std::string, std::string> attrs = {{"app.seed", "1"}, {"app.data", "a \x01 b"}};
+  manager.set_attributes(attrs);
+  manager.save(2, state());
+  manager.save_async(3, state());
+  manager.wait();
+  EXPECT_EQ(fsdp::CheckpointManager::attributes(root + "/step_2"), attrs);
+  EXPECT_EQ(fsdp::CheckpointManager::attributes(root + "/step_3"), attrs);
+  EXPECT_TRUE(fsdp::CheckpointManager::is_complete(root + "/step_3"));
+  write_text(root + "/step_3/metadata.json", "{\"format\": 1}");
+  EXPECT_THROW(fsdp::CheckpointManager::attributes(root + "/step_3"), c10::Error);
 }
 
 TEST(CheckpointManager, AFailureToPointLatestFailsEveryRankAtOnce) {

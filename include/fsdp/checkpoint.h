@@ -25,6 +25,7 @@
 
 #include <fsdp/state_dict.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -104,8 +105,10 @@ class CheckpointManager {
   //   latest_complete   root/<latest_target>, set only when the target is exactly step_<N> and
   //                     is_complete() holds for it
   //   newest_complete   among the step_<N> directories, the complete one with the largest N
-  //   findings          e.g. "ckpt/latest is empty", "ckpt/latest names 'x/../y', which is not a
-  //                     step directory of this root", "ckpt/latest names 'step_20', which has no
+  //   findings          e.g. "ckpt/latest is empty", "ckpt/latest does not hold a step_<N> name
+  //                     (6 bytes, not shown)" (only a step_<N> name is ever quoted), "ckpt/latest
+  //                     is a symbolic link, not the file a save writes; it is not read",
+  //                     "ckpt/latest names 'step_20', which has no
   //                     metadata.json (an incomplete save)", "ckpt/step_15 is incomplete:
   //                     ckpt/step_15/rank_1.data is 12 bytes, metadata.json says 4096", and
   //                     "ckpt/latest is missing; ..." or "... but ckpt/step_30 is newer and
@@ -125,6 +128,15 @@ class CheckpointManager {
   // e.g. "ckpt/step_20 has no metadata.json (an incomplete save)". Not collective; never throws
   // for a bad `dir`; does not read the data (nor verify checksums).
   static bool is_complete(const std::string& dir, std::string* why = nullptr);
+
+  // Name-value pairs recorded in the metadata.json of every checkpoint saved from now on (by
+  // save() and save_async()), e.g. what a resume must match. Not collective; every rank may
+  // call it, rank 0's are the ones written. Replaces the previous ones.
+  void set_attributes(std::map<std::string, std::string> attributes);
+  // The attributes recorded in the checkpoint at `dir`: empty for one saved without any (or by
+  // a build before attributes existed). Not collective; reads metadata.json only. Throws
+  // c10::Error naming the file when it is missing or damaged.
+  static std::map<std::string, std::string> attributes(const std::string& dir);
   // The step number of a directory written by save() (its name is step_<N>). Throws
   // c10::Error naming `dir` when the name is anything else.
   static int64_t step_of(const std::string& dir);

@@ -19,6 +19,7 @@
 #include <torch/ordered_dict.h>
 
 #include <string>
+#include <vector>
 
 namespace fsdp {
 
@@ -70,7 +71,9 @@ void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::strin
 // ({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}). The rule:
 //   - a top-level dict whose values are all tensors (or that has no entries) is the state dict;
 //   - otherwise, if exactly one of "state_dict", "model_state_dict", "model" holds a dict, that
-//     dict is the state dict (the other entries are read but not returned);
+//     dict is the state dict (the other entries are read but not returned: when `ignored` is
+//     not null, it receives one line per such entry, "'epoch' (int)", "'optimizer' (dict)", for
+//     the caller to say what was left out; nothing of them runs);
 //   - two of them holding a dict is ambiguous, and none with no tensor at the top level means
 //     there is no state dict: both are errors listing the top-level keys;
 //   - none, with tensors at the top level: the top-level dict is the state dict.
@@ -80,6 +83,6 @@ void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::strin
 // Throws c10::Error naming the path on a missing file, a directory, a file that is not a
 // torch.save zip archive (torch.save's legacy format included), or one that is truncated,
 // damaged or malformed.
-TensorStateDict load_pytorch_state_dict(const std::string& path);
+TensorStateDict load_pytorch_state_dict(const std::string& path, std::vector<std::string>* ignored = nullptr);
 
 }  // namespace fsdp

@@ -273,7 +273,8 @@ std::string pack_pieces(const ShardedStateDict& state_dict, int rank, json* chun
 }
 
 // The metadata file's content, from every rank's report ({"file_bytes", "chunks"}).
-std::string make_metadata(const ShardedStateDict& state_dict, const std::vector<std::string>& reports) {
+std::string make_metadata(const ShardedStateDict& state_dict, const std::vector<std::string>& reports,
+                          const std::map<std::string, std::string>& attributes) {
   json entries = json::object();
   for (const auto& item : state_dict) {
     entries[item.key()] = {{"dtype", std::string(c10::toString(item.value().scalar_type()))},
@@ -290,6 +291,8 @@ std::string make_metadata(const ShardedStateDict& state_dict, const std::vector<
                {"world_size", reports.size()}, {"block_bytes", kCheckpointBlockBytes}};
   meta["files"] = files;  // name -> size: a truncated file is caught without reading it
   meta["entries"] = entries;
+  // Written inside the metadata, so that a checkpoint is complete with its attributes or not at all.
+  if (!attributes.empty()) meta["attributes"] = attributes;
   return meta.dump(1);
 }
 
@@ -353,7 +356,8 @@ void fsync_dir(const fs::path& dir) {
 // Every phase ends with all ranks agreeing it succeeded, so an error on one rank (a full disk,
 // a path that is a file) fails the save on every rank at once instead of leaving them waiting.
 void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state_dict,
-                      const std::shared_ptr<ProcessGroup>& world, const std::function<void()>& commit) {
+                      const std::shared_ptr<ProcessGroup>& world, const std::function<void()>& commit,
+                      const std::map<std::string, std::string>& attributes) {
   const fs::path dir(dir_name);
   const int rank = world->rank();
   on_all_ranks(*world, "preparing the directory", [&] {
@@ -373,7 +377,7 @@ void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state
   // Rank 0 writes the metadata last: only now is the checkpoint complete.
   on_all_ranks(*world, "writing the metadata", [&] {
     if (rank == 0) {
-      const std::string meta = make_metadata(state_dict, reports);
+      const std::string meta = make_metadata(state_dict, reports, attributes);
       write_file_durably(dir / kMetadataFile, meta.data(), meta.size());
       fsync_dir(dir);
     }

@@ -157,7 +157,7 @@ struct LatestDirCheck {
 // kLatestMaxBytes whose content, trimmed, is exactly step_<N>; nothing otherwise.
 std::optional<std::string> read_latest_name(const fs::path& file) {
   std::error_code ec;
-  if (!fs::is_regular_file(file, ec)) return std::nullopt;
+  if (!fs::is_regular_file(fs::symlink_status(file, ec))) return std::nullopt;  // a link is not ours
   const std::optional<std::string> text = read_small_file(file, kLatestMaxBytes);
   if (!text) return std::nullopt;
   std::string name = trimmed(*text);
@@ -171,9 +171,15 @@ std::optional<LatestDirCheck> scan_latest(const fs::path& root, CheckpointManage
   const fs::path file = root / "latest";
   const std::string name = file.string();
   std::error_code ec;
-  const fs::file_status status = fs::status(file, ec);
+  const fs::file_status status = fs::symlink_status(file, ec);
   if (!fs::exists(status)) return std::nullopt;
   s->has_latest_file = true;
+  // save() writes a regular file; a link may lead to any file on the machine, whose content
+  // must not end up in a message.
+  if (fs::is_symlink(status)) {
+    s->findings.push_back(name + " is a symbolic link, not the file a save writes; it is not read");
+    return std::nullopt;
+  }
   if (!fs::is_regular_file(status)) {
     s->findings.push_back(name + " is not a regular file");
     return std::nullopt;
@@ -185,15 +191,17 @@ std::optional<LatestDirCheck> scan_latest(const fs::path& root, CheckpointManage
     return std::nullopt;
   }
   s->latest_target = trimmed(*text);
-  const std::string target = "'" + detail::printable(s->latest_target) + "'";
   if (s->latest_target.empty()) {
     s->findings.push_back(name + " is empty");
     return std::nullopt;
   }
+  // Only a well-formed name is quoted: anything else may be another file's content.
   if (!parse_step_dir_name(s->latest_target)) {
-    s->findings.push_back(name + " names " + target + ", which is not a step directory of this root");
+    s->findings.push_back(name + " does not hold a step_<N> name (" + std::to_string(s->latest_target.size()) +
+                          " bytes, not shown)");
     return std::nullopt;
   }
+  const std::string target = "'" + s->latest_target + "'";
   const fs::path dir = root / s->latest_target;
   LatestDirCheck check{s->latest_target, incompleteness(dir)};
   if (check.why) s->findings.push_back(name + " names " + target + ", which " + *check.why);
@@ -232,6 +240,7 @@ void scan_steps(const fs::path& root, const std::optional<LatestDirCheck>& lates
 struct CheckpointManager::Background {
   std::shared_ptr<ProcessGroup> group;
   std::future<void> pending;
+  std::map<std::string, std::string> attributes;  // set_attributes
 };
 
 CheckpointManager::CheckpointManager(std::string root, int keep)
@@ -264,7 +273,8 @@ std::string CheckpointManager::save(int64_t step, const ShardedStateDict& state_
   wait();
   const fs::path root(root_), dir = root / ("step_" + std::to_string(step));
   const int keep = keep_;
-  detail::write_checkpoint(dir.string(), state_dict, fsdp::world(), [&] { commit_latest(root, dir, keep); });
+  detail::write_checkpoint(dir.string(), state_dict, fsdp::world(), [&] { commit_latest(root, dir, keep); },
+                           background_->attributes);
   return dir.string();
 }
 
@@ -279,8 +289,9 @@ void CheckpointManager::save_async(int64_t step, const ShardedStateDict& state_d
   const fs::path root(root_), dir = root / ("step_" + std::to_string(step));
   const int keep = keep_;
   auto group = background_->group;
-  background_->pending = std::async(std::launch::async, [dir, root, keep, group, staged = std::move(staged)] {
-    detail::write_checkpoint(dir.string(), staged, group, [&] { commit_latest(root, dir, keep); });
+  background_->pending = std::async(std::launch::async, [dir, root, keep, group, staged = std::move(staged),
+                                                         attributes = background_->attributes] {
+    detail::write_checkpoint(dir.string(), staged, group, [&] { commit_latest(root, dir, keep); }, attributes);
   });
 }
 
@@ -307,6 +318,14 @@ CheckpointManager::Scan CheckpointManager::scan() const {
   const std::optional<LatestDirCheck> latest_dir = scan_latest(root, &s);
   scan_steps(root, latest_dir, &s);
   return s;
+}
+
+void CheckpointManager::set_attributes(std::map<std::string, std::string> attributes) {
+  background_->attributes = std::move(attributes);
+}
+
+std::map<std::string, std::string> CheckpointManager::attributes(const std::string& dir) {
+  return detail::read_checkpoint_metadata(dir, "fsdp::CheckpointManager::attributes: ").attributes;
 }
 
 bool CheckpointManager::is_complete(const std::string& dir, std::string* why) {

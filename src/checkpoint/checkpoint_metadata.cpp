@@ -63,10 +63,19 @@ class Parser {
     for (const auto& f : files.items()) read_file_entry(f.key(), f.value(), &meta);
     const json& entries = object(member(root, "entries", field("entries")), field("entries"));
     for (const auto& e : entries.items()) meta.entries[e.key()] = entry(e.key(), e.value(), meta);
+    read_attributes(root, &meta);
     return meta;
   }
 
  private:
+  // Optional: checkpoints written before attributes existed have none.
+  void read_attributes(const json& root, CheckpointMetadata* meta) const {
+    const auto it = root.find("attributes");
+    if (it == root.end()) return;
+    for (const auto& a : object(*it, field("attributes")).items())
+      meta->attributes[a.key()] = string(a.value(), "field 'attributes', entry '" + printable(a.key()) + "'");
+  }
+
   [[noreturn]] void fail(const std::string& where, const std::string& what) const {
     TORCH_CHECK(false, who_, "'", path_, "' is damaged: ", where, " ", what, "; load an earlier checkpoint");
   }

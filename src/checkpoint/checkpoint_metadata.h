@@ -52,6 +52,7 @@ struct CheckpointMetadata {
   int64_t world_size = 0;
   std::map<std::string, int64_t> files;         // data file name -> its size in bytes
   std::map<std::string, EntryRecord> entries;   // key -> its record
+  std::map<std::string, std::string> attributes;  // what the writer recorded of itself; may be empty
 };
 
 // Reads and checks `dir`/metadata.json. Throws c10::Error whose message is `who` followed by a

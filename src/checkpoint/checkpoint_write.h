@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -18,8 +19,10 @@ namespace detail {
 // rank, every rank throws the same c10::Error at once, one line per failed rank, and the
 // temporary files of the failed save are removed. `commit`, when given, runs on rank 0 as the
 // last phase, once the checkpoint is complete (the manager points `latest` at it and prunes).
+// `attributes` go into metadata.json as they are (CheckpointManager::set_attributes).
 void write_checkpoint(const std::string& dir, const ShardedStateDict& state_dict,
-                      const std::shared_ptr<ProcessGroup>& world, const std::function<void()>& commit = nullptr);
+                      const std::shared_ptr<ProcessGroup>& world, const std::function<void()>& commit = nullptr,
+                      const std::map<std::string, std::string>& attributes = {});
 
 // Writes `bytes` to `path` durably: under `path`.tmp, fsync'ed, then renamed. On failure the
 // temporary file is removed and a c10::Error names it.

@@ -2,6 +2,7 @@
 // PyTorch's file format (written by LibTorch's pickler, read by torch_load.h).
 #include <fsdp/state_dict.h>
 
+#include "src/checkpoint/checkpoint_metadata.h"
 #include "src/checkpoint/checkpoint_write.h"
 #include "src/checkpoint/state_dict_pieces.h"
 #include "src/checkpoint/torch_load.h"
@@ -309,11 +310,30 @@ void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::strin
   }
 }
 
-TensorStateDict load_pytorch_state_dict(const std::string& path) {
+namespace {
+
+// The top-level entries of a bundle other than the state dict taken from it, as "'key' (type)".
+std::vector<std::string> other_entries(const detail::PyValue& top, const detail::PyValue& taken) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i + 1 < top.items.size(); i += 2) {
+    if (top.items[i + 1].get() == &taken) continue;
+    const detail::PyValue& k = *top.items[i];
+    const std::string name = k.kind == detail::PyValue::Kind::kStr ? "'" + detail::printable(k.text) + "'"
+                                                                   : "a key of type " + detail::py_type_name(k);
+    out.push_back(name + " (" + detail::printable(detail::py_type_name(*top.items[i + 1])) + ")");
+  }
+  return out;
+}
+
+}  // namespace
+
+TensorStateDict load_pytorch_state_dict(const std::string& path, std::vector<std::string>* ignored) {
   const std::shared_ptr<detail::PyValue> top = detail::torch_load(path);
   std::string where;
   const detail::PyValue& state_dict = model_state_dict(*top, path, &where);
-  return tensors_of(state_dict, path, where);
+  TensorStateDict out = tensors_of(state_dict, path, where);
+  if (ignored && &state_dict != top.get()) *ignored = other_entries(*top, state_dict);
+  return out;
 }
 
 }  // namespace fsdp

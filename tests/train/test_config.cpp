@@ -202,6 +202,36 @@ TEST(TrainConfig, ErrorsGiveLineAndSuggestion) {
   expect_error([&] { load_config(sec, {}); }, {"unknown section 'optimiser'", "did you mean 'optimizer'"});
 }
 
+// A key put in the wrong section is answered with its section; otherwise a near miss anywhere.
+TEST(TrainConfig, UnknownKeysSuggestTheSameNameElsewhereAndNearMisses) {
+  expect_error([] { load_config("", {"--training.log_interval=5"}); },
+               {"unknown key 'training.log_interval'", "did you mean 'logging.log_interval'? it is in another section"});
+  expect_error([] { load_config("", {"--model.seed=5"}); },
+               {"unknown key 'model.seed'", "'training.seed' or 'sample.seed'"});
+  expect_error([] { load_config("", {"--training.stesp=5"}); }, {"did you mean 'steps'"});
+  expect_error([] { load_config("", {"--optimizer.betas=[0.9]"}); },
+               {"optimizer.betas: expected two values [beta1, beta2], got a list of 1 value"});
+  expect_error([] { load_config("", {"--optimizer.betas=[0.9, 0.95, 0.99]"}); }, {"got a list of 3 values"});
+}
+
+// Where each key was set, for the errors found after loading (training.seq_len against the model).
+TEST(TrainConfig, OriginsSayWhereEachKeyWasSet) {
+  const std::string path = write_yaml("training:\n  steps: 5\n  seq_len: 8\n");
+  const TrainConfig c = load_config(path, {"--training.steps=7"});
+  EXPECT_EQ(origin_of(c, "training.seq_len"), path + ":3");
+  EXPECT_EQ(origin_of(c, "training.steps"), "command line (--training.steps=7)");
+  EXPECT_EQ(origin_of(c, "model.max_seq_len"), "");
+}
+
+TEST(TrainConfig, EmptyOversizedAndNonRegularConfigFilesAreRefused) {
+  const std::string empty = write_yaml("# nothing but a comment\n");
+  expect_error([&] { load_config(empty, {}); }, {empty + ": the config file is empty", "give no config file"});
+  const std::string huge = write_yaml(std::string(size_t{1} << 20, '#') + "\n");
+  expect_error([&] { load_config(huge, {}); }, {huge + ": the config file is larger than 1 MiB"});
+  expect_error([] { load_config("/dev/zero", {}); }, {"/dev/zero: is not a regular file"});
+  EXPECT_NO_THROW(load_config("", {}));  // no file at all: the built-in defaults
+}
+
 TEST(TrainConfig, MalformedFiles) {
   expect_error([] { load_config("/nonexistent/x.yaml", {}); }, {"/nonexistent/x.yaml", "cannot open"});
   const std::string bad = write_yaml("training: [steps: 1\n");

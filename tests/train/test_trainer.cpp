@@ -434,7 +434,9 @@ std::vector<BadCase> bad_cases() {
       {"InvalidYaml", "training: [steps: 3\n", {}, "invalid YAML"},
       {"OverrideWithoutValue", "", {"--training.steps"}, "expected --section.key=value"},
       {"UnknownOverrideKey", "", {"--optimizer.learning_rate=0.1"}, "unknown key 'optimizer.learning_rate'"},
-      {"BadBetas", "", {"--optimizer.betas=[0.9]"}, "optimizer.betas: expected a list [beta1, beta2]"},
+      {"BadBetas", "", {"--optimizer.betas=[0.9]"},
+       "optimizer.betas: expected two values [beta1, beta2], got a list of 1 value"},
+      {"BetasNotAList", "", {"--optimizer.betas=0.9"}, "optimizer.betas: expected a list [beta1, beta2], got '0.9'"},
       {"BetaOutOfRange", "", {"--optimizer.beta2=1.5"}, "optimizer.beta2: must be in [0, 1)"},
       // Mixed precision: dtypes by name, and no fp16 compute on CPU.
       {"UnknownParamDtype", "", {"--fsdp_config.param_dtype=bf16"},
@@ -457,7 +459,19 @@ std::vector<BadCase> bad_cases() {
        "fsdp_config.model_parallel_size: 2 with fsdp_config.vocab_parallel: true (the default) does not divide "
        "model.vocab_size: 7", 2},
       {"WorldSizeMismatch", "", {"--fsdp_config.world_size=4"}, "fsdp_config.world_size is 4 but the launcher started 2", 2},
-      {"SeqLongerThanModel", "", {"--training.seq_len=999"}, "training.seq_len (999) is longer than model.max_seq_len (16)"},
+      {"SeqLongerThanModel", "", {"--training.seq_len=999"},
+       "command line (--training.seq_len=999): training.seq_len (999) is longer than model.max_seq_len (16, "
+       "model.preset tiny's)"},
+      {"SeqLongerThanModelInFile", "model:\n  max_seq_len: 16\ntraining:\n  seq_len: 100000\n", {},
+       "bad.yaml:4: training.seq_len (100000) is longer than model.max_seq_len (16, set at "},
+      {"KeyOfAnotherSection", "", {"--training.log_interval=5"},
+       "unknown key 'training.log_interval' (did you mean 'logging.log_interval'? it is in another section)"},
+      {"KeyNearMiss", "", {"--training.stpes=5"}, "unknown key 'training.stpes' (did you mean 'steps'?)"},
+      {"EmptyConfigFile", "# only a comment\n", {}, "bad.yaml: the config file is empty (no sections)"},
+      {"ConfigFileIsADevice", "", {}, "/dev/zero: is not a regular file"},
+      {"ConfigFileTooLarge", "", {}, "the config file is larger than 1 MiB"},
+      {"ControlBytesInYamlAreEscaped", "logging:\n  progress: \"\\e[31mred\"\n", {},
+       "bad.yaml:2: logging.progress: expected one of auto | on | off, got '\\x1b[31mred'"},
       {"LossChunksZero", "", {"--training.loss_chunks=0"}, "training.loss_chunks: must be >= 1, got 0"},
       {"OutputHeadGroupWithNoShard", "", {"--fsdp_config.output_head_group=true", "--fsdp_config.sharding_strategy=NO_SHARD"},
        "fsdp_config.output_head_group: true with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
@@ -515,6 +529,11 @@ TEST_P(BadConfig, FailsNamingTheProblem) {
   std::string config = configs_dir() + "/tiny.yaml";
   if (c.name == "MissingConfigFile") config = dir / "missing.yaml";
   if (c.name == "ConfigFileIsADirectory") config = dir.path();
+  if (c.name == "ConfigFileIsADevice") config = "/dev/zero";
+  if (c.name == "ConfigFileTooLarge") {
+    config = dir / "huge.yaml";
+    std::ofstream(config) << std::string(2 << 20, '#');
+  }
   if (!c.yaml.empty()) {
     config = dir / "bad.yaml";
     std::ofstream(config) << c.yaml;

@@ -255,7 +255,9 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"optimizer", "beta2", [&o](const YAML::Node& n) { o.beta2 = to_beta(n); }},
       {"optimizer", "betas",
        [&o](const YAML::Node& n) {
-         require(n.IsSequence() && n.size() == 2, "expected a list [beta1, beta2], got " + shown(n));
+         require(n.IsSequence(), "expected a list [beta1, beta2], got " + shown(n));
+         require(n.size() == 2, "expected two values [beta1, beta2], got a list of " + std::to_string(n.size()) +
+                                    (n.size() == 1 ? " value" : " values"));
          o.beta1 = to_beta(n[0]);
          o.beta2 = to_beta(n[1]);
        }},
@@ -280,6 +282,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
          require(!v.empty(), "expected auto, never or a checkpoint path, got nothing");
          t.resume = v;
        }},
+      {"training", "allow_resume_mismatch", boolean(t.allow_resume_mismatch)},
       {"training", "keep_checkpoints", int_at_least(t.keep_checkpoints, 0)},
       {"training", "export",
        [&t](const YAML::Node& n) {
@@ -332,7 +335,7 @@ std::string suggest(const std::string& name, const std::vector<std::string>& can
 // Loads and validates; `where` says where a value came from, for error messages.
 class Loader {
  public:
-  explicit Loader(TrainConfig& cfg) : fields_(fields_of(cfg)) {}
+  explicit Loader(TrainConfig& cfg) : fields_(fields_of(cfg)), origins_(&cfg.origins) {}
 
   // The keys of a section; throws when there is no such section.
   std::vector<std::string> keys_of(const std::string& section, const std::string& where) const {
@@ -357,24 +360,55 @@ class Loader {
       } catch (const Invalid& e) {
         throw ConfigError(where + ": " + section + "." + key + ": " + e.msg);
       }
+      (*origins_)[section + "." + key] = where;  // the last one set wins, as the value does
       return;
     }
-    throw ConfigError(where + ": unknown key '" + section + "." + key + "'" + suggest(key, keys));
+    throw ConfigError(where + ": unknown key '" + section + "." + key + "'" + suggest_key(section, key, keys));
+  }
+
+  // " (did you mean ...?)": the key of that name in other sections (logging.log_interval for
+  // training.log_interval), else a near miss in the section, else one in any section.
+  std::string suggest_key(const std::string& section, const std::string& key,
+                          const std::vector<std::string>& keys) const {
+    std::vector<std::string> same_name, everywhere;
+    for (const auto& f : fields_) {
+      if (f.key == key && f.section != section) same_name.push_back("'" + f.section + "." + f.key + "'");
+      everywhere.push_back(f.section + "." + f.key);
+    }
+    if (!same_name.empty()) {
+      std::string list;
+      for (const auto& n : same_name) list += (list.empty() ? "" : " or ") + n;
+      return " (did you mean " + list + "? it is in another section)";
+    }
+    const std::string near = suggest(key, keys);
+    return near.empty() ? suggest(section + "." + key, everywhere) : near;
   }
 
  private:
   std::vector<Field> fields_;
+  std::map<std::string, std::string>* origins_;
 };
 
 std::string at(const std::string& file, const YAML::Node& n) {
   return file + ":" + std::to_string(n.Mark().line + 1);
 }
 
-// The whole file, or ConfigError naming it (missing, a directory, unreadable).
+// A config is a few kilobytes; the cap stops `fsdp-train /dev/zero` or a wrong path to a data
+// file from reading until memory runs out.
+constexpr size_t kMaxConfigBytes = size_t{1} << 20;
+
+// The whole file, or ConfigError naming it (missing, a directory, not a file, too large, unreadable).
 std::string read_config_text(const std::string& path) {
   try {
-    return read_file(path, {path + ": is a directory, not a config file", path + ": cannot open config file",
-                            path + ": reading the config file failed"});
+    ReadFileLimits limits;
+    limits.max_bytes = kMaxConfigBytes;
+    limits.too_large = path + ": the config file is larger than " + std::to_string(kMaxConfigBytes >> 20) +
+                       " MiB; a config is a few kilobytes of YAML: is it the file you meant?";
+    limits.not_regular = path + ": is not a regular file (a device, socket or the like); give a YAML config file";
+    return read_file(path,
+                     {path + ": is a directory, not a config file", path + ": cannot open config file",
+                      path + ": reading the config file failed"},
+                     limits);
   } catch (const std::runtime_error& e) {
     throw ConfigError(e.what());
   }
@@ -497,7 +531,11 @@ void load_section(Loader& loader, const std::string& path, const std::string& se
 
 void load_file(Loader& loader, const std::string& path) {
   const YAML::Node root = parse_yaml(path, read_config_text(path));
-  if (root.IsNull()) return;  // an empty file: all defaults
+  // An empty file (or only comments) is more often a wrong or truncated file than a wish for
+  // the defaults, which running without a config file gives.
+  if (root.IsNull())
+    throw ConfigError(path + ": the config file is empty (no sections); is it the file you meant? To train on the "
+                      "built-in defaults, give no config file (fsdp-train --section.key=value ...)");
   if (!root.IsMap()) throw ConfigError(path + ": expected a mapping of sections at the top level");
   SeenNames seen;
   for (const auto& sec : root) {
@@ -529,6 +567,11 @@ void apply_override(Loader& loader, const std::string& arg) {
 }
 
 }  // namespace
+
+std::string origin_of(const TrainConfig& cfg, const std::string& key) {
+  const auto it = cfg.origins.find(key);
+  return it == cfg.origins.end() ? std::string() : it->second;
+}
 
 TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
   TrainConfig cfg;

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -187,6 +188,9 @@ struct TrainingConfig {
   // complete, the run stops with an error instead of starting over. never: start from step 0.
   // <path>: that checkpoint, which must be complete.
   std::string resume = "auto";
+  // With resume: auto, a checkpoint whose recorded model shape, seed or data (run_identity.h)
+  // differ from this configuration's stops the run naming the differences; true resumes anyway.
+  bool allow_resume_mismatch = false;
   int64_t keep_checkpoints = 2;             // >= 0; newest checkpoints kept (0 = all)
   // The trained model as one file: auto = <checkpoint_dir>/model.pt (PyTorch format), none, or a
   // path (ending in .safetensors: a safetensors directory of that name; else PyTorch format).
@@ -220,11 +224,18 @@ struct TrainConfig {
   TrainingConfig training;
   LoggingConfig logging;
   SampleConfig sample;
+  // Where each key given was set, "file.yaml:12" or "command line (--section.key=v)", by
+  // "section.key"; keys left at their default are absent. For errors found after loading.
+  std::map<std::string, std::string> origins;
 };
+
+// Where `key` ("section.key") was set, as origins holds it; "" when it was left at its default.
+std::string origin_of(const TrainConfig& cfg, const std::string& key);
 
 // Reads yaml_path (empty = defaults only), then applies overrides in order, each
 // "--section.key=value" with value in YAML syntax (so lists work: --optimizer.betas=[0.9,0.95]).
-// Throws ConfigError on a missing or malformed file, unknown sections or keys, a key or section
+// Throws ConfigError on a missing, malformed or empty file, one larger than 1 MiB or that is not
+// a regular file or pipe, unknown sections or keys, a key or section
 // given twice in the file, wrong types and out-of-range values; file errors name the file (and
 // the line). Never throws anything else for bad input.
 TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides = {});

@@ -114,8 +114,13 @@ std::string token_file_bytes(const std::string& path) {
 // (a damaged header can hold any 64-bit value).
 TokenFileHeader checked_header(const std::string& path, const std::string& bytes) {
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
-  if (bytes.size() < kHeaderBytes || std::memcmp(p, kMagic, 8) != 0)
+  if (bytes.size() < 8 || std::memcmp(p, kMagic, 8) != 0)
     throw std::runtime_error(path + ": not a token file (no FSDPTOK header); make one with `fsdp-train tokenize`");
+  // The magic is there: a token file whose header was cut short (a copy that stopped early).
+  if (bytes.size() < kHeaderBytes)
+    throw std::runtime_error(path + ": the token file is truncated: its header needs " + std::to_string(kHeaderBytes) +
+                             " bytes, the file has " + std::to_string(bytes.size()) +
+                             "; copy it again or remake it with `fsdp-train tokenize`");
   TokenFileHeader h;
   h.version = get<uint32_t>(p + 8);
   h.token_bytes = get<uint32_t>(p + 12);

@@ -96,10 +96,10 @@ int main(int argc, char** argv) {
     install_stop_signal_handlers();
     return run_training(cfg);
   } catch (const ConfigError& e) {
-    std::cerr << "fsdp-train: " << rank_prefix() << "configuration error: " << e.what() << "\n";
+    std::cerr << "fsdp-train: " << rank_prefix() << "configuration error: " << terminal_safe(e.what()) << "\n";
     return kExitConfig;
   } catch (const std::exception& e) {
-    std::cerr << "fsdp-train: " << rank_prefix() << "error: " << error_text(e) << "\n";
+    std::cerr << "fsdp-train: " << rank_prefix() << "error: " << terminal_safe(error_text(e)) << "\n";
     // What this rank's collectives were when it failed, for fsdprun's diagnosis (no-op unless
     // the launcher set FSDP_FLIGHT_RECORDER_DIR).
     fsdp::FlightRecorder::global().dump("error: " + error_text(e));

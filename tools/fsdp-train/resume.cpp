@@ -2,6 +2,7 @@
 #include "resume.h"
 
 #include "config.h"
+#include "run_identity.h"
 
 #include <filesystem>
 #include <stdexcept>
@@ -49,16 +50,69 @@ ResumeChoice latest_or_newest(const CheckpointManager::Scan& scan, const std::st
   return c;  // nothing saved yet: a new run
 }
 
+// The differences between the identity `dir` records and ours; none when it records none.
+std::vector<std::string> differences(const std::string& dir, const std::map<std::string, std::string>& identity) {
+  if (identity.empty()) return {};
+  const std::string name = std::filesystem::path(dir).filename().string();
+  return identity_differences(name, CheckpointManager::attributes(dir), identity);
+}
+
+// auto must not continue another run's checkpoints as if they were this one's.
+void check_identity(ResumeChoice* c, const std::string& root, const std::map<std::string, std::string>& identity,
+                    bool allow_mismatch) {
+  const std::vector<std::string> diffs = differences(c->dir, identity);
+  if (diffs.empty()) return;
+  if (allow_mismatch) {
+    for (const auto& d : diffs) c->notes.push_back("resume: " + d + " (training.allow_resume_mismatch: true)");
+    return;
+  }
+  throw ConfigError("training.resume: auto: " + joined(diffs) + ". " + root +
+                    " holds another run's checkpoints (or this run's under another configuration); nothing was "
+                    "started. Set fsdp_config.checkpoint_dir to a directory of its own for this run, "
+                    "training.resume: never to start from step 0 (the checkpoints there are pruned as new ones "
+                    "are saved), or training.allow_resume_mismatch: true to resume from it anyway");
+}
+
 }  // namespace
 
 std::optional<std::string> resumable_checkpoint(const CheckpointManager::Scan& scan) {
   return scan.latest_complete ? scan.latest_complete : scan.newest_complete;
 }
 
-ResumeChoice resume_choice(const std::string& resume, const CheckpointManager& checkpoints, const std::string& root) {
+std::optional<std::string> older_complete_checkpoint(const std::string& root, const std::string& dir) {
+  int64_t below = 0;
+  try {
+    below = CheckpointManager::step_of(dir);
+  } catch (const std::exception&) {
+    return std::nullopt;  // not a step_<N>: no order to go back in
+  }
+  std::optional<std::string> best;
+  int64_t best_step = -1;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string path = it->path().string();
+    int64_t step = -1;
+    try {
+      step = CheckpointManager::step_of(path);
+    } catch (const std::exception&) {
+      continue;  // not one of the manager's directories
+    }
+    if (step < below && step > best_step && CheckpointManager::is_complete(path)) best = path, best_step = step;
+  }
+  return best;
+}
+
+ResumeChoice resume_choice(const std::string& resume, const CheckpointManager& checkpoints, const std::string& root,
+                           const std::map<std::string, std::string>& identity, bool allow_mismatch) {
   if (resume == "never") return {};
-  if (resume != "auto") return explicit_checkpoint(resume);
-  return latest_or_newest(checkpoints.scan(), root);
+  if (resume != "auto") {
+    ResumeChoice c = explicit_checkpoint(resume);
+    for (const auto& d : differences(c.dir, identity)) c.notes.push_back("resume: note: " + d);
+    return c;
+  }
+  ResumeChoice c = latest_or_newest(checkpoints.scan(), root);
+  if (!c.dir.empty()) check_identity(&c, root, identity, allow_mismatch);
+  return c;
 }
 
 }  // namespace train

@@ -6,6 +6,7 @@
 
 #include <fsdp/checkpoint.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,6 +23,11 @@ struct ResumeChoice {
 // else the newest complete step_<N>; none when no checkpoint is complete.
 std::optional<std::string> resumable_checkpoint(const CheckpointManager::Scan& scan);
 
+// The complete checkpoint under `root` with the largest step below `dir`'s, for a run that
+// cannot load `dir` (a checksum that fails, which completeness does not check); none when there
+// is none. Not collective.
+std::optional<std::string> older_complete_checkpoint(const std::string& root, const std::string& dir);
+
 // training.resume:
 //   never   start from step 0 (whatever the directory holds);
 //   <path>  that checkpoint; ConfigError naming it and what is wrong unless it is complete;
@@ -29,8 +35,14 @@ std::optional<std::string> resumable_checkpoint(const CheckpointManager::Scan& s
 //           step_<N>, with notes saying what was wrong and what is used instead; else, when
 //           `root` holds a `latest` file or step_* directories, std::runtime_error naming
 //           what was found (nothing is started over, nothing deleted); else step 0.
+// With auto, the chosen checkpoint's recorded run identity (run_identity.h) must match
+// `identity`: ConfigError naming each difference and the remedies otherwise, unless
+// `allow_mismatch` (training.allow_resume_mismatch), which only notes them. An explicit <path>
+// is the user's own choice: differences are notes. A checkpoint recording no identity (saved by
+// an older fsdp-train) resumes as before.
 // Not collective: reads only small files under root.
-ResumeChoice resume_choice(const std::string& resume, const CheckpointManager& checkpoints, const std::string& root);
+ResumeChoice resume_choice(const std::string& resume, const CheckpointManager& checkpoints, const std::string& root,
+                           const std::map<std::string, std::string>& identity = {}, bool allow_mismatch = false);
 
 }  // namespace train
 }  // namespace fsdp

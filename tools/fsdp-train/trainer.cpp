@@ -25,6 +25,8 @@
 #include "model_size.h"
 #include "report.h"
 #include "resume.h"
+#include "run_identity.h"
+#include "run_lock.h"
 #include "sample.h"
 #include "schedule.h"
 #include "stop_signal.h"
@@ -88,11 +90,19 @@ models::ModelArgs model_args_of(const ModelConfig& m) {
   return a;
 }
 
+// Says where both values come from, as the loader's own errors do: the line of each key, or
+// the preset that gave max_seq_len.
+std::string seq_len_too_long(const TrainConfig& cfg, int64_t seq, int64_t max_seq_len) {
+  const std::string seq_at = origin_of(cfg, "training.seq_len"), max_at = origin_of(cfg, "model.max_seq_len");
+  const std::string max_from = max_at.empty() ? "model.preset " + cfg.model.preset + "'s" : "set at " + max_at;
+  return (seq_at.empty() ? std::string() : seq_at + ": ") + "training.seq_len (" + std::to_string(seq) +
+         ") is longer than model.max_seq_len (" + std::to_string(max_seq_len) + ", " + max_from +
+         "); lower training.seq_len or raise model.max_seq_len";
+}
+
 int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a) {
   const int64_t seq = cfg.training.seq_len > 0 ? cfg.training.seq_len : a.max_seq_len;
-  if (seq > a.max_seq_len)
-    throw ConfigError("training.seq_len (" + std::to_string(seq) + ") is longer than model.max_seq_len (" +
-                      std::to_string(a.max_seq_len) + ")");
+  if (seq > a.max_seq_len) throw ConfigError(seq_len_too_long(cfg, seq, a.max_seq_len));
   if (cfg.training.loss_chunks > seq)
     throw ConfigError("training.loss_chunks (" + std::to_string(cfg.training.loss_chunks) +
                       ") is more than the sequence has positions (training.seq_len " + std::to_string(seq) +
@@ -196,8 +206,9 @@ std::string non_finite_problem(const TensorStateDict& sd, const std::string& whe
 }
 
 // model.init_from: a file (ConfigError naming the key otherwise) that loads as a state dict
-// (errors name the key and the file) of finite values.
-TensorStateDict init_state_dict(const std::string& path) {
+// (errors name the key and the file) of finite values. `ignored` receives the other entries of
+// a bundle ("'epoch' (int)"), which are read but not used.
+TensorStateDict init_state_dict(const std::string& path, std::vector<std::string>* ignored) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) throw ConfigError("model.init_from: " + path + " does not exist");
   if (std::filesystem::is_directory(path, ec))
@@ -205,7 +216,7 @@ TensorStateDict init_state_dict(const std::string& path) {
                       "model.safetensors; expected a file written by torch.save, or a safetensors directory");
   TensorStateDict sd;
   try {
-    sd = load_pytorch_state_dict(path);
+    sd = load_pytorch_state_dict(path, ignored);
   } catch (const std::exception& e) {
     throw std::runtime_error("model.init_from " + path + ": " + error_text(e));
   }
@@ -344,6 +355,7 @@ class Run {
   void resume();
   std::string agreed_resume_dir();
   void load_resume_checkpoint(const std::string& dir);
+  std::string older_checkpoint_hint(const std::string& dir) const;
   void start_logging();
   int train();
   std::string save_checkpoint(int64_t step);
@@ -396,6 +408,7 @@ class Run {
   FSDPModule root_;             // FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD*
   ReplicatedModule replicated_;  // NO_SHARD
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  CheckpointDirLock dir_lock_;  // rank 0's, held until the run ends (released after checkpoints_'s last save)
   std::unique_ptr<CheckpointManager> checkpoints_;
   std::unique_ptr<Console> console_;
   JsonlWriter jsonl_;
@@ -452,6 +465,7 @@ void Run::set_up() {
   }
   checkpoints_ = std::make_unique<CheckpointManager>(cfg_.fsdp_config.checkpoint_dir,
                                                      static_cast<int>(cfg_.training.keep_checkpoints));
+  checkpoints_->set_attributes(run_identity(cfg_, args_));
 }
 
 // The process group, with fsdp_config.collective_timeout_s; the library lets
@@ -480,9 +494,15 @@ void Run::join_job(const RendezvousInfo& env) {
 }
 
 // At start-up rather than at the first save, which can be hours in: rank 0 creates the
-// directory and writes a probe file, and every rank stops together when that fails.
+// directory, writes a probe file and takes the directory's lock (run_lock.h), and every rank
+// stops together when that fails.
 void Run::check_checkpoint_dir() {
-  const std::string problem = from_rank0(rank_ == 0 ? checkpoint_dir_problem(cfg_.fsdp_config.checkpoint_dir) : "");
+  std::string problem;
+  if (rank_ == 0) {
+    problem = checkpoint_dir_problem(cfg_.fsdp_config.checkpoint_dir);
+    if (problem.empty()) problem = dir_lock_.acquire(cfg_.fsdp_config.checkpoint_dir);
+  }
+  problem = from_rank0(problem);
   if (!problem.empty()) throw ConfigError("fsdp_config.checkpoint_dir: " + problem);
 }
 
@@ -570,7 +590,14 @@ void Run::load_initial_weights() {
     load_initial_safetensors(path);
     return;
   }
-  const TensorStateDict sd = init_state_dict(path);
+  std::vector<std::string> ignored;
+  const TensorStateDict sd = init_state_dict(path, &ignored);
+  if (!ignored.empty()) {
+    std::string list;
+    for (const auto& entry : ignored) list += (list.empty() ? "" : ", ") + entry;
+    print(terminal_safe("fsdp-train: note: model.init_from " + path + " is a bundle: only its model state dict is "
+                        "loaded; these entries are ignored (nothing of them runs): " + list));
+  }
   try {
     load_full_state_dict(*model_, sd);
   } catch (const std::exception& e) {
@@ -636,8 +663,9 @@ std::string Run::agreed_resume_dir() {
   std::string mine;
   if (rank_ == 0) {
     try {
-      const ResumeChoice c = resume_choice(cfg_.training.resume, *checkpoints_, cfg_.fsdp_config.checkpoint_dir);
-      for (const auto& note : c.notes) print(note);
+      const ResumeChoice c = resume_choice(cfg_.training.resume, *checkpoints_, cfg_.fsdp_config.checkpoint_dir,
+                                           run_identity(cfg_, args_), cfg_.training.allow_resume_mismatch);
+      for (const auto& note : c.notes) print(terminal_safe(note));
       mine = "D" + c.dir;
     } catch (const ConfigError& e) {
       mine = "C" + std::string(e.what());
@@ -665,9 +693,26 @@ void Run::load_resume_checkpoint(const std::string& dir) {
   } catch (const std::exception& e) {
     problem = error_text(e);
   }
-  throw_unless_every_rank_ok(problem, "cannot load the checkpoint " + dir);
+  try {
+    throw_unless_every_rank_ok(problem, "cannot load the checkpoint " + dir);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(e.what() + older_checkpoint_hint(dir));
+  }
   last_saved_step_ = start_step_;
   last_saved_dir_ = dir;
+}
+
+// A checkpoint that scans complete can still fail its checksums; the older one that would
+// load is named, since training.resume: auto would choose the broken one again (rank 0 says
+// it; the other ranks' lines stay short).
+std::string Run::older_checkpoint_hint(const std::string& dir) const {
+  if (rank_ != 0) return "";
+  const std::string root = std::filesystem::path(dir).parent_path().string();
+  const std::optional<std::string> older = older_complete_checkpoint(root, dir);
+  if (!older) return ". No older complete checkpoint is left under " + root;
+  const std::string again = cfg_.training.resume == "auto" ? " (training.resume: auto would choose " + dir + " again)" : "";
+  return ". The older complete checkpoint " + *older + " may load: run again with training.resume: " + *older +
+         " to continue from it" + again;
 }
 
 // "sharded over 4 rank(s), FULL_SHARD", "replicated on 4 rank(s), NO_SHARD", or for HSDP
