@@ -290,6 +290,18 @@ int wait_until_stopped(const std::string& pid_file, std::chrono::milliseconds li
   return 0;
 }
 
+// Rank 2's part in the stopped-rank tests: leaves its pid in `pid_file`, enters all-gather #1,
+// and stops (SIGSTOP) once its entry and a heartbeat are out; after the SIGCONT the
+// all-gather fails, as the others' did.
+void stop_inside_all_gather(fsdp::ProcessGroup& pg, const std::string& pid_file) {
+  std::ofstream(pid_file) << getpid();
+  at::Tensor out = at::empty({12});
+  auto work = pg.all_gather_into(out, at::ones({4}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  raise(SIGSTOP);  // until rank 0 sends SIGCONT
+  EXPECT_THROW(work->wait(), fsdp::CollectiveError);
+}
+
 // Rank 2 stops inside the all-gather; rank 1 never enters it and leaves the job. Both are
 // silent on the board, but only rank 2 is stopped: rank 0's error names it alone as stopped.
 TEST(Collectives, AStoppedRankIsNamedButNotOneThatLeft) {
@@ -302,11 +314,7 @@ TEST(Collectives, AStoppedRankIsNamedButNotOneThatLeft) {
     pg->barrier()->wait();  // #0
     at::Tensor out = at::empty({12});
     if (r == 2) {
-      std::ofstream(pid_file) << getpid();
-      auto work = pg->all_gather_into(out, at::ones({4}));  // #1: entered, waiting for the others
-      std::this_thread::sleep_for(std::chrono::milliseconds(400));
-      raise(SIGSTOP);  // until rank 0 sends SIGCONT
-      EXPECT_THROW(work->wait(), fsdp::CollectiveError);
+      stop_inside_all_gather(*pg, pid_file);
       return;
     }
     ASSERT_GT(wait_until_stopped(pid_file, std::chrono::seconds(30)), 0) << "rank 2 did not stop";
@@ -344,11 +352,7 @@ TEST(Collectives, AStoppedRankIsNamedByTheOthersTimeout) {
     pg->barrier()->wait();  // #0
     at::Tensor out = at::empty({12});
     if (r == 2) {
-      std::ofstream(pid_file) << getpid();
-      auto work = pg->all_gather_into(out, at::ones({4}));  // #1: entered, waiting for the others
-      std::this_thread::sleep_for(std::chrono::milliseconds(400));  // its entry and a heartbeat are out
-      raise(SIGSTOP);  // until rank 0 sends SIGCONT
-      EXPECT_THROW(work->wait(), fsdp::CollectiveError);
+      stop_inside_all_gather(*pg, pid_file);
       return;
     }
     // Only once rank 2 is stopped: entering earlier, a slow rank 2 could still finish the
