@@ -16,6 +16,8 @@ if [[ -n "${FSDP_LIBTORCH:-}" ]]; then
   FSDP_TORCH_PREFIX="${FSDP_LIBTORCH}"
 else
   FSDP_PYTHON="${FSDP_PYTHON:-${FSDP_VENV}/bin/python}"
-  FSDP_TORCH_PREFIX="$(ls -d "${FSDP_VENV}"/lib/python3*/site-packages/torch 2>/dev/null | head -n 1)"
+  # Empty until install-deps.sh has made the venv; `|| true` keeps a caller's `set -e -o pipefail`
+  # from ending it silently here on a fresh machine.
+  FSDP_TORCH_PREFIX="$(ls -d "${FSDP_VENV}"/lib/python3*/site-packages/torch 2>/dev/null | head -n 1 || true)"
 fi
 export FSDP_TORCH_VERSION FSDP_VENV FSDP_PYTHON FSDP_TORCH_PREFIX
