@@ -236,6 +236,13 @@ std::vector<Field> fields_of(TrainConfig& c) {
          require(v >= 1, "must be >= 1, got " + std::to_string(v));
          f.replicate_degree = v;
        }},
+      {"fsdp_config", "reshard_after_forward",
+       [&f](const YAML::Node& n) {
+         if (n.IsNull()) return f.reshard_after_forward.reset();  // `key:` = the strategy's
+         int v = to_int32(n);
+         require(v >= 1, "must be a group size >= 1 (the strategy decides true or false), got " + std::to_string(v));
+         f.reshard_after_forward = v;
+       }},
 
       {"model", "preset", choice(m.preset, {"tiny", "small", "medium"})},
       {"model", "n_layers", opt_positive_int(m.n_layers)},
@@ -245,6 +252,16 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"model", "n_heads", opt_positive_int(m.n_heads)},
       {"model", "dropout_p", [&m](const YAML::Node& n) { m.dropout_p = to_beta(n); }},
       {"model", "init_from", string(m.init_from)},
+      {"model", "freeze",
+       [&m](const YAML::Node& n) {
+         require(n.IsSequence() || n.IsNull(), "expected a list of parameter or module names, got " + shown(n));
+         m.freeze.clear();
+         for (const auto& entry : n) {
+           std::string name = to_string_value(entry);
+           require(!name.empty(), "expected a parameter or module name, got an empty one");
+           m.freeze.push_back(name);
+         }
+       }},
 
       {"data", "source", choice(c.data.source, {"synthetic", "tokens"})},
       {"data", "path", string(c.data.path)},
@@ -643,6 +660,13 @@ void check_supported(const TrainConfig& cfg) {
                   " is not supported yet; tensor parallelism combines with FULL_SHARD or SHARD_GRAD_OP");
   }
   no(f.device != "cpu", "fsdp_config.device: " + f.device + " (this is a CPU build)");
+  if (f.reshard_after_forward && f.sharding_strategy != ShardingStrategy::FULL_SHARD &&
+      f.sharding_strategy != ShardingStrategy::HYBRID_SHARD) {
+    bad.push_back("fsdp_config.reshard_after_forward: " + std::to_string(*f.reshard_after_forward) +
+                  " with fsdp_config.sharding_strategy: " + to_string(f.sharding_strategy) +
+                  " is not supported: only a strategy that reshards after forward (FULL_SHARD, HYBRID_SHARD) takes a "
+                  "group size; unset the key");
+  }
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) {
     // fsdp::replicate keeps whole fp32 parameters on the device and has no policies.
     if (f.mixed_precision || f.param_dtype || f.reduce_dtype)
@@ -700,6 +724,14 @@ void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, in
                       std::to_string(vocab_size) + "; each tensor-parallel rank holds vocab_size / " +
                       std::to_string(k) + " rows of the embedding and the output head, so choose a vocab_size it "
                       "divides or set fsdp_config.vocab_parallel: false");
+}
+
+void check_reshard_group(const TrainConfig& cfg, const DataParallelShape& shape) {
+  const std::optional<int>& k = cfg.fsdp_config.reshard_after_forward;
+  if (!k || shape.shard % *k == 0) return;
+  throw ConfigError("fsdp_config.reshard_after_forward: " + std::to_string(*k) + " does not divide the " +
+                    std::to_string(shape.shard) + " rank(s) each parameter is sharded over; choose a divisor of " +
+                    std::to_string(shape.shard) + " (it is the group that all-gathers in backward)");
 }
 
 DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int local_world) {

@@ -109,6 +109,12 @@ struct FsdpConfig {
   // Unset: HYBRID_SHARD* take one replica per node (world / LOCAL_WORLD_SIZE, sharding within a
   // node as PyTorch's FSDP does); NO_SHARD is the world; FULL_SHARD and SHARD_GRAD_OP are 1.
   std::optional<int> replicate_degree;
+  // The blocks' reshard_after_forward as a group size k (FSDP2's int form): after forward each
+  // block keeps 1/k of its parameters and backward all-gathers them among k ranks instead of
+  // the whole shard group. Unset: the strategy's (FULL_SHARD and HYBRID_SHARD reshard fully,
+  // the ZeRO-2 strategies not at all). Only with a strategy that reshards; k must divide the
+  // ranks each parameter is sharded over. The root keeps FSDP2's default.
+  std::optional<int> reshard_after_forward;
   // How long any collective (and the start-up rendezvous) may wait for the other ranks before
   // the run stops naming the ranks it waited for; in (0, kMaxCollectiveTimeoutS]. Unset = the
   // library's default (300 s), or FSDP_COLLECTIVE_TIMEOUT_MS from the environment, which the
@@ -136,6 +142,11 @@ struct ModelConfig {
   // rank, or a safetensors directory (training.export=<name>.safetensors writes one), of which
   // each rank reads only its shards' rows.
   std::string init_from;
+  // Parameters that do not train, each entry a parameter or module FQN (tok_embeddings,
+  // layers.0.attention.wq.weight): their parameters get requires_grad = false, so they have no
+  // gradient, no optimizer state and no place in the gradient norm, and keep their values. An
+  // entry that names nothing stops the run.
+  std::vector<std::string> freeze;
 };
 
 struct DataConfig {
@@ -272,6 +283,9 @@ struct DataParallelShape {
 // Validates fsdp_config.replicate_degree against the strategy and the launcher's world
 // (`world` ranks, `local_world` per node); throws ConfigError naming the key and both values.
 DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int local_world);
+// fsdp_config.reshard_after_forward against the shard group of `shape`; throws ConfigError
+// naming the key and the group size when it does not divide it.
+void check_reshard_group(const TrainConfig& cfg, const DataParallelShape& shape);
 
 // Throws ConfigError naming fsdp_config.model_parallel_size when it does not divide the world,
 // or the model's n_heads or dim (each tensor-parallel rank computes whole heads), or, with

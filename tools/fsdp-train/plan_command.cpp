@@ -193,6 +193,13 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   q.sharding.output_head_group = f.output_head_group;
   q.mesh = data_parallel_shape(cfg, a.world, local);
   q.strategy = to_string(f.sharding_strategy);
+  // The planner counts every parameter as trained and every block as resharding fully.
+  if (f.reshard_after_forward)
+    throw ConfigError("fsdp-train plan does not model fsdp_config.reshard_after_forward (a group size) yet; unset "
+                      "it to plan the strategy's full resharding");
+  if (!cfg.model.freeze.empty())
+    throw ConfigError("fsdp-train plan does not model model.freeze yet (frozen parameters have no gradient or "
+                      "optimizer state); leave it out to plan with every parameter trained, an upper bound");
   const Precision precision = precision_of(f);
   q.activations.micro_batch = t.micro_batch_size;
   q.activations.seq = t.seq_len > 0 ? t.seq_len : q.shape.max_seq_len;

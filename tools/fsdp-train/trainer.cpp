@@ -347,6 +347,7 @@ class Run {
   void join_job(const RendezvousInfo& env);
   void check_checkpoint_dir();
   void shard_model();
+  void freeze_parameters();
   void build_sharded_model(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload);
   void load_initial_weights();
   void load_initial_safetensors(const std::string& path);
@@ -441,6 +442,7 @@ void Run::set_up() {
   check_checkpoint_dir();
   check_model_parallel(cfg_, world_, args_.n_heads, args_.dim, args_.vocab_size);
   shape_ = data_parallel_shape(cfg_, world_, env.local_world_size);
+  check_reshard_group(cfg_, shape_);
   tp_ = cfg_.fsdp_config.model_parallel_size;
   if (tp_ > 1) {
     // Row-major: each tp group is tp_ consecutive ranks, each dp group a column.
@@ -523,9 +525,11 @@ void Run::shard_model() {
     // gradients are views of the buckets: backward accumulates into what is all-reduced, so
     // there is neither a copy nor a second set of gradients in memory.
     model_ = models::Transformer(args_);
+    freeze_parameters();  // before replicate, which buckets only what trains
     replicated_ = replicate(model_, ReplicateOptions().mesh(mesh_).gradient_as_bucket_view(true));
   } else {
     build_sharded_model(policy, offload);
+    freeze_parameters();  // the shards: FSDP follows their requires_grad
   }
   if (cfg_.fsdp_config.activation_checkpointing) {
     model_->set_activation_checkpointing(cfg_.fsdp_config.activation_checkpointing_every,
@@ -542,8 +546,9 @@ void Run::shard_model() {
 // model first (fully_shard draws no random numbers), so a seed gives the same run either way.
 void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload) {
   const bool reshard = reshard_after_forward(cfg_);
-  const FullyShardOptions block_options =
+  FullyShardOptions block_options =
       FullyShardOptions().mesh(mesh_).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload);
+  if (cfg_.fsdp_config.reshard_after_forward) block_options.reshard_after_forward(*cfg_.fsdp_config.reshard_after_forward);
   // The root's parameters are needed first in backward, so it keeps them gathered (FSDP2's
   // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
   FullyShardOptions root_options = FullyShardOptions().mesh(mesh_).mp_policy(policy).offload_policy(offload);
@@ -578,6 +583,24 @@ void Run::build_tensor_parallel_model(FullyShardOptions block_options, FullyShar
   if (cfg_.fsdp_config.vocab_parallel) tp::parallelize_vocab(*model_, tp_mesh);
   tp::register_replicated(*model_, tp_mesh);
   fully_shard(model_, root_options);
+}
+
+// model.freeze: requires_grad = false on every parameter an entry names (the parameter itself,
+// or a module above it). An entry that names nothing is a configuration error, so a typo never
+// trains what was meant to stay fixed.
+void Run::freeze_parameters() {
+  for (const std::string& entry : cfg_.model.freeze) {
+    bool found = false;
+    for (auto& item : model_->named_parameters()) {
+      const std::string& name = item.key();
+      if (name != entry && name.rfind(entry + ".", 0) != 0) continue;
+      item.value().set_requires_grad(false);
+      found = true;
+    }
+    if (!found)
+      throw ConfigError("model.freeze: '" + terminal_safe(entry) + "' names no parameter of the model (names are "
+                        "like tok_embeddings, layers.0.attention.wq.weight)");
+  }
 }
 
 // model.init_from, into whatever the strategy made of the model. A safetensors directory is
