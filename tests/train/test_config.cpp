@@ -334,6 +334,37 @@ TEST(TrainConfig, StrategiesAndReplicateDegree) {
   expect_cli_error("--fsdp_config.replicate_degree=0", "fsdp_config.replicate_degree");
 }
 
+TEST(TrainConfig, ReshardAfterForwardTakesAGroupSizeThatDividesTheShardGroup) {
+  const TrainConfig c = load_config("", {"--fsdp_config.reshard_after_forward=2"});
+  ASSERT_TRUE(c.fsdp_config.reshard_after_forward.has_value());
+  EXPECT_EQ(*c.fsdp_config.reshard_after_forward, 2);
+  EXPECT_NO_THROW(check_supported(c));
+  EXPECT_NO_THROW(check_reshard_group(c, data_parallel_shape(c, 4, 4)));
+  expect_error([&] { check_reshard_group(c, data_parallel_shape(c, 3, 3)); },
+               {"fsdp_config.reshard_after_forward: 2 does not divide the 3 rank(s)"});
+  // HSDP: the group lies within a replica's shard group (2 ranks of a 2 x 2 mesh).
+  const TrainConfig hybrid = load_config("", {"--fsdp_config.sharding_strategy=HYBRID_SHARD",
+                                              "--fsdp_config.replicate_degree=2", "--fsdp_config.reshard_after_forward=2"});
+  EXPECT_NO_THROW(check_reshard_group(hybrid, data_parallel_shape(hybrid, 4, 4)));
+  for (const char* s : {"SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD"}) {
+    SCOPED_TRACE(s);
+    expect_error([&] {
+      check_supported(load_config("", {std::string("--fsdp_config.sharding_strategy=") + s,
+                                       "--fsdp_config.reshard_after_forward=2"}));
+    }, {"fsdp_config.reshard_after_forward: 2 with fsdp_config.sharding_strategy: " + std::string(s), "unset the key"});
+  }
+  expect_cli_error("--fsdp_config.reshard_after_forward=0", "fsdp_config.reshard_after_forward");
+  expect_cli_error("--fsdp_config.reshard_after_forward=true", "fsdp_config.reshard_after_forward");
+}
+
+TEST(TrainConfig, FreezeIsAListOfNames) {
+  const TrainConfig c = load_config("", {"--model.freeze=[tok_embeddings, layers.0.attention.wq.weight]"});
+  EXPECT_EQ(c.model.freeze, (std::vector<std::string>{"tok_embeddings", "layers.0.attention.wq.weight"}));
+  EXPECT_TRUE(load_config("", {}).model.freeze.empty());
+  expect_cli_error("--model.freeze=tok_embeddings", "model.freeze");  // a list, not one name
+  expect_cli_error("--model.freeze=['']", "model.freeze");
+}
+
 TEST(TrainConfig, CheckAgainstLauncher) {
   TrainConfig c;  // -1 / -1: take the launcher's
   EXPECT_NO_THROW(check_against_launcher(c, 4, 3));

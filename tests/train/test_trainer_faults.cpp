@@ -23,10 +23,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool contains(const RunResult& r, const std::string& text) {
-  return (r.out + r.err).find(text) != std::string::npos;
-}
-
 // fsdprun exits 1 when its group fails and names the first worker's exit code.
 void expect_workers_exited(const RunResult& r, int code) {
   EXPECT_EQ(r.exit_code, 1) << describe(r);

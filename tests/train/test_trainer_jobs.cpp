@@ -21,10 +21,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool contains(const RunResult& r, const std::string& text) {
-  return (r.out + r.err).find(text) != std::string::npos;
-}
-
 std::string hostname() {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);

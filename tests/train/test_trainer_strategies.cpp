@@ -224,3 +224,21 @@ TEST(TrainerStrategies, Seed002RunsTensorParallelAndResumesWithoutIt) {
 }
 
 }  // namespace
+
+// model.freeze: a name that matches nothing stops every rank before training (a typo must not
+// train what was meant to stay fixed); NO_SHARD and FULL_SHARD both run with a frozen
+// embedding. tests/interop compares the frozen run's numbers with PyTorch's FSDP2.
+TEST(TrainerStrategies, FreezeNamesParametersAndAMisspelledNameStopsTheRun) {
+  TempDir tmp;
+  RunResult typo = fsdprun.run(under_fsdprun(2, with(base_args(tmp / "typo", 2), {"--model.freeze=[tok_embedding]"})),
+                               {}, 120);
+  EXPECT_NE(typo.exit_code, 0) << describe(typo);
+  EXPECT_TRUE(contains(typo, "model.freeze: 'tok_embedding' names no parameter of the model")) << describe(typo);
+  for (const char* strategy : {"NO_SHARD", "FULL_SHARD"}) {
+    SCOPED_TRACE(strategy);
+    const std::map<int64_t, StepMetrics> frozen =
+        train(tmp / strategy, 2, {"--model.freeze=[tok_embeddings, layers.0.attention]",
+                                  std::string("--fsdp_config.sharding_strategy=") + strategy}, 1, 3);
+    EXPECT_EQ(frozen.size(), 3u);
+  }
+}

@@ -98,6 +98,10 @@ void write_text(const std::string& path, const std::string& text, bool executabl
     std::filesystem::permissions(path, std::filesystem::perms::owner_all, std::filesystem::perm_options::add);
 }
 
+bool contains(const process_test::RunResult& r, const std::string& text) {
+  return (r.out + r.err).find(text) != std::string::npos;
+}
+
 int run_python(const std::string& script_path, const std::vector<std::string>& args) {
   std::string cmd = fsdp_test::python() + " '" + script_path + "'";
   for (const auto& a : args) cmd += " '" + a + "'";

@@ -38,6 +38,9 @@ int64_t last_step_in(const std::string& path);
 // Waits until the run's rank-0 metrics reach `step` (or `timeout_s` passes).
 bool wait_for_step(const std::string& jsonl, int64_t step, double timeout_s = 60);
 
+// Whether the run's stdout or stderr holds `text`.
+bool contains(const process_test::RunResult& r, const std::string& text);
+
 // Writes text to path; with executable, as a script to run.
 void write_text(const std::string& path, const std::string& text, bool executable = false);
 // Runs a Python program with torch (Debian's /usr/bin/python3); its exit status.
