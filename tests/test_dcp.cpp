@@ -78,7 +78,11 @@ def save(rank, out):
         opt.step()
         opt.zero_grad()
     msd, osd = get_state_dict(m, opt)
-    dcp.save({"model": msd, "optimizer": osd, "train_state": {"step": torch.tensor(2)}}, checkpoint_id=out + "/ckpt")
+    sd = {"model": msd, "optimizer": osd, "train_state": {"step": torch.tensor(2)}}
+    dcp.save(sd, checkpoint_id=out + "/ckpt")
+    # One file per item, written by two threads: __<rank>_<n>.distcp for several n.
+    from torch.distributed.checkpoint import FileSystemWriter
+    dcp.save(sd, storage_writer=FileSystemWriter(out + "/ckpt_multi", single_file_per_rank=False, thread_count=2))
     ref = flat(msd, osd)
     if rank == 0:
         torch.save(ref, out + "/ref.pt")
@@ -107,6 +111,14 @@ def load(rank, out):
     m(torch.ones(2, 6)).sum().backward()
     opt.step()
     if rank == 0:
+        # Without a state dict to load into, DCP rebuilds the nesting from planner_data.
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        dcp_to_torch_save(out + "/ckpt", out + "/whole.pt")
+        whole = torch.load(out + "/whole.pt", weights_only=False)
+        assert int(whole["train_state"]["step"]) == 5, whole["train_state"]
+        assert whole["optimizer"]["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight"], whole["optimizer"]
+        assert whole["optimizer"]["param_groups"][0]["initial_lr"] == 0.25
+        assert torch.equal(whole["model"]["0.weight"], ref["model.0.weight"])
         open(out + "/python_ok", "w").write("ok")
 
 spawn(load, 3, sys.argv[1])
@@ -210,6 +222,13 @@ TEST(Dcp, PythonSavesAtTwoCppLoadsAtThreeAndOne) {
       EXPECT_DOUBLE_EQ(std::get<1>(o.betas()), 0.95);
       EXPECT_DOUBLE_EQ(o.eps(), 1e-7);
       EXPECT_DOUBLE_EQ(o.weight_decay(), 0.05);
+      // The same state in one file per item loads the same.
+      const fsdp::DcpState multi = fsdp::load_dcp(dir + "/ckpt_multi", m.model_sd(), m.optim_sd());
+      EXPECT_EQ(multi.step, 2);
+      for (const auto& item : s.model) EXPECT_TRUE(item.value().to_local().equal(multi.model[item.key()].to_local()));
+      for (const auto& item : s.optimizer) {
+        EXPECT_TRUE(item.value().to_local().equal(multi.optimizer[item.key()].to_local())) << item.key();
+      }
       // Loaded into Adam, the AdamW state is refused, naming the key that says so.
       try {
         fsdp::load_dcp(dir + "/ckpt", m.model_sd(), m.optim_sd(), fsdp::DcpOptions().adamw(false));
@@ -248,7 +267,7 @@ TEST(Dcp, CppSavesAtTwoPythonLoadsAtThree) {
       osd.insert(item.key(), fsdp::distribute_tensor(v, d.device_mesh(), d.placements()));
     }
     fsdp::load_sharded_optimizer_state_dict(*m.net, *m.opt, osd);
-    fsdp::save_dcp(dir + "/ckpt", m.model_sd(), m.optim_sd(), 5);
+    fsdp::save_dcp(dir + "/ckpt", m.model_sd(), m.optim_sd(), 5, fsdp::DcpOptions().initial_lr(0.25));
     // The reference, whole: what Python must find.
     fsdp::TensorStateDict ref;
     for (const auto& item : m.model_sd()) ref.insert("model." + item.key(), item.value().full_tensor());
@@ -266,6 +285,37 @@ TEST(Dcp, CppSavesAtTwoPythonLoadsAtThree) {
   ASSERT_EQ(run_python(dir, kPythonLoad), 0);
   EXPECT_TRUE(fs::exists(dir + "/python_ok"));
   fs::remove_all(dir);
+}
+
+// C++ to C++ across world sizes: saved at W=4 (the last rank holds no row of the 5-row layer),
+// loaded at W=1, 2 and 3 with every value, the step and the options intact.
+TEST(Dcp, CppSavesAtFourLoadsAtOneTwoAndThree) {
+  const std::string dir = temp_dir("cpp_w4");
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
+  run_distributed(4, [dir] {
+    Model m(0.125);
+    fsdp::TensorStateDict full;
+    for (const auto& item : m.model_sd()) full.insert(item.key(), pattern("model." + item.key(), item.value().sizes()));
+    fsdp::load_full_state_dict(*m.net, full);
+    fsdp::save_dcp(dir + "/ckpt", m.model_sd(), m.optim_sd(), 7, fsdp::DcpOptions());
+  });
+  for (int world : {1, 2, 3}) {
+    run_distributed(world, [dir] {
+      Model m(0.5);
+      const fsdp::DcpState s = fsdp::load_dcp(dir + "/ckpt", m.model_sd(), m.optim_sd());
+      EXPECT_EQ(s.step, 7);
+      for (const auto& item : s.model) {
+        EXPECT_TRUE(item.value().full_tensor().equal(pattern("model." + item.key(), item.value().sizes()))) << item.key();
+      }
+      for (const auto& item : s.optimizer) {
+        const at::Tensor v = item.value().full_tensor();
+        if (item.key().find(".lr") != std::string::npos) EXPECT_EQ(v.item<double>(), 0.125) << item.key();
+        if (item.key().find(".step") != std::string::npos) EXPECT_EQ(v.item<int64_t>(), 1) << item.key();
+        if (item.key().find(".exp_avg") != std::string::npos) EXPECT_TRUE(v.eq(0).all().item<bool>()) << item.key();
+      }
+    });
+  }
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
 }
 
 namespace {
@@ -449,4 +499,74 @@ TEST(Dcp, ForeignGlobalInAnItemIsRefused) {
   }
   fsdp::destroy_process_group();
   fs::remove_all(dir);
+}
+
+namespace {
+
+// The message of the c10::Error `f` throws ("" when it throws none).
+template <typename F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+}  // namespace
+
+// Damage outside .metadata, and keys or shapes that do not match: each error names the file
+// and the key. An optimizer other than Adam/AdamW is refused when saving.
+TEST(Dcp, ErrorsNameTheFileAndTheKey) {
+  const std::string dir = temp_dir("errors");
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
+  run_distributed(1, [dir] {
+    const fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {1});
+    const std::string ckpt = dir + "/ckpt";
+    fsdp::save_dcp(ckpt, fuzz_layout(mesh), fsdp::ShardedStateDict(), 42);
+    const std::string data = ckpt + "/__0_0.distcp";
+    const std::string original = read_all(data);
+    auto load = [&](const fsdp::ShardedStateDict& like) {
+      return error_of([&] { fsdp::load_dcp(ckpt, like, fsdp::ShardedStateDict()); });
+    };
+    // A key the checkpoint lacks, and a shape that differs.
+    fsdp::ShardedStateDict more = fuzz_layout(mesh);
+    more.insert("zz", fsdp::distribute_tensor(at::zeros({2}), mesh, {fsdp::Replicate()}));
+    std::string e = load(more);
+    EXPECT_NE(e.find("has no key 'model.zz'"), std::string::npos) << e;
+    EXPECT_NE(e.find(ckpt + "/.metadata"), std::string::npos) << e;
+    fsdp::ShardedStateDict other;
+    for (const auto& item : fuzz_layout(mesh)) {
+      const at::Tensor v = item.key() == "w" ? at::zeros({3, 5}) : item.value().full_tensor();
+      other.insert(item.key(), fsdp::distribute_tensor(v, mesh, item.value().placements()));
+    }
+    e = load(other);
+    EXPECT_NE(e.find("key 'model.w' has shape [5, 3]"), std::string::npos) << e;
+    // A truncated data file: named with its size and a key stored past the end.
+    std::ofstream(data, std::ios::binary | std::ios::trunc) << original.substr(0, original.size() / 2);
+    e = load(fuzz_layout(mesh));
+    EXPECT_NE(e.find(data), std::string::npos) << e;
+    EXPECT_NE(e.find("truncated?"), std::string::npos) << e;
+    // An item that is no torch.save archive (e.g. DCP's safetensors serialization).
+    std::string garbled = original;
+    garbled[0] = 'X';
+    std::ofstream(data, std::ios::binary | std::ios::trunc) << garbled;
+    e = load(fuzz_layout(mesh));
+    EXPECT_NE(e.find(data), std::string::npos) << e;
+    EXPECT_NE(e.find("not a torch.save archive"), std::string::npos) << e;
+    EXPECT_NE(e.find("SAFETENSORS"), std::string::npos) << e;
+    // No .metadata: not a complete checkpoint.
+    fs::remove(ckpt + "/.metadata");
+    std::string why;
+    EXPECT_FALSE(fsdp::is_complete_dcp(ckpt, &why));
+    EXPECT_NE(why.find(".metadata' does not exist"), std::string::npos) << why;
+    // An SGD-shaped optimizer dict is refused before anything is written.
+    fsdp::ShardedStateDict sgd;
+    sgd.insert("param_groups.w.momentum", fsdp::distribute_tensor(at::scalar_tensor(0.9, at::kDouble), mesh, {fsdp::Replicate()}));
+    e = error_of([&] { fsdp::save_dcp(dir + "/sgd", fuzz_layout(mesh), sgd, 1); });
+    EXPECT_NE(e.find("'param_groups.w.momentum' is no Adam/AdamW option"), std::string::npos) << e;
+    EXPECT_FALSE(fs::exists(dir + "/sgd/.metadata"));
+  });
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
 }
