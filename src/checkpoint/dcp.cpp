@@ -349,20 +349,28 @@ class Reader {
     return DTensor::from_local(local, like.device_mesh(), like.placements(), like.sizes());
   }
 
-  // A 0-dim tensor's value, or a BYTE_IO value that is a number or bool.
+  // A 0-dim tensor's value, or a BYTE_IO value that is a number or bool. Read once per key:
+  // every parameter of a param group asks for the group's options.
   double number(const std::string& key) {
+    const auto cached = numbers_.find(key);
+    if (cached != numbers_.end()) return cached->second;
     const auto e = meta_.entries.find(key);
     TORCH_CHECK(e != meta_.entries.end(), kLoad, "'", meta_.path, "' has no key '", key, "'");
+    double v = 0;
     if (!e->second.is_bytes) {
       TORCH_CHECK(e->second.shape.empty(), kLoad, "key '", key, "' in '", meta_.path, "' is a tensor of shape ",
                   c10::IntArrayRef(e->second.shape), ", not a number");
-      return chunk(key, e->second, e->second.chunks.at(0)).to(at::kDouble).item<double>();
+      v = chunk(key, e->second, e->second.chunks.at(0)).to(at::kDouble).item<double>();
+    } else {
+      v = as_number("key '" + key + "'", *value(key));
     }
-    return as_number(key, *value(key));
+    numbers_[key] = v;
+    return v;
   }
   std::shared_ptr<PyValue> value(const std::string& key) {
-    const DcpEntry& e = entry(key, false);
-    return load_item(key, e.bytes);
+    auto& v = values_[key];
+    if (!v) v = load_item(key, entry(key, false).bytes);
+    return v;
   }
   double as_number(const std::string& what, const PyValue& v) const {
     using Kind = PyValue::Kind;
@@ -454,6 +462,8 @@ class Reader {
 
   std::string dir_;
   DcpMetadata meta_;
+  std::map<std::string, double> numbers_;
+  std::map<std::string, std::shared_ptr<PyValue>> values_;
 };
 
 // fqn -> the index of the param group whose `params` lists it.
@@ -547,10 +557,11 @@ ShardedStateDict load_optimizer(Reader& r, const ShardedStateDict& like, const D
   return out;
 }
 
+// train_state.step: a 0-dim tensor as the layout says (a plain int, saved as a BYTE_IO value,
+// is read too).
 int64_t train_step(Reader& r) {
-  const DcpEntry& e = r.entry("train_state.step", true);
-  TORCH_CHECK(e.shape.empty(), kLoad, "key 'train_state.step' in '", r.meta().path, "' has shape ",
-              c10::IntArrayRef(e.shape), ", not a 0-dim tensor");
+  TORCH_CHECK(r.meta().entries.count("train_state.step"), kLoad, "'", r.meta().path, "' has no key 'train_state.step' "
+              "(save it with the layout of fsdp/dcp.h: {\"model\", \"optimizer\", \"train_state\": {\"step\": ...}})");
   const double step = r.number("train_state.step");
   TORCH_CHECK(step >= 0 && step == std::floor(step) && step < 9.0e15, kLoad, "key 'train_state.step' in '",
               r.meta().path, "' is ", step, ", not a step count");

@@ -1,0 +1,61 @@
+// fsdp-train with fsdp_config.checkpoint_format: dcp: checkpoints in PyTorch's DCP layout
+// (fsdp/dcp.h) that resume at another world size with the losses of an uninterrupted run, and
+// training.resume: auto choosing the newest complete one. Real ranks on loopback.
+#include "process_harness.h"
+#include "trainer_runs.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+
+using namespace process_test;
+using namespace trainer_test;
+
+namespace {
+
+constexpr int kSteps = 20;
+
+std::vector<std::string> dcp_args(const std::string& dir, int steps) {
+  return with(base_args(dir, steps), {"--fsdp_config.checkpoint_format=dcp"});
+}
+
+}  // namespace
+
+// Saved at W=2 (B=4 per rank), resumed at W=1 (B=8): the same global batch, so the continued
+// losses match the W=2 run up to the order of floating-point sums.
+TEST(TrainerDcp, SavedAtTwoRanksResumesAtOneWithTheLossesOfAnUninterruptedRun) {
+  TempDir dir;
+  const RunResult whole = fsdprun.run(under_fsdprun(2, dcp_args(dir / "whole", kSteps)), {}, 180);
+  ASSERT_EQ(whole.exit_code, 0) << describe(whole);
+  const std::string ckpt = dir / "whole/ckpt/step_10";
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/.metadata"));
+  EXPECT_TRUE(std::filesystem::exists(ckpt + "/__0_0.distcp") && std::filesystem::exists(ckpt + "/__1_0.distcp"));
+  EXPECT_FALSE(std::filesystem::exists(ckpt + "/metadata.json"));  // the other format's
+  const auto want = read_metrics(dir / "whole/m0.jsonl");
+
+  const RunResult resumed = fsdprun.run(
+      under_fsdprun(1, with(dcp_args(dir / "resumed", kSteps), {"--training.micro_batch_size=8",
+                                                                 "--training.resume=" + ckpt})),
+      {}, 180);
+  ASSERT_EQ(resumed.exit_code, 0) << describe(resumed);
+  EXPECT_NE(resumed.out.find("resumed from " + ckpt + " at step 10"), std::string::npos) << resumed.out;
+  const auto got = read_metrics(dir / "resumed/m0.jsonl");
+  ASSERT_EQ(got.size(), static_cast<size_t>(kSteps - 10));
+  for (const auto& [step, m] : got) {
+    EXPECT_NEAR(m.loss, want.at(step).loss, 1e-5 * std::abs(want.at(step).loss)) << "step " << step;
+  }
+}
+
+// training.resume: auto (tiny.yaml's) takes the newest complete DCP checkpoint; one whose
+// .metadata is gone (an interrupted save) is passed over.
+TEST(TrainerDcp, ResumeAutoTakesTheNewestCompleteDcpCheckpoint) {
+  TempDir dir;
+  const RunResult first = fsdprun.run(under_fsdprun(2, dcp_args(dir.path(), 15)), {}, 180);
+  ASSERT_EQ(first.exit_code, 0) << describe(first);
+  std::filesystem::remove(dir / "ckpt/step_15/.metadata");
+  const RunResult again = fsdprun.run(under_fsdprun(2, dcp_args(dir.path(), kSteps)), {}, 180);
+  ASSERT_EQ(again.exit_code, 0) << describe(again);
+  EXPECT_NE(again.out.find("resumed from " + dir / "ckpt/step_10" + " at step 10"), std::string::npos) << again.out;
+}
