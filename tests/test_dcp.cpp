@@ -261,9 +261,9 @@ TEST(Dcp, CppSavesAtTwoPythonLoadsAtThree) {
     for (const auto& item : m.optim_sd()) {
       const fsdp::DTensor& d = item.value();
       const bool step = item.key().size() > 5 && item.key().compare(item.key().size() - 5, 5, ".step") == 0;
-      const at::Tensor v = step ? at::scalar_tensor(5, at::kLong)
-                                : item.key().rfind("state.", 0) == 0 ? pattern("optimizer." + item.key(), d.sizes())
-                                                                     : d.to_local().clone();
+      const at::Tensor v = step                                 ? at::scalar_tensor(5, at::kLong)
+                           : item.key().rfind("state.", 0) == 0 ? pattern("optimizer." + item.key(), d.sizes())
+                                                                : d.to_local().clone();
       osd.insert(item.key(), fsdp::distribute_tensor(v, d.device_mesh(), d.placements()));
     }
     fsdp::load_sharded_optimizer_state_dict(*m.net, *m.opt, osd);
@@ -305,7 +305,8 @@ TEST(Dcp, CppSavesAtFourLoadsAtOneTwoAndThree) {
       const fsdp::DcpState s = fsdp::load_dcp(dir + "/ckpt", m.model_sd(), m.optim_sd());
       EXPECT_EQ(s.step, 7);
       for (const auto& item : s.model) {
-        EXPECT_TRUE(item.value().full_tensor().equal(pattern("model." + item.key(), item.value().sizes()))) << item.key();
+        EXPECT_TRUE(item.value().full_tensor().equal(pattern("model." + item.key(), item.value().sizes())))
+            << item.key();
       }
       for (const auto& item : s.optimizer) {
         const at::Tensor v = item.value().full_tensor();
@@ -362,13 +363,19 @@ std::string load_outcome(const std::string& dir, const fsdp::ShardedStateDict& l
 std::string mutate(const std::string& original, std::mt19937_64& rng, std::string* what) {
   std::string m = original;
   auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
-  static const std::vector<std::string> foreign = {
-      "cos\nsystem\n", "cbuiltins\neval\n", "\x8c\x02os\x94\x8c\x06system\x94\x93", "cbuiltins\ngetattr\n",
-      "c__builtin__\nexec\n", "ctorch\nload\n", "cnumpy\nndarray\n", "ctorch._utils\n_rebuild_tensor_v2\n"};
+  static const std::vector<std::string> foreign = {"cos\nsystem\n",
+                                                   "cbuiltins\neval\n",
+                                                   "\x8c\x02os\x94\x8c\x06system\x94\x93",
+                                                   "cbuiltins\ngetattr\n",
+                                                   "c__builtin__\nexec\n",
+                                                   "ctorch\nload\n",
+                                                   "cnumpy\nndarray\n",
+                                                   "ctorch._utils\n_rebuild_tensor_v2\n"};
   static const std::vector<std::string> huge = {
       std::string("X\xff\xff\xff\x7f", 5), std::string("\x8d\xff\xff\xff\xff\xff\xff\xff\x7f", 9),
-      std::string("\x8a\xff", 2), std::string("j\xff\xff\xff\xff", 5), std::string("r\xff\xff\xff\xff", 5),
-      std::string("\x95\xff\xff\xff\xff\xff\xff\xff\xff", 9), std::string("J\xff\xff\xff\x7f", 5)};
+      std::string("\x8a\xff", 2),          std::string("j\xff\xff\xff\xff", 5),
+      std::string("r\xff\xff\xff\xff", 5), std::string("\x95\xff\xff\xff\xff\xff\xff\xff\xff", 9),
+      std::string("J\xff\xff\xff\x7f", 5)};
   switch (pick(7)) {
     case 0: {
       const size_t at = pick(m.size());
@@ -475,7 +482,9 @@ TEST(Dcp, ForeignGlobalInAnItemIsRefused) {
     fs::remove_all(dir);
     fs::create_directories(dir);
   }
-  run_distributed(1, [dir] { fsdp::save_dcp(dir + "/ckpt", fuzz_layout(fsdp::init_device_mesh("cpu", {1})), fsdp::ShardedStateDict(), 42); });
+  run_distributed(1, [dir] {
+    fsdp::save_dcp(dir + "/ckpt", fuzz_layout(fsdp::init_device_mesh("cpu", {1})), fsdp::ShardedStateDict(), 42);
+  });
   if (fsdp::testing::is_child()) return;
   // train_state.step's archive: rewrite the GLOBAL of its rebuild function in place (same length).
   const std::string file = dir + "/ckpt/__0_0.distcp";
@@ -563,7 +572,8 @@ TEST(Dcp, ErrorsNameTheFileAndTheKey) {
     EXPECT_NE(why.find(".metadata' does not exist"), std::string::npos) << why;
     // An SGD-shaped optimizer dict is refused before anything is written.
     fsdp::ShardedStateDict sgd;
-    sgd.insert("param_groups.w.momentum", fsdp::distribute_tensor(at::scalar_tensor(0.9, at::kDouble), mesh, {fsdp::Replicate()}));
+    sgd.insert("param_groups.w.momentum",
+               fsdp::distribute_tensor(at::scalar_tensor(0.9, at::kDouble), mesh, {fsdp::Replicate()}));
     e = error_of([&] { fsdp::save_dcp(dir + "/sgd", fuzz_layout(mesh), sgd, 1); });
     EXPECT_NE(e.find("'param_groups.w.momentum' is no Adam/AdamW option"), std::string::npos) << e;
     EXPECT_FALSE(fs::exists(dir + "/sgd/.metadata"));

@@ -1,5 +1,5 @@
 // fsdp/dcp.h — PyTorch Distributed Checkpoint (DCP) interop: checkpoints that Python's
-// torch.distributed.checkpoint (torch 2.4 to 2.15, FileSystemWriter defaults) loads and saves,
+// torch.distributed.checkpoint (tested with torch 2.15, FileSystemWriter defaults) loads and saves,
 // in the layout of a training run:
 //
 //   {"model":       FQN -> tensor                       (get_state_dict's model part)

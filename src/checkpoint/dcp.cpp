@@ -72,14 +72,21 @@ std::string archive(const std::string& data_pkl, const at::Tensor* storage) {
 
 // torch.save(t) of a contiguous CPU tensor: _rebuild_tensor_v2 over one storage, as Python writes.
 std::string tensor_archive(const at::Tensor& t) {
-  static const std::map<at::ScalarType, const char*> storage_names = {
-      {at::kFloat, "FloatStorage"},   {at::kDouble, "DoubleStorage"}, {at::kHalf, "HalfStorage"},
-      {at::kBFloat16, "BFloat16Storage"}, {at::kLong, "LongStorage"}, {at::kInt, "IntStorage"},
-      {at::kShort, "ShortStorage"},   {at::kChar, "CharStorage"},     {at::kByte, "ByteStorage"},
-      {at::kBool, "BoolStorage"},     {at::kComplexFloat, "ComplexFloatStorage"},
-      {at::kComplexDouble, "ComplexDoubleStorage"}};
+  static const std::map<at::ScalarType, const char*> storage_names = {{at::kFloat, "FloatStorage"},
+                                                                      {at::kDouble, "DoubleStorage"},
+                                                                      {at::kHalf, "HalfStorage"},
+                                                                      {at::kBFloat16, "BFloat16Storage"},
+                                                                      {at::kLong, "LongStorage"},
+                                                                      {at::kInt, "IntStorage"},
+                                                                      {at::kShort, "ShortStorage"},
+                                                                      {at::kChar, "CharStorage"},
+                                                                      {at::kByte, "ByteStorage"},
+                                                                      {at::kBool, "BoolStorage"},
+                                                                      {at::kComplexFloat, "ComplexFloatStorage"},
+                                                                      {at::kComplexDouble, "ComplexDoubleStorage"}};
   const auto name = storage_names.find(t.scalar_type());
-  TORCH_CHECK(name != storage_names.end(), kSave, ": dtype ", t.scalar_type(), " cannot be written to a DCP checkpoint");
+  TORCH_CHECK(name != storage_names.end(), kSave, ": dtype ", t.scalar_type(),
+              " cannot be written to a DCP checkpoint");
   PickleWriter w;
   w.global("torch._utils", "_rebuild_tensor_v2");
   w.mark();
@@ -133,15 +140,18 @@ std::vector<Group> adam_groups(const ShardedStateDict& optimizer) {
     std::string fqn, name;
     if (split_key(item.key(), "param_groups.", &fqn, &name)) {
       TORCH_CHECK(std::find(kAdamOptions.begin(), kAdamOptions.end(), name) != kAdamOptions.end(), kSave,
-                  ": optimizer key '", item.key(), "' is no Adam/AdamW option: DCP checkpoints are written for "
+                  ": optimizer key '", item.key(),
+                  "' is no Adam/AdamW option: DCP checkpoints are written for "
                   "torch::optim::Adam and AdamW (and fsdp::optim::FusedAdamW) only");
       if (!options_of.count(fqn)) order.push_back(fqn);
       options_of[fqn][name] = item.value().to_local().item<double>();
     } else if (split_key(item.key(), "state.", &fqn, &name)) {
-      TORCH_CHECK(kAdamState.count(name), kSave, ": optimizer key '", item.key(), "' is no Adam/AdamW state: DCP "
+      TORCH_CHECK(kAdamState.count(name), kSave, ": optimizer key '", item.key(),
+                  "' is no Adam/AdamW state: DCP "
                   "checkpoints are written for torch::optim::Adam and AdamW (and fsdp::optim::FusedAdamW) only");
     } else {
-      TORCH_CHECK(false, kSave, ": optimizer key '", item.key(), "' is neither state.<fqn>.<name> nor "
+      TORCH_CHECK(false, kSave, ": optimizer key '", item.key(),
+                  "' is neither state.<fqn>.<name> nor "
                   "param_groups.<fqn>.<option>: pass sharded_optimizer_state_dict()'s dict");
     }
   }
@@ -293,7 +303,8 @@ void add_reports(const std::vector<std::string>& reports, DcpMetadata* meta) {
         e.bytes = s;
         continue;
       }
-      e.chunks.push_back({item.at("offsets").get<std::vector<int64_t>>(), item.at("sizes").get<std::vector<int64_t>>(), s});
+      e.chunks.push_back(
+          {item.at("offsets").get<std::vector<int64_t>>(), item.at("sizes").get<std::vector<int64_t>>(), s});
     }
   }
 }
@@ -320,9 +331,7 @@ bool ours(const std::string& name) {
 
 class Reader {
  public:
-  explicit Reader(const std::string& dir) : dir_(dir), meta_(detail::read_dcp_metadata(dir, kLoad)) {
-    check_files();
-  }
+  explicit Reader(const std::string& dir) : dir_(dir), meta_(detail::read_dcp_metadata(dir, kLoad)) { check_files(); }
   const DcpMetadata& meta() const { return meta_; }
 
   const DcpEntry& entry(const std::string& key, bool tensor) const {
@@ -330,7 +339,8 @@ class Reader {
     TORCH_CHECK(e != meta_.entries.end(), kLoad, "'", meta_.path, "' has no key '", key, "'",
                 key.rfind("optimizer.", 0) == 0 ? " (was it saved by another optimizer, or before any step?)" : "",
                 key == "train_state.step" ? " (save it with the layout of fsdp/dcp.h: {\"model\", \"optimizer\", "
-                                            "\"train_state\": {\"step\": ...}})" : "");
+                                            "\"train_state\": {\"step\": ...}})"
+                                          : "");
     TORCH_CHECK(e->second.is_bytes != tensor, kLoad, "key '", key, "' in '", meta_.path, "' is ",
                 e->second.is_bytes ? "a BYTE_IO value" : "a tensor", ", not ", tensor ? "a tensor" : "a value");
     return e->second;
@@ -392,8 +402,8 @@ class Reader {
         const auto n = regular ? static_cast<int64_t>(fs::file_size(p, ec)) : -1;
         it = sizes.emplace(s.file, ec ? -1 : n).first;
       }
-      TORCH_CHECK(it->second >= 0, kLoad, "data file '", (fs::path(dir_) / s.file).string(),
-                  "' listed in '", meta_.path, "' is missing or not a regular file (key '", key, "')");
+      TORCH_CHECK(it->second >= 0, kLoad, "data file '", (fs::path(dir_) / s.file).string(), "' listed in '",
+                  meta_.path, "' is missing or not a regular file (key '", key, "')");
       TORCH_CHECK(s.offset <= it->second && s.length <= it->second - s.offset, kLoad, "data file '",
                   (fs::path(dir_) / s.file).string(), "' is ", it->second, " bytes, but key '", key,
                   "' is stored at bytes [", s.offset, ", ", s.offset + s.length, ") of it: truncated?");
@@ -432,8 +442,9 @@ class Reader {
 
   at::Tensor chunk(const std::string& key, const DcpEntry& e, const detail::DcpChunk& c) const {
     const std::shared_ptr<PyValue> v = load_item(key, c.storage);
-    TORCH_CHECK(v->kind == PyValue::Kind::kTensor, kLoad, "key '", key, "' in '", (fs::path(dir_) / c.storage.file).string(),
-                "' holds a ", detail::py_type_name(*v), " where its metadata records a tensor chunk");
+    TORCH_CHECK(v->kind == PyValue::Kind::kTensor, kLoad, "key '", key, "' in '",
+                (fs::path(dir_) / c.storage.file).string(), "' holds a ", detail::py_type_name(*v),
+                " where its metadata records a tensor chunk");
     TORCH_CHECK(v->tensor.sizes() == c10::IntArrayRef(c.sizes) && v->tensor.scalar_type() == e.dtype, kLoad, "key '",
                 key, "' in '", (fs::path(dir_) / c.storage.file).string(), "' holds a ", v->tensor.scalar_type(),
                 " tensor of shape ", v->tensor.sizes(), " where '", meta_.path, "' records ", e.dtype, " ",
@@ -502,8 +513,8 @@ void check_group_kind(Reader& r, int64_t g, const DcpOptions& options) {
   }
   if (r.meta().entries.count(prefix + "decoupled_weight_decay")) {
     const bool adamw = r.number(prefix + "decoupled_weight_decay") != 0.0;
-    TORCH_CHECK(adamw == options.adamw(), kLoad, "'", r.meta().path, "' holds the state of ",
-                adamw ? "AdamW" : "Adam", " (key '", prefix, "decoupled_weight_decay'), but it is loaded into ",
+    TORCH_CHECK(adamw == options.adamw(), kLoad, "'", r.meta().path, "' holds the state of ", adamw ? "AdamW" : "Adam",
+                " (key '", prefix, "decoupled_weight_decay'), but it is loaded into ",
                 options.adamw() ? "AdamW" : "Adam", ": load it into the same optimizer (DcpOptions().adamw(",
                 adamw ? "true" : "false", "))");
   }
@@ -528,7 +539,8 @@ ShardedStateDict load_optimizer(Reader& r, const ShardedStateDict& like, const D
     std::string fqn, name;
     const DTensor& l = item.value();
     auto scalar = [&](double v) {
-      return DTensor::from_local(at::scalar_tensor(v, l.to_local().options()), l.device_mesh(), l.placements(), l.sizes());
+      return DTensor::from_local(at::scalar_tensor(v, l.to_local().options()), l.device_mesh(), l.placements(),
+                                 l.sizes());
     };
     if (split_key(item.key(), "state.", &fqn, &name)) {
       const std::string key = "optimizer." + item.key();
@@ -542,10 +554,12 @@ ShardedStateDict load_optimizer(Reader& r, const ShardedStateDict& like, const D
       out.insert(item.key(), scalar(step));
       continue;
     }
-    TORCH_CHECK(split_key(item.key(), "param_groups.", &fqn, &name), kLoad, "optimizer key '", item.key(),
-                "' is neither state.<fqn>.<name> nor param_groups.<fqn>.<option>: pass sharded_optimizer_state_dict()'s dict");
+    TORCH_CHECK(
+        split_key(item.key(), "param_groups.", &fqn, &name), kLoad, "optimizer key '", item.key(),
+        "' is neither state.<fqn>.<name> nor param_groups.<fqn>.<option>: pass sharded_optimizer_state_dict()'s dict");
     TORCH_CHECK(std::find(kAdamOptions.begin(), kAdamOptions.end(), name) != kAdamOptions.end(), kLoad,
-                "optimizer key '", item.key(), "' is no Adam/AdamW option: DCP checkpoints are read for "
+                "optimizer key '", item.key(),
+                "' is no Adam/AdamW option: DCP checkpoints are read for "
                 "torch::optim::Adam and AdamW only");
     if (!groups_read) group_of = groups_by_fqn(r), groups_read = true;
     const auto g = group_of.find(fqn);
@@ -560,7 +574,8 @@ ShardedStateDict load_optimizer(Reader& r, const ShardedStateDict& like, const D
 // train_state.step: a 0-dim tensor as the layout says (a plain int, saved as a BYTE_IO value,
 // is read too).
 int64_t train_step(Reader& r) {
-  TORCH_CHECK(r.meta().entries.count("train_state.step"), kLoad, "'", r.meta().path, "' has no key 'train_state.step' "
+  TORCH_CHECK(r.meta().entries.count("train_state.step"), kLoad, "'", r.meta().path,
+              "' has no key 'train_state.step' "
               "(save it with the layout of fsdp/dcp.h: {\"model\", \"optimizer\", \"train_state\": {\"step\": ...}})");
   const double step = r.number("train_state.step");
   TORCH_CHECK(step >= 0 && step == std::floor(step) && step < 9.0e15, kLoad, "key 'train_state.step' in '",

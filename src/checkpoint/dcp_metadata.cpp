@@ -26,11 +26,18 @@ const std::string kStorageInfo = "torch.distributed.checkpoint.filesystem._Stora
 
 // The dtypes DCP metadata may name, by the name torch pickles them under.
 const std::map<std::string, at::ScalarType>& dtype_table() {
-  static const std::map<std::string, at::ScalarType> table = {
-      {"float32", at::kFloat},   {"float64", at::kDouble},       {"float16", at::kHalf},
-      {"bfloat16", at::kBFloat16}, {"int64", at::kLong},         {"int32", at::kInt},
-      {"int16", at::kShort},     {"int8", at::kChar},            {"uint8", at::kByte},
-      {"bool", at::kBool},       {"complex64", at::kComplexFloat}, {"complex128", at::kComplexDouble}};
+  static const std::map<std::string, at::ScalarType> table = {{"float32", at::kFloat},
+                                                              {"float64", at::kDouble},
+                                                              {"float16", at::kHalf},
+                                                              {"bfloat16", at::kBFloat16},
+                                                              {"int64", at::kLong},
+                                                              {"int32", at::kInt},
+                                                              {"int16", at::kShort},
+                                                              {"int8", at::kChar},
+                                                              {"uint8", at::kByte},
+                                                              {"bool", at::kBool},
+                                                              {"complex64", at::kComplexFloat},
+                                                              {"complex128", at::kComplexDouble}};
   return table;
 }
 
@@ -95,7 +102,8 @@ class Reader {
   Ref run() {
     while (step()) {
     }
-    if (stack_.size() != 1 || !marks_.empty()) fail("the pickle ends with " + std::to_string(stack_.size()) + " values");
+    if (stack_.size() != 1 || !marks_.empty())
+      fail("the pickle ends with " + std::to_string(stack_.size()) + " values");
     return stack_.back();
   }
 
@@ -214,16 +222,20 @@ class Reader {
       }
       case 0x95: le(8); return true;  // FRAME: a length hint; every read is bounds-checked anyway
       case 'N': push(make(K::kNone)); return true;
-      case 0x88: case 0x89: {  // NEWTRUE, NEWFALSE
+      case 0x88:
+      case 0x89: {  // NEWTRUE, NEWFALSE
         Ref v = make(K::kBool);
         v->i = op == 0x88;
         push(v);
         return true;
       }
-      case 'K': case 'M': case 'J': {  // BININT1, BININT2, BININT
+      case 'K':
+      case 'M':
+      case 'J': {  // BININT1, BININT2, BININT
         Ref v = make(K::kInt);
-        v->i = op == 'K' ? static_cast<int64_t>(le(1)) : op == 'M' ? static_cast<int64_t>(le(2))
-                                                                    : static_cast<int32_t>(le(4));
+        v->i = op == 'K'   ? static_cast<int64_t>(le(1))
+               : op == 'M' ? static_cast<int64_t>(le(2))
+                           : static_cast<int32_t>(le(4));
         push(v);
         return true;
       }
@@ -248,7 +260,9 @@ class Reader {
         push(v);
         return true;
       }
-      case 0x8c: case 'X': case 0x8d: {  // SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
+      case 0x8c:
+      case 'X':
+      case 0x8d: {  // SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
         Ref v = make(K::kStr);
         v->s = text(le(op == 0x8c ? 1 : op == 'X' ? 4 : 8));
         push(v);
@@ -257,7 +271,9 @@ class Reader {
       case '(': marks_.push_back(stack_.size()); return true;
       case ')': push(make(K::kTuple)); return true;
       case 't': push(sequence(K::kTuple, pop_mark())); return true;
-      case 0x85: case 0x86: case 0x87: push(sequence(K::kTuple, pop_n(op - 0x84))); return true;
+      case 0x85:
+      case 0x86:
+      case 0x87: push(sequence(K::kTuple, pop_n(op - 0x84))); return true;
       case ']': push(make(K::kList)); return true;
       case 'l': push(sequence(K::kList, pop_mark())); return true;
       case 'a': append(pop_n(1), "APPEND"); return true;
@@ -272,10 +288,10 @@ class Reader {
       case 's': set_items(pop_n(2), "SETITEM"); return true;
       case 'u': set_items(pop_mark(), "SETITEMS"); return true;
       case 0x94: memo_put(memo_.size()); return true;  // MEMOIZE
-      case 'q': memo_put(le(1)); return true;           // BINPUT
-      case 'r': memo_put(le(4)); return true;           // LONG_BINPUT
-      case 'h': push(memo_get(le(1))); return true;     // BINGET
-      case 'j': push(memo_get(le(4))); return true;     // LONG_BINGET
+      case 'q': memo_put(le(1)); return true;          // BINPUT
+      case 'r': memo_put(le(4)); return true;          // LONG_BINPUT
+      case 'h': push(memo_get(le(1))); return true;    // BINGET
+      case 'j': push(memo_get(le(4))); return true;    // LONG_BINGET
       case 'c': {
         const std::string module = line();
         push(global(module, line()));
@@ -336,7 +352,8 @@ class Reader {
       return push(sequence(K::kTuple, dims.items));
     }
     if (f.s == "torch.serialization._get_layout") {
-      if (one(K::kStr).s != "torch.strided") fail("tensor layout '" + printable(one(K::kStr).s) + "' (only torch.strided is supported)");
+      if (one(K::kStr).s != "torch.strided")
+        fail("tensor layout '" + printable(one(K::kStr).s) + "' (only torch.strided is supported)");
       Ref v = make(K::kGlobal);
       v->s = "torch.strided";
       return push(v);
@@ -379,7 +396,8 @@ class Converter {
     const Val& state = object_state(root, kMeta + "Metadata", "the top-level object");
     const Val* version = field(state, "version", "Metadata", false);
     if (version && version->k != K::kNone && !(version->k == K::kStr && version->s == "1.0.0")) {
-      fail("Metadata.version is " + describe(*version) + "; this reader knows DCP version 1.0.0 (torch 2.4 to 2.15)");
+      fail("Metadata.version is " + describe(*version) +
+           "; this reader knows DCP version 1.0.0 (torch 2.15 writes it) and checkpoints without a version");
     }
     const Val& sdm = *field(state, "state_dict_metadata", "Metadata", true);
     expect(sdm, K::kDict, "Metadata.state_dict_metadata");
@@ -398,12 +416,8 @@ class Converter {
   }
 
  private:
-  [[noreturn]] void fail(const std::string& what) const {
-    TORCH_CHECK(false, who_, "'", path_, "': ", what);
-  }
-  static std::string describe(const Val& v) {
-    return v.k == K::kStr ? "'" + printable(v.s) + "'" : type_name(v);
-  }
+  [[noreturn]] void fail(const std::string& what) const { TORCH_CHECK(false, who_, "'", path_, "': ", what); }
+  static std::string describe(const Val& v) { return v.k == K::kStr ? "'" + printable(v.s) + "'" : type_name(v); }
   void expect(const Val& v, K k, const std::string& where) const {
     if (v.k != k) fail(where + " is a " + type_name(v) + ", not a " + type_name(Val{k}));
   }
@@ -458,8 +472,8 @@ class Converter {
       }
       for (size_t d = 0; d < e.shape.size(); ++d) {
         if (c.offsets[d] > e.shape[d] || c.sizes[d] > e.shape[d] - c.offsets[d]) {
-          fail(at + " reaches index " + std::to_string(c.offsets[d]) + "+" + std::to_string(c.sizes[d]) +
-               " of dim " + std::to_string(d) + ", outside the shape's " + std::to_string(e.shape[d]));
+          fail(at + " reaches index " + std::to_string(c.offsets[d]) + "+" + std::to_string(c.sizes[d]) + " of dim " +
+               std::to_string(d) + ", outside the shape's " + std::to_string(e.shape[d]));
         }
       }
       e.chunks.push_back(std::move(c));
@@ -480,7 +494,8 @@ class Converter {
     if (dtype.k != K::kGlobal || dtype.s.rfind("torch.", 0) != 0 || !dtype_table().count(dtype.s.substr(6))) {
       fail(where + ": dtype is a " + type_name(dtype));
     }
-    if (t.items[1]->k != K::kGlobal || t.items[1]->s != "torch.strided") fail(where + ": a layout other than torch.strided");
+    if (t.items[1]->k != K::kGlobal || t.items[1]->s != "torch.strided")
+      fail(where + ": a layout other than torch.strided");
     const Val& format = *t.items[3];
     if (format.k != K::kObject || format.s != kMeta + "_MEM_FORMAT_ENCODING" || format.i < 0 || format.i > 2) {
       fail(where + ": memory format is a " + type_name(format));
@@ -508,7 +523,8 @@ class Converter {
       if (full.size() != 1) fail(where + " is a scalar stored in " + std::to_string(full.size()) + " chunks, not one");
       return;
     }
-    if (full.size() > 65536) fail(where + " has " + std::to_string(full.size()) + " chunks, more than this reader checks");
+    if (full.size() > 65536)
+      fail(where + " has " + std::to_string(full.size()) + " chunks, more than this reader checks");
     int64_t covered = 0;
     for (size_t i = 0; i < full.size(); ++i) {
       int64_t n = 1;
@@ -565,7 +581,8 @@ class Converter {
     const Val& path = *field(st, "relative_path", "_StorageInfo", true);
     expect(path, K::kStr, where + ": relative_path");
     if (!plain_data_file(path.s)) {
-      fail(where + ": relative_path '" + printable(path.s) + "' is not a data file __<rank>_<n>.distcp of the checkpoint");
+      fail(where + ": relative_path '" + printable(path.s) +
+           "' is not a data file __<rank>_<n>.distcp of the checkpoint");
     }
     s.file = path.s;
     const Val& off = *field(st, "offset", "_StorageInfo", true);
@@ -577,7 +594,8 @@ class Converter {
     s.length = len.i;
     const Val* t = field(st, "transform_descriptors", "_StorageInfo", false);
     if (t && t->k != K::kNone && !((t->k == K::kList || t->k == K::kTuple) && t->items.empty())) {
-      fail(where + " has transform descriptors (a DCP saved with _extensions, e.g. compression), which this reader "
+      fail(where +
+           " has transform descriptors (a DCP saved with _extensions, e.g. compression), which this reader "
            "does not support: save it without _extensions");
     }
     return s;
@@ -696,11 +714,15 @@ void storage_record(PickleWriter& w, const std::string& key, const std::vector<i
     w.str("fqn");
     w.str(key);
     w.str("offset");
-    if (offsets) size_value(w, *offsets);
-    else w.none();
+    if (offsets)
+      size_value(w, *offsets);
+    else
+      w.none();
     w.str("index");
-    if (offsets) w.integer(index);
-    else w.none();
+    if (offsets)
+      w.integer(index);
+    else
+      w.none();
   });
   record(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
     w.str("relative_path");
@@ -756,7 +778,8 @@ std::string dcp_dtype_name(at::ScalarType dtype) {
   for (const auto& [name, t] : dtype_table()) {
     if (t == dtype) return name;
   }
-  TORCH_CHECK(false, "fsdp::save_dcp: dtype ", dtype, " has no DCP name this writer knows; convert the tensor to one "
+  TORCH_CHECK(false, "fsdp::save_dcp: dtype ", dtype,
+              " has no DCP name this writer knows; convert the tensor to one "
               "of float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8, bool, complex64, complex128");
 }
 
@@ -801,8 +824,10 @@ std::string write_dcp_metadata(const DcpMetadata& meta, const std::string& check
       w.str(key);
       w.mark();
       for (const DcpMetadata::PathPart& part : path) {
-        if (part.index >= 0) w.integer(part.index);
-        else w.str(part.name);
+        if (part.index >= 0)
+          w.integer(part.index);
+        else
+          w.str(part.name);
       }
       w.tuple();
     }

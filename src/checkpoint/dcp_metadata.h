@@ -45,8 +45,8 @@ struct DcpEntry {
 };
 
 struct DcpMetadata {
-  std::string path;                           // the .metadata file, for messages
-  std::map<std::string, DcpEntry> entries;    // flattened key -> its record
+  std::string path;                         // the .metadata file, for messages
+  std::map<std::string, DcpEntry> entries;  // flattened key -> its record
   // The original (nested) path of each flattened key, as DCP's planner_data records it: strings
   // and list indices, e.g. ("optimizer", "param_groups", 0, "lr"). Written, not read.
   struct PathPart {
@@ -80,12 +80,12 @@ struct PickleWriter {
   void str(const std::string& s);
   void global(const std::string& module, const std::string& name);
   void mark() { out += '('; }
-  void tuple() { out += 't'; }            // MARK ... TUPLE
-  void list() { out += 'l'; }             // MARK ... LIST
-  void dict() { out += 'd'; }             // MARK ... DICT
+  void tuple() { out += 't'; }  // MARK ... TUPLE
+  void list() { out += 'l'; }   // MARK ... LIST
+  void dict() { out += 'd'; }   // MARK ... DICT
   void empty_tuple() { out += ')'; }
   void reduce() { out += 'R'; }
-  void newobj() { out += '\x81'; }        // cls, args -> cls.__new__(cls, *args)
+  void newobj() { out += '\x81'; }  // cls, args -> cls.__new__(cls, *args)
   void build() { out += 'b'; }
   void binpersid() { out += 'Q'; }
   void stop() { out += '.'; }

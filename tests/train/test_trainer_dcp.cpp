@@ -4,6 +4,8 @@
 #include "process_harness.h"
 #include "trainer_runs.h"
 
+#include "../python_path.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,8 +38,8 @@ TEST(TrainerDcp, SavedAtTwoRanksResumesAtOneWithTheLossesOfAnUninterruptedRun) {
   const auto want = read_metrics(dir / "whole/m0.jsonl");
 
   const RunResult resumed = fsdprun.run(
-      under_fsdprun(1, with(dcp_args(dir / "resumed", kSteps), {"--training.micro_batch_size=8",
-                                                                 "--training.resume=" + ckpt})),
+      under_fsdprun(
+          1, with(dcp_args(dir / "resumed", kSteps), {"--training.micro_batch_size=8", "--training.resume=" + ckpt})),
       {}, 180);
   ASSERT_EQ(resumed.exit_code, 0) << describe(resumed);
   EXPECT_NE(resumed.out.find("resumed from " + ckpt + " at step 10"), std::string::npos) << resumed.out;
@@ -58,4 +60,36 @@ TEST(TrainerDcp, ResumeAutoTakesTheNewestCompleteDcpCheckpoint) {
   const RunResult again = fsdprun.run(under_fsdprun(2, dcp_args(dir.path(), kSteps)), {}, 180);
   ASSERT_EQ(again.exit_code, 0) << describe(again);
   EXPECT_NE(again.out.find("resumed from " + dir / "ckpt/step_10" + " at step 10"), std::string::npos) << again.out;
+}
+
+// A DCP checkpoint written by Python: fsdp-train's step_10, read back by Python's own DCP reader
+// (no model needed: dcp_to_torch_save rebuilds the nesting) and saved again with a plain
+// dcp.save (its pickle, its torch.save items), resumes with the losses of the uninterrupted run.
+TEST(TrainerDcp, ResumesFromACheckpointPythonSaved) {
+  FSDP_SKIP_WITHOUT_PYTHON();
+  TempDir dir;
+  const RunResult whole = fsdprun.run(under_fsdprun(2, dcp_args(dir / "whole", kSteps)), {}, 180);
+  ASSERT_EQ(whole.exit_code, 0) << describe(whole);
+  write_text(dir / "resave.py",
+             "import sys, torch, torch.distributed.checkpoint as dcp\n"
+             "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+             "dcp_to_torch_save(sys.argv[1], sys.argv[2] + '.pt')\n"
+             "sd = torch.load(sys.argv[2] + '.pt', weights_only=False)\n"
+             "assert set(sd) == {'model', 'optimizer', 'train_state'}, sorted(sd)\n"
+             "assert int(sd['train_state']['step']) == 10\n"
+             "dcp.save(sd, checkpoint_id=sys.argv[2])\n");
+  ASSERT_EQ(run_python(dir / "resave.py", {dir / "whole/ckpt/step_10", dir / "py_ckpt"}), 0);
+  const std::string py_ckpt = dir / "py_ckpt";
+  const RunResult resumed = fsdprun.run(
+      under_fsdprun(1, with(base_args(dir / "resumed", kSteps),
+                            {"--training.micro_batch_size=8", "--training.resume=" + py_ckpt})),
+      {}, 180);
+  ASSERT_EQ(resumed.exit_code, 0) << describe(resumed);
+  EXPECT_NE(resumed.out.find("resumed from " + py_ckpt + " at step 10"), std::string::npos) << resumed.out;
+  const auto want = read_metrics(dir / "whole/m0.jsonl");
+  const auto got = read_metrics(dir / "resumed/m0.jsonl");
+  ASSERT_EQ(got.size(), static_cast<size_t>(kSteps - 10));
+  for (const auto& [step, m] : got) {
+    EXPECT_NEAR(m.loss, want.at(step).loss, 1e-5 * std::abs(want.at(step).loss)) << "step " << step;
+  }
 }
