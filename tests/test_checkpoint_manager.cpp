@@ -202,6 +202,19 @@ TEST(CheckpointManager, PruningCountsOnlyCompleteCheckpoints) {
   EXPECT_EQ(one.latest(), root + "/step_0");
 }
 
+// A DCP checkpoint (fsdp/dcp.h) under the same root looks like an incomplete save of this
+// format (no metadata.json) but is another format's: pruning leaves it.
+TEST(CheckpointManager, PruningLeavesDcpCheckpointsAlone) {
+  WorldOfOne w("mgr_prune_dcp");
+  const std::string& root = w.root;
+  fs::create_directories(root + "/step_1");
+  write_text(root + "/step_1/.metadata", "a DCP checkpoint's metadata");
+  fsdp::CheckpointManager manager(root, /*keep=*/1);
+  manager.save(2, state());
+  manager.save(3, state());  // removes step_2; step_1 is older than every kept one, but DCP's
+  EXPECT_EQ(names_in(root), (std::set<std::string>{"latest", "step_1", "step_3"}));
+}
+
 // The attributes travel inside metadata.json, with the checkpoint or not at all; a checkpoint
 // saved without any (as by builds before them) reads as none.
 TEST(CheckpointManager, AttributesAreRecordedInEveryCheckpointSavedAfterThem) {

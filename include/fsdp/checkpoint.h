@@ -64,7 +64,8 @@ ShardedStateDict load_checkpoint(const std::string& dir, const ShardedStateDict&
 // keeps the `keep` complete checkpoints with the largest N plus the one just saved, removes the
 // other complete ones and the incomplete ones older than the oldest kept; an incomplete
 // directory (e.g. one whose metadata.json is gone) never counts toward `keep`. Only directories
-// named exactly step_<N> are ever touched. Writing `latest` and pruning run on rank 0 inside the
+// named exactly step_<N> are ever touched, and never a DCP checkpoint (fsdp/dcp.h: a .metadata
+// and no metadata.json) kept in the same root. Writing `latest` and pruning run on rank 0 inside the
 // save's all-ranks agreement: when they fail, every rank's save fails at once. Not copyable;
 // one per root. Use it from one thread.
 class CheckpointManager {

@@ -207,11 +207,11 @@ std::string one_line(std::string message) {
   return message;
 }
 
-// Runs `local_work` on every rank of `world`, then makes all ranks agree: if it threw anywhere,
-// every rank throws, naming each failed rank and its error, one line each (so nobody is left
-// waiting in a collective). Collective; also acts as a barrier. Returns every rank's result
-// string, in rank order.
-std::vector<std::string> on_all_ranks(ProcessGroup& world, const char* phase,
+}  // namespace
+
+namespace detail {
+
+std::vector<std::string> on_all_ranks(ProcessGroup& world, const char* who, const char* phase,
                                       const std::function<std::string()>& local_work) {
   json mine;
   try {
@@ -230,13 +230,10 @@ std::vector<std::string> on_all_ranks(ProcessGroup& world, const char* phase,
     if (j.contains("error")) errors += "\n  rank " + std::to_string(r) + ": " + j.at("error").get<std::string>();
     else results.push_back(j.at("result").get<std::string>());
   }
-  TORCH_CHECK(errors.empty(), "fsdp::save_checkpoint failed while ", phase, ":", errors);
+  TORCH_CHECK(errors.empty(), who, " failed while ", phase, ":", errors);
   return results;
 }
 
-// Whether this rank writes its piece of `d`: along every mesh dim that replicates `d` (all of
-// them for a buffer, the replicate dim of an HSDP parameter) only the first rank does, so every
-// piece is written by exactly one replica.
 bool writes_piece(const DTensor& d) {
   const std::vector<int64_t> coord = d.device_mesh().coordinate();
   const std::vector<Placement> placements = d.placements();
@@ -246,13 +243,17 @@ bool writes_piece(const DTensor& d) {
   return true;
 }
 
+}  // namespace detail
+
+namespace {
+
 // This rank's pieces, one after another (its data file), and their chunk records.
 std::string pack_pieces(const ShardedStateDict& state_dict, int rank, json* chunks) {
   std::string data;
   for (const auto& item : state_dict) {
     const DTensor& d = item.value();
     at::Tensor local = d.to_local().contiguous();
-    if (!writes_piece(d) || local.numel() == 0) continue;  // each piece is written once
+    if (!detail::writes_piece(d) || local.numel() == 0) continue;  // each piece is written once
     json c = {{"offsets", json::array()}, {"sizes", json::array()}, {"crc32", json::array()}};
     for (const auto& b : d.local_bounds()) {
       c["offsets"].push_back(b.offset);
@@ -360,7 +361,7 @@ void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state
                       const std::map<std::string, std::string>& attributes) {
   const fs::path dir(dir_name);
   const int rank = world->rank();
-  on_all_ranks(*world, "preparing the directory", [&] {
+  detail::on_all_ranks(*world, "fsdp::save_checkpoint", "preparing the directory", [&] {
     if (rank == 0) {
       fs::create_directories(dir);
       fs::remove(dir / kMetadataFile);  // the old checkpoint there stops being loadable first
@@ -368,14 +369,14 @@ void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state
     }
     return std::string();
   });
-  const std::vector<std::string> reports = on_all_ranks(*world, "writing the data files", [&] {
+  const std::vector<std::string> reports = detail::on_all_ranks(*world, "fsdp::save_checkpoint", "writing the data files", [&] {
     json chunks = json::object();
     const std::string data = pack_pieces(state_dict, rank, &chunks);
     write_file_durably(dir / detail::data_file_name(rank), data.data(), data.size());
     return json{{"file_bytes", static_cast<int64_t>(data.size())}, {"chunks", chunks}}.dump();
   });
   // Rank 0 writes the metadata last: only now is the checkpoint complete.
-  on_all_ranks(*world, "writing the metadata", [&] {
+  detail::on_all_ranks(*world, "fsdp::save_checkpoint", "writing the metadata", [&] {
     if (rank == 0) {
       const std::string meta = make_metadata(state_dict, reports, attributes);
       write_file_durably(dir / kMetadataFile, meta.data(), meta.size());
@@ -384,7 +385,7 @@ void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state
     return std::string();
   });
   if (!commit) return;
-  on_all_ranks(*world, "pointing 'latest' at it and pruning old checkpoints", [&] {
+  detail::on_all_ranks(*world, "fsdp::save_checkpoint", "pointing 'latest' at it and pruning old checkpoints", [&] {
     if (rank == 0) commit();
     return std::string();
   });

@@ -79,7 +79,8 @@ std::optional<std::string> incompleteness(const fs::path& dir) {
 // Keeps the `keep` complete checkpoints with the largest steps, and `dir` (just saved, named by
 // `latest`) whatever its step. Removes the other complete ones, and the incomplete ones older
 // than the oldest kept (left by failed or killed saves); an incomplete one newer than that is
-// left alone. Incomplete ones never count toward `keep`.
+// left alone, and so is a DCP checkpoint (a .metadata, no metadata.json). Incomplete ones never
+// count toward `keep`.
 void prune(const fs::path& root, const fs::path& dir, int keep) {
   std::error_code ec;
   const std::vector<StepDir> steps = list_step_dirs(root, ec);
@@ -99,7 +100,10 @@ void prune(const fs::path& root, const fs::path& dir, int keep) {
     }
   }
   for (const StepDir& s : incomplete) {
-    if (s.step < oldest_kept) doomed.push_back(s);
+    // A DCP checkpoint (fsdp/dcp.h) in the same root is another format's, not a failed save.
+    std::error_code dcp_ec;
+    const bool dcp = fs::exists(s.path / ".metadata", dcp_ec) && !fs::exists(s.path / kMetadataFile, dcp_ec);
+    if (s.step < oldest_kept && !dcp) doomed.push_back(s);
   }
   for (const StepDir& s : doomed) {
     fs::remove_all(s.path, ec);

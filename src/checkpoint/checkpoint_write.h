@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 namespace detail {
@@ -27,6 +28,18 @@ void write_checkpoint(const std::string& dir, const ShardedStateDict& state_dict
 // Writes `bytes` to `path` durably: under `path`.tmp, fsync'ed, then renamed. On failure the
 // temporary file is removed and a c10::Error names it.
 void write_file_durably(const std::filesystem::path& path, const char* bytes, size_t n);
+
+// Runs `local_work` on every rank of `world`, then makes all ranks agree: if it threw anywhere,
+// every rank throws "<who> failed while <phase>:", then each failed rank and its error, one line
+// each (so nobody is left waiting in a collective). Collective; also acts as a barrier. Returns
+// every rank's result string, in rank order.
+std::vector<std::string> on_all_ranks(ProcessGroup& world, const char* who, const char* phase,
+                                      const std::function<std::string()>& local_work);
+
+// Whether this rank writes its piece of `d`: along every mesh dim that replicates `d` (all of
+// them for a buffer, the replicate dim of an HSDP parameter) only the first rank does, so every
+// piece is written by exactly one replica.
+bool writes_piece(const DTensor& d);
 
 // Makes a rename in `dir` durable (best effort: a file system that cannot sync a directory).
 void fsync_dir(const std::filesystem::path& dir);

@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <unordered_map>
 
 namespace fsdp {
@@ -23,7 +24,6 @@ namespace {
 using PyRef = std::shared_ptr<PyValue>;
 using Kind = PyValue::Kind;
 
-constexpr const char* kWho = "fsdp::load_pytorch_state_dict: ";
 constexpr int kMaxDepth = 100;  // a state dict nests a few levels; this bounds any recursion
 
 PyRef make(Kind kind) {
@@ -63,8 +63,8 @@ using StorageLoader = std::function<at::Tensor(const std::string& key, at::Scala
 // functions, LibTorch's type tag) are rebuilt; any other becomes an opaque value.
 class Unpickler {
  public:
-  Unpickler(std::string path, const char* data, size_t size, StorageLoader load_storage)
-      : path_(std::move(path)), data_(data), size_(size), load_storage_(std::move(load_storage)) {}
+  Unpickler(std::string path, const char* data, size_t size, StorageLoader load_storage, const TorchLoadOptions& options)
+      : path_(std::move(path)), data_(data), size_(size), load_storage_(std::move(load_storage)), options_(options) {}
 
   PyRef run() {
     while (step()) {
@@ -78,7 +78,7 @@ class Unpickler {
 
  private:
   [[noreturn]] void fail(const std::string& what) const {
-    TORCH_CHECK(false, kWho, "'", path_, "' is not a torch.save file this reader can read: ", what,
+    TORCH_CHECK(false, options_.who, path_, " is not a torch.save file this reader can read: ", what,
                 " (data.pkl, at byte ", op_at_, ")");
   }
 
@@ -222,8 +222,12 @@ class Unpickler {
     return shift == 0 ? static_cast<int64_t>(raw) : static_cast<int64_t>(raw << shift) >> shift;
   }
   PyRef binfloat() {
-    take(8);  // the big-endian double: no caller reads a float's value, only its type
-    return make(Kind::kFloat);
+    const uint64_t big_endian = little_endian(8);
+    uint64_t bits = 0;
+    for (int i = 0; i < 8; ++i) bits = (bits << 8) | ((big_endian >> (8 * i)) & 0xff);
+    PyRef v = make(Kind::kFloat);
+    std::memcpy(&v->real, &bits, sizeof bits);
+    return v;
   }
 
   bool container_op(unsigned char op) {
@@ -259,7 +263,11 @@ class Unpickler {
       case 'j': push(memo_get(static_cast<uint32_t>(little_endian(4)))); return true;  // LONG_BINGET
       case 'c': {  // GLOBAL
         std::string module = line();
-        push(make_named(Kind::kGlobal, module + "." + line()));
+        std::string name = module + "." + line();
+        if (options_.only_tensor_globals && !tensor_global(name)) {
+          fail("GLOBAL '" + name + "' is not one a tensor or a plain value needs; it is refused, never imported");
+        }
+        push(make_named(Kind::kGlobal, std::move(name)));
         return true;
       }
       case 'R': reduce(); return true;
@@ -272,6 +280,10 @@ class Unpickler {
       case 'Q': push(persistent_load(*pop())); return true;  // BINPERSID
       default: return false;
     }
+  }
+  static bool tensor_global(const std::string& name) {
+    return name == "torch._utils._rebuild_tensor_v2" || name == "collections.OrderedDict" ||
+           storage_dtype(name).has_value();
   }
   PyRef memo_get(uint32_t index) {
     const auto it = memo_.find(index);
@@ -406,6 +418,7 @@ class Unpickler {
   size_t size_;
   size_t pos_ = 0, op_at_ = 0;
   StorageLoader load_storage_;
+  const TorchLoadOptions& options_;
   std::vector<PyRef> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint32_t, PyRef> memo_;
@@ -416,37 +429,43 @@ class Unpickler {
 
 using Archive = caffe2::serialize::PyTorchStreamReader;
 
-[[noreturn]] void archive_error(const std::string& path, const std::exception& e) {
+// What messages name: the caller's prefix and the archive ("'model.pt'", or an item of a file).
+struct Source {
+  const std::string& who;
+  std::string name;
+};
+
+[[noreturn]] void archive_error(const Source& src, const std::exception& e) {
   const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  TORCH_CHECK(false, kWho, "'", path, "' is not a readable torch.save archive (truncated or damaged?): ",
+  TORCH_CHECK(false, src.who, src.name, " is not a readable torch.save archive (truncated or damaged?): ",
               c10_error ? c10_error->what_without_backtrace() : e.what());
 }
 
-bool has_record(Archive& zip, const std::string& name, const std::string& path) {
+bool has_record(Archive& zip, const std::string& name, const Source& src) {
   try {
     return zip.hasRecord(name);
   } catch (const std::exception& e) {
-    archive_error(path, e);
+    archive_error(src, e);
   }
 }
 
-std::tuple<at::DataPtr, size_t> record(Archive& zip, const std::string& name, const std::string& path) {
-  TORCH_CHECK(has_record(zip, name, path), kWho, "'", path, "' has no record '", name, "'",
+std::tuple<at::DataPtr, size_t> record(Archive& zip, const std::string& name, const Source& src) {
+  TORCH_CHECK(has_record(zip, name, src), src.who, src.name, " has no record '", name, "'",
               name == "data.pkl" ? " (it is not a torch.save file)" : " (a tensor's storage is missing)");
   try {
     return zip.getRecord(name);
   } catch (const std::exception& e) {
-    archive_error(path, e);
+    archive_error(src, e);
   }
 }
 
-at::Tensor load_storage(Archive& zip, const std::string& path, const std::string& key, at::ScalarType dtype,
+at::Tensor load_storage(Archive& zip, const Source& src, const std::string& key, at::ScalarType dtype,
                         int64_t numel) {
   int64_t bytes = 0;
-  TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(dtype)), &bytes), kWho, "'", path,
-              "': storage '", key, "' claims ", numel, " elements, more bytes than fit in 64 bits");
-  auto [data, size] = record(zip, "data/" + key, path);
-  TORCH_CHECK(static_cast<int64_t>(size) == bytes, kWho, "'", path, "': storage '", key, "' has ", size,
+  TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(dtype)), &bytes), src.who,
+              src.name, ": storage '", key, "' claims ", numel, " elements, more bytes than fit in 64 bits");
+  auto [data, size] = record(zip, "data/" + key, src);
+  TORCH_CHECK(static_cast<int64_t>(size) == bytes, src.who, src.name, ": storage '", key, "' has ", size,
               " bytes; its ", numel, " elements of ", dtype, " take ", bytes);
   at::Tensor t = at::empty({numel}, at::TensorOptions().dtype(dtype));
   if (bytes > 0) std::memcpy(t.data_ptr(), data.get(), static_cast<size_t>(bytes));
@@ -454,41 +473,60 @@ at::Tensor load_storage(Archive& zip, const std::string& path, const std::string
 }
 
 // A zip archive begins with a local file header; torch.save's legacy format with a pickle.
-void check_is_zip(std::ifstream& in, const std::string& path) {
+void check_is_zip(std::istream& in, const Source& src) {
   char magic[4] = {0, 0, 0, 0};
   in.read(magic, 4);
-  TORCH_CHECK(static_cast<unsigned char>(magic[0]) != 0x80, kWho, "'", path, "' is in torch.save's legacy format "
+  TORCH_CHECK(static_cast<unsigned char>(magic[0]) != 0x80, src.who, src.name, " is in torch.save's legacy format "
               "(_use_new_zipfile_serialization=False), which is not supported: save it again with the default format");
-  TORCH_CHECK(in.gcount() == 4 && std::memcmp(magic, "PK\x03\x04", 4) == 0, kWho, "'", path,
-              "' is not a torch.save file (not a zip archive)");
+  TORCH_CHECK(in.gcount() == 4 && std::memcmp(magic, "PK\x03\x04", 4) == 0, src.who, src.name,
+              " is not a torch.save file (not a zip archive)");
   in.clear();
   in.seekg(0);
 }
 
-std::shared_ptr<PyValue> read_archive(const std::string& path) {
-  std::error_code ec;
-  TORCH_CHECK(std::filesystem::exists(path, ec), kWho, "'", path, "' does not exist");
-  TORCH_CHECK(std::filesystem::is_regular_file(path, ec), kWho, "'", path, "' is not a regular file");
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in, kWho, "cannot open '", path, "'");
-  check_is_zip(in, path);
+std::shared_ptr<PyValue> read_archive(std::istream& in, const Source& src, const TorchLoadOptions& options) {
+  check_is_zip(in, src);
   std::unique_ptr<Archive> zip;
   try {
     zip = std::make_unique<Archive>(&in);
   } catch (const std::exception& e) {
-    archive_error(path, e);
+    archive_error(src, e);
   }
-  if (has_record(*zip, "byteorder", path)) {
-    auto [order, n] = record(*zip, "byteorder", path);
-    TORCH_CHECK(std::string(static_cast<const char*>(order.get()), n) == "little", kWho, "'", path,
-                "' was saved on a big-endian machine; this reader reads little-endian files only");
+  if (has_record(*zip, "byteorder", src)) {
+    auto [order, n] = record(*zip, "byteorder", src);
+    TORCH_CHECK(std::string(static_cast<const char*>(order.get()), n) == "little", src.who, src.name,
+                " was saved on a big-endian machine; this reader reads little-endian files only");
   }
-  auto [pickle, size] = record(*zip, "data.pkl", path);
-  return Unpickler(path, static_cast<const char*>(pickle.get()), size,
+  auto [pickle, size] = record(*zip, "data.pkl", src);
+  return Unpickler(src.name, static_cast<const char*>(pickle.get()), size,
                    [&](const std::string& key, at::ScalarType dtype, int64_t numel) {
-                     return load_storage(*zip, path, key, dtype, numel);
-                   })
+                     return load_storage(*zip, src, key, dtype, numel);
+                   },
+                   options)
       .run();
+}
+
+std::shared_ptr<PyValue> read_file(const std::string& path, const TorchLoadOptions& options) {
+  const Source src{options.who, "'" + path + "'"};
+  std::error_code ec;
+  TORCH_CHECK(std::filesystem::exists(path, ec), src.who, src.name, " does not exist");
+  TORCH_CHECK(std::filesystem::is_regular_file(path, ec), src.who, src.name, " is not a regular file");
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, src.who, "cannot open ", src.name);
+  return read_archive(in, src, options);
+}
+
+// Turns what escapes the archive reader besides c10::Error (std::bad_alloc for an absurd
+// size, ...) into one naming the archive.
+template <typename F>
+std::shared_ptr<PyValue> guarded(const std::string& who, const std::string& name, F read) {
+  try {
+    return read();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, who, name, " cannot be read: ", e.what());
+  }
 }
 
 }  // namespace
@@ -517,13 +555,16 @@ const PyValue* dict_find(const PyValue& d, const std::string& key) {
 }
 
 std::shared_ptr<PyValue> torch_load(const std::string& path) {
-  try {
-    return read_archive(path);
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& e) {  // std::bad_alloc for an absurd size, ...
-    TORCH_CHECK(false, kWho, "'", path, "' cannot be read: ", e.what());
-  }
+  const TorchLoadOptions options;
+  return guarded(options.who, "'" + path + "'", [&] { return read_file(path, options); });
+}
+
+std::shared_ptr<PyValue> torch_load_bytes(const std::string& name, const char* data, size_t size,
+                                          const TorchLoadOptions& options) {
+  return guarded(options.who, name, [&] {
+    std::istringstream in(std::string(data, size), std::ios::binary);
+    return read_archive(in, Source{options.who, name}, options);
+  });
 }
 
 }  // namespace detail

@@ -28,7 +28,8 @@ namespace detail {
 struct PyValue {
   enum class Kind { kNone, kBool, kInt, kFloat, kStr, kTuple, kList, kDict, kTensor, kStorage, kGlobal, kOpaque };
   Kind kind = Kind::kNone;
-  int64_t integer = 0;  // kBool, kInt (a kFloat's value is read past: nothing needs it)
+  int64_t integer = 0;  // kBool, kInt
+  double real = 0;      // kFloat
   std::string text;     // kStr; kGlobal and kOpaque: the Python name, "module.qualname"
   // kTuple, kList: the elements; kDict: key, value, key, value, ... in insertion order.
   std::vector<std::shared_ptr<PyValue>> items;
@@ -54,6 +55,23 @@ const PyValue* dict_find(const PyValue& d, const std::string& key);
 // Tensors are always created on the CPU, whatever device they were saved from; views of one
 // storage (tied weights, a transposed tensor) stay views of one storage, as in torch.load.
 std::shared_ptr<PyValue> torch_load(const std::string& path);
+
+// How torch_load_bytes reads an archive found inside another file.
+struct TorchLoadOptions {
+  // Begins every error message, e.g. "fsdp::load_dcp: ".
+  std::string who = "fsdp::load_pytorch_state_dict: ";
+  // Refuse every GLOBAL but the few a tensor or a plain value needs (the tensor rebuild
+  // function, OrderedDict, the storage types), instead of keeping an unknown class as an opaque
+  // value: for archives that are items of a checkpoint, where nothing else belongs.
+  bool only_tensor_globals = false;
+};
+
+// The object of the torch.save archive held in `data` (`size` bytes), as torch_load reads a
+// file; `name` names it in messages (e.g. "'ckpt/__0_0.distcp' at byte 1577, key 'model.w'").
+// Throws c10::Error beginning with options.who on anything torch_load refuses, and, with
+// only_tensor_globals, on a GLOBAL outside the list, naming it.
+std::shared_ptr<PyValue> torch_load_bytes(const std::string& name, const char* data, size_t size,
+                                          const TorchLoadOptions& options);
 
 }  // namespace detail
 }  // namespace fsdp

@@ -522,3 +522,17 @@ TEST(TrainConfig, Fp16ParametersRunAndFp16WithAScalerIsRefusedNamingTheKey) {
       [] { check_supported(load_config("", {"--fsdp_config.fp16=true", "--fsdp_config.device=cuda"})); },
       {"fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet", "fsdp_config.device: cuda"});
 }
+
+TEST(TrainConfig, CheckpointFormatIsFsdpOrDcpAndOtherValuesNameTheKeyAndTheLine) {
+  EXPECT_EQ(load_config("", {}).fsdp_config.checkpoint_format, "fsdp");
+  EXPECT_EQ(load_config(kConfigs + "/tiny.yaml", {}).fsdp_config.checkpoint_format, "fsdp");
+  EXPECT_EQ(load_config("", {"--fsdp_config.checkpoint_format=dcp"}).fsdp_config.checkpoint_format, "dcp");
+  for (const char* bad : {"DCP", "torch", "safetensors", ""}) {
+    SCOPED_TRACE(bad);
+    expect_error([&] { load_config("", {std::string("--fsdp_config.checkpoint_format=") + bad}); },
+                 {"fsdp_config.checkpoint_format", "command line", "expected one of fsdp | dcp"});
+  }
+  const std::string path = write_yaml("fsdp_config:\n  checkpoint_dir: /tmp/x\n  checkpoint_format: distcp\n");
+  expect_error([&] { load_config(path, {}); },
+               {path + ":3", "fsdp_config.checkpoint_format", "expected one of fsdp | dcp, got 'distcp'"});
+}

@@ -3,6 +3,7 @@
 #include "checkpoint_state.h"
 
 #include <fsdp/checkpoint.h>
+#include <fsdp/dcp.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/optim_state_dict.h>
 
@@ -55,6 +56,20 @@ TrainerCounters load_checkpoint_state(const std::string& dir, torch::nn::Module&
   rng.set_state(loaded[kRngKey].to_local());
   const at::Tensor counters = loaded[kCountersKey].to_local();
   return TrainerCounters{counters[0].item<int64_t>(), counters[1].item<int64_t>()};
+}
+
+void save_dcp_state(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                    int64_t steps_done, double base_lr) {
+  save_dcp(dir, sharded_state_dict(model), sharded_optimizer_state_dict(model, optimizer), steps_done,
+           DcpOptions().initial_lr(base_lr));
+}
+
+int64_t load_dcp_state(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  init_optimizer_state(optimizer);  // so that the state dict lists the state to load into
+  const DcpState loaded = load_dcp(dir, sharded_state_dict(model), sharded_optimizer_state_dict(model, optimizer));
+  load_sharded_state_dict(model, loaded.model);
+  load_sharded_optimizer_state_dict(model, optimizer, loaded.optimizer);
+  return loaded.step;
 }
 
 }  // namespace train

@@ -8,6 +8,12 @@
 //   trainer.rng                           the default CPU generator's state (dropout), replicated
 //
 // The data position needs no key: a step's batch depends only on the step (data.h).
+//
+// With fsdp_config.checkpoint_format: dcp the same state goes into PyTorch's DCP layout instead
+// (fsdp/dcp.h: model.<fqn>, optimizer.state/param_groups, train_state.step), which a Python
+// FSDP2 trainer loads with dcp.load and writes with dcp.save. It holds the steps done; tokens
+// seen follow from them (every step trains the same number of tokens) and the RNG state is not
+// in it.
 #pragma once
 
 #include <fsdp/device_mesh.h>
@@ -36,6 +42,15 @@ ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimi
 // and returns its counters. Collective: every rank calls it.
 TrainerCounters load_checkpoint_state(const std::string& dir, torch::nn::Module& model,
                                       torch::optim::Optimizer& optimizer, const DeviceMesh& mesh);
+
+// Writes model, optimizer and steps done to `dir` in DCP layout; each param group records
+// `base_lr` as initial_lr (what a Python LR scheduler adds to its groups). Collective.
+void save_dcp_state(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                    int64_t steps_done, double base_lr);
+
+// Loads the DCP checkpoint in `dir` (save_dcp_state's, or a Python trainer's dcp.save of the same
+// layout) into model and optimizer, in place, and returns its steps done. Collective.
+int64_t load_dcp_state(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
 
 }  // namespace train
 }  // namespace fsdp

@@ -211,6 +211,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"fsdp_config", "vocab_parallel", boolean(f.vocab_parallel)},
       {"fsdp_config", "checkpoint_interval", int_at_least(f.checkpoint_interval, 0)},
       {"fsdp_config", "checkpoint_dir", string(f.checkpoint_dir)},
+      {"fsdp_config", "checkpoint_format", choice(f.checkpoint_format, {"fsdp", "dcp"})},
       {"fsdp_config", "collective_timeout_s",
        [&f](const YAML::Node& n) {
          if (n.IsNull()) return f.collective_timeout_s.reset();  // `key:` = the library's default

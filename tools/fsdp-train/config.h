@@ -103,6 +103,12 @@ struct FsdpConfig {
   int64_t checkpoint_interval = 0;  // save every N steps; 0 = only the final export
   // Created if needed and checked for writing at start-up (rank 0), before any training.
   std::string checkpoint_dir = "./checkpoints";
+  // How checkpoint_dir/step_<N> is written: fsdp = the project's own format (fsdp/checkpoint.h:
+  // CRC-checked, saved in the background, `latest` and pruning by the CheckpointManager); dcp =
+  // PyTorch's Distributed Checkpoint layout (fsdp/dcp.h), which Python's dcp.load reads at any
+  // world size: saved in the foreground, pruned to training.keep_checkpoints, no checksums, and
+  // without the dropout RNG state (a resumed run with model.dropout_p > 0 draws other masks).
+  std::string checkpoint_format = "fsdp";
   ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
   // How many replicas of the model the data-parallel ranks form: HYBRID_SHARD shards each
   // parameter over world / replicate_degree ranks and replicates it replicate_degree times.

@@ -2,7 +2,10 @@
 #include "resume.h"
 
 #include "config.h"
+#include "dcp_checkpoints.h"
 #include "run_identity.h"
+
+#include <fsdp/dcp.h>
 
 #include <filesystem>
 #include <stdexcept>
@@ -28,6 +31,10 @@ std::string joined(const std::vector<std::string>& lines) {
 
 ResumeChoice explicit_checkpoint(const std::string& dir) {
   std::string why;
+  if (is_dcp_dir(dir)) {
+    if (!is_complete_dcp(dir, &why)) throw ConfigError("training.resume: not a complete DCP checkpoint: " + why);
+    return {dir, {}};
+  }
   if (!CheckpointManager::is_complete(dir, &why)) throw ConfigError("training.resume: not a complete checkpoint: " + why);
   return {dir, {}};
 }
@@ -48,6 +55,16 @@ ResumeChoice latest_or_newest(const CheckpointManager::Scan& scan, const std::st
                              "). Nothing was started and nothing deleted: repair them, set training.resume to a "
                              "complete checkpoint, or set training.resume: never to start from step 0");
   return c;  // nothing saved yet: a new run
+}
+
+// Whether finding `f` is about one of root's DCP checkpoints.
+bool mentions_dcp_dir(const std::string& f, const std::string& root) {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string path = it->path().string();
+    if (f.find(path + " ") != std::string::npos && is_dcp_dir(path)) return true;
+  }
+  return false;
 }
 
 // The differences between the identity `dir` records and ours; none when it records none.
@@ -107,10 +124,24 @@ ResumeChoice resume_choice(const std::string& resume, const CheckpointManager& c
   if (resume == "never") return {};
   if (resume != "auto") {
     ResumeChoice c = explicit_checkpoint(resume);
+    if (is_dcp_dir(c.dir)) return c;  // a DCP checkpoint records no run identity
     for (const auto& d : differences(c.dir, identity)) c.notes.push_back("resume: note: " + d);
     return c;
   }
-  ResumeChoice c = latest_or_newest(checkpoints.scan(), root);
+  CheckpointManager::Scan scan = checkpoints.scan();
+  if (const std::optional<std::string> dcp = newest_complete_dcp(root)) {
+    // Either format: the newer checkpoint wins. The manager's scan sees DCP directories as
+    // incomplete saves of its own format: those findings are not problems.
+    const std::optional<std::string> own = resumable_checkpoint(scan);
+    if (!own || CheckpointManager::step_of(*dcp) > CheckpointManager::step_of(*own)) {
+      return {*dcp, {"resume: using " + *dcp + ", the newest complete checkpoint (DCP layout)"}};
+    }
+    std::vector<std::string> findings;
+    for (const auto& f : scan.findings)
+      if (f.find("metadata.json") == std::string::npos || !mentions_dcp_dir(f, root)) findings.push_back(f);
+    scan.findings = findings;
+  }
+  ResumeChoice c = latest_or_newest(scan, root);
   if (!c.dir.empty()) check_identity(&c, root, identity, allow_mismatch);
   return c;
 }

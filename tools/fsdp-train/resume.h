@@ -30,8 +30,12 @@ std::optional<std::string> older_complete_checkpoint(const std::string& root, co
 
 // training.resume:
 //   never   start from step 0 (whatever the directory holds);
-//   <path>  that checkpoint; ConfigError naming it and what is wrong unless it is complete;
-//   auto    the checkpoint `latest` names when it is complete; else the newest complete
+//   <path>  that checkpoint, in either format (a directory with a DCP .metadata, e.g. a Python
+//           trainer's dcp.save, is read as DCP); ConfigError naming it and what is wrong unless
+//           it is complete;
+//   auto    the newest complete DCP checkpoint root/step_<N> (dcp_checkpoints.h) when its N is
+//           larger than that of the checkpoint the project format offers (below); otherwise
+//   (auto)  the checkpoint `latest` names when it is complete; else the newest complete
 //           step_<N>, with notes saying what was wrong and what is used instead; else, when
 //           `root` holds a `latest` file or step_* directories, std::runtime_error naming
 //           what was found (nothing is started over, nothing deleted); else step 0.

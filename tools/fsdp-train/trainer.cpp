@@ -19,6 +19,7 @@
 
 #include "agreement.h"
 #include "checkpoint_state.h"
+#include "dcp_checkpoints.h"
 #include "data.h"
 #include "errors.h"
 #include "hardware.h"
@@ -33,6 +34,7 @@
 
 #include <fsdp/call.h>
 #include <fsdp/checkpoint.h>
+#include <fsdp/dcp.h>
 #include <fsdp/checkpoint_activations.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/device_mesh.h>
@@ -361,6 +363,8 @@ class Run {
   int train();
   std::string save_checkpoint(int64_t step);
   void save_checkpoint_in_background(int64_t step);
+  std::string save_dcp_checkpoint(int64_t step);
+  bool dcp_format() const { return cfg_.fsdp_config.checkpoint_format == "dcp"; }
   void poll_background_save();
   StepReport compute_step(int64_t step);
   StepVotes vote_on_step(const StepReport& r);
@@ -647,6 +651,7 @@ void Run::load_initial_safetensors(const std::string& path) {
 
 // Returns the directory written.
 std::string Run::save_checkpoint(int64_t step) {
+  if (dcp_format()) return save_dcp_checkpoint(step);
   const std::string dir =
       checkpoints_->save(step, checkpoint_state(*model_, *optimizer_, mesh_, {done_steps_, tokens_seen_}));
   last_saved_step_ = step;
@@ -654,11 +659,30 @@ std::string Run::save_checkpoint(int64_t step) {
   return dir;
 }
 
-// Training goes on while it is written; a failure is noticed by poll_background_save().
+// Training goes on while it is written; a failure is noticed by poll_background_save(). A DCP
+// checkpoint is written in the foreground (save_dcp has no background writer).
 void Run::save_checkpoint_in_background(int64_t step) {
+  if (dcp_format()) {
+    save_checkpoint(step);
+    return;
+  }
   checkpoints_->save_async(step, checkpoint_state(*model_, *optimizer_, mesh_, {done_steps_, tokens_seen_}));
   background_step_ = step;
   last_saved_step_ = step;
+}
+
+// checkpoint_dir/step_<N> in DCP layout; then rank 0 prunes to training.keep_checkpoints
+// (save_dcp returns on every rank only once the checkpoint is complete).
+std::string Run::save_dcp_checkpoint(int64_t step) {
+  const std::string dir = dcp_step_dir(cfg_.fsdp_config.checkpoint_dir, step);
+  save_dcp_state(dir, *model_, *optimizer_, done_steps_, cfg_.optimizer.lr);
+  if (rank_ == 0) {
+    const std::string problems = prune_dcp(cfg_.fsdp_config.checkpoint_dir, cfg_.training.keep_checkpoints, dir);
+    if (!problems.empty()) print("checkpoint: pruning old checkpoints: " + terminal_safe(problems));
+  }
+  last_saved_step_ = step;
+  last_saved_dir_ = dir;
+  return dir;
 }
 
 // A failed background save is noticed at the next step, not at the next save.
@@ -706,13 +730,20 @@ std::string Run::agreed_resume_dir() {
 
 void Run::load_resume_checkpoint(const std::string& dir) {
   std::string why;
-  const bool readable = CheckpointManager::is_complete(dir, &why);
+  const bool dcp = is_dcp_dir(dir);  // a DCP checkpoint, whatever checkpoint_format this run writes
+  const bool readable = dcp ? is_complete_dcp(dir, &why) : CheckpointManager::is_complete(dir, &why);
   throw_unless_every_rank_ok(readable ? "" : why, "cannot resume from " + dir + ", which rank 0 chose");
   std::string problem;
   try {
-    const TrainerCounters counters = load_checkpoint_state(dir, *model_, *optimizer_, mesh_);
-    start_step_ = done_steps_ = counters.steps_done;
-    tokens_seen_ = counters.tokens_seen;
+    if (dcp) {
+      // Every step trains tokens_per_step() tokens: the count follows from the steps.
+      start_step_ = done_steps_ = load_dcp_state(dir, *model_, *optimizer_);
+      tokens_seen_ = done_steps_ * tokens_per_step();
+    } else {
+      const TrainerCounters counters = load_checkpoint_state(dir, *model_, *optimizer_, mesh_);
+      start_step_ = done_steps_ = counters.steps_done;
+      tokens_seen_ = counters.tokens_seen;
+    }
   } catch (const std::exception& e) {
     problem = error_text(e);
   }
@@ -982,7 +1013,8 @@ std::string Run::last_good_checkpoint() {
   }
   if (rank_ != 0) return "";
   const CheckpointManager::Scan scan = checkpoints_->scan();
-  const std::optional<std::string> dir = resumable_checkpoint(scan);
+  const std::optional<std::string> dir =
+      dcp_format() ? newest_complete_dcp(cfg_.fsdp_config.checkpoint_dir) : resumable_checkpoint(scan);
   return dir ? *dir : std::string("none");
 }
 
