@@ -168,7 +168,8 @@ def differences(ours: Run, reference: Run, tolerance: str) -> list[str]:
 def workdir(request):
     keep = os.environ.get("FSDP_INTEROP_KEEP")
     if keep:
-        path = os.path.join(keep, request.node.callspec.id)
+        callspec = getattr(request.node, "callspec", None)
+        path = os.path.join(keep, callspec.id if callspec else request.node.name)
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
         yield path
