@@ -3,6 +3,7 @@
 // `latest` that every rank learns of at once, and failed saves that leave no temporaries behind
 // and are reported one line per rank (by poll() without waiting, for a background save).
 #include "harness/multiprocess.h"
+#include "file_size_limit.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/device_mesh.h>
@@ -14,7 +15,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -22,8 +22,6 @@
 #include <set>
 #include <sstream>
 #include <thread>
-
-#include <sys/resource.h>
 
 namespace fs = std::filesystem;
 using fsdp::testing::run_distributed;
@@ -270,27 +268,6 @@ TEST(CheckpointManager, AFailureToPointLatestFailsEveryRankAtOnce) {
 
 namespace {
 
-// While alive, files this process writes may not grow past `bytes` (a full disk, for it alone):
-// a write past that fails with EFBIG instead of raising SIGXFSZ.
-class FileSizeLimit {
- public:
-  explicit FileSizeLimit(rlim_t bytes) {
-    ::getrlimit(RLIMIT_FSIZE, &saved_);
-    previous_handler_ = std::signal(SIGXFSZ, SIG_IGN);
-    rlimit limited = saved_;
-    limited.rlim_cur = bytes;
-    ::setrlimit(RLIMIT_FSIZE, &limited);
-  }
-  ~FileSizeLimit() {
-    ::setrlimit(RLIMIT_FSIZE, &saved_);
-    std::signal(SIGXFSZ, previous_handler_);
-  }
-
- private:
-  rlimit saved_{};
-  void (*previous_handler_)(int) = nullptr;
-};
-
 // The error is a first line naming the phase, then one line per failed rank: no backtrace.
 void expect_one_line_per_rank(const std::string& what, const std::string& phase, const std::vector<int>& ranks) {
   std::istringstream lines(what);
@@ -309,7 +286,7 @@ void expect_one_line_per_rank(const std::string& what, const std::string& phase,
 void expect_save_fails(const std::string& dir, const fsdp::ShardedStateDict& sd, rlim_t limit, const std::string& phase,
                        const std::vector<int>& ranks) {
   try {
-    FileSizeLimit full(limit);
+    fsdp_test::FileSizeLimit full(limit);
     fsdp::save_checkpoint(dir, sd);
     ADD_FAILURE() << "expected the save to fail";
   } catch (const c10::Error& e) {
@@ -346,7 +323,7 @@ TEST(CheckpointManager, AFailedSaveLeavesNoTemporariesAndReportsOneLinePerRank) 
     fsdp::CheckpointManager manager(root + "/async");
     EXPECT_FALSE(manager.poll());  // nothing started
     {
-      FileSizeLimit full(1000);  // every rank
+      fsdp_test::FileSizeLimit full(1000);  // every rank
       manager.save_async(1, sd);
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
       bool reported = false, running = true;

@@ -3,7 +3,9 @@
 // nn.Module's state_dict(), bf16/int64/bool tensors, tied and strided views of one storage,
 // bundles with an optimizer and other Python objects), every value compared bitwise; and every
 // kind of bad file, each named in its error.
+#include "file_size_limit.h"
 #include "python_path.h"
+
 #include <fsdp/state_dict.h>
 
 #include <ATen/ATen.h>
@@ -11,13 +13,11 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/jit/serialization/pickle.h>
 
-#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 namespace fs = std::filesystem;
@@ -142,29 +142,6 @@ std::string hex_of(const at::Tensor& t) {
   return out;
 }
 
-// While alive, files this process writes may not grow past `bytes` (a full disk, for it alone):
-// a write past that fails with EFBIG instead of raising SIGXFSZ.
-class FileSizeLimit {
- public:
-  explicit FileSizeLimit(rlim_t bytes) {
-    ::getrlimit(RLIMIT_FSIZE, &saved_);
-    previous_handler_ = std::signal(SIGXFSZ, SIG_IGN);
-    rlimit limited = saved_;
-    limited.rlim_cur = bytes;
-    ::setrlimit(RLIMIT_FSIZE, &limited);
-  }
-  ~FileSizeLimit() {
-    ::setrlimit(RLIMIT_FSIZE, &saved_);
-    std::signal(SIGXFSZ, previous_handler_);
-  }
-  FileSizeLimit(const FileSizeLimit&) = delete;
-  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
-
- private:
-  rlimit saved_{};
-  void (*previous_handler_)(int) = nullptr;
-};
-
 }  // namespace
 
 TEST_F(StateDictPyTorchFile, EveryStateDictPythonSavesLoadsBitwise) {
@@ -277,7 +254,7 @@ TEST_F(StateDictPyTorchFile, WhatThisLibrarySavesLoadsBack) {
   other.insert("f", at::randn({64, 64}));  // a different file, larger than ours.pt
   const uintmax_t old_size = fs::file_size(dir_ + "/ours.pt");
   try {
-    FileSizeLimit full(static_cast<rlim_t>(old_size / 2));
+    fsdp_test::FileSizeLimit full(static_cast<rlim_t>(old_size / 2));
     fsdp::save_pytorch_state_dict(other, dir_ + "/ours.pt");
     ADD_FAILURE() << "expected the save to fail";
   } catch (const c10::Error& e) {

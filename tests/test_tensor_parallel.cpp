@@ -13,6 +13,7 @@
 #include <fsdp/dtensor_parameter.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/models/linear_cross_entropy.h>
+#include <fsdp/models/parallelize.h>
 #include <fsdp/models/transformer.h>
 #include <fsdp/optim_state_dict.h>
 #include <fsdp/safetensors.h>
@@ -176,7 +177,7 @@ TEST(TensorParallel, TransformerParityWithOneProcess) {
       const auto args = tp_args(12, 4);
       auto reference = seeded_model(args);
       auto model = seeded_model(args);
-      tp::parallelize(model, tp::TensorParallelMesh(mesh));
+      models::parallelize(model, tp::TensorParallelMesh(mesh));
       // The split layers hold their pieces; the rest is whole.
       auto& attention = *model->blocks()[0]->attention;
       EXPECT_EQ(attention.wq->weight.sizes(), (std::vector<int64_t>{12 / world, 12}));
@@ -201,7 +202,7 @@ TEST(TensorParallel, AllReducesPerBlock) {
     for (bool vocab_parallel : {false, true}) {
       SCOPED_TRACE(vocab_parallel ? "vocab-parallel" : "whole head");
       auto model = seeded_model(tp_args(12, 4, 8));
-      tp::parallelize(model, tp::TensorParallelMesh(mesh), tp::ParallelizeOptions().vocab_parallel(vocab_parallel));
+      models::parallelize(model, tp::TensorParallelMesh(mesh), models::ParallelizeOptions().vocab_parallel(vocab_parallel));
       const int64_t blocks = model->args().n_layers;
       group->reset_stats();
       at::Tensor loss = forward_loss(1)(model, step_tokens(0, 2, 8, 8));
@@ -218,15 +219,15 @@ TEST(TensorParallel, HeadsNotDivisibleByTpAreRejected) {
     auto mesh = fsdp::init_device_mesh("cpu", {4});
     auto model = seeded_model(tp_args(6, 2));
     try {
-      tp::parallelize(model, tp::TensorParallelMesh(mesh));
+      models::parallelize(model, tp::TensorParallelMesh(mesh));
       FAIL() << "expected an error";
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find("n_heads=2 is not divisible by the tensor-parallel size 4"),
                 std::string::npos) << e.what();
     }
   });
-  EXPECT_THROW(tp::check_parallelizable(12, 12, 5), c10::Error);
-  EXPECT_NO_THROW(tp::check_parallelizable(12, 12, 3));
+  EXPECT_THROW(models::check_parallelizable(12, 12, 5), c10::Error);
+  EXPECT_NO_THROW(models::check_parallelizable(12, 12, 3));
 }
 
 TEST(TensorParallel, VocabNotDivisibleByTpIsRejected) {
@@ -234,17 +235,17 @@ TEST(TensorParallel, VocabNotDivisibleByTpIsRejected) {
     auto mesh = fsdp::init_device_mesh("cpu", {2});
     auto model = seeded_model(tp_args(12, 4, 7));
     try {
-      tp::parallelize(model, tp::TensorParallelMesh(mesh), tp::ParallelizeOptions().vocab_parallel(true));
+      models::parallelize(model, tp::TensorParallelMesh(mesh), models::ParallelizeOptions().vocab_parallel(true));
       FAIL() << "expected an error";
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find("vocab_size=7 is not divisible by the tensor-parallel size 2"),
                 std::string::npos) << e.what();
     }
     // Refused before anything was split: the model can still be parallelized with a whole head.
-    EXPECT_NO_THROW(tp::parallelize(model, tp::TensorParallelMesh(mesh)));
+    EXPECT_NO_THROW(models::parallelize(model, tp::TensorParallelMesh(mesh)));
   });
-  EXPECT_THROW(tp::check_vocab_parallelizable(10, 4), c10::Error);
-  EXPECT_NO_THROW(tp::check_vocab_parallelizable(12, 4));
+  EXPECT_THROW(models::check_vocab_parallelizable(10, 4), c10::Error);
+  EXPECT_NO_THROW(models::check_vocab_parallelizable(12, 4));
 }
 
 // ------------------------------------------------------------------ the vocab-parallel loss
@@ -306,7 +307,7 @@ TEST(TensorParallel, VocabParallelTransformerParityWithOneProcess) {
         const std::string what = "tp" + std::to_string(world) + " chunks " + std::to_string(chunks);
         auto reference = seeded_model(args);
         auto model = seeded_model(args);
-        tp::parallelize(model, tp::TensorParallelMesh(mesh), tp::ParallelizeOptions().vocab_parallel(true));
+        models::parallelize(model, tp::TensorParallelMesh(mesh), models::ParallelizeOptions().vocab_parallel(true));
         EXPECT_EQ(model->tok_embeddings->weight.sizes(), (std::vector<int64_t>{8 / world, 12}));
         EXPECT_EQ(model->output->weight.sizes(), (std::vector<int64_t>{8 / world, 12}));
         EXPECT_EQ(fsdp::dtensor_parameter(model->output->weight)->placements()[0], fsdp::Shard(0));
@@ -332,7 +333,7 @@ fsdp::FullyShardOptions dp_tp_options(const fsdp::DeviceMesh& mesh) {
 // The model split over tp, then each block and the root sharded over dp.
 void parallelize_and_shard(fsdp::models::Transformer& model, const fsdp::DeviceMesh& mesh,
                            bool vocab_parallel = false) {
-  tp::parallelize(model, tp::TensorParallelMesh(mesh, "tp"), tp::ParallelizeOptions().vocab_parallel(vocab_parallel));
+  models::parallelize(model, tp::TensorParallelMesh(mesh, "tp"), models::ParallelizeOptions().vocab_parallel(vocab_parallel));
   for (auto& block : model->blocks()) fsdp::fully_shard(block, dp_tp_options(mesh));
   fsdp::fully_shard(model, dp_tp_options(mesh));
 }
@@ -565,7 +566,7 @@ TEST(TensorParallel, StateDictsOfAModelNotPassedToFullyShard) {
   if (!fsdp::testing::is_child()) std::filesystem::remove_all(root);
   run_distributed(2, [&] {
     auto model = seeded_model(checkpoint_args());
-    tp::parallelize(model, tp::TensorParallelMesh(fsdp::init_device_mesh("cpu", {2})));
+    models::parallelize(model, tp::TensorParallelMesh(fsdp::init_device_mesh("cpu", {2})));
     fsdp::load_full_state_dict(*model, other_values());
     const fsdp::ShardedStateDict sharded = fsdp::sharded_state_dict(*model);
     EXPECT_EQ(sharded["layers.0.attention.wq.weight"].placements(), std::vector<fsdp::Placement>{fsdp::Shard(0)});

@@ -27,7 +27,6 @@
 namespace fsdp {
 namespace detail {
 class FSDPState;
-class FSDPParamGroup;
 }  // namespace detail
 
 // Returned by FSDPModule::unshard(async_op = true): wait() makes the gathered parameters

@@ -185,7 +185,7 @@ DeviceMesh model_mesh(torch::nn::Module& model) {
     if (std::optional<DTensor> d = dtensor_parameter(p)) return d->device_mesh();
   }
   TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard or split by tensor "
-              "parallelism and no module replicated by replicate; apply fsdp::fully_shard, fsdp::tp::parallelize "
+              "parallelism and no module replicated by replicate; apply fsdp::fully_shard, fsdp::models::parallelize "
               "or fsdp::replicate first, or use the module's own named_parameters()/named_buffers()");
 }
 

@@ -4,7 +4,7 @@
 // happened to compute, which is what keeps ranks from hanging.
 #include "src/ddp/reducer.h"
 
-#include "src/fsdp/state.h"  // RecomputationScope: the end-of-backward callback under checkpointing
+#include "src/autograd/recomputation.h"  // the end-of-backward callback under checkpointing
 
 #include <fsdp/compat.h>
 

@@ -5,8 +5,15 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include <string>
+
 namespace fsdp {
 namespace detail {
+
+// How messages, traces and the flight recorder name an FSDP module: its FQN, and "(root)" for
+// the root module, whose FQN is empty. One spelling, so a name in an error can be found in a
+// trace or a flight-recorder dump.
+inline std::string module_label(const std::string& fqn) { return fqn.empty() ? "(root)" : fqn; }
 
 // Where a state (or its parameter group) is in the training iteration. Each hook checks it
 // first: a forward re-run during backward (activation recomputation) must not redo forward's

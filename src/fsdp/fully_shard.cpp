@@ -213,7 +213,7 @@ void attach_model_layouts(const FSDPParams& params, const MeshInfo& mesh) {
     const std::optional<DTensor> d = dtensor_parameter(p->unsharded());
     TORCH_CHECK(d.has_value(), "fully_shard: when dp_mesh_dims is provided, all parameters must be DTensors on the "
                 "full SPMD mesh, but '", p->fqn(), "' is a plain tensor; split or register it first "
-                "(fsdp::tp::parallelize, or fsdp::register_dtensor_parameter with Replicate() on every dim)");
+                "(a plan such as fsdp::models::parallelize, or fsdp::register_dtensor_parameter with Replicate() on every dim)");
     TORCH_CHECK(d->device_mesh() == mesh.mesh, "fully_shard: parameter '", p->fqn(), "' is a DTensor on the mesh ",
                 d->device_mesh().str(), ", not on FullyShardOptions::mesh ", mesh.mesh.str(), "; with dp_mesh_dims "
                 "both must be the same mesh object");

@@ -1,8 +1,6 @@
 // mesh_info.cpp — the meshes fully_shard accepts and what each of their dims does.
 #include "src/fsdp/mesh_info.h"
 
-#include <fsdp/fully_shard.h>
-
 #include <c10/util/Exception.h>
 
 namespace fsdp {

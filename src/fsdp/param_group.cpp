@@ -24,7 +24,7 @@ void wait_traced(const WorkHandle& work, const char* kind, const std::string& mo
   }
   const auto begin = trace::Clock::now();
   work->wait();
-  trace::record("wait", std::string("wait ") + kind + " " + (module_fqn.empty() ? "(root)" : module_fqn), begin,
+  trace::record("wait", std::string("wait ") + kind + " " + module_label(module_fqn), begin,
                 trace::Clock::now());
 }
 
@@ -33,7 +33,7 @@ void wait_traced(const WorkHandle& work, const char* kind, const std::string& mo
 // cause: ranks whose backward reached different modules.
 [[noreturn]] void rethrow_naming_module(const CollectiveError& e, const char* kind, const std::string& module_fqn) {
   std::string msg = std::string(e.what()) + " [the " + kind + " of FSDP module '" +
-                    (module_fqn.empty() ? "<root>" : module_fqn) + "']";
+                    module_label(module_fqn) + "']";
   if (std::string(kind) == "reduce_scatter") {
     msg += ". If the ranks' backward passes do not all reach the same FSDP modules (rank-dependent control "
            "flow, unused parameters), call set_reduce_scatter_unused_params(true) on the root FSDPModule on "

@@ -26,12 +26,6 @@ namespace fsdp {
 namespace detail {
 namespace {
 
-// The flight recorder's name for a state's module: its FQN, "(root)" for the root's "".
-const std::string& flight_label(const std::string& fqn) {
-  static const std::string kRoot = "(root)";
-  return fqn.empty() ? kRoot : fqn;
-}
-
 // ------------------------------------------------------------------------------ registry
 
 struct Registry {
@@ -66,8 +60,6 @@ struct PostBackwardFunction : public torch::autograd::Function<PostBackwardFunct
     return grads;
   }
 };
-
-thread_local RecomputationScope* t_innermost_recomputation = nullptr;
 
 }  // namespace
 
@@ -108,36 +100,6 @@ std::shared_ptr<FSDPState> find_state_by_id(int64_t id) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.by_id.find(id);
   return it == r.by_id.end() ? nullptr : it->second.lock();
-}
-
-// ------------------------------------------------------------------------------ recomputation
-
-RecomputationScope::RecomputationScope() : enclosing_(t_innermost_recomputation) { t_innermost_recomputation = this; }
-
-RecomputationScope::~RecomputationScope() {
-  t_innermost_recomputation = enclosing_;
-  if (enclosing_) return;  // callbacks are kept by the outermost scope only
-  // The outermost scope is opened by a backward function of the outer backward, which is then
-  // the engine's current backward, so queue_callback succeeds; still, nothing may leave a
-  // destructor.
-  for (auto& cb : end_of_backward_callbacks_) {
-    try {
-      torch::autograd::Engine::get_default_engine().queue_callback(std::move(cb));
-    } catch (...) {
-    }
-  }
-}
-
-RecomputationScope* RecomputationScope::current() { return t_innermost_recomputation; }
-
-void RecomputationScope::queue_end_of_backward_callback(std::function<void()> callback) {
-  RecomputationScope* scope = t_innermost_recomputation;
-  if (!scope) {
-    torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
-    return;
-  }
-  while (scope->enclosing_) scope = scope->enclosing_;
-  scope->end_of_backward_callbacks_.push_back(std::move(callback));
 }
 
 // ------------------------------------------------------------------------------ set-up
@@ -209,7 +171,7 @@ void FSDPState::lazy_init() {
     }
     st->fqn_ = item.key();
     if (st->group_) {
-      st->group_->set_module_fqn(item.key().empty() ? "<root>" : item.key());
+      st->group_->set_module_fqn(module_label(item.key()));
       st->group_->set_comm_context(ctx_->comm.get());
     }
     ctx_->all_states.push_back(st.get());
@@ -247,13 +209,13 @@ void FSDPState::check_previous_iteration_finished() const {
   // A backward runs FSDP's end-of-backward callback when it ends; one that was thrown out of
   // never does.
   TORCH_CHECK(!ctx_->final_callback_queued || in_backward(), "fsdp: the previous backward through FSDP module '",
-              fqn_.empty() ? "<root>" : fqn_, "' did not finish (an exception was thrown inside it), so its gradient "
+              module_label(fqn_), "' did not finish (an exception was thrown inside it), so its gradient "
               "reduction never completed. Call reset_iter_state() on the root FSDPModule (on every rank) before "
               "running forward again.");
 }
 
 void FSDPState::mark_iteration_failed() {
-  if (ctx_ && ctx_->failed_forward.empty()) ctx_->failed_forward = fqn_.empty() ? "<root>" : fqn_;
+  if (ctx_ && ctx_->failed_forward.empty()) ctx_->failed_forward = module_label(fqn_);
 }
 
 // Every rank must reach this at the same point of its collectives (an exception every rank
@@ -302,7 +264,7 @@ void FSDPState::use_comm_context(std::shared_ptr<CommContext> comm) {
     return;
   }
   if (ctx_->comm == comm) return;
-  TORCH_CHECK(ctx_->comm->reductions.empty(), "fsdp::share_comm_ctx: FSDP module '", fqn_.empty() ? "<root>" : fqn_,
+  TORCH_CHECK(ctx_->comm->reductions.empty(), "fsdp::share_comm_ctx: FSDP module '", module_label(fqn_),
               "' has ", ctx_->comm->reductions.size(), " gradient reductions in flight; share communication contexts "
               "between iterations (after a backward run with set_is_last_backward(true)).");
   ctx_->comm = std::move(comm);
@@ -349,7 +311,7 @@ std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, 
   if (!ctx_->iter_forward_root) ctx_->iter_forward_root = this;
   training_state_ = TrainingState::kForward;
   // What the flight recorder writes with this rank's next collectives, and as "last seen in".
-  FlightRecorder::global().set_context("forward", flight_label(fqn_));
+  FlightRecorder::global().set_context("forward", module_label(fqn_));
   if (!group_ || !modules_to_run_forward_.empty()) return inputs;  // the round already started
   for (const auto& m : modules_) {
     if (auto locked = m.lock()) modules_to_run_forward_.insert(locked.get());
@@ -500,7 +462,7 @@ void FSDPState::pre_backward() {
     RecomputationScope::queue_end_of_backward_callback([weak_root] { final_callback(weak_root); });
   }
   training_state_ = TrainingState::kPreBackward;
-  FlightRecorder::global().set_context("backward", flight_label(fqn_));
+  FlightRecorder::global().set_context("backward", module_label(fqn_));
   if (!group_ || group_->training_state() == TrainingState::kPreBackward) return;
   group_->pre_backward();
   prefetch_in_backward();
@@ -522,7 +484,7 @@ void FSDPState::prefetch_in_backward() {
 
 void FSDPState::post_backward() {
   if (!group_) return;
-  FlightRecorder::global().set_context("post-backward", flight_label(fqn_));
+  FlightRecorder::global().set_context("post-backward", module_label(fqn_));
   if (ctx_ && group_->reduces_unused_params()) reduce_groups_due_before(group_.get());
   group_->post_backward();
   if (ctx_) ctx_->comm->finish_reductions(/*wait_all=*/false);
@@ -555,7 +517,7 @@ void FSDPState::final_callback(std::weak_ptr<FSDPState> weak_root) {
   auto root = weak_root.lock();
   if (!root || !root->ctx_) return;
   StateContext& ctx = *root->ctx_;
-  FlightRecorder::global().set_context("end of backward", flight_label(root->fqn_));
+  FlightRecorder::global().set_context("end of backward", module_label(root->fqn_));
   post_backward_of_unreached_groups(ctx);
   for (FSDPState* st : ctx.all_states) st->training_state_ = TrainingState::kIdle;
   if (ctx.is_last_backward) finalize_backward(ctx);
@@ -563,7 +525,7 @@ void FSDPState::final_callback(std::weak_ptr<FSDPState> weak_root) {
     if (st->group_) st->group_->end_backward();
   }
   ctx.final_callback_queued = false;
-  FlightRecorder::global().set_context("after backward", flight_label(root->fqn_));
+  FlightRecorder::global().set_context("after backward", module_label(root->fqn_));
 }
 
 // Groups whose post-backward could not fire (inputs that need no grad, e.g. token ids and the
@@ -596,7 +558,7 @@ std::vector<std::string> FSDPState::resharded_modules_below() const {
     auto st = find_state(*item.value());
     if (!st || !st->group_ || st->group_->sharded_state() == ShardedState::kUnsharded) continue;
     std::string name = fqn_.empty() ? item.key() : (item.key().empty() ? fqn_ : fqn_ + "." + item.key());
-    names.push_back(name.empty() ? "<root>" : name);
+    names.push_back(module_label(name));
   }
   return names;
 }

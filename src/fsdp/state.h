@@ -4,6 +4,7 @@
 // group itself.
 #pragma once
 
+#include "src/autograd/recomputation.h"
 #include "src/fsdp/common.h"
 #include "src/fsdp/param_group.h"
 
@@ -23,35 +24,6 @@ namespace fsdp {
 namespace detail {
 
 class FSDPState;
-
-// Reentrant activation checkpointing (checkpoint_activations.cpp) calls a function again inside
-// backward and backpropagates through that recomputation with a nested backward. It opens one
-// of these on its thread for the recomputation and the nested backward together. While one is
-// open, FSDP modules called are recomputed, not run for a new forward (FSDPState::pre_forward),
-// and the end-of-backward callback is kept for the outer backward: queued from inside the
-// nested one, it would run when the nested one ends.
-class RecomputationScope {
- public:
-  RecomputationScope();
-  // The outermost scope queues the kept callbacks on the backward it runs in.
-  ~RecomputationScope();
-  RecomputationScope(const RecomputationScope&) = delete;
-  RecomputationScope& operator=(const RecomputationScope&) = delete;
-
-  // The innermost open scope on this thread, or null.
-  static RecomputationScope* current();
-  // True for the first call with grad enabled of one of `state`'s modules in this
-  // recomputation: that call hooks its inputs for post-backward (as the first module of a
-  // forward round does).
-  bool first_call_of(const FSDPState* state) { return states_called_.insert(state).second; }
-  // Runs `callback` at the end of the outermost backward on this thread.
-  static void queue_end_of_backward_callback(std::function<void()> callback);
-
- private:
-  RecomputationScope* enclosing_;
-  std::set<const FSDPState*> states_called_;
-  std::vector<std::function<void()>> end_of_backward_callbacks_;  // the outermost scope's only
-};
 
 // Shared by every state under one root (made by the root's lazy init).
 struct StateContext {

@@ -7,6 +7,7 @@
 
 #include <fsdp/call.h>
 #include <fsdp/dtensor_parameter.h>
+#include <fsdp/fully_shard.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -252,6 +253,17 @@ std::optional<VocabSlice> vocab_slice_of(const torch::nn::Linear& head) {
   auto column = std::dynamic_pointer_cast<ColumnParallelLinearImpl>(head.ptr());
   if (!column) return std::nullopt;
   return VocabSlice{column->first_output_feature(), column->options.out_features(), column->group()};
+}
+
+// What a model's plan leaves unsplit: whole on every rank of the mesh.
+void register_replicated(torch::nn::Module& model, const TensorParallelMesh& tp) {
+  const std::vector<Placement> whole(tp.mesh().ndim(), Replicate());
+  for (const auto& p : model.parameters()) {
+    // A block already sharded by fully_shard registers its shards here, whose unsharded
+    // tensors carry the records; only parameters outside the blocks get one now.
+    if (fsdp::is_sharded_parameter(p) || dtensor_parameter(p)) continue;
+    register_dtensor_parameter(p, tp.mesh(), whole, p.sizes().vec());
+  }
 }
 
 }  // namespace tp

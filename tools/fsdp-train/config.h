@@ -93,10 +93,10 @@ struct FsdpConfig {
   // without it. Default true, as the FSDP example's configuration has it.
   bool use_reentrant = true;
   // >= 1: tensor-parallel ranks per model copy. k > 1 trains on the mesh (world / k, k) named
-  // (dp, tp): the blocks split over tp (fsdp::tp::parallelize), FSDP over dp.
+  // (dp, tp): the blocks split over tp (fsdp::models::parallelize), FSDP over dp.
   int model_parallel_size = 1;
   // With model_parallel_size k > 1: the token embedding and the output head split by vocabulary
-  // over tp too (ParallelizeOptions::vocab_parallel), the loss computed from each rank's slice of
+  // over tp too (models::ParallelizeOptions::vocab_parallel), the loss computed from each rank's slice of
   // the logits; model.vocab_size must be divisible by k. false keeps both whole on every tp rank.
   // Without tensor parallelism there is nothing to split, and either value trains the same.
   bool vocab_parallel = true;

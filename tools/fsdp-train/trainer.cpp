@@ -44,6 +44,7 @@
 #include <fsdp/fused_adamw.h>
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
+#include <fsdp/models/parallelize.h>
 #include <fsdp/models/transformer.h>
 #include <fsdp/replicate.h>
 #include <fsdp/safetensors.h>
@@ -572,7 +573,7 @@ void Run::build_sharded_model(const MixedPrecisionPolicy& policy, const std::opt
 }
 
 // model_parallel_size k > 1: each block is split over tp as soon as it is built (the Megatron
-// plan: fsdp::tp::parallelize), then sharded over dp; with vocab_parallel the token embedding
+// plan: fsdp::models::parallelize), then sharded over dp; with vocab_parallel the token embedding
 // and the output head are split by vocabulary over tp; the root shards what it holds (the
 // embeddings, the final norm, the head) over dp.
 void Run::build_tensor_parallel_model(FullyShardOptions block_options, FullyShardOptions root_options) {
@@ -581,10 +582,10 @@ void Run::build_tensor_parallel_model(FullyShardOptions block_options, FullyShar
   root_options.dp_mesh_dims(dp_dims);
   const tp::TensorParallelMesh tp_mesh(mesh_, "tp");
   model_ = models::Transformer(args_, [&](models::TransformerBlock& block) {
-    tp::parallelize_block(*block, args_, tp_mesh);
+    models::parallelize_block(*block, args_, tp_mesh);
     fully_shard(block, block_options);
   });
-  if (cfg_.fsdp_config.vocab_parallel) tp::parallelize_vocab(*model_, tp_mesh);
+  if (cfg_.fsdp_config.vocab_parallel) models::parallelize_vocab(*model_, tp_mesh);
   tp::register_replicated(*model_, tp_mesh);
   fully_shard(model_, root_options);
 }

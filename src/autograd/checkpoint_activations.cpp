@@ -2,11 +2,11 @@
 // (fsdp/checkpoint_activations.h): its forward runs the function under no-grad and keeps only
 // the inputs and the CPU generator's state; its backward recomputes with grad enabled and
 // backpropagates through the recomputation. FSDP modules inside the function see the
-// recomputation through the RecomputationScope it opens (state.h); nothing here talks to FSDP
+// recomputation through the RecomputationScope it opens (recomputation.h); nothing here talks to FSDP
 // or to a process group otherwise.
 #include <fsdp/checkpoint_activations.h>
 
-#include "src/fsdp/state.h"
+#include "src/autograd/recomputation.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
