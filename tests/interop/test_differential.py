@@ -45,14 +45,15 @@ FP32 = dict(loss_rtol=1e-5, norm_rtol=1e-5, param_atol=1e-5)
 # sums before a rounding differ in their last bits (another order of the same ops: the C++
 # model's attention and loss are written separately from model.py's) the bf16 value may land
 # one rounding apart. The loss is a mean over many such values and the gradient norm a sum,
-# so both stay within a fraction of u: u / 4 relative (measured: at most 3.2e-4 for the loss,
-# 7.2e-4 for the norm). A single parameter is not averaged: an element whose gradient is near zero can
+# so both stay within a fraction of u: u / 2 relative (measured: at most 3.2e-4 for the loss,
+# 7.2e-4 for the norm, on a CPU with avx512_bf16; other CPUs take other bf16 kernels, so the
+# margin is kept at over 2x). A single parameter is not averaged: an element whose gradient is near zero can
 # change sign under one rounding, and AdamW then moves it by up to lr the other way, so the only
 # bound on a parameter is the distance AdamW can move it, 2 * STEPS * lr (measured: 4.5e-3, the
 # same size as the distance between a bf16 and an fp32 run). The bf16 rows therefore catch
 # wrong gradients through the norm and the loss, and parameters only when grossly wrong.
 BF16_U = 2.0 ** -8
-BF16 = dict(loss_rtol=BF16_U / 4, norm_rtol=BF16_U / 4, param_atol=2 * STEPS * 2e-3)
+BF16 = dict(loss_rtol=BF16_U / 2, norm_rtol=BF16_U / 2, param_atol=2 * STEPS * 2e-3)
 
 TOLERANCES = {"fp32": FP32, "bf16": BF16}
 
