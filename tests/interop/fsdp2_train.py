@@ -68,8 +68,7 @@ MODELLED = {
     "fsdp_config": {"sharding_strategy", "replicate_degree", "reshard_after_forward", "mixed_precision",
                     "param_dtype", "reduce_dtype", "activation_checkpointing", "activation_checkpointing_every",
                     "model_parallel_size", "vocab_parallel", "use_reentrant", "device", "fp16",
-                    "shard_optimizer_state", "offload_params", "offload_optimizer_state", "output_head_group",
-                    "checkpoint_format"},
+                    "shard_optimizer_state", "offload_params", "offload_optimizer_state", "output_head_group"},
     "model": {"preset", "n_layers", "vocab_size", "max_seq_len", "dim", "n_heads", "dropout_p", "init_from",
               "freeze"},
     "data": {"source", "data_seed"},
@@ -80,8 +79,8 @@ MODELLED = {
 }
 # Keys that cannot change the computed numbers: accepted and not used.
 NO_EFFECT = {
-    "fsdp_config": {"world_size", "local_rank", "checkpoint_interval", "checkpoint_dir", "collective_timeout_s",
-                    "backend"},
+    "fsdp_config": {"world_size", "local_rank", "checkpoint_interval", "checkpoint_dir", "checkpoint_format",
+                    "collective_timeout_s", "backend"},
     "training": {"resume", "export", "allow_resume_mismatch", "keep_checkpoints"},
     "logging": None,  # every key
     "sample": None,
