@@ -32,6 +32,7 @@
 
 using fsdp::testing::run_distributed;
 namespace tp = fsdp::tp;
+namespace models = fsdp::models;
 
 namespace {
 

@@ -12,7 +12,7 @@ namespace fsdp {
 // (PyTorch's DataParallelMeshDims): FSDP over tensor parallelism.
 //
 //   auto mesh = fsdp::init_device_mesh("cpu", {dp, tp}, {"dp", "tp"});
-//   fsdp::tp::parallelize(model, fsdp::tp::TensorParallelMesh(mesh, "tp"));   // fsdp/tensor_parallel.h
+//   fsdp::models::parallelize(model, fsdp::tp::TensorParallelMesh(mesh, "tp"));   // fsdp/models/parallelize.h
 //   auto options = fsdp::FullyShardOptions().mesh(mesh).dp_mesh_dims(fsdp::DataParallelMeshDims().shard("dp"));
 //   for (auto& block : model->blocks()) fsdp::fully_shard(block, options);
 //   fsdp::fully_shard(model, options);

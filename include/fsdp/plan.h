@@ -106,7 +106,7 @@ struct TransformerShape {
 // How the trainer cuts the Transformer into FSDP groups and tensor-parallel pieces.
 struct TransformerSharding {
   bool output_head_group = false;  // the final norm and the output head a group of their own
-  int64_t tensor_parallel = 1;     // the blocks split over this many tp ranks (fsdp::tp::parallelize)
+  int64_t tensor_parallel = 1;     // the blocks split over this many tp ranks (fsdp::models::parallelize)
   bool vocab_parallel = true;      // with tensor_parallel > 1: the embedding and head split by vocabulary too
 };
 struct ActivationOptions {

@@ -27,7 +27,7 @@ void check_whole(const torch::nn::Module& module, const std::string& name) {
   TORCH_CHECK(!dynamic_cast<const tp::ColumnParallelLinearImpl*>(&module) &&
               !dynamic_cast<const tp::RowParallelLinearImpl*>(&module) &&
               !dynamic_cast<const tp::VocabParallelEmbeddingImpl*>(&module),
-              "fsdp::tp::parallelize: '", name, "' is already tensor-parallel; parallelize a model once");
+              "fsdp::models::parallelize: '", name, "' is already tensor-parallel; parallelize a model once");
 }
 
 template <typename ParallelImpl>
@@ -40,15 +40,15 @@ void replace_linear(torch::nn::Module& owner, const std::string& name, torch::nn
 }  // namespace
 
 void check_parallelizable(int64_t n_heads, int64_t dim, int64_t tp_size) {
-  TORCH_CHECK(tp_size >= 1, "fsdp::tp: the tensor-parallel size must be >= 1, got ", tp_size);
-  TORCH_CHECK(n_heads % tp_size == 0, "fsdp::tp: n_heads=", n_heads, " is not divisible by the tensor-parallel size ",
+  TORCH_CHECK(tp_size >= 1, "fsdp::models::parallelize: the tensor-parallel size must be >= 1, got ", tp_size);
+  TORCH_CHECK(n_heads % tp_size == 0, "fsdp::models::parallelize: n_heads=", n_heads, " is not divisible by the tensor-parallel size ",
               tp_size, "; each tp rank computes whole heads, so choose a tp size that divides n_heads");
-  TORCH_CHECK(dim % tp_size == 0, "fsdp::tp: dim=", dim, " is not divisible by the tensor-parallel size ", tp_size);
+  TORCH_CHECK(dim % tp_size == 0, "fsdp::models::parallelize: dim=", dim, " is not divisible by the tensor-parallel size ", tp_size);
 }
 
 void check_vocab_parallelizable(int64_t vocab_size, int64_t tp_size) {
-  TORCH_CHECK(tp_size >= 1, "fsdp::tp: the tensor-parallel size must be >= 1, got ", tp_size);
-  TORCH_CHECK(vocab_size % tp_size == 0, "fsdp::tp: vocab_size=", vocab_size,
+  TORCH_CHECK(tp_size >= 1, "fsdp::models::parallelize: the tensor-parallel size must be >= 1, got ", tp_size);
+  TORCH_CHECK(vocab_size % tp_size == 0, "fsdp::models::parallelize: vocab_size=", vocab_size,
               " is not divisible by the tensor-parallel size ", tp_size, "; a vocab-parallel embedding and head "
               "give each tp rank vocab_size / tp rows, so choose a tp size that divides it, or keep them whole "
               "(ParallelizeOptions().vocab_parallel(false))");

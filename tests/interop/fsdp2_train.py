@@ -251,7 +251,7 @@ def divided_all_reduce(factor: float, bucket):
 
 
 def tensor_parallel(run: Run, model: torch.nn.Module, tp_mesh) -> None:
-    """fsdp-train's Megatron plan (fsdp::tp::parallelize) with PyTorch's parallel styles."""
+    """fsdp-train's Megatron plan (fsdp::models::parallelize) with PyTorch's parallel styles."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
