@@ -58,7 +58,7 @@ def fsdp2(workdir: str, init: str, resume: str, save: str) -> dict[int, tuple[fl
     cmd = [sys.executable, os.path.join(_HERE, "fsdp2_train.py"), BASE, "--world", "3", "--out", out,
            *COMMON, "--training.micro_batch_size=2", "--training.steps=6", f"--model.init_from={init}",
            "--resume-dcp", resume, "--save-dcp", save]
-    run(cmd, os.path.join(out, "log.txt"))
+    run(cmd, os.path.join(out, "log.txt"), retry_if_killed=True)
     with open(os.path.join(out, "result.json")) as f:
         result = json.load(f)
     first = result["first_step"]
