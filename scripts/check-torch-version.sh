@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # check-torch-version.sh — compiles the library against another LibTorch release's headers and
-# links it against its libraries, to show that include/fsdp/compat.h covers it. Not part of CI:
+# links it against its libraries, to show that src/util/compat.h covers it. Not part of CI:
 # it downloads that release's wheel (about 0.9 GiB, once; kept in ~/.cache/fsdp-cpp) and builds
 # the library alone into build-torch-<version>/.
 #

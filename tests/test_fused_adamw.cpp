@@ -8,7 +8,7 @@
 
 #include <fsdp/call.h>
 #include <fsdp/checkpoint.h>
-#include <fsdp/compat.h>
+#include "src/util/compat.h"
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/fused_adamw.h>

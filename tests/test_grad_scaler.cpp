@@ -7,7 +7,7 @@
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad.h>
-#include <fsdp/compat.h>
+#include "src/util/compat.h"
 #include <fsdp/distributed.h>
 #include <fsdp/grad_scaler.h>
 

@@ -1,3 +1,4 @@
+// layer: composable (what may include what: docs/architecture.md)
 // fsdp/call.h — the hook point: how model code calls a submodule so that FSDP can run its
 // pre-forward and post-forward around it.
 //
@@ -79,28 +80,29 @@ namespace detail {
 
 // The body of fsdp::call and fsdp::call_method: `invoke(args...)` runs the module's entry point;
 // around it pre-forward and post-forward when the module is an FSDP module. An exception from
-// the entry point or the hooks leaves the iteration unfinished: the next forward refuses to
-// start until FSDPModule::reset_iter_state() is called on the root (rethrow_forward_error).
+// the entry point or the hooks goes to the hooks' rethrow_forward_error (for FSDP: the iteration
+// is left unfinished, and the next forward refuses to start until FSDPModule::reset_iter_state()
+// is called on the root).
 template <typename Result, typename ModulePtr, typename Invoke, typename... Args>
 Result call_with_hooks(ModulePtr& module, Invoke invoke, Args&&... args) {
-  FSDPState* state = state_of(*module);
-  if (state == nullptr) return invoke(std::forward<Args>(args)...);
+  ForwardHooks* hooks = forward_hooks_of(*module);
+  if (hooks == nullptr) return invoke(std::forward<Args>(args)...);
 
   std::vector<at::Tensor> inputs;
   try {
-    inputs = pre_forward(*state, *module, tensor_args(args...));
+    inputs = hooks->pre_forward(*module, tensor_args(args...));
   } catch (...) {
-    rethrow_forward_error(*state);
+    rethrow_forward_error(*hooks);
   }
   ArgSubstituter substitute{inputs};
   // A braced list evaluates left to right, so replacements are taken in argument order.
   std::tuple<decltype(substitute(std::forward<Args>(args)))...> call_args{substitute(std::forward<Args>(args))...};
   try {
     Result result = std::apply(invoke, std::move(call_args));
-    run_post_forward(*state, *module, result);
+    run_post_forward(*hooks, *module, result);
     return result;
   } catch (...) {
-    rethrow_forward_error(*state);
+    rethrow_forward_error(*hooks);
   }
 }
 

@@ -1,3 +1,4 @@
+// layer: checkpoint (what may include what: docs/architecture.md)
 // fsdp/checkpoint.h — distributed checkpoints on disk: each rank writes only its own shards,
 // and a checkpoint loads at any world size (each rank reads only the byte ranges it needs).
 //

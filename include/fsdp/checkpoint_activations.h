@@ -1,3 +1,4 @@
+// layer: autograd (what may include what: docs/architecture.md)
 // fsdp/checkpoint_activations.h — activation checkpointing: run a function or a module without
 // keeping the activations it computes, and compute them again in backward. (Saving training
 // state to disk is fsdp/checkpoint.h; nothing here touches files.)

@@ -1,3 +1,4 @@
+// layer: fsdp (what may include what: docs/architecture.md)
 // fsdp/clip_grad.h — gradient clipping over sharded gradients.
 //
 //   double norm = fsdp::clip_grad_norm_(model->parameters(), /*max_norm=*/1.0);

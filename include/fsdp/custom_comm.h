@@ -1,3 +1,4 @@
+// layer: fsdp (what may include what: docs/architecture.md)
 // fsdp/custom_comm.h — replacing how one FSDP module's all-gather or reduce-scatter gets its
 // buffers and runs (FSDPModule::set_custom_all_gather / set_custom_reduce_scatter): e.g. to
 // count or trace them, to run them on a process group of one's own, or to place the buffers in

@@ -1,3 +1,4 @@
+// layer: checkpoint (what may include what: docs/architecture.md)
 // fsdp/dcp.h — PyTorch Distributed Checkpoint (DCP) interop: checkpoints that Python's
 // torch.distributed.checkpoint (tested with torch 2.15, FileSystemWriter defaults) loads and saves,
 // in the layout of a training run:

@@ -1,3 +1,4 @@
+// layer: tensor (what may include what: docs/architecture.md)
 // fsdp/device_mesh.h — a logical n-D arrangement of the world's ranks, with one process group
 // per mesh dimension.
 //

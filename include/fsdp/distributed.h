@@ -1,3 +1,4 @@
+// layer: comm (what may include what: docs/architecture.md)
 // fsdp/distributed.h — joining the job: rendezvous from the launcher's environment, the
 // world process group, and sub-groups.
 //

@@ -1,3 +1,4 @@
+// layer: fsdp (what may include what: docs/architecture.md)
 // fsdp/dp_mesh_dims.h — DataParallelMeshDims: which dims of a fully_shard mesh are
 // data-parallel when the mesh also has the model's own dims (tensor parallelism).
 #pragma once

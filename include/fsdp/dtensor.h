@@ -1,3 +1,4 @@
+// layer: tensor (what may include what: docs/architecture.md)
 // fsdp/dtensor.h — a tensor distributed over a DeviceMesh: this rank's local piece, the mesh,
 // one Placement per mesh dim, and the global shape.
 //

@@ -1,3 +1,4 @@
+// layer: tensor (what may include what: docs/architecture.md)
 // fsdp/dtensor_parameter.h — marks a module's parameter as this rank's piece of a DTensor.
 //
 // In PyTorch a tensor-parallel parameter *is* a DTensor; LibTorch modules hold plain tensors, so

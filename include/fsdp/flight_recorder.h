@@ -1,3 +1,4 @@
+// layer: comm (what may include what: docs/architecture.md)
 // fsdp/flight_recorder.h — each rank's record of its last collectives, dumped as JSON when a
 // job hangs or dies, so that a launcher (fsdprun) can say which rank is stuck where.
 //

@@ -1,3 +1,4 @@
+// layer: fsdp (what may include what: docs/architecture.md)
 // fsdp/fsdp_module.h — the handle of a module that fully_shard() was applied to: manual
 // unshard/reshard, prefetch control, gradient-sync control and how gradients are reduced.
 //

@@ -1,3 +1,4 @@
+// layer: fsdp (what may include what: docs/architecture.md)
 // fsdp/fully_shard.h — fully_shard(): shard a module's parameters over a device mesh, in place.
 //
 //   auto mesh = fsdp::init_device_mesh("cpu", {world});

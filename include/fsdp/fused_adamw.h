@@ -1,3 +1,4 @@
+// layer: optim (what may include what: docs/architecture.md)
 // fsdp/fused_adamw.h — torch::optim::AdamW, with each step done in one multi-threaded,
 // vectorized pass over the memory of many parameters at once.
 //

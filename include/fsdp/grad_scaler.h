@@ -1,3 +1,4 @@
+// layer: optim (what may include what: docs/architecture.md)
 // fsdp/grad_scaler.h — dynamic loss scaling: torch.amp.GradScaler, with the rank agreement of
 // FSDP's ShardedGradScaler, over sharded (fully_shard) or plain gradients.
 //

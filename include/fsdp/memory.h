@@ -1,3 +1,4 @@
+// layer: util (what may include what: docs/architecture.md)
 // fsdp/memory.h — CPU memory accounting: the analogue of torch.cuda.memory_allocated(),
 // max_memory_allocated() and reset_peak_memory_stats(), plus the process's resident set.
 //

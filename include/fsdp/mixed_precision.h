@@ -1,3 +1,4 @@
+// layer: fsdp (what may include what: docs/architecture.md)
 // fsdp/mixed_precision.h — MixedPrecisionPolicy: which dtypes one fully_shard group computes,
 // communicates and returns in, while its sharded parameters keep their own dtype.
 //

@@ -1,3 +1,4 @@
+// layer: fsdp (what may include what: docs/architecture.md)
 // fsdp/offload.h — CPUOffloadPolicy: keep a group's sharded parameters, their gradients and the
 // optimizer state in host memory, and step the optimizer there.
 //

@@ -1,3 +1,4 @@
+// layer: checkpoint (what may include what: docs/architecture.md)
 // fsdp/optim_state_dict.h — an optimizer's state keyed by parameter FQN, sharded like the
 // parameters, so that it can be saved with the model and loaded at another world size.
 //

@@ -1,3 +1,4 @@
+// layer: tensor (what may include what: docs/architecture.md)
 // fsdp/placement.h — how a DTensor's data is laid out along one mesh dimension.
 //
 //   fsdp::Shard(0)      // tensor dim 0 is split across the mesh dim (torch.chunk rules)
@@ -10,6 +11,8 @@
 // over dp, so the dp placement is StridedShard(0, tp) (PyTorch prints it _StridedShard(dim=0,
 // sf=tp)): rank (a, b) holds chunk a of chunk b of the tensor, not chunk b of chunk a.
 #pragma once
+
+#include <fsdp/chunk.h>
 
 #include <cstdint>
 #include <string>
@@ -62,18 +65,5 @@ class Placement {
 inline Placement Shard(int64_t dim = 0) { return Placement::shard(dim); }
 inline Placement Replicate() { return Placement::replicate(); }
 inline Placement StridedShard(int64_t dim, int64_t split_factor) { return Placement::strided_shard(dim, split_factor); }
-
-// Where piece `index` of `parts` starts, and its length, when `size` elements are split with
-// torch.chunk's rule: pieces of ceil(size / parts); the last ones may be shorter or empty.
-struct ChunkBounds {
-  int64_t offset;
-  int64_t length;
-};
-inline ChunkBounds chunk_bounds(int64_t size, int64_t parts, int64_t index) {
-  const int64_t chunk = (size + parts - 1) / parts;
-  const int64_t offset = chunk * index < size ? chunk * index : size;
-  const int64_t end = chunk * (index + 1) < size ? chunk * (index + 1) : size;
-  return {offset, end - offset};
-}
 
 }  // namespace fsdp

@@ -1,3 +1,4 @@
+// layer: plan (what may include what: docs/architecture.md)
 // fsdp/plan.h — how much memory and communication a training step needs, per rank, before
 // anything runs: the memory/communication planner behind `fsdp-train plan`.
 //

@@ -1,3 +1,4 @@
+// layer: comm (what may include what: docs/architecture.md)
 // fsdp/process_group.h — fsdp-cpp's own process-group layer: the collectives FSDP needs,
 // asynchronous, with timeouts and per-group counters.
 //

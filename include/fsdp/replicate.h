@@ -1,3 +1,4 @@
+// layer: ddp (what may include what: docs/architecture.md)
 // fsdp/replicate.h — replicate(): PyTorch's composable DDP. Every rank keeps the whole model;
 // backward all-reduces (averages) the gradients in buckets, overlapped with the rest of backward.
 //

@@ -1,3 +1,4 @@
+// layer: fsdp (what may include what: docs/architecture.md)
 // fsdp/replicate_sync.h — making the replicas of an HSDP model start identical.
 //
 //   auto mesh = fsdp::init_device_mesh("cpu", {replicas, shards}, {"replicate", "shard"});

@@ -1,3 +1,4 @@
+// layer: checkpoint (what may include what: docs/architecture.md)
 // fsdp/safetensors.h — the safetensors format for a fully_shard()ed model: one file per rank plus
 // Hugging Face's index, written without gathering the whole model anywhere.
 //

@@ -1,3 +1,4 @@
+// layer: checkpoint (what may include what: docs/architecture.md)
 // fsdp/state_dict.h — model state dicts of a fully_shard()ed model: sharded (no communication)
 // and full (gathered), loading either back in place, and PyTorch's file format.
 //

@@ -1,3 +1,4 @@
+// layer: tp (what may include what: docs/architecture.md)
 // fsdp/tensor_parallel.h — tensor parallelism (Megatron-style) for LibTorch modules: Linear
 // and Embedding layers whose weights are split over the tp dimension of a mesh, with the tp
 // collectives explicit in their forward and backward, and a cross-entropy over logits split by

@@ -1,3 +1,4 @@
+// layer: util (what may include what: docs/architecture.md)
 // fsdp/trace.h — a timeline of what FSDP and the training loop did, for Chrome's trace viewer
 // (chrome://tracing) or Perfetto (ui.perfetto.dev).
 //

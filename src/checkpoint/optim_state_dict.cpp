@@ -3,7 +3,7 @@
 #include <fsdp/optim_state_dict.h>
 
 #include "src/checkpoint/state_dict_pieces.h"
-#include <fsdp/compat.h>
+#include "src/util/compat.h"
 
 #include <fsdp/fully_shard.h>
 

@@ -2,7 +2,7 @@
 // the backend's transport. Who waits: each step, for its own transfers, before the next.
 #include "src/comm/p2p_algorithms.h"
 
-#include <fsdp/placement.h>
+#include <fsdp/chunk.h>
 
 #include <ATen/Functions.h>
 

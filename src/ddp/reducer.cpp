@@ -6,7 +6,7 @@
 
 #include "src/autograd/recomputation.h"  // the end-of-backward callback under checkpointing
 
-#include <fsdp/compat.h>
+#include "src/util/compat.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

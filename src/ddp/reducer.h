@@ -4,6 +4,8 @@
 // It owns every collective replicate() issues; it never gathers anything.
 #pragma once
 
+#include "src/composable/registry.h"
+
 #include <fsdp/process_group.h>
 #include <fsdp/replicate.h>
 
@@ -33,7 +35,8 @@ struct ReducerOptions {
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params, int64_t first_cap_bytes,
                                                 int64_t cap_bytes);
 
-class Reducer : public std::enable_shared_from_this<Reducer> {
+// replicate()'s state: the composable registry owns it while the module lives.
+class Reducer : public composable::ModuleState, public std::enable_shared_from_this<Reducer> {
  public:
   // `params`: the trainable parameters with their names, in registration order.
   Reducer(std::vector<std::pair<std::string, at::Tensor>> params, DeviceMesh mesh, std::weak_ptr<torch::nn::Module> module,

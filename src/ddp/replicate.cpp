@@ -1,66 +1,35 @@
 // replicate(): argument checks, which parameters a call reduces, making the replicas identical
-// (broadcast from the mesh's first rank), the module -> reducer registry, and the user's
-// controls (ReplicatedModule, NoSyncGuard).
+// (broadcast from the mesh's first rank), recording module and parameters in the composable
+// registry, and the user's controls (ReplicatedModule, NoSyncGuard).
 #include <fsdp/replicate.h>
 
+#include "src/composable/registry.h"
 #include "src/ddp/reducer.h"
 #include "src/tensor/default_mesh.h"
 
 #include <fsdp/distributed.h>
-#include <fsdp/fsdp_module.h>
-#include <fsdp/fully_shard.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <mutex>
 #include <set>
-#include <unordered_map>
 
 namespace fsdp {
 namespace detail {
 namespace {
 
-// Module -> reducer (keeps the reducer alive as long as the module), and parameter -> reducer.
-struct Registry {
-  std::mutex mu;
-  struct Entry {
-    std::weak_ptr<torch::nn::Module> module;
-    std::shared_ptr<Reducer> reducer;
-  };
-  std::unordered_map<const torch::nn::Module*, Entry> by_module;
-  std::unordered_map<const c10::TensorImpl*, std::weak_ptr<Reducer>> by_param;
+using composable::Api;
 
-  // Entries of modules that no longer exist (their addresses may be reused). Returns the dead
-  // reducers, to be released after the lock.
-  std::vector<std::shared_ptr<Reducer>> drop_expired() {
-    std::vector<std::shared_ptr<Reducer>> dead;
-    for (auto it = by_module.begin(); it != by_module.end();) {
-      if (it->second.module.expired()) {
-        dead.push_back(std::move(it->second.reducer));
-        it = by_module.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    for (auto it = by_param.begin(); it != by_param.end();) {
-      bool dead_reducer = it->second.expired();
-      for (const auto& d : dead) dead_reducer = dead_reducer || it->second.lock() == d;
-      it = dead_reducer ? by_param.erase(it) : std::next(it);
-    }
-    return dead;
-  }
-  std::shared_ptr<Reducer> find(const torch::nn::Module& module) {
-    auto it = by_module.find(&module);
-    if (it == by_module.end() || it->second.module.lock().get() != &module) return nullptr;
-    return it->second.reducer;
-  }
-};
+// Whether fully_shard manages `module`: its parameters are reduced by their own groups.
+bool is_sharded_module(const torch::nn::Module& module) {
+  auto managed = composable::managed_module(module);
+  return managed && managed->api == Api::kFullyShard;
+}
 
-Registry& registry() {
-  static Registry* r = new Registry();  // never destroyed: hooks may run during static teardown
-  return *r;
+// replicate()'s reducer of `module`, or null.
+std::shared_ptr<Reducer> reducer_of(const torch::nn::Module& module) {
+  return std::static_pointer_cast<Reducer>(composable::state_of(module, Api::kReplicate));
 }
 
 DeviceMesh checked_mesh(const ReplicateOptions& options) {
@@ -82,14 +51,16 @@ int64_t cap_bytes(double mb, const char* name) {
 // replicate(), is an error.
 void collect_params(const std::shared_ptr<torch::nn::Module>& m, const std::string& prefix, bool top,
                     std::set<const c10::TensorImpl*>& seen, std::vector<std::pair<std::string, at::Tensor>>& out) {
-  if (!top && is_fsdp_module(*m)) return;
+  if (!top && is_sharded_module(*m)) return;
   for (const auto& item : m->named_parameters(/*recurse=*/false)) {
     const at::Tensor& t = item.value();
     const std::string fqn = prefix.empty() ? item.key() : prefix + "." + item.key();
-    TORCH_CHECK(!is_sharded_parameter(t), "fsdp::replicate: parameter '", fqn, "' is sharded by the fully_shard() "
+    const auto owner = composable::managed_parameter(t);
+    TORCH_CHECK(!(owner && owner->api == Api::kFullyShard && owner->role == composable::ParamRole::kSharded),
+                "fsdp::replicate: parameter '", fqn, "' is sharded by the fully_shard() "
                 "of an enclosing module; a module is either sharded or replicated: apply replicate() to a module "
                 "outside that one, or fully_shard() it instead");
-    TORCH_CHECK(!is_replicated_parameter(t), "fsdp::replicate: parameter '", fqn, "' is already reduced by "
+    TORCH_CHECK(!(owner && owner->api == Api::kReplicate), "fsdp::replicate: parameter '", fqn, "' is already reduced by "
                 "another replicate() call (on an enclosing module or a submodule); apply replicate() once, to the "
                 "outermost module");
     if (!t.defined() || !t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
@@ -122,7 +93,7 @@ void broadcast_in_place(const std::vector<at::Tensor>& tensors, ProcessGroup& gr
 // Every parameter and buffer outside fully_shard()ed submodules (those are sharded, not copies).
 std::vector<at::Tensor> module_states(const std::shared_ptr<torch::nn::Module>& m, bool top) {
   std::vector<at::Tensor> out;
-  if (!top && is_fsdp_module(*m)) return out;
+  if (!top && is_sharded_module(*m)) return out;
   for (const auto& p : m->parameters(/*recurse=*/false)) out.push_back(p);
   for (const auto& b : m->buffers(/*recurse=*/false)) out.push_back(b);
   for (const auto& child : m->children()) {
@@ -140,7 +111,7 @@ ReplicatedModule make_replicated_module(std::shared_ptr<detail::Reducer> reducer
 
 ReplicatedModule replicate(const std::shared_ptr<torch::nn::Module>& module, const ReplicateOptions& options) {
   TORCH_CHECK(module != nullptr, "fsdp::replicate: got a null module");
-  TORCH_CHECK(!is_fsdp_module(*module), "fsdp::replicate: this ", module->name(), " is managed by fully_shard(); a "
+  TORCH_CHECK(!detail::is_sharded_module(*module), "fsdp::replicate: this ", module->name(), " is managed by fully_shard(); a "
               "module is either sharded (fully_shard) or replicated (replicate), not both");
   TORCH_CHECK(!is_replicated(*module), "fsdp::replicate: replicate() was already applied to this ", module->name(),
               "; apply it once");
@@ -159,40 +130,24 @@ ReplicatedModule replicate(const std::shared_ptr<torch::nn::Module>& module, con
 
   auto reducer = std::make_shared<detail::Reducer>(params, mesh, module, reducer_options);
   reducer->install_hooks();
-  std::vector<std::shared_ptr<detail::Reducer>> dead;  // released after the lock
-  {
-    detail::Registry& r = detail::registry();
-    std::lock_guard<std::mutex> lock(r.mu);
-    dead = r.drop_expired();
-    r.by_module[module.get()] = detail::Registry::Entry{module, reducer};
-    for (const auto& p : params) r.by_param[p.second.unsafeGetTensorImpl()] = reducer;
+  composable::register_modules(composable::Api::kReplicate, {module}, reducer);
+  std::vector<composable::ParameterRecord> records;
+  for (size_t i = 0; i < params.size(); ++i) {
+    records.push_back({params[i].second, composable::ParamRole::kReplicated, static_cast<int64_t>(i)});
   }
+  composable::register_parameters(reducer, records);
   return make_replicated_module(reducer);
 }
 
-bool is_replicated(const torch::nn::Module& module) {
-  detail::Registry& r = detail::registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  return r.find(module) != nullptr;
-}
+bool is_replicated(const torch::nn::Module& module) { return detail::reducer_of(module) != nullptr; }
 
 bool is_replicated_parameter(const at::Tensor& param) {
-  if (!param.defined()) return false;
-  detail::Registry& r = detail::registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.by_param.find(param.unsafeGetTensorImpl());
-  if (it == r.by_param.end()) return false;
-  auto reducer = it->second.lock();
-  return reducer && reducer->module() != nullptr;
+  auto owner = composable::managed_parameter(param);
+  return owner && owner->api == composable::Api::kReplicate;
 }
 
 ReplicatedModule get_replicated_module(const torch::nn::Module& module) {
-  std::shared_ptr<detail::Reducer> reducer;
-  {
-    detail::Registry& r = detail::registry();
-    std::lock_guard<std::mutex> lock(r.mu);
-    reducer = r.find(module);
-  }
+  std::shared_ptr<detail::Reducer> reducer = detail::reducer_of(module);
   TORCH_CHECK(reducer, "fsdp::get_replicated_module: this ", module.name(), " is not replicated; call "
               "fsdp::replicate() on it first");
   return make_replicated_module(reducer);

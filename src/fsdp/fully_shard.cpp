@@ -1,22 +1,21 @@
 // fully_shard(): argument checks, which modules and parameters a call manages, how its group
-// reshards after forward, and swapping the registered parameters for shards. Also the
-// parameter -> record index behind as_dtensor.
+// reshards after forward, and swapping the registered parameters for shards, recorded in the
+// composable registry (behind is_sharded_parameter and as_dtensor).
 #include <fsdp/fully_shard.h>
 
 #include "src/fsdp/mesh_info.h"
 #include "src/fsdp/policies.h"
+#include "src/composable/registry.h"
 #include "src/fsdp/state.h"
 #include "src/tensor/default_mesh.h"
 
 #include <fsdp/distributed.h>
 #include <fsdp/dtensor_parameter.h>
-#include <fsdp/replicate.h>
 
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/modules/container/modulelist.h>
 
-#include <mutex>
 #include <typeinfo>
 #include <set>
 #include <unordered_map>
@@ -35,44 +34,30 @@ struct ParameterRegistry : torch::nn::Module {
   }
 };
 
-// Sharded parameter -> its record, and unsharded tensor -> owner, across all calls.
-struct ParamIndex {
-  std::mutex mu;
-  struct Entry {
-    std::weak_ptr<FSDPState> state;
-    FSDPParam* param;
-  };
-  std::unordered_map<const c10::TensorImpl*, Entry> by_sharded;
-  std::unordered_map<const c10::TensorImpl*, Entry> by_unsharded;
+using composable::Api;
+using composable::ParamRole;
 
-  // Entries of FSDP modules that no longer exist (their tensors' addresses may be reused).
-  void drop_expired() {
-    for (auto* map : {&by_sharded, &by_unsharded}) {
-      for (auto it = map->begin(); it != map->end();) it = it->second.state.expired() ? map->erase(it) : std::next(it);
-    }
-  }
-  const Entry* find(const std::unordered_map<const c10::TensorImpl*, Entry>& map, const at::Tensor& t) const {
-    if (!t.defined()) return nullptr;
-    auto it = map.find(t.unsafeGetTensorImpl());
-    return it == map.end() || it->second.state.expired() ? nullptr : &it->second;
-  }
-  const Entry* find_sharded(const at::Tensor& t) const { return find(by_sharded, t); }
-  // The shard's or the unsharded member's record.
-  const Entry* find_any(const at::Tensor& t) const {
-    const Entry* e = find(by_sharded, t);
-    return e ? e : find(by_unsharded, t);
-  }
-};
-ParamIndex& param_index() {
-  static ParamIndex* index = new ParamIndex();
-  return *index;
+// The registry's record of a tensor that fully_shard manages in `role`, or nullopt.
+std::optional<composable::ManagedParameter> fsdp_parameter(const at::Tensor& t, std::optional<ParamRole> role) {
+  auto managed = composable::managed_parameter(t);
+  if (!managed || managed->api != Api::kFullyShard || (role && managed->role != *role)) return std::nullopt;
+  return managed;
+}
+
+// The record of a sharded parameter (its shard or its unsharded member) in its group.
+std::pair<std::shared_ptr<FSDPState>, const FSDPParam*> fsdp_param_record(const at::Tensor& t) {
+  auto managed = fsdp_parameter(t, std::nullopt);
+  if (!managed) return {nullptr, nullptr};
+  auto state = std::static_pointer_cast<FSDPState>(managed->state);
+  if (!state->group()) return {nullptr, nullptr};
+  return {state, state->group()->params().at(managed->slot).get()};
 }
 
 // Post-order (children first), not descending into modules another call already manages
 // (fully_shard or replicate).
 void collect_managed(const std::shared_ptr<torch::nn::Module>& m, bool top,
                      std::vector<std::shared_ptr<torch::nn::Module>>& out, std::set<const torch::nn::Module*>& seen) {
-  if (!top && (find_state(*m) || is_replicated(*m))) return;
+  if (!top && composable::managed_module(*m)) return;
   if (!seen.insert(m.get()).second) return;
   for (const auto& child : m->children()) collect_managed(child, false, out, seen);
   out.push_back(m);
@@ -133,21 +118,20 @@ FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>&
   const int64_t rank = mesh.shard_rank();
   FSDPParams params;
   TensorSet seen = ignored;
-  ParamIndex& index = param_index();
-  std::lock_guard<std::mutex> lock(index.mu);
-  index.drop_expired();
   for (const auto& m : managed) {
     for (const auto& item : ParameterRegistry::of(*m)) {
       const at::Tensor& t = item.value();
       if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
       const std::string& pre = prefix.at(m.get());
       const std::string fqn = pre.empty() ? item.key() : pre + "." + item.key();
-      TORCH_CHECK(!index.by_unsharded.count(t.unsafeGetTensorImpl()), "fully_shard: parameter '",
+      const auto owner = composable::managed_parameter(t);
+      const bool fsdp_owner = owner && owner->api == Api::kFullyShard;
+      TORCH_CHECK(!(fsdp_owner && owner->role == ParamRole::kUnsharded), "fully_shard: parameter '",
                   fqn, "' is shared with a parameter already managed by another FSDP group; shard the modules "
                   "that share it in one call: fully_shard({module_a, module_b})");
-      TORCH_CHECK(!index.by_sharded.count(t.unsafeGetTensorImpl()), "fully_shard: parameter '", fqn,
+      TORCH_CHECK(!(fsdp_owner && owner->role == ParamRole::kSharded), "fully_shard: parameter '", fqn,
                   "' is already a shard of another FSDP group");
-      TORCH_CHECK(!is_replicated_parameter(t), "fully_shard: parameter '", fqn, "' is reduced by the replicate() of "
+      TORCH_CHECK(!owner || owner->api != Api::kReplicate, "fully_shard: parameter '", fqn, "' is reduced by the replicate() of "
                   "an enclosing module; a module is either sharded or replicated, not both");
       params.push_back(std::make_unique<FSDPParam>(fqn, t, world, rank));
     }
@@ -182,12 +166,13 @@ void register_shards(const std::vector<std::shared_ptr<torch::nn::Module>>& mana
       if (it != shard_of.end()) item.value() = *it->second;
     }
   }
-  ParamIndex& index = param_index();
-  std::lock_guard<std::mutex> lock(index.mu);
-  for (const auto& p : group.params()) {
-    index.by_sharded[p->sharded().unsafeGetTensorImpl()] = {state, p.get()};
-    index.by_unsharded[p->unsharded().unsafeGetTensorImpl()] = {state, p.get()};
+  std::vector<composable::ParameterRecord> records;
+  for (size_t i = 0; i < group.params().size(); ++i) {
+    const auto& p = group.params()[i];
+    records.push_back({p->sharded(), ParamRole::kSharded, static_cast<int64_t>(i)});
+    records.push_back({p->unsharded(), ParamRole::kUnsharded, static_cast<int64_t>(i)});
   }
+  composable::register_parameters(state, records);
 }
 
 // A 1-D mesh (FSDP), a 2-D mesh with dim names (HSDP: replicate over dim 0, shard over dim 1),
@@ -233,10 +218,12 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   TORCH_CHECK(!modules.empty(), "fully_shard: the module list is empty");
   for (const auto& m : modules) {
     TORCH_CHECK(m != nullptr, "fully_shard: got a null module");
-    TORCH_CHECK(!detail::find_state(*m), "fully_shard: fully_shard was already applied to this ", m->name(),
-                "; apply it once per module, bottom-up");
-    TORCH_CHECK(!is_replicated(*m), "fully_shard: this ", m->name(), " is managed by replicate(); a module is either "
-                "sharded (fully_shard) or replicated (replicate), not both");
+    const auto managed_by = composable::managed_module(*m);
+    TORCH_CHECK(!managed_by || managed_by->api != composable::Api::kFullyShard, "fully_shard: fully_shard was "
+                "already applied to this ", m->name(), "; apply it once per module, bottom-up");
+    TORCH_CHECK(!managed_by || managed_by->api != composable::Api::kReplicate, "fully_shard: this ", m->name(),
+                " is managed by replicate(); a module is either sharded (fully_shard) or replicated (replicate), "
+                "not both");
     // As in PyTorch: a container without a forward is never called, so its hooks would never run.
     TORCH_CHECK(typeid(*m) != typeid(torch::nn::ModuleListImpl) && typeid(*m) != typeid(torch::nn::ModuleDictImpl),
                 "fully_shard does not support a ", m->name(), ", which has no forward (nothing would run its "
@@ -265,8 +252,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   }
   auto state = std::make_shared<detail::FSDPState>(modules, std::move(group),
                                                    options.reshard_after_forward().is_unset(), options.mp_policy());
+  composable::register_modules(composable::Api::kFullyShard, modules, state);
   if (state->group()) detail::register_shards(managed, state);
-  detail::register_state(modules, state);
   return make_fsdp_module(state);
 }
 
@@ -275,13 +262,10 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const F
 }
 
 DTensor as_dtensor(const at::Tensor& param) {
-  auto& index = detail::param_index();
-  std::lock_guard<std::mutex> lock(index.mu);
-  const auto* entry = index.find_any(param);
-  auto state = entry ? entry->state.lock() : nullptr;
-  TORCH_CHECK(state && state->group(), "fsdp::as_dtensor: this tensor is not a parameter sharded by fully_shard");
+  const auto [state, record] = detail::fsdp_param_record(param);
+  TORCH_CHECK(record, "fsdp::as_dtensor: this tensor is not a parameter sharded by fully_shard");
   const detail::MeshInfo& mesh = state->group()->mesh_info();
-  const detail::FSDPParam& p = *entry->param;
+  const detail::FSDPParam& p = *record;
   if (p.has_model_layout()) {
     return DTensor::from_local(p.sharded(), mesh.mesh, mesh.placements(p.shard_dim(), p.model_placements()),
                                p.model_global_shape());
@@ -292,20 +276,15 @@ DTensor as_dtensor(const at::Tensor& param) {
 namespace detail {
 
 MeshInfo mesh_info_of_parameter(const at::Tensor& param) {
-  auto& index = param_index();
-  std::lock_guard<std::mutex> lock(index.mu);
-  const auto* entry = index.find_any(param);
-  auto state = entry ? entry->state.lock() : nullptr;
-  TORCH_CHECK(state && state->group(), "fsdp: this tensor is not a parameter sharded by fully_shard");
+  const auto [state, record] = fsdp_param_record(param);
+  TORCH_CHECK(record, "fsdp: this tensor is not a parameter sharded by fully_shard");
   return state->group()->mesh_info();
 }
 
 }  // namespace detail
 
 bool is_sharded_parameter(const at::Tensor& param) {
-  auto& index = detail::param_index();
-  std::lock_guard<std::mutex> lock(index.mu);
-  return index.find_sharded(param) != nullptr;
+  return detail::fsdp_parameter(param, composable::ParamRole::kSharded).has_value();
 }
 
 }  // namespace fsdp

@@ -1,5 +1,5 @@
-// state.cpp — the per-call state's hooks and the module -> state registry. The hooks run the
-// state machine of common.h: pre-forward and post-forward from the hook point (call.cpp),
+// state.cpp — the per-call state's hooks and its lookups in the composable registry. The hooks
+// run the state machine of common.h: pre-forward and post-forward from the hook point (fsdp::call),
 // pre-backward from tensor hooks on the outputs, post-backward from an autograd function on
 // the inputs, and the root's end-of-backward callback from the autograd engine.
 #include "src/fsdp/state.h"
@@ -15,35 +15,13 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
-#include <atomic>
 #include <exception>
 #include <functional>
-#include <map>
-#include <mutex>
 #include <unordered_map>
 
 namespace fsdp {
 namespace detail {
 namespace {
-
-// ------------------------------------------------------------------------------ registry
-
-struct Registry {
-  std::mutex mu;
-  struct Entry {
-    std::weak_ptr<torch::nn::Module> module;
-    std::shared_ptr<FSDPState> state;
-  };
-  std::unordered_map<const torch::nn::Module*, Entry> by_module;
-  std::map<int64_t, std::weak_ptr<FSDPState>> by_id;
-};
-
-Registry& registry() {
-  static Registry* r = new Registry();  // never destroyed: hooks may run during static teardown
-  return *r;
-}
-
-std::atomic<int64_t> g_next_state_id{0};
 
 // The autograd function on a module's inputs: identity forward; its backward runs when the
 // gradient w.r.t. the inputs is known, i.e. after the module's own backward — post-backward.
@@ -64,59 +42,23 @@ struct PostBackwardFunction : public torch::autograd::Function<PostBackwardFunct
 }  // namespace
 
 std::shared_ptr<FSDPState> find_state(const torch::nn::Module& module) {
-  std::shared_ptr<FSDPState> stale;  // released after the lock: ~FSDPState takes it too
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.by_module.find(&module);
-  if (it == r.by_module.end()) return nullptr;
-  if (it->second.module.lock().get() != &module) {  // a dead module's address, reused
-    stale = std::move(it->second.state);
-    r.by_module.erase(it);
-    return nullptr;
-  }
-  return it->second.state;
-}
-
-void register_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                    const std::shared_ptr<FSDPState>& state) {
-  std::vector<std::shared_ptr<FSDPState>> dead;  // released after the lock
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  // States of modules that no longer exist go now, with their shards.
-  for (auto it = r.by_module.begin(); it != r.by_module.end();) {
-    if (it->second.module.expired()) {
-      dead.push_back(std::move(it->second.state));
-      it = r.by_module.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  for (const auto& m : modules) r.by_module[m.get()] = Registry::Entry{m, state};
-  r.by_id[state->id()] = state;
+  return std::static_pointer_cast<FSDPState>(composable::state_of(module, composable::Api::kFullyShard));
 }
 
 std::shared_ptr<FSDPState> find_state_by_id(int64_t id) {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.by_id.find(id);
-  return it == r.by_id.end() ? nullptr : it->second.lock();
+  auto managed = composable::find_state_by_id(id);
+  if (!managed || managed->api != composable::Api::kFullyShard) return nullptr;
+  return std::static_pointer_cast<FSDPState>(managed->state);
 }
 
 // ------------------------------------------------------------------------------ set-up
 
 FSDPState::FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
                      bool auto_reshard_after_forward, MixedPrecisionPolicy mp_policy)
-    : id_(g_next_state_id++),
-      group_(std::move(group)),
+    : group_(std::move(group)),
       auto_reshard_after_forward_(auto_reshard_after_forward),
       mp_policy_(std::move(mp_policy)) {
   for (const auto& m : modules) modules_.push_back(m);
-}
-
-FSDPState::~FSDPState() {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  r.by_id.erase(id_);
 }
 
 void FSDPState::set_states_to_forward_prefetch(std::vector<std::weak_ptr<FSDPState>> states) {
@@ -356,7 +298,7 @@ void FSDPState::hook_inputs_for_post_backward(std::vector<at::Tensor>& inputs) {
     }
   }
   if (to_wrap.empty()) return;
-  auto wrapped = PostBackwardFunction::apply(at::TensorList(to_wrap), id_);
+  auto wrapped = PostBackwardFunction::apply(at::TensorList(to_wrap), id());
   for (size_t k = 0; k < needs_grad.size(); ++k) inputs[needs_grad[k]] = wrapped[k];
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "src/autograd/recomputation.h"
+#include "src/composable/registry.h"
 #include "src/fsdp/common.h"
 #include "src/fsdp/param_group.h"
 
@@ -51,7 +52,11 @@ struct StateContext {
   std::shared_ptr<CommContext> comm;
 };
 
-class FSDPState : public std::enable_shared_from_this<FSDPState> {
+// One fully_shard call's state. The composable registry owns it while its modules live and
+// finds it for fsdp::call (forward_hooks) and for autograd (by id).
+class FSDPState : public composable::ModuleState,
+                  public ForwardHooks,
+                  public std::enable_shared_from_this<FSDPState> {
  public:
   // `auto_reshard_after_forward`: reshard_after_forward was left unset, so the group's
   // post-forward resharding (already set up by fully_shard) is turned off if this state
@@ -59,9 +64,8 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   // `mp_policy` also says how forward inputs and outputs are cast.
   FSDPState(std::vector<std::shared_ptr<torch::nn::Module>> modules, std::unique_ptr<FSDPParamGroup> group,
             bool auto_reshard_after_forward, MixedPrecisionPolicy mp_policy);
-  ~FSDPState();
 
-  int64_t id() const { return id_; }
+  detail::ForwardHooks* forward_hooks() override { return this; }
   // May be null: a fully_shard call whose module had no parameters left to own.
   FSDPParamGroup* group() const { return group_.get(); }
   std::shared_ptr<torch::nn::Module> module() const { return modules_.front().lock(); }
@@ -69,8 +73,11 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   TrainingState training_state() const { return training_state_; }
 
   // Hooks. `module` is the one being called (one of this state's modules).
-  std::vector<at::Tensor> pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs);
-  void post_forward(const torch::nn::Module& module, std::vector<at::Tensor>& outputs);
+  std::vector<at::Tensor> pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs) override;
+  void post_forward(const torch::nn::Module& module, std::vector<at::Tensor>& outputs) override;
+  // Marks the iteration failed; LibTorch's error about freed storage becomes one naming the
+  // resharded FSDP modules below (call.cpp).
+  [[noreturn]] void rethrow_forward_error() override;
   void pre_backward();
   void post_backward();  // from the autograd function on the inputs
 
@@ -124,7 +131,6 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   static void post_backward_of_unreached_groups(StateContext& ctx);
   static void finalize_backward(StateContext& ctx);
 
-  const int64_t id_;
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
   std::unique_ptr<FSDPParamGroup> group_;
   bool auto_reshard_after_forward_;
@@ -143,10 +149,9 @@ class FSDPState : public std::enable_shared_from_this<FSDPState> {
   std::vector<std::weak_ptr<FSDPState>> states_to_backward_prefetch_;
 };
 
-// Registry: module -> state, and state id -> state (for the autograd function); cheap, thread-safe.
+// The composable registry's answers for fully_shard: module -> state, and state id -> state (for
+// the autograd function). Cheap, thread-safe.
 std::shared_ptr<FSDPState> find_state(const torch::nn::Module& module);
-void register_state(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                    const std::shared_ptr<FSDPState>& state);
 std::shared_ptr<FSDPState> find_state_by_id(int64_t id);
 
 }  // namespace detail

@@ -4,7 +4,7 @@
 #include <fsdp/fused_adamw.h>
 
 #include "src/optim/adamw_kernel.h"
-#include <fsdp/compat.h>
+#include "src/util/compat.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -26,7 +26,7 @@ namespace {
 
 using torch::optim::AdamWOptions;
 using torch::optim::AdamWParamState;
-// Keyed by the parameter's TensorImpl (fsdp/compat.h).
+// Keyed by the parameter's TensorImpl (src/util/compat.h).
 using StateMap = std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 
 // Parameters of one dtype that are views into one storage, updated in one pass.

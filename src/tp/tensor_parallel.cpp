@@ -5,9 +5,10 @@
 // column-parallel output whole.
 #include <fsdp/tensor_parallel.h>
 
+#include "src/composable/registry.h"
+
 #include <fsdp/call.h>
 #include <fsdp/dtensor_parameter.h>
-#include <fsdp/fully_shard.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -255,13 +256,24 @@ std::optional<VocabSlice> vocab_slice_of(const torch::nn::Linear& head) {
   return VocabSlice{column->first_output_feature(), column->options.out_features(), column->group()};
 }
 
+namespace {
+
+// Whether `p` is a shard that fully_shard registered (answered by the composable registry, so
+// that tp needs nothing of fsdp).
+bool is_fsdp_shard(const at::Tensor& p) {
+  auto owner = composable::managed_parameter(p);
+  return owner && owner->api == composable::Api::kFullyShard && owner->role == composable::ParamRole::kSharded;
+}
+
+}  // namespace
+
 // What a model's plan leaves unsplit: whole on every rank of the mesh.
 void register_replicated(torch::nn::Module& model, const TensorParallelMesh& tp) {
   const std::vector<Placement> whole(tp.mesh().ndim(), Replicate());
   for (const auto& p : model.parameters()) {
     // A block already sharded by fully_shard registers its shards here, whose unsharded
     // tensors carry the records; only parameters outside the blocks get one now.
-    if (fsdp::is_sharded_parameter(p) || dtensor_parameter(p)) continue;
+    if (is_fsdp_shard(p) || dtensor_parameter(p)) continue;
     register_dtensor_parameter(p, tp.mesh(), whole, p.sizes().vec());
   }
 }

@@ -3,7 +3,6 @@
 #include <fsdp/call.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad.h>
-#include <fsdp/compat.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
 #include <fsdp/dtensor.h>

@@ -1,3 +1,4 @@
+// layer: composable (what may include what: docs/architecture.md)
 // fsdp/detail/call.h — the machinery behind fsdp::call (fsdp/call.h): the hook entry points it
 // calls and the templates that pick tensors out of its arguments and results. Not an API:
 // include <fsdp/call.h>; names here may change between releases.
@@ -16,18 +17,26 @@
 namespace fsdp {
 namespace detail {
 
-class FSDPState;
+// What an API that manages a module (fully_shard) runs around the module's forward when model
+// code calls it through fsdp::call. The API's state implements it and registers with the
+// composable registry (src/composable/registry.h); the hook point knows no API.
+class ForwardHooks {
+ public:
+  virtual ~ForwardHooks() = default;
+  // Runs before the forward; returns the inputs to use instead (e.g. inputs that need grad
+  // wrapped so that their gradient triggers the API's post-backward).
+  virtual std::vector<at::Tensor> pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs) = 0;
+  // Runs after the forward; may replace outputs in place (e.g. hooked for pre-backward).
+  virtual void post_forward(const torch::nn::Module& module, std::vector<at::Tensor>& outputs) = 0;
+  // Called inside a catch block, with the exception that escaped the forward or a hook in
+  // flight: records it and rethrows it, or a clearer error in its place. Never returns.
+  [[noreturn]] virtual void rethrow_forward_error() = 0;
+};
 
-// The FSDP state of a module that fully_shard() was applied to, or nullptr. Cheap (one lookup).
-FSDPState* state_of(const torch::nn::Module& module);
-// Runs pre-forward; returns the inputs to use instead (inputs that need grad are wrapped so that
-// their gradient triggers post-backward).
-std::vector<at::Tensor> pre_forward(FSDPState& state, const torch::nn::Module& module, std::vector<at::Tensor> inputs);
-// Runs post-forward; hooks outputs that need grad for pre-backward (they are replaced in place).
-void post_forward(FSDPState& state, const torch::nn::Module& module, std::vector<at::Tensor>& outputs);
-// Rethrows an error that escaped the module's forward, naming resharded FSDP modules if the error
-// is LibTorch refusing to compute on freed storage. Never returns.
-[[noreturn]] void rethrow_forward_error(FSDPState& state);
+// The forward hooks of `module`, or nullptr when no API hooks it. Cheap (one lookup).
+ForwardHooks* forward_hooks_of(const torch::nn::Module& module);
+// hooks.rethrow_forward_error(), from a catch block, known to the compiler never to return.
+[[noreturn]] void rethrow_forward_error(ForwardHooks& hooks);
 
 // The forms of fsdp::call for torch::nn::Sequential (fsdp/call.h): each child is called with
 // hooks, its input and output passed along as LibTorch's AnyValue.
@@ -37,8 +46,8 @@ void push_any_value_tensors(std::vector<at::Tensor>& out, const torch::nn::AnyVa
 torch::nn::AnyValue substitute_any_value(torch::nn::AnyValue value, const std::vector<at::Tensor>& replacements,
                                          size_t& next);
 // Post-forward for a child of a Sequential: hooks the at::Tensor or std::vector<at::Tensor> it
-// returned; any other type from an FSDP module is an error (its backward could not be hooked).
-void run_post_forward(FSDPState& state, const torch::nn::Module& module, torch::nn::AnyValue& result);
+// returned; any other type from a hooked module is an error (its backward could not be hooked).
+void run_post_forward(ForwardHooks& hooks, const torch::nn::Module& module, torch::nn::AnyValue& result);
 // The Sequential's result as `ReturnType`, or LibTorch's error for a mismatch.
 [[noreturn]] void throw_sequential_result_type(const std::type_info& actual, const std::type_info& requested);
 
@@ -107,13 +116,13 @@ void collect(std::tuple<Ts...>& tup, std::vector<at::Tensor*>& out) {
 }
 
 template <typename Result>
-void run_post_forward(FSDPState& state, const torch::nn::Module& module, Result& result) {
+void run_post_forward(ForwardHooks& hooks, const torch::nn::Module& module, Result& result) {
   std::vector<at::Tensor*> slots;
   collect(result, slots);
   std::vector<at::Tensor> outputs;
   outputs.reserve(slots.size());
   for (auto* s : slots) outputs.push_back(*s);
-  post_forward(state, module, outputs);
+  hooks.post_forward(module, outputs);
   for (size_t i = 0; i < slots.size(); ++i) *slots[i] = outputs[i];
 }
 

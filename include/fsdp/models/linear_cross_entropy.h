@@ -1,3 +1,4 @@
+// layer: models (what may include what: docs/architecture.md)
 // fsdp/models/linear_cross_entropy.h — an output head and its cross-entropy in one autograd
 // function that never holds the whole logits.
 //

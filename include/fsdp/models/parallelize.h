@@ -1,3 +1,4 @@
+// layer: models (what may include what: docs/architecture.md)
 // fsdp/models/parallelize.h — the tensor-parallel plan of the reference Transformer
 // (fsdp/models/transformer.h), built from tp's layers (fsdp/tensor_parallel.h). A model's plan
 // lives beside the model: tp knows no model.

@@ -1,3 +1,4 @@
+// layer: models (what may include what: docs/architecture.md)
 // fsdp/models/transformer.h — a small decoder-only Transformer for examples, tests and
 // benchmarks. Its architecture and parameter names are those of the Transformer in PyTorch's
 // FSDP2 example (ModelArgs, tok_embeddings, layers.<i>.attention.wq, ...), so state dicts can be

@@ -1,4 +1,4 @@
-// fsdp/compat.h — every difference between the LibTorch versions fsdp-cpp builds against lives
+// compat.h — every difference between the LibTorch versions fsdp-cpp builds against lives
 // here, and nowhere else.
 //
 // Supported: LibTorch 2.11 (the oldest checked: scripts/check-torch-version.sh compiles the
