@@ -1,5 +1,6 @@
-// errors.h — the text of an error the trainer prints: one line, and safe for a terminal. LibTorch's
-// c10::Error::what() carries a C++ backtrace of a dozen frames; a user needs the message, once per rank.
+// errors.h — fsdp-train's exit codes, and the text of an error it prints: one line, and safe for
+// a terminal. LibTorch's c10::Error::what() carries a C++ backtrace of a dozen frames; a user
+// needs the message, once per rank.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -10,6 +11,18 @@
 
 namespace fsdp {
 namespace train {
+
+// Exit codes of fsdp-train.
+constexpr int kExitOk = 0;
+// A runtime failure: I/O, a collective (timeout), a failed checkpoint save, a damaged input file
+// (token file, init_from), no complete checkpoint for resume: auto where checkpoints exist.
+constexpr int kExitError = 1;
+// A bad configuration or command line, found before training: keys, values, sizes the machine
+// cannot hold, paths that cannot be used (checkpoint_dir, init_from, training.resume).
+constexpr int kExitConfig = 2;
+// A step's loss or gradient norm became NaN or infinite; that step was not applied or saved.
+constexpr int kExitNonFinite = 3;
+// A run stopped by SIGTERM/SIGINT exits 128 + the signal number after saving a checkpoint.
 
 // The length of the valid UTF-8 sequence that starts at s[i]; 0 when none does.
 inline size_t utf8_length(const std::string& s, size_t i) {

@@ -5,7 +5,6 @@
 #include "config.h"
 #include "errors.h"
 #include "read_file.h"
-#include "trainer.h"
 
 #include <fsdp/models/transformer.h>
 #include <fsdp/plan.h>

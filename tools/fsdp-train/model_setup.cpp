@@ -1,0 +1,236 @@
+// model_setup.cpp — the configuration turned into a model on its mesh (model_setup.h).
+#include "model_setup.h"
+
+#include "errors.h"
+#include "model_size.h"
+
+#include <fsdp/checkpoint_activations.h>
+#include <fsdp/distributed.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
+#include <fsdp/mixed_precision.h>
+#include <fsdp/models/parallelize.h>
+#include <fsdp/state_dict.h>
+#include <fsdp/tensor_parallel.h>
+
+#include <torch/utils.h>
+
+#include <optional>
+
+namespace fsdp {
+namespace train {
+namespace {
+
+// Says where both values come from, as the loader's own errors do: the line of each key, or
+// the preset that gave max_seq_len.
+std::string seq_len_too_long(const TrainConfig& cfg, int64_t seq, int64_t max_seq_len) {
+  const std::string seq_at = origin_of(cfg, "training.seq_len"), max_at = origin_of(cfg, "model.max_seq_len");
+  const std::string max_from = max_at.empty() ? "model.preset " + cfg.model.preset + "'s" : "set at " + max_at;
+  return (seq_at.empty() ? std::string() : seq_at + ": ") + "training.seq_len (" + std::to_string(seq) +
+         ") is longer than model.max_seq_len (" + std::to_string(max_seq_len) + ", " + max_from +
+         "); lower training.seq_len or raise model.max_seq_len";
+}
+
+at::ScalarType scalar_type(Dtype d) {
+  switch (d) {
+    case Dtype::kFloat32: return at::kFloat;
+    case Dtype::kBFloat16: return at::kBFloat16;
+    case Dtype::kFloat16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+// FSDP2's policy for the configured dtypes. A dtype left at fp32 stays unset: the parameters
+// are fp32, and FSDP2 computes and reduces in their dtype by default. reduce_dtype unset means
+// "as param_dtype", so it is set whenever it differs from the compute dtype.
+MixedPrecisionPolicy mp_policy_of(const Precision& p) {
+  MixedPrecisionPolicy policy;
+  if (p.param != Dtype::kFloat32) policy.param_dtype(scalar_type(p.param));
+  if (p.reduce != p.param) policy.reduce_dtype(scalar_type(p.reduce));
+  return policy;
+}
+
+// The sharded state dict's tensors have the full parameters' sizes.
+int64_t full_parameter_count(models::Transformer& model) {
+  int64_t n = 0;
+  for (const auto& item : sharded_state_dict(*model)) {
+    int64_t numel = 1;
+    for (int64_t d : item.value().sizes()) numel *= d;
+    n += numel;
+  }
+  return n;
+}
+
+// (dp, tp) with model_parallel_size > 1, (replicate, shard) for HSDP, else one dim. Row-major:
+// each tp group, or each replica's shard group, is consecutive ranks.
+DeviceMesh training_mesh(const DataParallelShape& shape, int world, int tp) {
+  if (tp > 1) return init_device_mesh("cpu", {world / tp, tp}, {"dp", "tp"});
+  if (shape.hybrid) return init_device_mesh("cpu", {shape.replicate, shape.shard}, {"replicate", "shard"});
+  return init_device_mesh("cpu", {world});
+}
+
+// model.freeze: requires_grad = false on every parameter an entry names (the parameter itself,
+// or a module above it). An entry that names nothing is a configuration error, so a typo never
+// trains what was meant to stay fixed.
+void freeze_parameters(const ModelConfig& cfg, models::Transformer& model) {
+  for (const std::string& entry : cfg.freeze) {
+    bool found = false;
+    for (auto& item : model->named_parameters()) {
+      const std::string& name = item.key();
+      if (name != entry && name.rfind(entry + ".", 0) != 0) continue;
+      item.value().set_requires_grad(false);
+      found = true;
+    }
+    if (!found)
+      throw ConfigError("model.freeze: '" + terminal_safe(entry) + "' names no parameter of the model (names are "
+                        "like tok_embeddings, layers.0.attention.wq.weight)");
+  }
+}
+
+// model_parallel_size k > 1: each block is split over tp as soon as it is built (the Megatron
+// plan: fsdp::models::parallelize), then sharded over dp; with vocab_parallel the token embedding
+// and the output head are split by vocabulary over tp; the root shards what it holds (the
+// embeddings, the final norm, the head) over dp.
+models::Transformer tensor_parallel_model(const FsdpConfig& f, const models::ModelArgs& args, const DeviceMesh& mesh,
+                                          FullyShardOptions block_options, FullyShardOptions root_options) {
+  const auto dp_dims = DataParallelMeshDims().shard("dp");
+  block_options.dp_mesh_dims(dp_dims);
+  root_options.dp_mesh_dims(dp_dims);
+  const tp::TensorParallelMesh tp_mesh(mesh, "tp");
+  models::Transformer model(args, [&](models::TransformerBlock& block) {
+    models::parallelize_block(*block, args, tp_mesh);
+    fully_shard(block, block_options);
+  });
+  if (f.vocab_parallel) models::parallelize_vocab(*model, tp_mesh);
+  tp::register_replicated(*model, tp_mesh);
+  fully_shard(model, root_options);
+  return model;
+}
+
+// Every block is its own group; the root holds the rest (embeddings, final norm, output). On
+// a 2-D mesh (HYBRID_SHARD*) the same calls shard within each replica. The values are those of
+// building the whole model first (fully_shard draws no random numbers), so a seed gives the
+// same run either way.
+models::Transformer sharded_model(const TrainConfig& cfg, const models::ModelArgs& args, const ParallelModel& m,
+                                  const MixedPrecisionPolicy& policy, const std::optional<CPUOffloadPolicy>& offload) {
+  const FsdpConfig& f = cfg.fsdp_config;
+  const bool reshard = reshard_after_forward(cfg);
+  FullyShardOptions block_options =
+      FullyShardOptions().mesh(m.mesh).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload);
+  if (f.reshard_after_forward) block_options.reshard_after_forward(*f.reshard_after_forward);
+  // The root's parameters are needed first in backward, so it keeps them gathered (FSDP2's
+  // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
+  FullyShardOptions root_options = FullyShardOptions().mesh(m.mesh).mp_policy(policy).offload_policy(offload);
+  if (!reshard) root_options.reshard_after_forward(false);
+  if (m.tp > 1) return tensor_parallel_model(f, args, m.mesh, block_options, root_options);
+  if (f.output_head_group) {
+    // The head runs backward first, so keeping it gathered from forward saves an all-gather and
+    // no memory (torchtitan does the same for its last group); it reshards after its backward.
+    FullyShardOptions head_options = block_options;
+    head_options.reshard_after_forward(false);
+    return models::sharded_transformer(args, block_options, head_options, root_options);
+  }
+  return models::sharded_transformer(args, block_options, root_options);
+}
+
+// The model as the strategy makes it, frozen where configured, with activation checkpointing.
+void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Precision& precision, ParallelModel& m) {
+  const FsdpConfig& f = cfg.fsdp_config;
+  // One policy for every group, the root included (torchtitan's choice): the root's
+  // embeddings, final norm and output head compute in param_dtype too. Its inputs are token
+  // ids, which no policy casts; the model returns fp32 logits, and the loss is fp32.
+  const MixedPrecisionPolicy policy = mp_policy_of(precision);
+  // A CPU build has no pinned memory; the copies are identities on a cpu device anyway.
+  std::optional<CPUOffloadPolicy> offload;
+  if (f.offload_params) offload = CPUOffloadPolicy().pin_memory(false);
+  // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
+  torch::manual_seed(cfg.training.seed);
+  memory::reset_peak_allocated();
+  if (f.sharding_strategy == ShardingStrategy::NO_SHARD) {
+    // Whole parameters on every rank, gradients averaged in buckets during backward (DDP). The
+    // gradients are views of the buckets: backward accumulates into what is all-reduced, so
+    // there is neither a copy nor a second set of gradients in memory.
+    m.model = models::Transformer(args);
+    freeze_parameters(cfg.model, m.model);  // before replicate, which buckets only what trains
+    m.replicated = replicate(m.model, ReplicateOptions().mesh(m.mesh).gradient_as_bucket_view(true));
+  } else {
+    m.model = sharded_model(cfg, args, m, policy, offload);
+    m.root = get_fsdp_module(*m.model);
+    freeze_parameters(cfg.model, m.model);  // the shards: FSDP follows their requires_grad
+  }
+  if (f.activation_checkpointing) {
+    m.model->set_activation_checkpointing(f.activation_checkpointing_every,
+                                          CheckpointOptions().use_reentrant(f.use_reentrant));
+  }
+  m.build_peak_tensor_bytes = memory::max_allocated_bytes();
+}
+
+}  // namespace
+
+models::ModelArgs model_args_of(const ModelConfig& m) {
+  models::ModelArgs a = models::ModelArgs::preset(m.preset);
+  if (m.n_layers) a.n_layers = *m.n_layers;
+  if (m.vocab_size) a.vocab_size = *m.vocab_size;
+  if (m.max_seq_len) a.max_seq_len = *m.max_seq_len;
+  if (m.dim) a.dim = *m.dim;
+  if (m.n_heads) a.n_heads = *m.n_heads;
+  if (m.dropout_p) a.dropout_p = *m.dropout_p;
+  if (a.dim % a.n_heads != 0)
+    throw ConfigError("model.dim (" + std::to_string(a.dim) + ") must be divisible by model.n_heads (" +
+                      std::to_string(a.n_heads) + ")");
+  return a;
+}
+
+int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a) {
+  const int64_t seq = cfg.training.seq_len > 0 ? cfg.training.seq_len : a.max_seq_len;
+  if (seq > a.max_seq_len) throw ConfigError(seq_len_too_long(cfg, seq, a.max_seq_len));
+  if (cfg.training.loss_chunks > seq)
+    throw ConfigError("training.loss_chunks (" + std::to_string(cfg.training.loss_chunks) +
+                      ") is more than the sequence has positions (training.seq_len " + std::to_string(seq) +
+                      "); use at most one piece per position");
+  return seq;
+}
+
+void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t seq, const RendezvousInfo& env) {
+  const ModelSizes m{a.n_layers, a.vocab_size, a.max_seq_len, a.dim, a.n_heads};
+  const DataParallelShape shape = data_parallel_shape(cfg, env.world_size, env.local_world_size);
+  const StepSizes s{env.world_size, env.local_world_size, cfg.training.micro_batch_size,
+                    cfg.training.gradient_accumulation_steps, seq, shape.shard};
+  check_fits_in_memory(m, s, machine_memory_bytes());
+}
+
+DataParallelKind ParallelModel::kind() const {
+  if (replicated.valid()) return DataParallelKind::kReplicated;
+  return shape.hybrid ? DataParallelKind::kHybrid : DataParallelKind::kSharded;
+}
+
+std::string ParallelModel::description(const FsdpConfig& f, int world) const {
+  const std::string strategy = to_string(f.sharding_strategy);
+  if (replicated.valid()) return "replicated on " + std::to_string(world) + " rank(s), " + strategy;
+  std::string where = "sharded over " + std::to_string(shape.shard) + " rank(s)";
+  if (shape.hybrid) where += " in each of " + std::to_string(shape.replicate) + " replicas";
+  if (tp > 1) {
+    where += " (dp) x tensor-parallel over " + std::to_string(tp) + " (tp";
+    where += f.vocab_parallel ? ", embedding and head split by vocabulary)" : ", embedding and head whole)";
+  }
+  return where + ", " + strategy;
+}
+
+ParallelModel parallelize_model(const TrainConfig& cfg, const models::ModelArgs& args, const Precision& precision,
+                                int local_world_size) {
+  const int world = get_world_size();
+  check_model_parallel(cfg, world, args.n_heads, args.dim, args.vocab_size);
+  ParallelModel m;
+  m.shape = data_parallel_shape(cfg, world, local_world_size);
+  check_reshard_group(cfg, m.shape);
+  m.tp = static_cast<int>(cfg.fsdp_config.model_parallel_size);
+  m.mesh = training_mesh(m.shape, world, m.tp);
+  m.dp_world = world / m.tp;
+  m.dp_rank = m.tp > 1 ? static_cast<int>(m.mesh.get_local_rank(0)) : get_rank();
+  build_model(cfg, args, precision, m);
+  m.parameter_count = full_parameter_count(m.model);
+  return m;
+}
+
+}  // namespace train
+}  // namespace fsdp

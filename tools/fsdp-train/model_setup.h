@@ -1,0 +1,59 @@
+// model_setup.h — the configuration turned into a model on its mesh: the model's sizes and the
+// checks on them, the device mesh, and the model built, split over tp, sharded or replicated,
+// and frozen where configured. The initial weights are initial_weights.h's.
+#pragma once
+
+#include "config.h"
+#include "step_control.h"
+
+#include <fsdp/device_mesh.h>
+#include <fsdp/distributed.h>
+#include <fsdp/fsdp_module.h>
+#include <fsdp/models/transformer.h>
+#include <fsdp/replicate.h>
+
+#include <cstdint>
+#include <string>
+
+namespace fsdp {
+namespace train {
+
+// The model's sizes: the preset with the configured keys over it. Throws ConfigError when dim
+// is not a multiple of n_heads.
+models::ModelArgs model_args_of(const ModelConfig& m);
+// training.seq_len, or the model's max_seq_len when unset. Throws ConfigError naming where both
+// values come from when it is longer than max_seq_len, or when loss_chunks exceeds it.
+int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a);
+// Before anything is allocated: throws ConfigError for a model or batch this machine cannot
+// hold (model_size.h).
+void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t seq, const RendezvousInfo& env);
+
+// A model on its mesh, as the strategy made it.
+struct ParallelModel {
+  models::Transformer model{nullptr};
+  DeviceMesh mesh;
+  FSDPModule root;              // FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD*
+  ReplicatedModule replicated;  // NO_SHARD
+  DataParallelShape shape;      // replicas x shards of the data-parallel ranks
+  // The data-parallel ranks: every rank, or with model_parallel_size k the world / k rows of
+  // the (dp, tp) mesh, whose k tp ranks train on the same rows.
+  int tp = 1, dp_rank = 0, dp_world = 1;
+  int64_t parameter_count = 0;          // of the whole model, not of this rank's shards
+  int64_t build_peak_tensor_bytes = 0;  // the peak of tensor bytes while building and sharding
+
+  DataParallelKind kind() const;
+  // "sharded over 4 rank(s), FULL_SHARD", "replicated on 4 rank(s), NO_SHARD", or for HSDP
+  // "sharded over 2 rank(s) in each of 2 replicas, HYBRID_SHARD".
+  std::string description(const FsdpConfig& f, int world) const;
+};
+
+// Collective over the world (creates the mesh's groups; fully_shard and replicate
+// communicate): every rank calls it after init_process_group, with the same configuration.
+// Every block is its own FSDP group and the root holds the rest; each block is split over tp
+// and sharded as soon as it is built, so no rank ever holds the whole model. Throws ConfigError
+// for a strategy, replicate degree or model-parallel size the world does not allow.
+ParallelModel parallelize_model(const TrainConfig& cfg, const models::ModelArgs& args, const Precision& precision,
+                                int local_world_size);
+
+}  // namespace train
+}  // namespace fsdp
