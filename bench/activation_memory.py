@@ -20,14 +20,13 @@ Only the standard library is needed. OPENBLAS_CORETYPE is passed through (see do
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import REPO, alternate, cpu_model, fsdp_train, fsdprun, git_commit, run_jsonl, write_text
+
 SETTINGS = {  # name -> fsdp-train overrides
     "none": [],
     "every block": ["--fsdp_config.activation_checkpointing=true", "--fsdp_config.activation_checkpointing_every=1"],
@@ -50,33 +49,16 @@ SETTINGS = {  # name -> fsdp-train overrides
 }
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def run(a: argparse.Namespace, name: str, pair: int) -> dict:
     tag = name.replace(" ", "_") + f"_p{pair}"
     jsonl = os.path.join(a.out, tag + ".jsonl")
-    if os.path.exists(jsonl):
-        os.remove(jsonl)
-    cmd = [os.path.join(a.build_dir, "tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", str(a.world),
-           os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), os.path.join(REPO, f"configs/{a.preset}.yaml"),
+    cmd = [*fsdprun(a.build_dir, a.world), fsdp_train(a.build_dir), os.path.join(REPO, f"configs/{a.preset}.yaml"),
            f"--training.steps={a.steps}", f"--training.seq_len={a.seq}", f"--training.micro_batch_size={a.batch}",
            "--training.resume=never", "--training.export=none", "--fsdp_config.checkpoint_interval=0",
            f"--fsdp_config.checkpoint_dir={tempfile.mkdtemp(prefix='activation_memory_')}",
            "--logging.log_interval=1", f"--logging.jsonl={jsonl}", "--logging.progress=off",
            "--sample.length=0"] + SETTINGS[name]
-    print("+", " ".join(cmd), flush=True)
-    with open(os.path.join(a.out, tag + ".log"), "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    if rc != 0:
-        sys.exit(f"{name}: fsdp-train exited {rc}; see {os.path.join(a.out, tag + '.log')}")
-    with open(jsonl) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = run_jsonl(name, cmd, os.path.join(a.out, tag + ".log"), jsonl)
     timed = [r for r in rows if r["step"] > a.warmup]
     floor = rows[-1]["live_mib"]
     peak = max(r["peak_mib"] for r in timed)
@@ -104,14 +86,12 @@ def main() -> None:
         sys.exit(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
     os.makedirs(a.out, exist_ok=True)
     results: dict[str, list[dict]] = {name: [] for name in names}
-    for pair in range(1, a.pairs + 1):
-        for name in names:
-            results[name].append(run(a, name, pair))
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    for pair, name in alternate(a.pairs, names):
+        results[name].append(run(a, name, pair))
+    commit = git_commit()
     base = {k: statistics.median(r[k] for r in results["none"]) for k in ("above", "step_s")}
     lines = [f"{a.preset}, W={a.world}, seq {a.seq}, batch {a.batch}/rank, {a.steps} steps ({a.warmup} warm-up), "
-             f"{a.pairs} round(s); {cpu_model()}; commit {commit}", "",
+             f"{a.pairs} round(s); {cpu_model('unknown CPU')}; commit {commit}", "",
              "| checkpointing | floor MiB | peak MiB | peak above floor MiB | vs none | step s | vs none | final loss |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rs in results.items():
@@ -119,8 +99,7 @@ def main() -> None:
         lines.append(f"| {name} | {m['floor']:.1f} | {m['peak']:.1f} | {m['above']:.1f} | "
                      f"{m['above'] / base['above']:.3f} | {m['step_s']:.3f} | {m['step_s'] / base['step_s']:.3f} | "
                      f"{m['loss']:.6f} |")
-    with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(os.path.join(a.out, "table.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -24,16 +24,14 @@ bandwidth], and the median's ratio to gloo) to <out>/table.md.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import statistics
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none"]
-TWO_COPY = ["--mca", "btl_vader_single_copy_mechanism", "none"]
+from _common import MPI_AS_ROOT, MPIRUN, REPO, TWO_COPY, fsdprun, git_commit, load_average, utc_now, write_text
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
@@ -42,8 +40,7 @@ def variants(a) -> dict:
     args = ["--iters", str(a.iters), "--json", *(["--sizes-kib", a.sizes_kib] if a.sizes_kib else [])]
     mpirun = [*MPIRUN, "-np", str(a.world), "-x", "OMP_NUM_THREADS=1"]
     out = {
-        "gloo": [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node",
-                 str(a.world), bench, *args],
+        "gloo": [*fsdprun(a.build_dir, a.world), bench, *args],
         "mpi": [*mpirun, bench, *args],
     }
     if not a.no_two_copy:
@@ -68,14 +65,11 @@ def json_lines(text: str) -> list[dict]:
 def run(a) -> None:
     os.makedirs(a.out, exist_ok=True)
     env = dict(os.environ)
-    if os.geteuid() == 0:  # OpenMPI refuses root without both
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if os.geteuid() == 0:
+        env.update(MPI_AS_ROOT)
     cmds = variants(a)
     meta = {"command": " ".join([sys.executable, *sys.argv]), "variants": {k: " ".join(v) for k, v in cmds.items()},
-            "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "load_average_before": open("/proc/loadavg").read().split()[:3],
-            "commit": subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip(),
+            "date_utc": utc_now(), "load_average_before": load_average(), "commit": git_commit(),
             "world": a.world, "rounds": a.rounds, "iters": a.iters}
     with open(os.path.join(a.out, "results.jsonl"), "w") as fh:
         for k in range(1, a.rounds + 1):
@@ -85,7 +79,7 @@ def run(a) -> None:
                 print(f"[round {k}] {name}: rc={r.returncode}, {len(rows)} sizes", flush=True)
                 for row in rows:
                     fh.write(json.dumps({"variant": name, "round": k, **row}) + "\n")
-    meta["load_average_after"] = open("/proc/loadavg").read().split()[:3]
+    meta["load_average_after"] = load_average()
     with open(os.path.join(a.out, "meta.json"), "w") as fh:
         json.dump(meta, fh, indent=1)
 
@@ -131,8 +125,7 @@ def main(argv=None) -> int:
     if not a.report_only:
         run(a)
     table = report(a.out)
-    with open(os.path.join(a.out, "table.md"), "w") as fh:
-        fh.write(table)
+    write_text(os.path.join(a.out, "table.md"), table)
     print(table, end="")
     return 0
 

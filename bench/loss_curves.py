@@ -17,49 +17,28 @@ Only the standard library is needed. OPENBLAS_CORETYPE is passed through (see do
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _common import REPO, cpu_model, fsdp_train, fsdprun, git_commit, run_jsonl, write_text
+
 PRECISIONS = {  # name -> fsdp-train overrides
     "fp32": [],
     "bf16": ["--fsdp_config.mixed_precision=true"],
 }
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def run(a: argparse.Namespace, name: str) -> list[dict]:
     jsonl = os.path.join(a.out, name + ".jsonl")
     ckpt = tempfile.mkdtemp(prefix="loss_curves_" + name + "_")  # the run's checkpoints are not kept
-    if os.path.exists(jsonl):
-        os.remove(jsonl)
-    cmd = [os.path.join(a.build_dir, "tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", str(a.world),
-           os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), os.path.join(REPO, "configs/gpl3.yaml"),
+    cmd = [*fsdprun(a.build_dir, a.world), fsdp_train(a.build_dir), os.path.join(REPO, "configs/gpl3.yaml"),
            f"--training.steps={a.steps}", "--training.resume=never", "--training.export=none",
            "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={ckpt}",
            f"--data.path={a.tokens}", "--logging.log_interval=1", f"--logging.jsonl={jsonl}",
            "--sample.length=0"] + PRECISIONS[name]
-    print("+", " ".join(cmd), flush=True)
-    with open(os.path.join(a.out, name + ".log"), "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    if rc != 0:
-        sys.exit(f"{name}: fsdp-train exited {rc}; see {os.path.join(a.out, name + '.log')}")
-    with open(jsonl) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return run_jsonl(name, cmd, os.path.join(a.out, name + ".log"), jsonl)
 
 
 def svg(curves: dict[str, list[tuple[int, float]]], path: str) -> None:
@@ -100,7 +79,7 @@ def main() -> None:
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if not os.path.exists(a.tokens):
-        subprocess.check_call([os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), "tokenize",
+        subprocess.check_call([fsdp_train(a.build_dir), "tokenize",
                                "/usr/share/common-licenses/GPL-3", a.tokens])
     curves = {}
     for name in PRECISIONS:
@@ -108,9 +87,9 @@ def main() -> None:
         curves[name] = [(r["step"], r["loss"]) for r in rows]
     svg(curves, os.path.join(a.out, "curves.svg"))
     by_step = {name: dict(c) for name, c in curves.items()}
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    lines = [f"gpl3, {a.steps} steps, W={a.world}, same seed; {cpu_model()}; commit {commit}", "",
+    commit = git_commit()
+    cpu = cpu_model("") or platform.processor() or "unknown CPU"
+    lines = [f"gpl3, {a.steps} steps, W={a.world}, same seed; {cpu}; commit {commit}", "",
              "| step | fp32 loss | bf16 loss | bf16 / fp32 |", "|---:|---:|---:|---:|"]
     for step in sorted(by_step["fp32"]):
         if step % a.every == 0 or step in (1, a.steps):
@@ -119,8 +98,7 @@ def main() -> None:
     final_f, final_b = by_step["fp32"][a.steps], by_step["bf16"][a.steps]
     lines += ["", f"final loss: fp32 {final_f:.4f}, bf16 {final_b:.4f}, bf16/fp32 = {final_b / final_f:.4f} "
               f"({100 * abs(final_b / final_f - 1):.2f}% apart)"]
-    with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(os.path.join(a.out, "table.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

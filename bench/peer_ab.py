@@ -96,31 +96,27 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
 import json
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-# The Python with torch 2.15 that runs the peer (scripts/torch-env.sh exports FSDP_PYTHON).
-PY = os.environ.get("FSDP_PYTHON") or os.path.expanduser("~/.cache/fsdp-cpp/venv-torch-2.15.0/bin/python")
+from _common import (MODEL, MPI_AS_ROOT, MPIRUN, PY, REPO, blas_libs, cores, cpu_model, fmt, fsdp_train,
+                     fsdprun, git_commit, load_json, med, pct, run_env, run_process, sh, sha256,
+                     threads_for, utc_now, write_json)
+
 PEER_SCRIPT = "peer_fsdp2.py"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Run order inside a pair: base (when given), ours once per backend in --backends (gloo first),
 # then the peer. Ours on gloo keeps the side name "ours" (and the run names) it had before
 # backends existed.
 BACKENDS = ("gloo", "mpi")
 OURS_SIDE = {"gloo": "ours", "mpi": "ours_mpi"}
-# How ours starts on each backend: fsdprun (gloo) or mpirun (mpi), with mpirun's options for one
-# machine: --oversubscribe (ranks may outnumber cores) and --bind-to none (a rank's compute and
-# communication threads must not share one pinned core).
-MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none"]
+# How ours starts on each backend: fsdprun (gloo) or mpirun (mpi, with _common's MPIRUN options).
 
 # preset -> defaults. seq = the preset's max_seq_len (peer model.py PRESETS).
 PRESETS = {
@@ -129,13 +125,6 @@ PRESETS = {
     "medium": dict(batch=2, steps=4, warmup=1, seq=512, timeout=3600),
 }
 INIT_TIMEOUT = {"tiny": 300, "small": 600, "medium": 1800}
-
-# The presets' model dimensions (fsdp::models::ModelArgs::preset = bench/peer/model.py PRESETS).
-MODEL = {
-    "tiny": dict(n_layers=2, dim=16, n_heads=4, vocab_size=8),
-    "small": dict(n_layers=4, dim=256, n_heads=8, vocab_size=8192),
-    "medium": dict(n_layers=8, dim=768, n_heads=12, vocab_size=32000),
-}
 
 DTYPES = ("fp32", "bf16")
 OURS_DTYPE_OVERRIDES = {"fp32": [], "bf16": ["--fsdp_config.mixed_precision=true"]}
@@ -161,120 +150,8 @@ SEED = 0
 DATA_SEED = 1234
 
 
-# --------------------------------------------------------------------------- helpers
-
-def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def sh(cmd: list[str]) -> str:
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        return r.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def blas_libs(binary: str) -> list[str]:
-    """BLAS/LAPACK libraries the dynamic linker resolves for a binary or .so."""
-    if not binary or not os.path.exists(binary):
-        return []
-    out = sh(["ldd", binary])
-    libs = []
-    for line in out.splitlines():
-        name = line.strip().split(" ", 1)[0]
-        if any(k in name for k in ("blas", "lapack", "mkl", "blis")):
-            parts = line.split("=>")
-            target = parts[1].strip().split(" (")[0] if len(parts) > 1 else name
-            libs.append(f"{name} -> {os.path.realpath(target) if os.path.exists(target) else target}")
-    return libs
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def load_json(path: str):
-    """One JSON object; tolerates a JSON-lines file by taking the last non-empty line."""
-    with open(path) as fh:
-        text = fh.read()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        lines = [x for x in text.splitlines() if x.strip()]
-        return json.loads(lines[-1]) if lines else None
-
-
-def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.write("\n")
-    os.replace(tmp, path)
-
-
-def threads_for(world: int) -> int:
-    return max(1, len(os.sched_getaffinity(0)) // world)
-
-
-def run_env(world: int) -> dict:
-    """Identical environment for both programs; OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are kept."""
-    env = dict(os.environ)
-    t = str(threads_for(world))
-    env["OMP_NUM_THREADS"] = t
-    env["OPENBLAS_NUM_THREADS"] = t
-    return env
-
-
 ENV_KEYS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
             "MKL_NUM_THREADS", "GOTO_NUM_THREADS", "LD_LIBRARY_PATH", "LD_PRELOAD")
-
-
-def run_process(cmd: list[str], env: dict, log_path: str, timeout_s: float, cwd: str) -> tuple[str, int | None, float]:
-    """Runs cmd in its own session; returns (status, rc, wall_s). status: ok | failed | timeout."""
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        log.write(f"# {utc_now()}\n# {shlex.join(cmd)}\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return "timeout", None, time.time() - t0
-        except BaseException:  # Ctrl-C: take the whole process group down with us
-            _kill_group(proc)
-            raise
-    return ("ok" if rc == 0 else "failed"), rc, time.time() - t0
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 # --------------------------------------------------------------------------- commands
@@ -313,14 +190,14 @@ def launcher(build_dir: str, world: int, backend: str) -> list[str]:
     (fsdp-train then picks mpi itself; the run says so explicitly)."""
     if backend == "mpi":
         return [*MPIRUN, "-np", str(world), "-x", "OMP_NUM_THREADS", "-x", "OPENBLAS_NUM_THREADS"]
-    return [os.path.join(build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node", str(world)]
+    return fsdprun(build_dir, world)
 
 
 def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype: str = "fp32",
              backend: str = "gloo") -> list[str]:
     p = cell["preset"]
     return [*launcher(build_dir, cell["world"], backend),
-            os.path.join(build_dir, "tools", "fsdp-train", "fsdp-train"),
+            fsdp_train(build_dir),
             os.path.join(REPO, "configs", f"{p}.yaml"),
             f"--model.preset={p}", "--model.dropout_p=0", f"--model.init_from={cell['init']}",
             f"--training.micro_batch_size={cell['batch']}", "--training.gradient_accumulation_steps=1",
@@ -542,8 +419,8 @@ def run_side(a, cell: dict, pair: int, side: str, dtype: str = "fp32") -> None:
         cmd = ours_cmd(a, cell, json_path, ckpt_dir, a.baseline_build_dir if side == "base" else a.build_dir,
                        dtype, backend_of(side))
         cwd = REPO
-        if backend_of(side) == "mpi" and os.geteuid() == 0:  # OpenMPI refuses root without both
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        if backend_of(side) == "mpi" and os.geteuid() == 0:
+            env.update(MPI_AS_ROOT)
     else:
         cmd = peer_cmd(a, cell, json_path, dtype)
         cwd = a.peer_dir
@@ -597,9 +474,7 @@ def source_commit(build_dir: str) -> str:
             src = next((l.split("=", 1)[1].strip() for l in fh if l.startswith("CMAKE_HOME_DIRECTORY:")), "")
     except OSError:
         return "?"
-    git = sh(["git", "-C", src, "rev-parse", "--short", "HEAD"]) if src else ""
-    dirty = sh(["git", "-C", src, "status", "--porcelain", "--untracked-files=no"]) if src else ""
-    return (git + ("-dirty" if dirty else "")) if git else "?"
+    return git_commit(src, dirty=True) if src else "?"
 
 
 def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
@@ -607,14 +482,12 @@ def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
                          "m = re.search(r'BLAS_INFO=([^,\\s]+)', torch.__config__.show()); print(m.group(1) if m else '?')"])
     torch_version, torch_dir, torch_blas = (torch_info.splitlines() + ["?", "", "?"])[:3]
     libtorch_so = os.path.join(torch_dir, "lib", "libtorch_cpu.so") if torch_dir else ""
-    ours_bin = os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train")
-    git = sh(["git", "-C", REPO, "rev-parse", "--short", "HEAD"])
-    dirty = sh(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"])
+    ours_bin = fsdp_train(a.build_dir)
     return {
         "command": shlex.join([sys.executable, os.path.relpath(os.path.abspath(__file__), REPO), *argv]),
         "date_utc": utc_now(),
         "cpu_model": cpu_model(),
-        "cores": len(os.sched_getaffinity(0)),
+        "cores": cores(),
         "libblas.so.3": os.path.realpath("/usr/lib/x86_64-linux-gnu/libblas.so.3"),
         # the torch wheel links its BLAS (MKL) statically: ldd lists none, torch's build config names it
         "blas_peer_libtorch_cpu": blas_libs(libtorch_so) or [f"built in (torch BLAS_INFO={torch_blas})"],
@@ -623,7 +496,7 @@ def collect_meta(a, cells: list[dict], argv: list[str]) -> dict:
         "peer_python": PY,
         "peer_script": PEER_SCRIPT,
         "peer_name": STRATEGIES[a.strategy]["peer_name"],
-        "repo_commit": (git + ("-dirty" if dirty else "")) if git else "?",
+        "repo_commit": git_commit(dirty=True),
         "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")},
         "threads_per_rank": {str(w): threads_for(w) for w in sorted({c["world"] for c in cells})},
         "peer_dir": a.peer_dir,
@@ -682,22 +555,6 @@ def max_rss(res: dict) -> float | None:
     if isinstance(v, (int, float)):
         return float(v)
     return None
-
-
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def fmt(x, spec: str, missing: str = "–") -> str:
-    return missing if x is None else format(x, spec)
-
-
-def pct(x) -> str:
-    """A fraction as a percentage with 2 significant digits ("–" when unknown)."""
-    if x is None:
-        return "–"
-    return f"{100 * x:.0f} %" if 100 * x >= 10 else f"{100 * x:.2g} %"
 
 
 def verdict(value, target) -> str:
@@ -1115,8 +972,7 @@ def main(argv=None) -> int:
             os.makedirs(a.out, exist_ok=True)
         missing = [x for x in ([os.path.join(a.peer_dir, PEER_SCRIPT), PY] +
                                ([] if a.only == "peer" else
-                                [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"),
-                                 os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train")]) +
+                                [fsdprun(a.build_dir, 1)[0], fsdp_train(a.build_dir)]) +
                                ([] if a.no_matmul else [matmul_bin(a)]))
                    if not os.path.exists(x)]
         if missing:

@@ -35,9 +35,9 @@ import subprocess
 import sys
 import tempfile
 
-from plan_constants import wait_for_quiet  # bench/, the script's own directory
+from _common import (MPI_AS_ROOT, MPIRUN_ONE_THREAD, REPO, fsdp_train, fsdprun, git_commit, load_average,
+                     wait_for_quiet, write_text)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = {"true": "FULL_SHARD", "false": "SHARD_GRAD_OP"}
 PRECISIONS = {"fp32": [], "bf16": ["--fsdp_config.mixed_precision=true"]}
 EVERY = ["--fsdp_config.activation_checkpointing=true", "--fsdp_config.activation_checkpointing_every=1"]
@@ -50,10 +50,6 @@ CHECKPOINTING = {
     "head": ["--fsdp_config.output_head_group=true"],
     "every+loss4+head": EVERY + ["--training.loss_chunks=4", "--fsdp_config.output_head_group=true"],
 }
-MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl_vader_single_copy_mechanism", "none",
-          "-x", "OMP_NUM_THREADS=1", "-x", "OPENBLAS_NUM_THREADS=1", "-x", "OPENBLAS_CORETYPE"]
-
-
 
 # Options beyond the matrix, each planned and trained once at small (W=2 and 4 unless it needs
 # a world): --coverage. "{tokens}" is a token file of the GPL-3 text the script makes.
@@ -120,11 +116,6 @@ def coverage_runs(a, tokens: str) -> list[Run]:
     return runs
 
 
-def load_average() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 @contextlib.contextmanager
 def held(lock_path: str | None):
     if not lock_path:
@@ -141,20 +132,19 @@ def held(lock_path: str | None):
 def measure(a, run: Run) -> dict:
     tmp = tempfile.mkdtemp(prefix="plan_accuracy_")
     jsonl = os.path.join(tmp, "m{rank}.jsonl")
-    train = [os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), os.path.join(REPO, f"configs/{run.preset}.yaml"),
+    train = [fsdp_train(a.build_dir), os.path.join(REPO, f"configs/{run.preset}.yaml"),
              "--training.resume=never", "--training.export=none", f"--fsdp_config.checkpoint_dir={tmp}/ck", "--logging.log_interval=1", f"--logging.jsonl={jsonl}",
              "--logging.progress=off", "--sample.length=0"] + run.options
     if run.mpi:
-        cmd = MPIRUN + ["-np", str(run.world)] + train
+        cmd = MPIRUN_ONE_THREAD + ["-np", str(run.world)] + train
     elif run.world == 1:
         cmd = train
     else:
-        cmd = [os.path.join(a.build_dir, "tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node",
-               str(run.world)] + train
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = fsdprun(a.build_dir, run.world) + train
+    env = dict(os.environ, **MPI_AS_ROOT)
     with held(None if a.untimed else a.lock):
         quiet = False if a.untimed else wait_for_quiet(a.quiet_wait)
-        load = load_average()
+        load = " ".join(load_average())
         when = f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M:%S} UTC"
         print("+", " ".join(cmd), f"(load {load})", flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
@@ -169,9 +159,9 @@ def measure(a, run: Run) -> dict:
 
 
 def predict(a, run: Run) -> dict:
-    cmd = [os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), "plan",
+    cmd = [fsdp_train(a.build_dir), "plan",
            os.path.join(REPO, f"configs/{run.preset}.yaml"), "--world", str(run.world), "--json"] + run.options
-    # The trainer's ranks under mpirun get one thread each (MPIRUN's -x), as fsdprun's do.
+    # The trainer's ranks under mpirun get one thread each (MPIRUN_ONE_THREAD's -x), as fsdprun's do.
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1") if run.mpi else None
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -183,8 +173,7 @@ def predict(a, run: Run) -> dict:
 
 
 def table(a, runs: list[Run], cache: dict, coverage: bool) -> list[str]:
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     columns = "| preset | W | options |" if coverage else "| preset | W | reshard_after_forward | precision | checkpointing |"
     lines = [f"planner at commit {commit}; {a.steps} steps, rank 0, measured peak = max over steps 2..{a.steps}, "
              f"measured step = their median; tp {a.tp}, backend {a.backend}; step times only from timed runs, "
@@ -226,7 +215,7 @@ def table(a, runs: list[Run], cache: dict, coverage: bool) -> list[str]:
 def token_file(a) -> str:
     path = os.path.abspath(os.path.join(a.out, "gpl3.tokens"))  # the runs start in a directory of their own
     if not os.path.exists(path):
-        subprocess.run([os.path.join(a.build_dir, "tools/fsdp-train/fsdp-train"), "tokenize",
+        subprocess.run([fsdp_train(a.build_dir), "tokenize",
                         "/usr/share/common-licenses/GPL-3", path], check=True, capture_output=True)
     return path
 
@@ -269,8 +258,7 @@ def main() -> None:
     if a.measure_only:
         return
     lines = table(a, runs, cache, a.coverage)
-    with open(os.path.join(a.out, a.table), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(os.path.join(a.out, a.table), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

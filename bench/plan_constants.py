@@ -39,13 +39,10 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The Python with torch 2.15 (scripts/torch-env.sh exports FSDP_PYTHON).
-PY = os.environ.get("FSDP_PYTHON", "/root/.cache/fsdp-cpp/venv-torch-2.15.0/bin/python")
-MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl_vader_single_copy_mechanism", "none",
-          "-x", "OMP_NUM_THREADS=1", "-x", "OPENBLAS_NUM_THREADS=1", "-x", "OPENBLAS_CORETYPE"]
+from _common import (MPI_AS_ROOT, MPIRUN_ONE_THREAD, PY, REPO, cpu_model, fsdp_train, fsdprun, git_commit,
+                     load_average, wait_for_quiet)
+
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 # tiny's collectives per step (FULL_SHARD, 2 blocks): all-gathers of the root and of each block in
 # forward and backward (5), reduce-scatters of the root and the blocks (3), the gradient norm's
@@ -53,22 +50,6 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 TINY_COLLECTIVES_PER_STEP = 9
 QUIET_WAIT_S = 120.0
 STARTS: list[bool] = []  # for each measurement: whether the machine was quiet when it started
-
-
-
-def wait_for_quiet(limit_s: float) -> bool:
-    """Waits (up to limit_s) until no other process is running for 3 s in a row: builds and tests
-    at idle priority still slow multi-threaded timings down. Returns whether it got there."""
-    deadline, quiet_since = time.time() + limit_s, None
-    while time.time() < deadline:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
-        now = time.time()
-        quiet_since = (quiet_since or now) if running <= 1 else None
-        if quiet_since and now - quiet_since >= 3:
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -81,7 +62,7 @@ def environment(threads: dict | None) -> dict:
     """The environment of a measurement: the thread variables given, or none at all."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     env.update(threads or {})
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(MPI_AS_ROOT)
     return env
 
 
@@ -134,8 +115,8 @@ def compute_rates(build: str, threads: dict | None, torch_threads: int) -> dict:
 
 def launcher(build: str, world: int, backend: str) -> list[str]:
     if backend == "mpi":
-        return MPIRUN + ["-np", str(world)]
-    return [] if world == 1 else [f"{build}/tools/fsdprun/fsdprun", "--standalone", "--nproc-per-node", str(world)]
+        return MPIRUN_ONE_THREAD + ["-np", str(world)]
+    return [] if world == 1 else fsdprun(build, world)
 
 
 def bandwidth(build: str, backend: str) -> float:
@@ -168,7 +149,7 @@ def train(build: str, preset: str, world: int = 1, backend: str = "gloo", steps:
     """fsdp-train for a few steps, one thread per rank; its summary (medians after 2 warm-up steps)."""
     tmp = tempfile.mkdtemp(prefix="plan_constants_")
     cmd = launcher(build, world, backend) + [
-        f"{build}/tools/fsdp-train/fsdp-train", f"{REPO}/configs/{preset}.yaml", f"--training.steps={steps}",
+        fsdp_train(build), f"{REPO}/configs/{preset}.yaml", f"--training.steps={steps}",
         f"--fsdp_config.backend={backend}", "--training.resume=never", "--training.export=none",
         "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={tmp}/ck", "--logging.progress=off",
         f"--logging.summary_json={tmp}/s.json", "--sample.length=0"] + (extra or [])
@@ -248,8 +229,7 @@ def main() -> None:
     parts = a.parts.split(",")
     out = json.load(open(a.out)) if set(parts) != set(PARTS) else {}
     out["cpu_cores"] = cores
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     # When and how each part was last measured: a part measured again replaces its own line only.
     when = out.get("measured_parts", {})
     for part in parts:
@@ -259,17 +239,9 @@ def main() -> None:
         when[part] = (f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, commit {commit}, {sum(quiet)} of "
                       f"{len(quiet)} runs started with no other process running")
     out["measured_parts"] = {part: when[part] for part in PARTS if part in when}
-    cpu = "unknown CPU"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/loadavg") as f:
-        load = " ".join(f.read().split()[:3])
-    out["source"] = (f"{cpu}, {cores} CPUs, bench/plan_constants.py: " +
+    out["source"] = (f"{cpu_model('unknown CPU')}, {cores} CPUs, bench/plan_constants.py: " +
                      "; ".join(f"{part} {line}" for part, line in out["measured_parts"].items()) +
-                     f"; load average at the end {load}")
+                     f"; load average at the end {' '.join(load_average())}")
     order = ["source", "measured_parts", "cpu_cores", "one_thread", "single_rank", "libtorch_default_threads", "memory_bytes_per_s",
              "collective_bytes_per_s", "collective_latency_s", "collective_latency_s_oversubscribed",
              "mpi_collective_bytes_per_s", "mpi_collective_latency_s", "mpi_collective_latency_s_oversubscribed",

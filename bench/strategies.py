@@ -27,12 +27,11 @@ import os
 import shlex
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peer_ab  # noqa: E402  (shares the run, environment and machine-description helpers)
+from _common import (MODEL, REPO, cores, cpu_model, fsdp_train, fsdprun, git_commit, load_json,  # noqa: E402
+                     mib, run_alternating, run_env, utc_now, write_json, write_text)
 
-REPO = peer_ab.REPO
 STRATEGIES = {  # name -> (fsdp-train overrides, replicate degree R as a function of the world)
     "FULL_SHARD": (["--fsdp_config.sharding_strategy=FULL_SHARD"], lambda w: 1),
     "HYBRID_SHARD 2x(W/2)": (["--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"],
@@ -43,7 +42,7 @@ STRATEGIES = {  # name -> (fsdp-train overrides, replicate degree R as a functio
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(peer_ab.PRESETS))
+    p.add_argument("--preset", default="small", choices=sorted(MODEL))
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--batch", type=int, default=4, help="per-rank micro-batch (default 4)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
@@ -64,7 +63,7 @@ def parse_args(argv):
     if a.world < 2 or a.world % 2:
         p.error("--world must be even and >= 2 (HYBRID_SHARD uses 2 replicas)")
     if a.out is None:
-        a.out = os.path.join(REPO, "bench", "results", "strategies", peer_ab.utc_now()[:19].replace(" ", "_"))
+        a.out = os.path.join(REPO, "bench", "results", "strategies", utc_now()[:19].replace(" ", "_"))
     a.out = os.path.abspath(a.out)
     return a
 
@@ -74,8 +73,7 @@ def run_name(strategy: str, pair: int) -> str:
 
 
 def command(a, strategy: str, json_out: str, ckpt_dir: str) -> list[str]:
-    return [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node", str(a.world),
-            os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train"),
+    return [*fsdprun(a.build_dir, a.world), fsdp_train(a.build_dir),
             os.path.join(REPO, "configs", f"{a.preset}.yaml"), f"--model.preset={a.preset}", "--model.dropout_p=0",
             f"--training.micro_batch_size={a.batch}", f"--training.seq_len={a.seq}", f"--training.steps={a.steps}",
             "--training.max_grad_norm=0", "--training.resume=never", "--training.export=none",
@@ -86,24 +84,12 @@ def command(a, strategy: str, json_out: str, ckpt_dir: str) -> list[str]:
 
 def run_all(a) -> None:
     os.makedirs(a.out, exist_ok=True)
-    env = peer_ab.run_env(a.world)
-    for k in range(1, a.pairs + 1):
-        for s in a.strategies:
-            name = run_name(s, k)
-            json_out = os.path.join(a.out, name + ".json")
-            with tempfile.TemporaryDirectory(prefix="strategies_ckpt_") as ckpt:
-                cmd = command(a, s, json_out, ckpt)
-                print(f"[run] {name}: {shlex.join(cmd)}", flush=True)
-                status, rc, wall = peer_ab.run_process(cmd, env, os.path.join(a.out, name + ".log"), a.timeout, REPO)
-            print(f"[run] {name}: {status} rc={rc} in {wall:.0f}s", flush=True)
+    run_alternating(a.pairs, a.strategies, run_name, lambda s, json_out, ckpt: command(a, s, json_out, ckpt),
+                    a.out, run_env(a.world), a.timeout, "strategies_ckpt_")
 
 
 def per_step(res: dict, key: str) -> list[float]:
     return [b / res["steps"] for b in res.get(key) or []]
-
-
-def mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
 
 
 def render(a, meta: dict) -> str:
@@ -125,7 +111,7 @@ def render(a, meta: dict) -> str:
         for k in range(1, a.pairs + 1):
             path = os.path.join(a.out, run_name(s, k) + ".json")
             if os.path.exists(path):
-                runs.append(peer_ab.load_json(path))
+                runs.append(load_json(path))
         runs = [r for r in runs if isinstance(r, dict) and "median_step_s" in r]
         R = STRATEGIES[s][1](w)
         S = w // R
@@ -152,18 +138,16 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     meta_path = os.path.join(a.out, "meta.json")
     if a.report_only:
-        meta = peer_ab.load_json(meta_path)
+        meta = load_json(meta_path)
     else:
         os.makedirs(a.out, exist_ok=True)
-        meta = {"command": shlex.join([sys.executable, "bench/strategies.py", *argv]), "date": peer_ab.utc_now(),
-                "cpu": peer_ab.cpu_model(), "cores": len(os.sched_getaffinity(0)),
-                "commit": peer_ab.sh(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]) or "?",
+        meta = {"command": shlex.join([sys.executable, "bench/strategies.py", *argv]), "date": utc_now(),
+                "cpu": cpu_model(), "cores": cores(), "commit": git_commit() or "?",
                 "coretype": os.environ.get("OPENBLAS_CORETYPE")}
-        peer_ab.write_json(meta_path, meta)
+        write_json(meta_path, meta)
         run_all(a)
     table = render(a, meta)
-    with open(os.path.join(a.out, "table.md"), "w") as fh:
-        fh.write(table)
+    write_text(os.path.join(a.out, "table.md"), table)
     print(table, end="")
     return 0
 

@@ -37,12 +37,11 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peer_ab  # noqa: E402  (the run, environment, machine-description helpers and the presets' sizes)
+from _common import (MODEL, REPO, cores, cpu_model, fsdp_train, fsdprun, git_commit, load_json, mib,  # noqa: E402
+                     run_alternating, run_env, utc_now, write_json, write_text)
 
-REPO = peer_ab.REPO
 DEFAULTS = {  # preset -> per-rank rows under dp W, sequence length, steps, warm-up steps
     "small": dict(batch=2, seq=256, steps=6, warmup=2),
     "medium": dict(batch=1, seq=512, steps=5, warmup=1),
@@ -79,7 +78,7 @@ def parse_args(argv):
     if a.tp < 2 or a.world % a.tp:
         p.error("--tp must be >= 2 and divide --world")
     if a.out is None:
-        a.out = os.path.join(REPO, "bench", "results", "tensor_parallel", peer_ab.utc_now()[:19].replace(" ", "_"))
+        a.out = os.path.join(REPO, "bench", "results", "tensor_parallel", utc_now()[:19].replace(" ", "_"))
     a.out = os.path.abspath(a.out)
     return a
 
@@ -98,8 +97,7 @@ def run_name(a, config: str, pair: int) -> str:
 
 
 def command(a, tp: int, vocab_parallel: bool, json_out: str, ckpt_dir: str) -> list[str]:
-    return [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node", str(a.world),
-            os.path.join(a.build_dir, "tools", "fsdp-train", "fsdp-train"),
+    return [*fsdprun(a.build_dir, a.world), fsdp_train(a.build_dir),
             os.path.join(REPO, "configs", f"{a.preset}.yaml"), f"--model.preset={a.preset}", "--model.dropout_p=0",
             f"--training.micro_batch_size={a.batch * tp}", f"--training.seq_len={a.seq}", f"--training.steps={a.steps}",
             "--training.max_grad_norm=0", "--training.resume=never", "--training.export=none", "--sample.length=0",
@@ -110,19 +108,9 @@ def command(a, tp: int, vocab_parallel: bool, json_out: str, ckpt_dir: str) -> l
 
 
 def run_all(a) -> None:
-    env = peer_ab.run_env(a.world)
-    for k in range(1, a.pairs + 1):
-        for name, tp, vocab_parallel in configs(a):
-            run = run_name(a, name, k)
-            with tempfile.TemporaryDirectory(prefix="tp_bench_ckpt_") as ckpt:
-                cmd = command(a, tp, vocab_parallel, os.path.join(a.out, run + ".json"), ckpt)
-                print(f"[run] {run}: {shlex.join(cmd)}", flush=True)
-                status, rc, wall = peer_ab.run_process(cmd, env, os.path.join(a.out, run + ".log"), a.timeout, REPO)
-            print(f"[run] {run}: {status} rc={rc} in {wall:.0f}s", flush=True)
-
-
-def mib(x: float) -> str:
-    return f"{x / 2**20:.2f}"
+    run_alternating(a.pairs, configs(a), lambda c, k: run_name(a, c[0], k),
+                    lambda c, json_out, ckpt: command(a, c[1], c[2], json_out, ckpt),
+                    a.out, run_env(a.world), a.timeout, "tp_bench_ckpt_")
 
 
 def comm(res: dict, dim: str, kind: str, field: str, rank: int = 0) -> float:
@@ -147,7 +135,7 @@ def render(a, meta: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     runs = {}
     for name, _, _ in configs(a):
-        got = [peer_ab.load_json(p) for p in (os.path.join(a.out, run_name(a, name, k) + ".json")
+        got = [load_json(p) for p in (os.path.join(a.out, run_name(a, name, k) + ".json")
                                                 for k in range(1, a.pairs + 1)) if os.path.exists(p)]
         runs[name] = [r for r in got if isinstance(r, dict) and "median_step_s" in r]
         if not runs[name]:
@@ -185,7 +173,7 @@ def render(a, meta: dict) -> str:
 
 def paper_check(a, tp_run: dict, vocab_parallel: bool) -> str:
     """The tp all-reduces the paper model predicts for this run, against the counters."""
-    m = peer_ab.MODEL[a.preset]
+    m = MODEL[a.preset]
     t, rows = a.tp, a.tp * a.batch * a.seq  # the tp group's tokens
     activation = ring_all_reduce_sent(rows * m["dim"] * 4, t)
     calls = m["n_layers"] * TP_ALL_REDUCES_PER_BLOCK + 1  # and the gradient norm's
@@ -240,7 +228,7 @@ PLANS = {
 def step_model(c: dict, preset: str, world: int, tp: int, tokens: float, seq: int, plan: str = "vocab-parallel") -> dict:
     """Seconds per step of one rank: matmuls, dp collectives and tp all-reduces. tokens = the
     tokens of one rank under dp `world` (the global batch's tokens / world)."""
-    m = peer_ab.MODEL[preset]
+    m = MODEL[preset]
     L, d, V = m["n_layers"], m["dim"], m["vocab_size"]
     per_block, split_head = PLANS[plan]["per_block"], PLANS[plan]["split_head"]
     dp = world // tp
@@ -296,7 +284,7 @@ MODEL_WORLDS = (4, 8)
 
 
 def paper_model(path: str) -> str:
-    c = peer_ab.load_json(path)
+    c = load_json(path)
     out = [f"Constants: {os.path.relpath(path, REPO)} ({c.get('source', '?')}); matmul {c['matmul_flops'] / 1e9:.1f} GFLOP/s per rank "
            "(fp32, one thread). Collectives: time = latency + bytes sent / bandwidth (latency: the smallest size; "
            "bandwidth: least squares over >= 512 KiB sent), from the per-size medians of the runs. The model uses "
@@ -357,13 +345,12 @@ def measure_constants(a) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")  # a core per rank
     collectives = {}
     for w in sorted({2, *map(int, a.constant_worlds.split(","))}):
-        cmd = [os.path.join(a.build_dir, "tools", "fsdprun", "fsdprun"), "--standalone", "--nproc-per-node", str(w),
-               os.path.join(a.build_dir, "bench", "bench_collectives"), "--json", "--sizes-kib", a.collective_sizes_kib]
+        cmd = [*fsdprun(a.build_dir, w), os.path.join(a.build_dir, "bench", "bench_collectives"), "--json", "--sizes-kib", a.collective_sizes_kib]
         runs = []
         with open(os.path.join(a.out, f"collectives_w{w}.jsonl"), "w") as fh:
             for _ in range(a.collective_runs):
                 print(f"[constants] {shlex.join(cmd)}", flush=True)
-                text = subprocess.run(cmd, env=peer_ab.run_env(w), capture_output=True, text=True, check=True).stdout
+                text = subprocess.run(cmd, env=run_env(w), capture_output=True, text=True, check=True).stdout
                 runs.append([json.loads(line[line.index("{"):]) for line in text.splitlines() if "all_gather_ms" in line])
                 fh.writelines(json.dumps(r) + "\n" for r in runs[-1])
         frac = (w - 1) / w
@@ -377,10 +364,9 @@ def measure_constants(a) -> dict:
     print(f"[constants] {shlex.join(cmd)}", flush=True)
     text = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     matmul = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
-    peer_ab.write_json(os.path.join(a.out, "matmul_t1.json"), matmul)
+    write_json(os.path.join(a.out, "matmul_t1.json"), matmul)
     results = matmul["results"]
-    return {"source": f"{peer_ab.cpu_model()}, {len(os.sched_getaffinity(0))} CPUs, {peer_ab.utc_now()}, commit "
-                      f"{peer_ab.sh(['git', '-C', REPO, 'rev-parse', '--short', 'HEAD'])}, load before {load:.2f}",
+    return {"source": f"{cpu_model()}, {cores()} CPUs, {utc_now()}, commit {git_commit()}, load before {load:.2f}",
             "matmul_flops": statistics.median(r["gflops"] for r in results) * 1e9, "collectives": collectives}
 
 
@@ -393,26 +379,23 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     if a.measure_constants:
         constants = measure_constants(a)
-        peer_ab.write_json(os.path.join(a.out, "constants.json"), constants)
+        write_json(os.path.join(a.out, "constants.json"), constants)
         text = paper_model(os.path.join(a.out, "constants.json"))
-        with open(os.path.join(a.out, "paper_model.md"), "w") as fh:
-            fh.write(text)
+        write_text(os.path.join(a.out, "paper_model.md"), text)
         print(text, end="")
         return 0
     meta_path = os.path.join(a.out, f"meta_{a.preset}.json")
     if a.report_only:
-        meta = peer_ab.load_json(meta_path)
+        meta = load_json(meta_path)
     else:
-        meta = {"command": shlex.join([sys.executable, "bench/tensor_parallel.py", *argv]), "date": peer_ab.utc_now(),
-                "cpu": peer_ab.cpu_model(), "cores": len(os.sched_getaffinity(0)),
-                "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-                "commit": peer_ab.sh(["git", "-C", REPO, "rev-parse", "--short", "HEAD"]) or "?",
+        meta = {"command": shlex.join([sys.executable, "bench/tensor_parallel.py", *argv]), "date": utc_now(),
+                "cpu": cpu_model(), "cores": cores(), "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+                "commit": git_commit() or "?",
                 "coretype": os.environ.get("OPENBLAS_CORETYPE")}
-        peer_ab.write_json(meta_path, meta)
+        write_json(meta_path, meta)
         run_all(a)
     table = render(a, meta)
-    with open(os.path.join(a.out, f"table_{a.preset}.md"), "w") as fh:
-        fh.write(table)
+    write_text(os.path.join(a.out, f"table_{a.preset}.md"), table)
     print(table, end="")
     return 0
 
