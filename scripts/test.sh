@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-bash scripts/build.sh
+# -Werror: the build stays free of warnings (CMakeLists.txt).
+bash scripts/build.sh -DFSDP_WERROR=ON
 cd build
 ctest --output-on-failure -j "${FSDP_TEST_JOBS:-2}" --timeout 900

@@ -310,9 +310,15 @@ TEST(Dcp, CppSavesAtFourLoadsAtOneTwoAndThree) {
       }
       for (const auto& item : s.optimizer) {
         const at::Tensor v = item.value().full_tensor();
-        if (item.key().find(".lr") != std::string::npos) EXPECT_EQ(v.item<double>(), 0.125) << item.key();
-        if (item.key().find(".step") != std::string::npos) EXPECT_EQ(v.item<int64_t>(), 1) << item.key();
-        if (item.key().find(".exp_avg") != std::string::npos) EXPECT_TRUE(v.eq(0).all().item<bool>()) << item.key();
+        if (item.key().find(".lr") != std::string::npos) {
+          EXPECT_EQ(v.item<double>(), 0.125) << item.key();
+        }
+        if (item.key().find(".step") != std::string::npos) {
+          EXPECT_EQ(v.item<int64_t>(), 1) << item.key();
+        }
+        if (item.key().find(".exp_avg") != std::string::npos) {
+          EXPECT_TRUE(v.eq(0).all().item<bool>()) << item.key();
+        }
       }
     });
   }

@@ -71,8 +71,9 @@ using K = Val::K;
 
 constexpr int kMaxDepth = 64;
 
-std::string type_name(const Val& v) {
-  switch (v.k) {
+// The name of a kind of value, for a message that expects one.
+std::string kind_name(K k) {
+  switch (k) {
     case K::kNone: return "None";
     case K::kBool: return "bool";
     case K::kInt: return "int";
@@ -81,10 +82,17 @@ std::string type_name(const Val& v) {
     case K::kTuple: return "tuple";
     case K::kList: return "list";
     case K::kDict: return "dict";
-    case K::kGlobal: return "reference to " + v.s;
-    case K::kObject: return v.s;
+    case K::kGlobal: return "reference";
+    case K::kObject: return "object";
   }
   return "?";
+}
+
+// The name of a value's type: its class for a reference or an object.
+std::string type_name(const Val& v) {
+  if (v.k == K::kGlobal) return "reference to " + v.s;
+  if (v.k == K::kObject) return v.s;
+  return kind_name(v.k);
 }
 
 Ref make(K k) {
@@ -419,7 +427,7 @@ class Converter {
   [[noreturn]] void fail(const std::string& what) const { TORCH_CHECK(false, who_, "'", path_, "': ", what); }
   static std::string describe(const Val& v) { return v.k == K::kStr ? "'" + printable(v.s) + "'" : type_name(v); }
   void expect(const Val& v, K k, const std::string& where) const {
-    if (v.k != k) fail(where + " is a " + type_name(v) + ", not a " + type_name(Val{k}));
+    if (v.k != k) fail(where + " is a " + type_name(v) + ", not a " + kind_name(k));
   }
   const Val& object_state(const Val& v, const std::string& cls, const std::string& where) const {
     if (v.k != K::kObject || v.s != cls) fail(where + " is a " + type_name(v) + ", not a " + cls);
