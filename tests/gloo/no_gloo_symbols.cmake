@@ -1,6 +1,6 @@
 # No object file of the library defines a gloo symbol: the declarations in src/comm/gloo_names
 # are declarations only, so every gloo definition the process uses is libtorch_cpu's own.
-#   cmake -DOBJECT_DIR=build/src/CMakeFiles/fsdp.dir -DNM=nm -P no_gloo_symbols.cmake
+#   cmake -DOBJECT_DIR=build/src -DNM=nm -P no_gloo_symbols.cmake   (every layer's objects)
 file(GLOB_RECURSE objects "${OBJECT_DIR}/*.o")
 list(LENGTH objects count)
 if(count EQUAL 0)
