@@ -1,5 +1,5 @@
 // safetensors export across real processes: one file per rank plus the Hugging Face index, read
-// back by our reader and by an independent Python reader (tests/read_safetensors.py), and the
+// back by our reader and by an independent Python reader (tests/checkpoint/read_safetensors.py), and the
 // reader's rejection of malformed files.
 #include "harness/multiprocess.h"
 #include "test_models.h"
@@ -108,7 +108,7 @@ void check_with_our_reader(const std::string& dir, const std::string& prefix, co
   }
 }
 
-// Rank 0: tests/read_safetensors.py decodes every file from the bytes and compares it with
+// Rank 0: tests/checkpoint/read_safetensors.py decodes every file from the bytes and compares it with
 // `full` as torch.save'd by save_pytorch_state_dict.
 void check_with_python(const std::string& dir, const std::string& prefix, const fsdp::TensorStateDict& full) {
   if (fsdp::get_rank() != 0) return;

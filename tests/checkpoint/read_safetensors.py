@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """An independent reader of a sharded safetensors checkpoint, written from the format's
-specification only (struct + json), used by tests/test_safetensors.cpp to check fsdp-cpp's
+specification only (struct + json), used by tests/checkpoint/test_safetensors.cpp to check fsdp-cpp's
 writer against a torch.save'd reference.
 
   read_safetensors.py DIR/model.safetensors.index.json REFERENCE.pt
