@@ -5,7 +5,7 @@
 // LibTorch's own unpickler (torch::pickle_load, still in 2.15) cannot read what Python users
 // save: it turns every collections.OrderedDict into None (it expects one only as a tensor's empty
 // backward hooks), so loading model.state_dict() fails with "Expected GenericDict but got None"
-// (tests/test_pytorch_file.cpp checks that this is still so, and where). This reader
+// (tests/checkpoint/test_pytorch_file.cpp checks that this is still so, and where). This reader
 // implements the subset of the protocol torch.save emits, checking every read against the
 // data's bounds. It executes nothing: the Python objects it rebuilds are dicts (plain and
 // OrderedDict), lists, tuples, None, bools, ints, floats, strings and tensors; any other
