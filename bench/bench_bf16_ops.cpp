@@ -67,9 +67,9 @@ const std::vector<Preset> kPresets = {
     {"medium", 2, 512, 768, 12, 32000},
 };
 
-const std::vector<std::string> kOps = {"layer_norm", "softmax",   "masked_fill",  "gelu",
-                                       "dropout",    "dropout_probs", "embedding", "cross_entropy",
-                                       "to_float",   "residual_add", "attn_scores", "attn_av"};
+const std::vector<std::string> kOps = {"layer_norm", "softmax",       "masked_fill", "gelu",
+                                       "dropout",    "dropout_probs", "embedding",   "cross_entropy",
+                                       "to_float",   "residual_add",  "attn_scores", "attn_av"};
 
 struct Options {
   std::vector<std::string> presets{"small", "medium"};
@@ -138,8 +138,7 @@ Options parse(int argc, char** argv) {
   for (int t : o.threads)
     if (t < 1) usage(argv[0], 2);
   for (auto& p : o.presets)
-    if (std::none_of(kPresets.begin(), kPresets.end(), [&](const Preset& x) { return x.name == p; }))
-      usage(argv[0], 2);
+    if (std::none_of(kPresets.begin(), kPresets.end(), [&](const Preset& x) { return x.name == p; })) usage(argv[0], 2);
   for (auto& op : o.ops)
     if (std::find(kOps.begin(), kOps.end(), op) == kOps.end()) usage(argv[0], 2);
   return o;
@@ -155,14 +154,12 @@ std::string cpu_model() {
 
 // One op instance: its leaves (inputs needing gradients) and a forward producing one tensor.
 struct Case {
-  std::string shape;                 // for the table
-  std::vector<at::Tensor> leaves;    // requires_grad inputs
+  std::string shape;               // for the table
+  std::vector<at::Tensor> leaves;  // requires_grad inputs
   std::function<at::Tensor()> forward;
 };
 
-at::Tensor leaf(const at::Tensor& fp32, at::ScalarType st) {
-  return fp32.to(st).detach().requires_grad_(true);
-}
+at::Tensor leaf(const at::Tensor& fp32, at::ScalarType st) { return fp32.to(st).detach().requires_grad_(true); }
 
 std::string dims(std::initializer_list<int64_t> d) {
   std::string s = "(";
@@ -181,8 +178,8 @@ Case make_case(const std::string& op, const Preset& p, at::ScalarType st) {
     c.leaves = {x, w, b};
     c.forward = [=] { return at::layer_norm(x, {d}, w, b, 1e-5); };
   } else if (op == "softmax" || op == "masked_fill" || op == "dropout_probs") {
-    at::Tensor x = leaf(op == "dropout_probs" ? at::softmax(at::randn({B, h, T, T}, opt), -1)
-                                              : at::randn({B, h, T, T}, opt), st);
+    at::Tensor x =
+        leaf(op == "dropout_probs" ? at::softmax(at::randn({B, h, T, T}, opt), -1) : at::randn({B, h, T, T}, opt), st);
     c.shape = dims({B, h, T, T});
     c.leaves = {x};
     if (op == "softmax") {
@@ -304,7 +301,8 @@ int main(int argc, char** argv) {
   for (int t : opt.threads) {
     at::set_num_threads(t);
     for (auto& pname : opt.presets) {
-      const Preset& p = *std::find_if(kPresets.begin(), kPresets.end(), [&](const Preset& x) { return x.name == pname; });
+      const Preset& p =
+          *std::find_if(kPresets.begin(), kPresets.end(), [&](const Preset& x) { return x.name == pname; });
       for (auto& op : opt.ops) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
         Row r;
@@ -332,27 +330,30 @@ int main(int argc, char** argv) {
     std::printf("],\"rows\":[");
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
-      std::printf("%s{\"preset\":\"%s\",\"op\":\"%s\",\"shape\":\"%s\",\"threads\":%d,"
-                  "\"fp32_fwd_ms\":%.4g,\"fp32_bwd_ms\":%.4g,\"bf16_fwd_ms\":%.4g,\"bf16_bwd_ms\":%.4g,"
-                  "\"ratio_bf16_fp32\":%.4g}",
-                  i ? "," : "", r.preset.c_str(), r.op.c_str(), r.shape.c_str(), r.threads,
-                  r.fp32.fwd_s * 1e3, r.fp32.bwd_s * 1e3, r.bf16.fwd_s * 1e3, r.bf16.bwd_s * 1e3,
-                  (r.bf16.fwd_s + r.bf16.bwd_s) / (r.fp32.fwd_s + r.fp32.bwd_s));
+      std::printf(
+          "%s{\"preset\":\"%s\",\"op\":\"%s\",\"shape\":\"%s\",\"threads\":%d,"
+          "\"fp32_fwd_ms\":%.4g,\"fp32_bwd_ms\":%.4g,\"bf16_fwd_ms\":%.4g,\"bf16_bwd_ms\":%.4g,"
+          "\"ratio_bf16_fp32\":%.4g}",
+          i ? "," : "", r.preset.c_str(), r.op.c_str(), r.shape.c_str(), r.threads, r.fp32.fwd_s * 1e3,
+          r.fp32.bwd_s * 1e3, r.bf16.fwd_s * 1e3, r.bf16.bwd_s * 1e3,
+          (r.bf16.fwd_s + r.bf16.bwd_s) / (r.fp32.fwd_s + r.fp32.bwd_s));
     }
     std::printf("]}\n");
     return 0;
   }
-  std::printf("CPU: %s; LibTorch ATen threads per row; forward + backward, best of %d repetitions "
-              "(each >= %g ms); ms per call; fsdp CPU block cache: %s\n\n",
-              cpu_model().c_str(), opt.reps, opt.min_time_ms,
-              fsdp::memory::tracking_allocator_installed() ? "installed (see FSDP_CPU_CACHING)" : "not installed");
-  std::printf("| preset | threads | op | shape | fp32 fwd | fp32 bwd | bf16 fwd | bf16 bwd | "
-              "bf16/fp32 fwd | bf16/fp32 bwd | bf16/fp32 fwd+bwd |\n");
+  std::printf(
+      "CPU: %s; LibTorch ATen threads per row; forward + backward, best of %d repetitions "
+      "(each >= %g ms); ms per call; fsdp CPU block cache: %s\n\n",
+      cpu_model().c_str(), opt.reps, opt.min_time_ms,
+      fsdp::memory::tracking_allocator_installed() ? "installed (see FSDP_CPU_CACHING)" : "not installed");
+  std::printf(
+      "| preset | threads | op | shape | fp32 fwd | fp32 bwd | bf16 fwd | bf16 bwd | "
+      "bf16/fp32 fwd | bf16/fp32 bwd | bf16/fp32 fwd+bwd |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (auto& r : rows)
-    std::printf("| %s | %d | %s | %s | %.3f | %.3f | %.3f | %.3f | %.2f | %.2f | **%.2f** |\n",
-                r.preset.c_str(), r.threads, r.op.c_str(), r.shape.c_str(), r.fp32.fwd_s * 1e3,
-                r.fp32.bwd_s * 1e3, r.bf16.fwd_s * 1e3, r.bf16.bwd_s * 1e3, r.bf16.fwd_s / r.fp32.fwd_s,
-                r.bf16.bwd_s / r.fp32.bwd_s, (r.bf16.fwd_s + r.bf16.bwd_s) / (r.fp32.fwd_s + r.fp32.bwd_s));
+    std::printf("| %s | %d | %s | %s | %.3f | %.3f | %.3f | %.3f | %.2f | %.2f | **%.2f** |\n", r.preset.c_str(),
+                r.threads, r.op.c_str(), r.shape.c_str(), r.fp32.fwd_s * 1e3, r.fp32.bwd_s * 1e3, r.bf16.fwd_s * 1e3,
+                r.bf16.bwd_s * 1e3, r.bf16.fwd_s / r.fp32.fwd_s, r.bf16.bwd_s / r.fp32.bwd_s,
+                (r.bf16.fwd_s + r.bf16.bwd_s) / (r.fp32.fwd_s + r.fp32.bwd_s));
   return 0;
 }

@@ -67,11 +67,13 @@ int main(int argc, char** argv) {
   auto state = [&] {
     fsdp::ShardedStateDict sd;
     for (const auto& item : fsdp::sharded_state_dict(*model)) sd.insert("model." + item.key(), item.value());
-    for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, opt)) sd.insert("optim." + item.key(), item.value());
+    for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, opt))
+      sd.insert("optim." + item.key(), item.value());
     return sd;
   };
   int64_t local_bytes = 0;
-  for (const auto& item : state()) local_bytes += item.value().to_local().numel() * item.value().to_local().element_size();
+  for (const auto& item : state())
+    local_bytes += item.value().to_local().numel() * item.value().to_local().element_size();
 
   if (rank == 0) std::filesystem::remove_all(dir);
   fsdp::world()->barrier()->wait();
@@ -88,8 +90,9 @@ int main(int argc, char** argv) {
     async_total_s.push_back(max_over_ranks(seconds_since(t0)));
   }
   if (rank == 0) {
-    std::printf("bench_checkpoint: preset %s (%lld parameters), world %d, model + Adam state, %.1f MiB per rank, %d rounds\n",
-                preset.c_str(), static_cast<long long>(params), fsdp::get_world_size(), local_bytes / 1048576.0, rounds);
+    std::printf(
+        "bench_checkpoint: preset %s (%lld parameters), world %d, model + Adam state, %.1f MiB per rank, %d rounds\n",
+        preset.c_str(), static_cast<long long>(params), fsdp::get_world_size(), local_bytes / 1048576.0, rounds);
     std::printf("  synchronous save            median %8.3f s\n", median(sync_s));
     std::printf("  async save, blocking part   median %8.3f s\n", median(async_block_s));
     std::printf("  async save, until written   median %8.3f s\n", median(async_total_s));

@@ -110,8 +110,10 @@ int main(int argc, char** argv) {
   if (baseline) c10d_pg = make_c10d_gloo(info);
 
   if (r == 0 && !json) {
-    std::printf("bench_collectives: W=%d, backend %s, fp32, bus bandwidth in GB/s (time in ms), median of %d, max "
-                "over ranks\n", W, backend.c_str(), iters);
+    std::printf(
+        "bench_collectives: W=%d, backend %s, fp32, bus bandwidth in GB/s (time in ms), median of %d, max "
+        "over ranks\n",
+        W, backend.c_str(), iters);
     std::printf("%-8s %-22s %-22s %-22s %-22s %-22s %-22s\n", "size", "all_gather (fsdp)", "reduce_scatter (fsdp)",
                 "all_reduce (fsdp)", "all_gather (c10d gloo)", "reduce_scatter (c10d)", "all_gather list (c10d)");
   }
@@ -140,8 +142,7 @@ int main(int argc, char** argv) {
         baseline ? time_op([&] { c10d_pg->allgather(c10d_list, c10d_in)->wait(); }, it) : std::nan("");
     at::Tensor c10d_rs_in = at::rand({shard * W}), c10d_rs_out = at::empty({shard});
     const double t_c10d_rs =
-        baseline ? time_op([&] { c10d_pg->_reduce_scatter_base(c10d_rs_out, c10d_rs_in)->wait(); }, it)
-                 : std::nan("");
+        baseline ? time_op([&] { c10d_pg->_reduce_scatter_base(c10d_rs_out, c10d_rs_in)->wait(); }, it) : std::nan("");
 
     const double frac = static_cast<double>(W - 1) / W;
     auto busbw = [&](double t, double factor) { return W > 1 ? bytes / t * factor / 1e9 : 0.0; };
@@ -154,15 +155,17 @@ int main(int argc, char** argv) {
         std::snprintf(b, sizeof b, "%.3f", v);
         return std::string(b);
       };
-      std::printf("{\"backend\": \"%s\", \"world\": %d, \"size_mib\": %.6g, \"size_bytes\": %.0f, \"all_gather_ms\": %.3f, \"all_gather_busbw\": %.3f, "
-                  "\"reduce_scatter_ms\": %.3f, \"reduce_scatter_busbw\": %.3f, \"all_reduce_ms\": %.3f, "
-                  "\"all_reduce_busbw\": %.3f, \"c10d_all_gather_ms\": %s, \"c10d_all_gather_busbw\": %s, "
-                  "\"c10d_reduce_scatter_ms\": %s, \"c10d_reduce_scatter_busbw\": %s, "
-                  "\"c10d_all_gather_list_ms\": %s, \"c10d_all_gather_list_busbw\": %s}\n",
-                  backend.c_str(), W, bytes / (1 << 20), bytes, t_ag * 1e3, busbw(t_ag, frac), t_rs * 1e3, busbw(t_rs, frac),
-                  t_ar * 1e3, busbw(t_ar, 2 * frac), number(t_c10d * 1e3).c_str(), number(busbw(t_c10d, frac)).c_str(),
-                  number(t_c10d_rs * 1e3).c_str(), number(busbw(t_c10d_rs, frac)).c_str(),
-                  number(t_c10d_list * 1e3).c_str(), number(busbw(t_c10d_list, frac)).c_str());
+      std::printf(
+          "{\"backend\": \"%s\", \"world\": %d, \"size_mib\": %.6g, \"size_bytes\": %.0f, \"all_gather_ms\": %.3f, "
+          "\"all_gather_busbw\": %.3f, "
+          "\"reduce_scatter_ms\": %.3f, \"reduce_scatter_busbw\": %.3f, \"all_reduce_ms\": %.3f, "
+          "\"all_reduce_busbw\": %.3f, \"c10d_all_gather_ms\": %s, \"c10d_all_gather_busbw\": %s, "
+          "\"c10d_reduce_scatter_ms\": %s, \"c10d_reduce_scatter_busbw\": %s, "
+          "\"c10d_all_gather_list_ms\": %s, \"c10d_all_gather_list_busbw\": %s}\n",
+          backend.c_str(), W, bytes / (1 << 20), bytes, t_ag * 1e3, busbw(t_ag, frac), t_rs * 1e3, busbw(t_rs, frac),
+          t_ar * 1e3, busbw(t_ar, 2 * frac), number(t_c10d * 1e3).c_str(), number(busbw(t_c10d, frac)).c_str(),
+          number(t_c10d_rs * 1e3).c_str(), number(busbw(t_c10d_rs, frac)).c_str(), number(t_c10d_list * 1e3).c_str(),
+          number(busbw(t_c10d_list, frac)).c_str());
     } else {
       auto cell = [&](double t, double factor) -> const char* {
         if (std::isnan(t)) return "-";

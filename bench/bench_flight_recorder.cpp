@@ -60,8 +60,10 @@ int main(int argc, char** argv) {
   const std::string module = "blocks.3";
   for (int round = 0; round < 5; ++round) {
     const auto start = Clock::now();
-    for (int64_t i = 0; i < ops; ++i) fsdp::FlightRecorder::global().set_context(i % 2 ? "forward" : "backward", module);
-    context.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() / static_cast<double>(ops));
+    for (int64_t i = 0; i < ops; ++i)
+      fsdp::FlightRecorder::global().set_context(i % 2 ? "forward" : "backward", module);
+    context.push_back(std::chrono::duration<double, std::nano>(Clock::now() - start).count() /
+                      static_cast<double>(ops));
   }
   std::printf("bench_flight_recorder: %lld collectives per round, capacity %lld, 5 rounds\n",
               static_cast<long long>(ops), static_cast<long long>(fsdp::FlightRecorder::global().capacity()));

@@ -140,7 +140,8 @@ std::pair<at::Tensor, at::Tensor> random_batch(const Options& o, int64_t vocab, 
 }
 
 // fully_shard on every block, then the root; returns the block handles and the root's.
-std::pair<std::vector<fsdp::FSDPModule>, fsdp::FSDPModule> shard_model(Transformer& model, const fsdp::DeviceMesh& mesh) {
+std::pair<std::vector<fsdp::FSDPModule>, fsdp::FSDPModule> shard_model(Transformer& model,
+                                                                       const fsdp::DeviceMesh& mesh) {
   std::vector<fsdp::FSDPModule> blocks;
   for (auto& block : model->blocks()) blocks.push_back(fsdp::fully_shard(block, fsdp::FullyShardOptions().mesh(mesh)));
   fsdp::FSDPModule root = fsdp::fully_shard(model, fsdp::FullyShardOptions().mesh(mesh));
@@ -202,10 +203,11 @@ int run_overhead(const Options& o) {
   }
 
   const double a = median(variants[0].times), b = median(variants[1].times);
-  std::printf("bench_fsdp overhead: preset %s (%d blocks, %lld parameters), batch %lld, seq %lld, dropout 0, "
-              "world 1, %d intra-op threads, OPENBLAS_NUM_THREADS %s\n",
-              o.preset.c_str(), static_cast<int>(args.n_layers), static_cast<long long>(n_params),
-              static_cast<long long>(o.batch), static_cast<long long>(o.seq), at::get_num_threads(), blas_threads());
+  std::printf(
+      "bench_fsdp overhead: preset %s (%d blocks, %lld parameters), batch %lld, seq %lld, dropout 0, "
+      "world 1, %d intra-op threads, OPENBLAS_NUM_THREADS %s\n",
+      o.preset.c_str(), static_cast<int>(args.n_layers), static_cast<long long>(n_params),
+      static_cast<long long>(o.batch), static_cast<long long>(o.seq), at::get_num_threads(), blas_threads());
   std::printf("  %d warm-up steps each, then %d rounds x %d steps per variant, alternating\n", o.warmup, o.rounds,
               o.steps);
   for (const auto& v : variants) {
@@ -219,12 +221,13 @@ int run_overhead(const Options& o) {
   std::printf("  tensor bytes resident now (both models and their Adam states): %.1f MiB\n",
               mib(static_cast<double>(fsdp::memory::allocated_bytes())));
   if (o.json) {
-    std::printf("{\"bench\":\"fsdp_overhead\",\"preset\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
-                "\"steps_per_variant\":%zu,\"plain_median_s\":%.6f,\"sharded_median_s\":%.6f,\"ratio\":%.6f,\"ratio_min\":%.6f,"
-                "\"plain_step_peak_bytes\":%lld,\"sharded_step_peak_bytes\":%lld}\n",
-                o.preset.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.seq), at::get_num_threads(),
-                variants[0].times.size(), a, b, b / a, bmin / amin, static_cast<long long>(variants[0].peak_delta),
-                static_cast<long long>(variants[1].peak_delta));
+    std::printf(
+        "{\"bench\":\"fsdp_overhead\",\"preset\":\"%s\",\"batch\":%lld,\"seq\":%lld,\"threads\":%d,"
+        "\"steps_per_variant\":%zu,\"plain_median_s\":%.6f,\"sharded_median_s\":%.6f,\"ratio\":%.6f,\"ratio_min\":%.6f,"
+        "\"plain_step_peak_bytes\":%lld,\"sharded_step_peak_bytes\":%lld}\n",
+        o.preset.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.seq), at::get_num_threads(),
+        variants[0].times.size(), a, b, b / a, bmin / amin, static_cast<long long>(variants[0].peak_delta),
+        static_cast<long long>(variants[1].peak_delta));
   }
   return 0;
 }
@@ -293,19 +296,21 @@ int run_overlap(const Options& o) {
     fsdp::memory::reset_peak_allocated();
     const double t = step();
     const fsdp::CollectiveStats stats = pg->stats();
-    records.push_back({t, kind_times(stats, CollectiveKind::kAllGather), kind_times(stats, CollectiveKind::kReduceScatter),
-                       fsdp::memory::max_allocated_bytes()});
+    records.push_back({t, kind_times(stats, CollectiveKind::kAllGather),
+                       kind_times(stats, CollectiveKind::kReduceScatter), fsdp::memory::max_allocated_bytes()});
   }
 
   std::vector<std::string> json_lines;  // printed after the tables
   if (rank == 0) {
-    std::printf("bench_fsdp overlap: preset %s, batch %lld per rank, seq %lld, dropout 0, world %d, %s prefetch, "
-                "%d intra-op threads per rank, OPENBLAS_NUM_THREADS %s\n",
-                o.preset.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.seq), world,
-                o.explicit_prefetch ? "explicit" : "implicit", at::get_num_threads(), blas_threads());
+    std::printf(
+        "bench_fsdp overlap: preset %s, batch %lld per rank, seq %lld, dropout 0, world %d, %s prefetch, "
+        "%d intra-op threads per rank, OPENBLAS_NUM_THREADS %s\n",
+        o.preset.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.seq), world,
+        o.explicit_prefetch ? "explicit" : "implicit", at::get_num_threads(), blas_threads());
     std::printf("rank 0, per step (ms; hidden = busy - blocked):\n");
-    std::printf("  step  time_ms | all-gather  n   busy blocked hidden | reduce-scatter n   busy blocked hidden | "
-                "total hidden\n");
+    std::printf(
+        "  step  time_ms | all-gather  n   busy blocked hidden | reduce-scatter n   busy blocked hidden | "
+        "total hidden\n");
     for (size_t i = 0; i < records.size(); ++i) {
       const auto& r = records[i];
       KindTimes tot{r.ag.busy_ms + r.rs.busy_ms, r.ag.blocked_ms + r.rs.blocked_ms, r.ag.calls + r.rs.calls};
@@ -314,11 +319,12 @@ int run_overlap(const Options& o) {
                   static_cast<long long>(r.rs.calls), r.rs.busy_ms, r.rs.blocked_ms, pct(r.rs.hidden_pct()).c_str(),
                   tot.hidden_ms(), pct(tot.hidden_pct()).c_str());
       if (o.json) {
-        json_lines.push_back(format("{\"bench\":\"fsdp_overlap\",\"rank\":0,\"step\":%zu,\"time_s\":%.6f,\"ag_calls\":%lld,"
-                    "\"ag_busy_ms\":%.3f,\"ag_blocked_ms\":%.3f,\"rs_calls\":%lld,\"rs_busy_ms\":%.3f,"
-                    "\"rs_blocked_ms\":%.3f,\"hidden_pct\":%.2f}",
-                    i, r.time_s, static_cast<long long>(r.ag.calls), r.ag.busy_ms, r.ag.blocked_ms,
-                    static_cast<long long>(r.rs.calls), r.rs.busy_ms, r.rs.blocked_ms, tot.hidden_pct()));
+        json_lines.push_back(
+            format("{\"bench\":\"fsdp_overlap\",\"rank\":0,\"step\":%zu,\"time_s\":%.6f,\"ag_calls\":%lld,"
+                   "\"ag_busy_ms\":%.3f,\"ag_blocked_ms\":%.3f,\"rs_calls\":%lld,\"rs_busy_ms\":%.3f,"
+                   "\"rs_blocked_ms\":%.3f,\"hidden_pct\":%.2f}",
+                   i, r.time_s, static_cast<long long>(r.ag.calls), r.ag.busy_ms, r.ag.blocked_ms,
+                   static_cast<long long>(r.rs.calls), r.rs.busy_ms, r.rs.blocked_ms, tot.hidden_pct()));
       }
     }
   }
@@ -334,15 +340,21 @@ int run_overlap(const Options& o) {
       ag_busy += r.ag.busy_ms, ag_blocked += r.ag.blocked_ms, rs_busy += r.rs.busy_ms, rs_blocked += r.rs.blocked_ms;
       peak = std::max(peak, static_cast<double>(r.peak_bytes));
     }
-    const double row[kCols] = {median(times), ag_busy, ag_blocked, rs_busy, rs_blocked, peak,
+    const double row[kCols] = {median(times),
+                               ag_busy,
+                               ag_blocked,
+                               rs_busy,
+                               rs_blocked,
+                               peak,
                                static_cast<double>(fsdp::memory::allocated_bytes())};
     for (int c = 0; c < kCols; ++c) summary[rank][c] = row[c];
   }
   world_group->all_reduce(summary, fsdp::ReduceOp::kSum)->wait();
   if (rank == 0) {
     std::printf("per rank, over %d steps (ms):\n", o.steps);
-    std::printf("  rank median_step | ag busy blocked hidden | rs busy blocked hidden | total hidden | peak tensor MiB "
-                "(resident)\n");
+    std::printf(
+        "  rank median_step | ag busy blocked hidden | rs busy blocked hidden | total hidden | peak tensor MiB "
+        "(resident)\n");
     for (int r = 0; r < world; ++r) {
       auto v = [&](int c) { return summary[r][c].item<double>(); };
       KindTimes ag{v(1), v(2), 0}, rs{v(3), v(4), 0}, tot{v(1) + v(3), v(2) + v(4), 0};
@@ -350,17 +362,19 @@ int run_overlap(const Options& o) {
                   ag.busy_ms, ag.blocked_ms, pct(ag.hidden_pct()).c_str(), rs.busy_ms, rs.blocked_ms,
                   pct(rs.hidden_pct()).c_str(), tot.hidden_ms(), pct(tot.hidden_pct()).c_str(), mib(v(5)), mib(v(6)));
       if (o.json) {
-        json_lines.push_back(format("{\"bench\":\"fsdp_overlap_summary\",\"rank\":%d,\"world\":%d,\"preset\":\"%s\",\"explicit_prefetch\":%s,"
-                    "\"median_step_s\":%.6f,\"ag_busy_ms\":%.3f,\"ag_blocked_ms\":%.3f,\"rs_busy_ms\":%.3f,"
-                    "\"rs_blocked_ms\":%.3f,\"hidden_pct\":%.2f,\"peak_allocated_bytes\":%.0f}",
-                    r, world, o.preset.c_str(), o.explicit_prefetch ? "true" : "false", v(0), v(1), v(2), v(3), v(4),
-                    tot.hidden_pct(), v(5)));
+        json_lines.push_back(format(
+            "{\"bench\":\"fsdp_overlap_summary\",\"rank\":%d,\"world\":%d,\"preset\":\"%s\",\"explicit_prefetch\":%s,"
+            "\"median_step_s\":%.6f,\"ag_busy_ms\":%.3f,\"ag_blocked_ms\":%.3f,\"rs_busy_ms\":%.3f,"
+            "\"rs_blocked_ms\":%.3f,\"hidden_pct\":%.2f,\"peak_allocated_bytes\":%.0f}",
+            r, world, o.preset.c_str(), o.explicit_prefetch ? "true" : "false", v(0), v(1), v(2), v(3), v(4),
+            tot.hidden_pct(), v(5)));
       }
     }
     if (std::thread::hardware_concurrency() < 2u * static_cast<unsigned>(world)) {
-      std::printf("note: %u hardware threads for %d ranks: ranks and communication threads time-share cores, so "
-                  "these overlap numbers are not meaningful\n",
-                  std::thread::hardware_concurrency(), world);
+      std::printf(
+          "note: %u hardware threads for %d ranks: ranks and communication threads time-share cores, so "
+          "these overlap numbers are not meaningful\n",
+          std::thread::hardware_concurrency(), world);
     }
     for (const auto& line : json_lines) std::printf("%s\n", line.c_str());
   }

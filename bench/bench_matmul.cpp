@@ -243,8 +243,7 @@ Options parse(int argc, char** argv) {
 std::string sgemm_provider() {
   void* sym = dlsym(RTLD_DEFAULT, "sgemm_");
   Dl_info info{};
-  if (sym == nullptr || dladdr(sym, &info) == 0 || info.dli_fname == nullptr)
-    return "(sgemm_ not found)";
+  if (sym == nullptr || dladdr(sym, &info) == 0 || info.dli_fname == nullptr) return "(sgemm_ not found)";
   char buf[4096];
   const char* real = realpath(info.dli_fname, buf);
   std::string out = info.dli_fname;
@@ -263,15 +262,12 @@ std::vector<std::string> blas_maps() {
     if (slash == std::string::npos) continue;
     std::string path = line.substr(slash);
     std::string base = path.substr(path.rfind('/') + 1);
-    bool hit = base.find("blas") != std::string::npos ||
-               base.find("blis") != std::string::npos ||
-               base.find("lapack") != std::string::npos ||
-               base.find("dnnl") != std::string::npos;
+    bool hit = base.find("blas") != std::string::npos || base.find("blis") != std::string::npos ||
+               base.find("lapack") != std::string::npos || base.find("dnnl") != std::string::npos;
     if (hit && seen.insert(path).second) out.push_back(path);
   }
   return out;
 }
-
 
 std::string env_or_dash(const char* name) {
   const char* v = std::getenv(name);
@@ -307,8 +303,7 @@ std::string blas_info(Blas b) {
   using cstr_fn = char* (*)();
   if (b == Blas::kOpenBlas) {
     std::string out;
-    if (auto cfg = reinterpret_cast<cstr_fn>(dlsym(RTLD_DEFAULT, "openblas_get_config")))
-      out += cfg();
+    if (auto cfg = reinterpret_cast<cstr_fn>(dlsym(RTLD_DEFAULT, "openblas_get_config"))) out += cfg();
     if (auto core = reinterpret_cast<cstr_fn>(dlsym(RTLD_DEFAULT, "openblas_get_corename")))
       out += std::string(", core ") + core();
     return out;
@@ -321,8 +316,7 @@ std::string blas_info(Blas b) {
 int blas_threads(Blas b) {
   if (b == Blas::kOpenBlas) {
     using int_fn = int (*)();
-    if (auto n = reinterpret_cast<int_fn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads")))
-      return n();
+    if (auto n = reinterpret_cast<int_fn>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"))) return n();
     return -1;
   }
   if (b == Blas::kBlis) {  // BLIS: BLIS_NUM_THREADS, else OMP_NUM_THREADS, else 1
@@ -336,7 +330,6 @@ int blas_threads(Blas b) {
   return -1;
 }
 
-
 // ------------------------------------------------------------ which bf16 kernel
 
 // LibTorch 1.13's conditions for handing a bf16 gemm to oneDNN, except the
@@ -348,9 +341,8 @@ struct Bf16Eligibility {
 
 Bf16Eligibility bf16_eligibility() {
   __builtin_cpu_init();
-  return {at::hasMKLDNN(), at::globalContext().userEnabledMkldnn(),
-          __builtin_cpu_supports("avx512bw") != 0, __builtin_cpu_supports("avx512vl") != 0,
-          __builtin_cpu_supports("avx512dq") != 0};
+  return {at::hasMKLDNN(), at::globalContext().userEnabledMkldnn(), __builtin_cpu_supports("avx512bw") != 0,
+          __builtin_cpu_supports("avx512vl") != 0, __builtin_cpu_supports("avx512dq") != 0};
 }
 
 // 2-D: m*n*k > 4096 (mkldnn_bf16_gemm). Batched (bmm): batch*m*k*n > 4096
@@ -420,20 +412,16 @@ class OnednnProbe {
 
 // ------------------------------------------------------------ numerics
 
-at::ScalarType to_scalar_type(const std::string& d) {
-  return d == "bf16" ? at::kBFloat16 : at::kFloat;
-}
+at::ScalarType to_scalar_type(const std::string& d) { return d == "bf16" ? at::kBFloat16 : at::kFloat; }
 
 enum class Accum { kFp32, kBf16 };  // how a bf16 kernel accumulates
 
-const char* accum_name(Accum a) {
-  return a == Accum::kFp32 ? "fp32 accumulation" : "bf16 accumulation";
-}
+const char* accum_name(Accum a) { return a == Accum::kFp32 ? "fp32 accumulation" : "bf16 accumulation"; }
 
-constexpr double kBf16U = 1.0 / 256;          // 2^-8, bf16 unit roundoff
-constexpr double kFp32U = 1.0 / 16777216.0;   // 2^-24
+constexpr double kBf16U = 1.0 / 256;         // 2^-8, bf16 unit roundoff
+constexpr double kFp32U = 1.0 / 16777216.0;  // 2^-24
 constexpr double kFp32Tol = 1e-4;
-constexpr double kFailProbability = 1e-6;     // for the probabilistic bound
+constexpr double kFailProbability = 1e-6;  // for the probabilistic bound
 
 // Per checked entry: the exact value, sum |products|, sum of (partial sum^2 +
 // product^2) in k order.
@@ -459,10 +447,8 @@ class ErrorAccumulator {
     max_err_ = std::max(max_err_, std::fabs(c - e.r));
     max_ref_ = std::max(max_ref_, std::fabs(e.r));
     double bound = 0;
-    if (accum_ == Accum::kFp32)
-      bound = kBf16U * std::fabs(e.r) + (1 + kBf16U) * gamma_ * e.s;
-    else
-      bound = lambda_ * kBf16U * std::sqrt(e.v);
+    if (accum_ == Accum::kFp32) bound = kBf16U * std::fabs(e.r) + (1 + kBf16U) * gamma_ * e.s;
+    else bound = lambda_ * kBf16U * std::sqrt(e.v);
     max_bound_ = std::max(max_bound_, bound);
     if (!std::isfinite(c)) finite_ = false;
   }
@@ -487,9 +473,7 @@ class ErrorAccumulator {
 // fallback in fp32 only for a transposed B (column-major gemm_transa_). For
 // a batched product that fell back, bf16 accumulation is assumed (the looser
 // bound).
-Accum bf16_accum(bool onednn, bool trans_b) {
-  return onednn || trans_b ? Accum::kFp32 : Accum::kBf16;
-}
+Accum bf16_accum(bool onednn, bool trans_b) { return onednn || trans_b ? Accum::kFp32 : Accum::kBf16; }
 
 // Stats of one entry from a row of A and a column of B (double, length k).
 EntryStats entry_stats(const double* arow, const double* bcol, int64_t k) {
@@ -504,8 +488,7 @@ EntryStats entry_stats(const double* arow, const double* bcol, int64_t k) {
 }
 
 // Every entry of a 2-D product.
-ErrorReport check_full(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-                       at::ScalarType st, Accum accum) {
+ErrorReport check_full(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, at::ScalarType st, Accum accum) {
   at::Tensor a64 = a.to(at::kDouble).contiguous();
   at::Tensor bt64 = b.t().to(at::kDouble).contiguous();  // columns of b as rows
   at::Tensor c64 = c.to(at::kDouble).contiguous();
@@ -520,8 +503,8 @@ ErrorReport check_full(const at::Tensor& a, const at::Tensor& b, const at::Tenso
 
 // `samples` pseudo-random entries of a (batched) product; only the rows of A
 // and columns of B needed are converted.
-ErrorReport check_sampled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-                          at::ScalarType st, Accum accum, int samples = 64) {
+ErrorReport check_sampled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, at::ScalarType st, Accum accum,
+                          int samples = 64) {
   const bool batched = a.dim() == 3;
   const int64_t nb = batched ? a.size(0) : 1;
   const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
@@ -557,9 +540,8 @@ std::string bf16_kernel_name(const std::string& observed, bool predicted_onednn)
 
 bool is_onednn(const std::string& kernel) { return kernel.rfind("oneDNN", 0) == 0; }
 
-Check run_check(const std::string& dtype, int64_t m, int64_t k, int64_t n, bool trans_a,
-                bool trans_b, const OnednnProbe& probe, const Bf16Eligibility& elig,
-                const std::string& blas_kernel) {
+Check run_check(const std::string& dtype, int64_t m, int64_t k, int64_t n, bool trans_a, bool trans_b,
+                const OnednnProbe& probe, const Bf16Eligibility& elig, const std::string& blas_kernel) {
   const at::ScalarType st = to_scalar_type(dtype);
   at::Tensor a = trans_a ? at::randn({k, m}).to(st).t()  // non-contiguous: BLAS transA
                          : at::randn({m, k}).to(st);
@@ -570,16 +552,14 @@ Check run_check(const std::string& dtype, int64_t m, int64_t k, int64_t n, bool 
   if (st == at::kBFloat16) {
     Shape sh;
     sh.m = m, sh.k = k, sh.n = n;
-    kernel = bf16_kernel_name(probe.run([&] { c = at::matmul(a, b); }),
-                              bf16_onednn_predicted(elig, sh));
+    kernel = bf16_kernel_name(probe.run([&] { c = at::matmul(a, b); }), bf16_onednn_predicted(elig, sh));
     accum = bf16_accum(is_onednn(kernel), trans_b);
     accumulation = accum_name(accum);
   } else {
     c = at::matmul(a, b);
   }
   const ErrorReport r = check_full(a, b, c, st, accum);
-  return {dtype, m, k, n, trans_a, trans_b, kernel, accumulation, r.err, r.tol,
-          std::isfinite(r.err) && r.err <= r.tol};
+  return {dtype, m, k, n, trans_a, trans_b, kernel, accumulation, r.err, r.tol, std::isfinite(r.err) && r.err <= r.tol};
 }
 
 struct Row {
@@ -592,9 +572,8 @@ struct Row {
   bool ok;
 };
 
-Row run_row(const std::string& dtype, const Shape& shape, int threads, const Options& opt,
-            Blas blas, const OnednnProbe& probe, const Bf16Eligibility& elig,
-            const std::string& blas_kernel) {
+Row run_row(const std::string& dtype, const Shape& shape, int threads, const Options& opt, Blas blas,
+            const OnednnProbe& probe, const Bf16Eligibility& elig, const std::string& blas_kernel) {
   // Let the previous row's spinning workers (OpenBLAS, OpenMP) go to sleep
   // so that they do not compete with this row.
   std::this_thread::sleep_for(std::chrono::milliseconds(250));
@@ -612,8 +591,7 @@ Row run_row(const std::string& dtype, const Shape& shape, int threads, const Opt
   std::string kernel = blas_kernel, accumulation = "fp32";
   Accum accum = Accum::kFp32;
   if (st == at::kBFloat16) {
-    kernel = bf16_kernel_name(probe.run([&] { c = at::matmul(a, b); }),
-                              bf16_onednn_predicted(elig, shape));
+    kernel = bf16_kernel_name(probe.run([&] { c = at::matmul(a, b); }), bf16_onednn_predicted(elig, shape));
     accum = bf16_accum(is_onednn(kernel), false);
     accumulation = accum_name(accum);
     if (shape.batch > 0 && accum == Accum::kBf16) accumulation += " (assumed)";
@@ -624,8 +602,8 @@ Row run_row(const std::string& dtype, const Shape& shape, int threads, const Opt
   auto t0 = std::chrono::steady_clock::now();
   c = at::matmul(a, b);
   const double once = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const int64_t inner = std::max<int64_t>(
-      1, static_cast<int64_t>(std::ceil(opt.min_time_ms * 1e-3 / std::max(once, 1e-9))));
+  const int64_t inner =
+      std::max<int64_t>(1, static_cast<int64_t>(std::ceil(opt.min_time_ms * 1e-3 / std::max(once, 1e-9))));
   double best = 1e300;
   for (int r = 0; r < opt.reps; ++r) {
     t0 = std::chrono::steady_clock::now();
@@ -634,8 +612,18 @@ Row run_row(const std::string& dtype, const Shape& shape, int threads, const Opt
     best = std::min(best, t / static_cast<double>(inner));
   }
   const ErrorReport e = check_sampled(a, b, c, st, accum);
-  return {dtype, shape, threads, blas_threads(blas), inner, best, shape.flops() / best / 1e9,
-          e.err, e.tol, kernel, accumulation, std::isfinite(e.err) && e.err <= e.tol};
+  return {dtype,
+          shape,
+          threads,
+          blas_threads(blas),
+          inner,
+          best,
+          shape.flops() / best / 1e9,
+          e.err,
+          e.tol,
+          kernel,
+          accumulation,
+          std::isfinite(e.err) && e.err <= e.tol};
 }
 
 std::string json_str(const std::string& s) {
@@ -682,9 +670,8 @@ int main(int argc, char** argv) {
   const std::string blas_kernel = std::string("sgemm_ (") + blas_name(blas) + ")";
   const Bf16Eligibility elig = bf16_eligibility();
   const OnednnProbe probe;
-  const std::vector<const char*> env_names = {"OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS",
-                                              "OPENBLAS_L2_SIZE",  "BLIS_ARCH_TYPE",
-                                              "BLIS_NUM_THREADS",  "OMP_NUM_THREADS"};
+  const std::vector<const char*> env_names = {"OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OPENBLAS_L2_SIZE",
+                                              "BLIS_ARCH_TYPE",    "BLIS_NUM_THREADS",     "OMP_NUM_THREADS"};
 
   // Numeric checks first, single-threaded ATen; odd shapes exercise edge
   // kernels, trans_a / trans_b the transposed-operand paths.
@@ -700,16 +687,14 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const auto& s : opt.shapes)
     for (const auto& d : opt.dtypes)
-      for (int t : opt.threads)
-        rows.push_back(run_row(d, s, t, opt, blas, probe, elig, blas_kernel));
+      for (int t : opt.threads) rows.push_back(run_row(d, s, t, opt, blas, probe, elig, blas_kernel));
 
   bool all_ok = true;
   for (auto& c : checks) all_ok = all_ok && c.ok;
   for (auto& r : rows) all_ok = all_ok && r.ok;
 
   if (opt.json) {
-    std::string j = "{\"sgemm_provider\":" + json_str(provider) +
-                    ",\"blas\":" + json_str(blas_name(blas)) +
+    std::string j = "{\"sgemm_provider\":" + json_str(provider) + ",\"blas\":" + json_str(blas_name(blas)) +
                     ",\"blas_info\":" + json_str(blas_info(blas)) + ",\"env\":{";
     for (size_t i = 0; i < env_names.size(); ++i)
       j += (i ? "," : "") + json_str(env_names[i]) + ":" + json_str(env_or_dash(env_names[i]));
@@ -717,44 +702,39 @@ int main(int argc, char** argv) {
     auto maps = blas_maps();
     for (size_t i = 0; i < maps.size(); ++i) j += (i ? "," : "") + json_str(maps[i]);
     j += std::string("],\"bf16_gemm\":{\"onednn_eligible\":") + json_bool(elig.eligible()) +
-         ",\"has_mkldnn\":" + json_bool(elig.has_mkldnn) +
-         ",\"user_enabled_mkldnn\":" + json_bool(elig.user_enabled) +
+         ",\"has_mkldnn\":" + json_bool(elig.has_mkldnn) + ",\"user_enabled_mkldnn\":" + json_bool(elig.user_enabled) +
          ",\"avx512bw\":" + json_bool(elig.avx512bw) + ",\"avx512vl\":" + json_bool(elig.avx512vl) +
-         ",\"avx512dq\":" + json_bool(elig.avx512dq) +
-         ",\"forced_fallback\":" + json_bool(opt.force_fallback) +
+         ",\"avx512dq\":" + json_bool(elig.avx512dq) + ",\"forced_fallback\":" + json_bool(opt.force_fallback) +
          ",\"verbose_probe\":" + json_bool(probe.available()) + "}";
     j += ",\"tolerance_rule\":" + json_str(kToleranceRule) + ",\"checks\":[";
     for (size_t i = 0; i < checks.size(); ++i) {
       const auto& c = checks[i];
-      j += std::string(i ? "," : "") + "{\"dtype\":" + json_str(c.dtype) +
-           ",\"m\":" + std::to_string(c.m) + ",\"k\":" + std::to_string(c.k) +
-           ",\"n\":" + std::to_string(c.n) + ",\"trans_a\":" + json_bool(c.trans_a) +
+      j += std::string(i ? "," : "") + "{\"dtype\":" + json_str(c.dtype) + ",\"m\":" + std::to_string(c.m) +
+           ",\"k\":" + std::to_string(c.k) + ",\"n\":" + std::to_string(c.n) + ",\"trans_a\":" + json_bool(c.trans_a) +
            ",\"trans_b\":" + json_bool(c.trans_b) + ",\"kernel\":" + json_str(c.kernel) +
-           ",\"accumulation\":" + json_str(c.accumulation) +
-           ",\"max_rel_err\":" + fmt("%.3e", c.err) + ",\"tol\":" + fmt("%.3e", c.tol) +
-           ",\"ok\":" + json_bool(c.ok) + "}";
+           ",\"accumulation\":" + json_str(c.accumulation) + ",\"max_rel_err\":" + fmt("%.3e", c.err) +
+           ",\"tol\":" + fmt("%.3e", c.tol) + ",\"ok\":" + json_bool(c.ok) + "}";
     }
     j += "],\"results\":[";
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
-      j += std::string(i ? "," : "") + "{\"dtype\":" + json_str(r.dtype) +
-           ",\"shape\":" + json_str(r.shape.str()) + ",\"batch\":" + std::to_string(r.shape.batch) +
-           ",\"m\":" + std::to_string(r.shape.m) + ",\"k\":" + std::to_string(r.shape.k) +
-           ",\"n\":" + std::to_string(r.shape.n) + ",\"at_threads\":" + std::to_string(r.at_threads) +
-           ",\"blas_threads\":" + std::to_string(r.blas_threads) +
+      j += std::string(i ? "," : "") + "{\"dtype\":" + json_str(r.dtype) + ",\"shape\":" + json_str(r.shape.str()) +
+           ",\"batch\":" + std::to_string(r.shape.batch) + ",\"m\":" + std::to_string(r.shape.m) +
+           ",\"k\":" + std::to_string(r.shape.k) + ",\"n\":" + std::to_string(r.shape.n) +
+           ",\"at_threads\":" + std::to_string(r.at_threads) + ",\"blas_threads\":" + std::to_string(r.blas_threads) +
            ",\"reps\":" + std::to_string(opt.reps) + ",\"inner\":" + std::to_string(r.inner) +
            ",\"best_s\":" + fmt("%.6g", r.best_s) + ",\"gflops\":" + fmt("%.4g", r.gflops) +
            ",\"kernel\":" + json_str(r.kernel) + ",\"accumulation\":" + json_str(r.accumulation) +
-           ",\"max_rel_err\":" + fmt("%.3e", r.err) + ",\"tol\":" + fmt("%.3e", r.tol) +
-           ",\"ok\":" + json_bool(r.ok) + "}";
+           ",\"max_rel_err\":" + fmt("%.3e", r.err) + ",\"tol\":" + fmt("%.3e", r.tol) + ",\"ok\":" + json_bool(r.ok) +
+           "}";
     }
     j += std::string("],\"ok\":") + json_bool(all_ok) + "}";
     std::printf("%s\n", j.c_str());
     return all_ok ? 0 : 1;
   }
 
-  std::printf("at::matmul(A, B), best of %d repetitions (each >= %g ms) after 2 warm-up calls\n",
-              opt.reps, opt.min_time_ms);
+  std::printf("at::matmul(A, B), best of %d repetitions (each >= %g ms) after 2 warm-up calls\n", opt.reps,
+              opt.min_time_ms);
   std::printf("sgemm_ from : %s  [%s]\n", provider.c_str(), blas_name(blas));
   const std::string info = blas_info(blas);
   if (!info.empty()) std::printf("blas info   : %s\n", info.c_str());
@@ -767,23 +747,25 @@ int main(int argc, char** argv) {
       "avx512vl %s, avx512dq %s; LibTorch 1.13 then uses it for m*n*k > 4096, else ATen's "
       "fallback gemm); kernel that ran: %s\n",
       yes_no(elig.eligible()), yes_no(elig.has_mkldnn), yes_no(elig.user_enabled),
-      opt.force_fallback ? " (--bf16-kernel fallback)" : "", yes_no(elig.avx512bw),
-      yes_no(elig.avx512vl), yes_no(elig.avx512dq),
+      opt.force_fallback ? " (--bf16-kernel fallback)" : "", yes_no(elig.avx512bw), yes_no(elig.avx512vl),
+      yes_no(elig.avx512dq),
       probe.available() ? "from oneDNN's verbose lines (dnnl_set_verbose)"
                         : "predicted (no dnnl_set_verbose in the process)");
   std::printf("tolerance   : %s\n", kToleranceRule);
   std::printf("checks      : max|C-R|/max|R| vs double reference\n");
   for (auto& c : checks)
     std::printf("  %-4s %4lldx%4lldx%4lld%s  %.2e  %s   (tol %.2e; %s, %s)\n", c.dtype.c_str(),
-                static_cast<long long>(c.m), static_cast<long long>(c.k),
-                static_cast<long long>(c.n), c.trans_a ? " (A^T)" : c.trans_b ? " (B^T)" : "      ",
+                static_cast<long long>(c.m), static_cast<long long>(c.k), static_cast<long long>(c.n),
+                c.trans_a   ? " (A^T)"
+                : c.trans_b ? " (B^T)"
+                            : "      ",
                 c.err, c.ok ? "ok" : "FAIL", c.tol, c.kernel.c_str(), c.accumulation.c_str());
-  std::printf("\n%-5s %6s %7s %8s %10s %9s  %s\n", "dtype", "N", "at_thr", "blas_thr",
-              "best_ms", "GFLOP/s", "sampled err, tol, kernel");
+  std::printf("\n%-5s %6s %7s %8s %10s %9s  %s\n", "dtype", "N", "at_thr", "blas_thr", "best_ms", "GFLOP/s",
+              "sampled err, tol, kernel");
   for (auto& r : rows)
-    std::printf("%-5s %6s %7d %8d %10.3f %9.1f  %.2e %s  (tol %.2e; %s, %s)\n", r.dtype.c_str(),
-                r.shape.str().c_str(), r.at_threads, r.blas_threads, r.best_s * 1e3, r.gflops,
-                r.err, r.ok ? "ok" : "FAIL", r.tol, r.kernel.c_str(), r.accumulation.c_str());
+    std::printf("%-5s %6s %7d %8d %10.3f %9.1f  %.2e %s  (tol %.2e; %s, %s)\n", r.dtype.c_str(), r.shape.str().c_str(),
+                r.at_threads, r.blas_threads, r.best_s * 1e3, r.gflops, r.err, r.ok ? "ok" : "FAIL", r.tol,
+                r.kernel.c_str(), r.accumulation.c_str());
   if (!all_ok) std::printf("\nFAILED: a result is numerically wrong (see above)\n");
   return all_ok ? 0 : 1;
 }

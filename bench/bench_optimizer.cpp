@@ -181,11 +181,13 @@ int main(int argc, char** argv) {
   std::printf("cpu: %s; %d CPUs; ATen threads at start: %d; OPENBLAS_CORETYPE=%s\n", cpu_model().c_str(), cpus,
               initial_threads, coretype ? coretype : "unset");
   const char* caching = std::getenv("FSDP_CPU_CACHING");
-  std::printf("rank 0's fp32 shards, laid out as fully_shard does; AdamW lr 1e-4, weight_decay 0.01; fsdp's CPU block "
-              "cache (AdamW's temporaries) %s\n\n",
-              caching && std::string(caching) == "0" ? "off" : "on");
-  std::printf("| world | threads | params/rank M | AdamW ms | FusedAdamW ms | fused/AdamW | fused GB/s | fused runs |\n"
-              "|------:|--------:|--------------:|---------:|--------------:|------------:|----------:|-----------:|\n");
+  std::printf(
+      "rank 0's fp32 shards, laid out as fully_shard does; AdamW lr 1e-4, weight_decay 0.01; fsdp's CPU block "
+      "cache (AdamW's temporaries) %s\n\n",
+      caching && std::string(caching) == "0" ? "off" : "on");
+  std::printf(
+      "| world | threads | params/rank M | AdamW ms | FusedAdamW ms | fused/AdamW | fused GB/s | fused runs |\n"
+      "|------:|--------:|--------------:|---------:|--------------:|------------:|----------:|-----------:|\n");
   const auto groups = parameter_groups(o.preset);
   for (int64_t world : o.worlds) {
     const Shards shards = rank0_shards(groups, world);

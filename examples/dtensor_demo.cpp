@@ -45,8 +45,8 @@ int main() {
       const auto b = s.second.local_bounds()[0];
       std::ostringstream line;
       line << "rank " << rank << ": " << s.first << " global " << c10::IntArrayRef(s.second.sizes()) << " "
-           << s.second.placements()[0].str() << " -> local " << s.second.to_local().sizes() << " (rows "
-           << b.offset << ".." << b.offset + b.length << ")\n";
+           << s.second.placements()[0].str() << " -> local " << s.second.to_local().sizes() << " (rows " << b.offset
+           << ".." << b.offset + b.length << ")\n";
       std::cout << line.str();
     }
   });

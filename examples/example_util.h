@@ -41,7 +41,7 @@ inline Options parse_args(int argc, char** argv) {
 // sequence, then token[t + 1] = token[t] + stride (mod vocab). The generator is seeded with the
 // step, so every rank draws the same global batch and keeps its own rows of it.
 inline std::pair<at::Tensor, at::Tensor> get_batch(int step, int64_t global_batch, int64_t seq, int64_t vocab, int rank,
-                                            int world) {
+                                                   int world) {
   at::Generator gen = at::detail::createCPUGenerator(/*seed_in=*/1000 + step);
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   at::Tensor start = at::randint(0, vocab, {global_batch, 1}, gen, i64);

@@ -84,8 +84,8 @@ int main(int argc, char** argv) {
     fsdp::DTensor d = fsdp::as_dtensor(model->named_parameters()[name]);
     at::Tensor full = d.full_tensor();
     std::ostringstream line;
-    line << name << ": local shard " << d.to_local().sizes() << " of global " << c10::IntArrayRef(d.sizes())
-         << " " << d.placements()[0].str() << "; full_tensor() " << full.sizes() << "\n";
+    line << name << ": local shard " << d.to_local().sizes() << " of global " << c10::IntArrayRef(d.sizes()) << " "
+         << d.placements()[0].str() << "; full_tensor() " << full.sizes() << "\n";
     std::cout << line.str() << std::flush;
   }
 
@@ -102,8 +102,8 @@ int main(int argc, char** argv) {
     auto [inputs, targets] = get_batch(step, opt.batch, seq, args.vocab_size, rank, world);
 
     at::Tensor logits = fsdp::call(model, inputs);  // [B/W, seq, vocab]
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, args.vocab_size}),
-                                                           targets.reshape({-1}));
+    at::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, args.vocab_size}), targets.reshape({-1}));
     loss.backward();  // gradients are reduce-scattered: each rank gets its shard's average gradient
     optim.step();
     optim.zero_grad();

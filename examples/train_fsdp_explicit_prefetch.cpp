@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
     std::vector<fsdp::FSDPModule> next, previous;
     for (int j = 1; j <= num_to_forward_prefetch && i + j < n_blocks; ++j) next.push_back(blocks[i + j]);
     for (int j = 1; j <= num_to_backward_prefetch && i - j >= 0; ++j) previous.push_back(blocks[i - j]);
-    if (!next.empty()) blocks[i].set_modules_to_forward_prefetch(next);          // i+1, i+2
+    if (!next.empty()) blocks[i].set_modules_to_forward_prefetch(next);           // i+1, i+2
     if (!previous.empty()) blocks[i].set_modules_to_backward_prefetch(previous);  // i-1, i-2 (backward order)
   }
 
@@ -105,8 +105,8 @@ int main(int argc, char** argv) {
     fsdp::DTensor d = fsdp::as_dtensor(model->named_parameters()[name]);
     at::Tensor full = d.full_tensor();
     std::ostringstream line;
-    line << name << ": local shard " << d.to_local().sizes() << " of global " << c10::IntArrayRef(d.sizes())
-         << " " << d.placements()[0].str() << "; full_tensor() " << full.sizes() << "\n";
+    line << name << ": local shard " << d.to_local().sizes() << " of global " << c10::IntArrayRef(d.sizes()) << " "
+         << d.placements()[0].str() << "; full_tensor() " << full.sizes() << "\n";
     std::cout << line.str() << std::flush;
   }
 
@@ -126,8 +126,8 @@ int main(int argc, char** argv) {
     auto [inputs, targets] = get_batch(step, opt.batch, seq, args.vocab_size, rank, world);
 
     at::Tensor logits = fsdp::call(model, inputs);  // [B/W, seq, vocab]
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, args.vocab_size}),
-                                                           targets.reshape({-1}));
+    at::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, args.vocab_size}), targets.reshape({-1}));
     loss.backward();  // gradients are reduce-scattered: each rank gets its shard's average gradient
     optim.step();
     optim.zero_grad();

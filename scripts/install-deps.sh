@@ -22,6 +22,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev zlib1g-dev
   libopenmpi-dev openmpi-bin        # the MPI backend and mpirun (optional at build time)
   iproute2                          # ss, for the tests that look at listening sockets
+  clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
 )
 
 as_root() {

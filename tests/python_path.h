@@ -19,9 +19,9 @@ inline std::string python() { return std::string("'") + FSDP_TEST_PYTHON + "'"; 
 }  // namespace fsdp_test
 
 // Skips the calling test when no Python with torch was configured.
-#define FSDP_SKIP_WITHOUT_PYTHON()                                                                   \
-  do {                                                                                               \
-    if (std::string(FSDP_TEST_PYTHON).empty())                                                       \
-      GTEST_SKIP() << "no Python with torch configured (FSDP_PYTHON is empty: run "                  \
-                      "scripts/install-deps.sh, or pass -DFSDP_PYTHON=/path/to/python)";             \
+#define FSDP_SKIP_WITHOUT_PYTHON()                                                       \
+  do {                                                                                   \
+    if (std::string(FSDP_TEST_PYTHON).empty())                                           \
+      GTEST_SKIP() << "no Python with torch configured (FSDP_PYTHON is empty: run "      \
+                      "scripts/install-deps.sh, or pass -DFSDP_PYTHON=/path/to/python)"; \
   } while (0)

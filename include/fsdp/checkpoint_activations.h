@@ -144,8 +144,8 @@ auto checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args)
                                            forward_result, first_run = true](std::vector<at::Tensor> tensors) mutable {
     detail::ArgSubstituter substitute{tensors};
     // A braced list evaluates left to right, so tensors are taken in argument order.
-    std::tuple<std::decay_t<Args>...> call_args = std::apply(
-        [&](auto&... a) { return std::tuple<std::decay_t<Args>...>{substitute(a)...}; }, kept);
+    std::tuple<std::decay_t<Args>...> call_args =
+        std::apply([&](auto&... a) { return std::tuple<std::decay_t<Args>...>{substitute(a)...}; }, kept);
     Result result = std::apply(fn, call_args);
     std::vector<at::Tensor> outputs = detail::tensors_of(result);
     if (first_run) forward_result->emplace(std::move(result));

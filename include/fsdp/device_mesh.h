@@ -60,8 +60,7 @@ class DeviceMesh {
   struct Impl;  // device_mesh.cpp
 
   explicit DeviceMesh(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
-  friend DeviceMesh init_device_mesh(const std::string&, const std::vector<int64_t>&,
-                                     const std::vector<std::string>&);
+  friend DeviceMesh init_device_mesh(const std::string&, const std::vector<int64_t>&, const std::vector<std::string>&);
   // The mesh; throws c10::Error naming init_device_mesh() when this handle is empty.
   const Impl& checked_impl() const;
 

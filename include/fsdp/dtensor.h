@@ -61,7 +61,9 @@ class DTensor {
 
  private:
   DTensor(at::Tensor local, DeviceMesh mesh, std::vector<Placement> placements, std::vector<int64_t> shape)
-      : local_(std::move(local)), mesh_(std::move(mesh)), placements_(std::move(placements)),
+      : local_(std::move(local)),
+        mesh_(std::move(mesh)),
+        placements_(std::move(placements)),
         global_shape_(std::move(shape)) {}
   friend DTensor distribute_tensor(const at::Tensor&, const DeviceMesh&, std::vector<Placement>,
                                    std::optional<int64_t>);
@@ -76,10 +78,8 @@ class DTensor {
 // `placements` (torch.chunk rules, mesh dims applied in order). No communication. Throws
 // c10::Error unless there is one placement and one coordinate per mesh dim and every Shard
 // dim is a dim of `global_shape`.
-std::vector<ChunkBounds> shard_bounds(const std::vector<int64_t>& global_shape,
-                                      const std::vector<int64_t>& mesh_shape,
-                                      const std::vector<int64_t>& coordinate,
-                                      const std::vector<Placement>& placements);
+std::vector<ChunkBounds> shard_bounds(const std::vector<int64_t>& global_shape, const std::vector<int64_t>& mesh_shape,
+                                      const std::vector<int64_t>& coordinate, const std::vector<Placement>& placements);
 
 // Splits `full` over `mesh` with `placements` and returns this rank's DTensor.
 // With src_data_rank = r (default 0) the data of the mesh's r-th rank is used: it is broadcast

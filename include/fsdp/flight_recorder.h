@@ -49,18 +49,18 @@ const char* to_string(FlightState s);
 // A copy of one record (what snapshot() returns). Times are wall-clock microseconds since the
 // Unix epoch (0: not yet), so that the dumps of different ranks can be compared.
 struct FlightRecord {
-  int64_t id = 0;           // this rank's running count of recorded collectives
-  std::string group;        // ProcessGroup::name()
-  std::string op;           // "all_gather", "reduce_scatter", ...
-  int64_t seq = 0;          // the group's sequence number: the same op has the same seq on every rank
-  int64_t bytes = 0;        // the largest tensor of the op (all-gather output, reduce-scatter input)
-  std::string dtype;        // "Float", "BFloat16", "" for a barrier
+  int64_t id = 0;     // this rank's running count of recorded collectives
+  std::string group;  // ProcessGroup::name()
+  std::string op;     // "all_gather", "reduce_scatter", ...
+  int64_t seq = 0;    // the group's sequence number: the same op has the same seq on every rank
+  int64_t bytes = 0;  // the largest tensor of the op (all-gather output, reduce-scatter input)
+  std::string dtype;  // "Float", "BFloat16", "" for a barrier
   int64_t enqueued_us = 0;
   int64_t started_us = 0;
   int64_t finished_us = 0;
   FlightState state = FlightState::kEnqueued;
-  std::string phase;        // what FSDP was doing when it was enqueued: "forward", "backward", ...
-  std::string module;       // the FSDP module (its fully qualified name; "" for the root)
+  std::string phase;   // what FSDP was doing when it was enqueued: "forward", "backward", ...
+  std::string module;  // the FSDP module (its fully qualified name; "" for the root)
 };
 
 class FlightRecorder {

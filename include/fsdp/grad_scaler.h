@@ -155,8 +155,8 @@ class GradScaler {
   void apply_found_inf(bool found_inf);
 
   GradScalerOptions options_;
-  float scale_;                  // fp32, as torch's scale tensor
-  bool scale_used_ = false;      // scale() was called once: torch's lazily created scale tensor
+  float scale_;              // fp32, as torch's scale tensor
+  bool scale_used_ = false;  // scale() was called once: torch's lazily created scale tensor
   int64_t growth_tracker_ = 0;
   std::unordered_map<const torch::optim::Optimizer*, OptimizerRecord> per_optimizer_;
 };

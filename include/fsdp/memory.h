@@ -113,14 +113,14 @@ bool reset_peak_rss(std::string* error = nullptr);
 
 // A snapshot of all the numbers above. Taking one reads two /proc files.
 struct MemoryStats {
-  bool tracking = false;               // tracking_allocator_installed()
-  int64_t allocated_bytes = 0;         // live tensor bytes
-  int64_t max_allocated_bytes = 0;     // peak tensor bytes since install or reset
-  int64_t allocation_count = 0;        // allocations since install
-  int64_t live_allocation_count = 0;   // allocations alive now
-  int64_t cached_bytes = 0;            // freed blocks kept for reuse
-  int64_t current_rss_bytes = -1;      // -1: unavailable
-  int64_t peak_rss_bytes = -1;         // -1: unavailable
+  bool tracking = false;              // tracking_allocator_installed()
+  int64_t allocated_bytes = 0;        // live tensor bytes
+  int64_t max_allocated_bytes = 0;    // peak tensor bytes since install or reset
+  int64_t allocation_count = 0;       // allocations since install
+  int64_t live_allocation_count = 0;  // allocations alive now
+  int64_t cached_bytes = 0;           // freed blocks kept for reuse
+  int64_t current_rss_bytes = -1;     // -1: unavailable
+  int64_t peak_rss_bytes = -1;        // -1: unavailable
 
   // One line in MiB, e.g.
   // "tensors 64.00 MiB (peak 128.00 MiB, 3 live / 17 allocs), cached 8.00 MiB,

@@ -31,7 +31,9 @@ struct CPUOffloadPolicy {
 
  public:
   // "CPUOffloadPolicy(pin_memory=false)", for logs and errors.
-  std::string str() const { return std::string("CPUOffloadPolicy(pin_memory=") + (pin_memory() ? "true" : "false") + ")"; }
+  std::string str() const {
+    return std::string("CPUOffloadPolicy(pin_memory=") + (pin_memory() ? "true" : "false") + ")";
+  }
 };
 
 }  // namespace fsdp

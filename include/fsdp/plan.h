@@ -72,16 +72,16 @@ struct TpAllReduce {
 // computes in.
 struct StageSpec {
   std::string name;
-  int group = 0;                     // index into ModelSpec::groups
-  std::vector<int> grads;            // indices of the group's params whose gradients its backward makes
-  double saved_bytes = 0;            // kept from its forward to its backward (the output included)
-  double output_bytes = 0;           // its output, the next stage's input
-  double forward_extra_bytes = 0;    // above saved_bytes at the high point of its forward
-  double backward_extra_bytes = 0;   // above saved_bytes at the high point of its backward
-  bool grads_before_peak = true;     // its parameters' gradients exist at its backward's high point
-  bool checkpointed = false;         // keeps only output_bytes; recomputes its forward in backward
-                                     // (forward_extra_bytes is then the high point of the no-grad forward)
-  int64_t pieces = 1;                // checkpointed in this many pieces, one at a time (the bytes are per piece)
+  int group = 0;                    // index into ModelSpec::groups
+  std::vector<int> grads;           // indices of the group's params whose gradients its backward makes
+  double saved_bytes = 0;           // kept from its forward to its backward (the output included)
+  double output_bytes = 0;          // its output, the next stage's input
+  double forward_extra_bytes = 0;   // above saved_bytes at the high point of its forward
+  double backward_extra_bytes = 0;  // above saved_bytes at the high point of its backward
+  bool grads_before_peak = true;    // its parameters' gradients exist at its backward's high point
+  bool checkpointed = false;        // keeps only output_bytes; recomputes its forward in backward
+                                    // (forward_extra_bytes is then the high point of the no-grad forward)
+  int64_t pieces = 1;               // checkpointed in this many pieces, one at a time (the bytes are per piece)
   // Its backward accumulates its parameters' gradients in fp32 from the first piece on, and casts
   // them to the compute dtype at the end (false: they are made in the compute dtype).
   bool grads_accumulated_in_fp32 = false;
@@ -95,7 +95,7 @@ struct StageSpec {
 struct ModelSpec {
   std::vector<GroupSpec> groups;
   std::vector<StageSpec> stages;
-  double input_bytes = 0;  // what the step's data holds on each rank during the step (tokens)
+  double input_bytes = 0;   // what the step's data holds on each rank during the step (tokens)
   int tensor_parallel = 1;  // tp ranks per model copy; the groups' shapes are one tp rank's pieces
 };
 
@@ -111,12 +111,12 @@ struct TransformerSharding {
   bool vocab_parallel = true;      // with tensor_parallel > 1: the embedding and head split by vocabulary too
 };
 struct ActivationOptions {
-  int64_t micro_batch = 1;       // rows per rank per micro-batch
-  int64_t seq = 16;              // training sequence length
+  int64_t micro_batch = 1;          // rows per rank per micro-batch
+  int64_t seq = 16;                 // training sequence length
   Dtype compute = Dtype::kFloat32;  // the parameters' compute dtype (MixedPrecisionPolicy::param_dtype)
-  int64_t checkpoint_every = 0;  // 0: none; k: block i when (i + 1) % k == 0
-  int64_t loss_chunks = 1;       // the loss in this many checkpointed pieces of the sequence
-  int64_t global_rows = 1;       // rows of the step's global batch, which every rank draws whole
+  int64_t checkpoint_every = 0;     // 0: none; k: block i when (i + 1) % k == 0
+  int64_t loss_chunks = 1;          // the loss in this many checkpointed pieces of the sequence
+  int64_t global_rows = 1;          // rows of the step's global batch, which every rank draws whole
 };
 // The Transformer as the trainer shards it: one group per block, the root holding the
 // embeddings, the final norm and the output head (or, with output_head_group, a last group
@@ -156,7 +156,7 @@ struct Constants {
   ComputeRates one_thread;
   // One rank alone on the machine with no thread variables: LibTorch's and OpenBLAS's own choice.
   ComputeRates single_rank;
-  double memory_bytes_per_s = 10e9;     // one thread, streaming (the optimizer)
+  double memory_bytes_per_s = 10e9;  // one thread, streaming (the optimizer)
   // Per collective: a latency per step of its ring (ranks - 1 of them), and the bus bandwidth.
   // "oversubscribed": the latency per step with two ranks per core.
   double collective_bytes_per_s = 1e9;  // Gloo
@@ -171,9 +171,9 @@ struct Constants {
   double stage_overhead_s = 0;
   double bf16_stage_overhead_s = 0;
   double checkpointed_stage_overhead_s = 0;
-  double runtime_rss_bytes = 0;        // RSS of a rank with no tensors (LibTorch, Gloo, the program)
-  double rss_per_tensor_byte = 1;      // peak RSS above the runtime per byte of peak tensors (block cache)
-  std::string source;                  // where the numbers came from (machine, date, commit)
+  double runtime_rss_bytes = 0;    // RSS of a rank with no tensors (LibTorch, Gloo, the program)
+  double rss_per_tensor_byte = 1;  // peak RSS above the runtime per byte of peak tensors (block cache)
+  std::string source;              // where the numbers came from (machine, date, commit)
 };
 // The constants of configs/plan_constants.json as built into the library.
 Constants measured_constants();
@@ -185,24 +185,66 @@ enum class Optimizer { kAdamW, kFusedAdamW };
 enum class Threads { kAsLaunched, kOnePerRank, kLibraryDefaults };
 
 struct PlanOptions {
-  PlanOptions& world(int v) { world_ = v; return *this; }
-  PlanOptions& replicate(int v) { replicate_ = v; return *this; }  // HSDP replicas (1: FULL_SHARD)
-  PlanOptions& no_shard(bool v) { no_shard_ = v; return *this; }   // fsdp::replicate (DDP)
-  PlanOptions& reshard_after_forward(bool v) { reshard_after_forward_ = v; return *this; }
-  PlanOptions& param_dtype(Dtype v) { param_dtype_ = v; return *this; }
-  PlanOptions& reduce_dtype(Dtype v) { reduce_dtype_ = v; return *this; }
-  PlanOptions& offload(bool v) { offload_ = v; return *this; }  // CPUOffloadPolicy (identity copies on CPU)
-  PlanOptions& optimizer(Optimizer v) { optimizer_ = v; return *this; }
-  PlanOptions& micro_batches(int64_t v) { micro_batches_ = v; return *this; }  // gradient accumulation
-  PlanOptions& local_world(int v) { local_world_ = v; return *this; }          // ranks on one machine
-  PlanOptions& backend(Backend v) { backend_ = v; return *this; }
+  PlanOptions& world(int v) {
+    world_ = v;
+    return *this;
+  }
+  PlanOptions& replicate(int v) {
+    replicate_ = v;
+    return *this;
+  }  // HSDP replicas (1: FULL_SHARD)
+  PlanOptions& no_shard(bool v) {
+    no_shard_ = v;
+    return *this;
+  }  // fsdp::replicate (DDP)
+  PlanOptions& reshard_after_forward(bool v) {
+    reshard_after_forward_ = v;
+    return *this;
+  }
+  PlanOptions& param_dtype(Dtype v) {
+    param_dtype_ = v;
+    return *this;
+  }
+  PlanOptions& reduce_dtype(Dtype v) {
+    reduce_dtype_ = v;
+    return *this;
+  }
+  PlanOptions& offload(bool v) {
+    offload_ = v;
+    return *this;
+  }  // CPUOffloadPolicy (identity copies on CPU)
+  PlanOptions& optimizer(Optimizer v) {
+    optimizer_ = v;
+    return *this;
+  }
+  PlanOptions& micro_batches(int64_t v) {
+    micro_batches_ = v;
+    return *this;
+  }  // gradient accumulation
+  PlanOptions& local_world(int v) {
+    local_world_ = v;
+    return *this;
+  }  // ranks on one machine
+  PlanOptions& backend(Backend v) {
+    backend_ = v;
+    return *this;
+  }
   // How the ranks' threads are set: one per rank when several share a machine (fsdprun sets
   // OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to 1), the libraries' own choice for a rank alone.
-  PlanOptions& threads(Threads v) { threads_ = v; return *this; }
+  PlanOptions& threads(Threads v) {
+    threads_ = v;
+    return *this;
+  }
   // A checkpoint saved in the background (fsdp::CheckpointManager::save_async) holds a staged copy
   // of this rank's parameters and optimizer state until the step after it: plan that step too.
-  PlanOptions& background_checkpoints(bool v) { background_checkpoints_ = v; return *this; }
-  PlanOptions& constants(Constants v) { constants_ = std::move(v); return *this; }
+  PlanOptions& background_checkpoints(bool v) {
+    background_checkpoints_ = v;
+    return *this;
+  }
+  PlanOptions& constants(Constants v) {
+    constants_ = std::move(v);
+    return *this;
+  }
   int world_ = 1, replicate_ = 1, local_world_ = 0;  // local_world 0: the world
   bool no_shard_ = false, reshard_after_forward_ = true, offload_ = false, background_checkpoints_ = false;
   Backend backend_ = Backend::kGloo;
@@ -224,26 +266,26 @@ struct Buffer {
   int64_t bytes;
 };
 struct Collectives {
-  std::string group;   // the module ("" = root)
-  std::string kind;    // all_gather | reduce_scatter | all_reduce
-  std::string mesh;    // shard | replicate | world | tp
-  int64_t count = 0;   // per optimizer step
-  int64_t bytes = 0;   // per step: the full (gathered / unreduced) buffers, summed
+  std::string group;  // the module ("" = root)
+  std::string kind;   // all_gather | reduce_scatter | all_reduce
+  std::string mesh;   // shard | replicate | world | tp
+  int64_t count = 0;  // per optimizer step
+  int64_t bytes = 0;  // per step: the full (gathered / unreduced) buffers, summed
 };
 
 struct RankPlan {
   int rank = 0;
   std::vector<DtypeBytes> params, grads, optimizer_state;  // sharded, by dtype
-  int64_t activation_bytes = 0;  // saved activations at the end of the last forward
+  int64_t activation_bytes = 0;                            // saved activations at the end of the last forward
   int64_t peak_tensor_bytes = 0;
-  std::string peak_at;           // where in the step the peak is
-  std::vector<Buffer> at_peak;   // everything alive at the peak
+  std::string peak_at;          // where in the step the peak is
+  std::vector<Buffer> at_peak;  // everything alive at the peak
   // A background checkpoint's staged copy (parameters and optimizer state), and the peak of the
   // step after a background save, which it is alive through (= peak_tensor_bytes without
   // background_checkpoints).
   int64_t checkpoint_staging_bytes = 0;
   int64_t peak_tensor_bytes_after_save = 0;
-  int64_t peak_rss_bytes = 0;    // runtime + the larger peak, with the block cache's overhead
+  int64_t peak_rss_bytes = 0;  // runtime + the larger peak, with the block cache's overhead
   std::vector<Collectives> collectives;
 };
 

@@ -143,17 +143,15 @@ class ProcessGroup {
   WorkHandle all_gather_into(const at::Tensor& output, const at::Tensor& input);
   // The uneven form: rank i contributes counts[i] elements (input.numel() == counts[rank()]);
   // output is their concatenation (numel == sum of counts). Counts may be zero.
-  WorkHandle all_gather_v(const at::Tensor& output, const at::Tensor& input,
-                          const std::vector<int64_t>& counts);
+  WorkHandle all_gather_v(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& counts);
   // A real reduce-scatter: rank i receives op over all ranks of input[i * n : (i + 1) * n],
   // n = output.numel(); it receives only its own chunk. Requires
   // input.numel() == size() * output.numel(). `input` is not modified.
-  WorkHandle reduce_scatter_into(const at::Tensor& output, const at::Tensor& input,
-                                 ReduceOp op = ReduceOp::kSum);
+  WorkHandle reduce_scatter_into(const at::Tensor& output, const at::Tensor& input, ReduceOp op = ReduceOp::kSum);
   // The uneven form: rank i receives counts[i] elements (output.numel() == counts[rank()]),
   // taken at offset counts[0] + ... + counts[i - 1] of input (numel == sum of counts).
-  WorkHandle reduce_scatter_v(const at::Tensor& output, const at::Tensor& input,
-                              const std::vector<int64_t>& counts, ReduceOp op = ReduceOp::kSum);
+  WorkHandle reduce_scatter_v(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& counts,
+                              ReduceOp op = ReduceOp::kSum);
   // In place: tensor = op over all ranks of tensor. The result is bitwise identical on all ranks.
   WorkHandle all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   // In place: tensor = tensor of group rank `root`.
@@ -167,17 +165,16 @@ class ProcessGroup {
   void reset_stats();
 
  protected:
-  ProcessGroup(int rank, std::vector<int> global_ranks, std::string name,
-               std::chrono::milliseconds timeout);
+  ProcessGroup(int rank, std::vector<int> global_ranks, std::string name, std::chrono::milliseconds timeout);
 
   // One queued operation, as handed to the implementation. Sizes are already validated.
   struct Op {
     CollectiveKind kind;
     ReduceOp reduce = ReduceOp::kSum;
-    at::Tensor output;             // all-gather, reduce-scatter
-    at::Tensor input;              // all-gather, reduce-scatter; the tensor of all-reduce/broadcast
-    std::vector<int64_t> counts;   // per-rank element counts (gather/scatter forms)
-    int root = 0;                  // broadcast
+    at::Tensor output;            // all-gather, reduce-scatter
+    at::Tensor input;             // all-gather, reduce-scatter; the tensor of all-reduce/broadcast
+    std::vector<int64_t> counts;  // per-rank element counts (gather/scatter forms)
+    int root = 0;                 // broadcast
   };
   // Queue `op` for execution in issue order and return its handle.
   virtual WorkHandle enqueue(Op op) = 0;

@@ -141,7 +141,8 @@ at::Tensor call_linear(const torch::nn::Linear& linear, const at::Tensor& x);
 // each layer through forward_in_tp_region: the input's gradient, summed over the layers by
 // autograd, is all-reduced over tp once (Megatron's "f" before its fused QKV projection) instead
 // of once per layer. Otherwise each is call_linear(layer, x). Returns the outputs in order.
-std::vector<at::Tensor> call_linears_on_shared_input(const std::vector<torch::nn::Linear>& linears, const at::Tensor& x);
+std::vector<at::Tensor> call_linears_on_shared_input(const std::vector<torch::nn::Linear>& linears,
+                                                     const at::Tensor& x);
 // The same for Embedding members: a VocabParallelEmbedding runs its own forward.
 at::Tensor call_embedding(const torch::nn::Embedding& embedding, const at::Tensor& tokens);
 

@@ -98,7 +98,8 @@ void backpropagate(const variable_list& outputs, const variable_list& grads) {
     roots.push_back(outputs[i]);
     root_grads.push_back(grads[i]);
   }
-  TORCH_CHECK(any_requires_grad, "fsdp::checkpoint: none of the recomputed outputs requires grad, so there is "
+  TORCH_CHECK(any_requires_grad,
+              "fsdp::checkpoint: none of the recomputed outputs requires grad, so there is "
               "nothing to backpropagate through; the checkpoint is not needed here");
   if (!roots.empty()) torch::autograd::backward(roots, root_grads);
 }
@@ -110,7 +111,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     if (r.preserve_rng_state) r.forward_rng_state = cpu_rng_state();
     variable_list outputs = r.function(r.arguments(inputs.vec()));  // grad mode is off here
     for (size_t i = 0; i < outputs.size(); ++i) {
-      TORCH_CHECK(outputs[i].defined(), "fsdp::checkpoint: output ", i, " of the checkpointed function is an "
+      TORCH_CHECK(outputs[i].defined(), "fsdp::checkpoint: output ", i,
+                  " of the checkpointed function is an "
                   "undefined tensor; return defined tensors only");
     }
     r.num_outputs = outputs.size();
@@ -125,8 +127,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                 "fsdp::checkpoint: backward through a checkpoint must be a plain backward(); "
                 "torch::autograd::grad() and backward with `inputs` are not supported, because the "
                 "recomputation's backward accumulates into every leaf's .grad");
-    auto recomputation = c10::static_intrusive_pointer_cast<Recomputation>(
-        ctx->saved_data["recomputation"].toCapsule());
+    auto recomputation =
+        c10::static_intrusive_pointer_cast<Recomputation>(ctx->saved_data["recomputation"].toCapsule());
     const Recomputation& r = *recomputation;
     variable_list inputs = detached_inputs(ctx->get_saved_variables());
     {
@@ -138,7 +140,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         outputs = r.function(r.arguments(inputs));
       }
       TORCH_CHECK(outputs.size() == r.num_outputs, "fsdp::checkpoint: the recomputation returned ", outputs.size(),
-                  " tensors but the forward returned ", r.num_outputs, "; a checkpointed function must compute "
+                  " tensors but the forward returned ", r.num_outputs,
+                  "; a checkpointed function must compute "
                   "the same thing when it is called again");
       backpropagate(outputs, grads);
     }
@@ -153,7 +156,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 }  // namespace
 
 void check_checkpoint_options(const CheckpointOptions& options) {
-  TORCH_CHECK(options.use_reentrant(), "fsdp::checkpoint: use_reentrant(false) is not supported yet: LibTorch 2.x's "
+  TORCH_CHECK(options.use_reentrant(),
+              "fsdp::checkpoint: use_reentrant(false) is not supported yet: LibTorch 2.x's "
               "C++ API still has no default saved-tensor hooks (at::SavedTensorDefaultHooks takes Python callables, "
               "and only Python's autograd engine consults them), which non-reentrant checkpointing needs. Use "
               "fsdp::CheckpointOptions().use_reentrant(true), the default");
@@ -179,8 +183,9 @@ std::vector<at::Tensor> run_checkpointed(const CheckpointOptions& options, Check
     any_requires_grad = any_requires_grad || inputs[i].requires_grad();
   }
   if (!any_requires_grad) {
-    TORCH_WARN_ONCE("fsdp::checkpoint: no tensor argument requires grad, so the outputs do not either and the "
-                    "parameters used inside get no gradient; pass an input that requires grad");
+    TORCH_WARN_ONCE(
+        "fsdp::checkpoint: no tensor argument requires grad, so the outputs do not either and the "
+        "parameters used inside get no gradient; pass an input that requires grad");
   }
   return CheckpointFunction::apply(at::TensorList(defined), recomputation);
 }

@@ -63,8 +63,8 @@ std::vector<std::string> gather_strings(ProcessGroup& group, const std::string& 
 // Reads bytes [begin, end) of chunk `c` (relative to its start) and checks the CRC of every
 // block touched. Returns the chunk's bytes from the first block touched, and where the
 // requested range starts in them.
-std::string read_chunk_range(const fs::path& dir, const std::string& key, const detail::ChunkRecord& c,
-                             int64_t begin, int64_t end, int64_t* skip) {
+std::string read_chunk_range(const fs::path& dir, const std::string& key, const detail::ChunkRecord& c, int64_t begin,
+                             int64_t end, int64_t* skip) {
   const int64_t first_block = begin / kCheckpointBlockBytes;
   const int64_t last_block = (end + kCheckpointBlockBytes - 1) / kCheckpointBlockBytes;  // exclusive
   const int64_t from = first_block * kCheckpointBlockBytes;
@@ -96,8 +96,9 @@ void check_data_files(const std::string& dir, const detail::CheckpointMetadata& 
       if (key == "?" && c.file == p->file && (p->actual < 0 || c.byte_offset + c.byte_length > p->actual)) key = name;
     }
   }
-  TORCH_CHECK(p->actual < 0, "fsdp::load_checkpoint: data file '", p->path, "' is truncated or overwritten: ",
-              p->actual, " bytes, '", meta.path, "' says ", p->recorded, " (key '", key, "' is affected)");
+  TORCH_CHECK(p->actual < 0, "fsdp::load_checkpoint: data file '", p->path,
+              "' is truncated or overwritten: ", p->actual, " bytes, '", meta.path, "' says ", p->recorded, " (key '",
+              key, "' is affected)");
   TORCH_CHECK(false, "fsdp::load_checkpoint: data file '", p->path, "' listed in '", meta.path, "' ", p->predicate,
               " (it holds key '", key, "')");
 }
@@ -121,8 +122,8 @@ void check_keys(const detail::CheckpointMetadata& meta, const ShardedStateDict& 
 
 // Copies rows [lo, hi) of the global tensor from chunk `c`, whose first row is `chunk_row`, into
 // `local`, whose first row is `local_row`. (A scalar is one row of one element.)
-void copy_rows(const fs::path& dir, const std::string& key, const detail::ChunkRecord& c, int64_t chunk_row,
-               int64_t lo, int64_t hi, int64_t local_row, int64_t row_bytes, at::Tensor& local) {
+void copy_rows(const fs::path& dir, const std::string& key, const detail::ChunkRecord& c, int64_t chunk_row, int64_t lo,
+               int64_t hi, int64_t local_row, int64_t row_bytes, at::Tensor& local) {
   int64_t skip = 0;
   const std::string bytes =
       read_chunk_range(dir, key, c, (lo - chunk_row) * row_bytes, (hi - chunk_row) * row_bytes, &skip);
@@ -146,8 +147,8 @@ void copy_box(const fs::path& dir, const std::string& key, const detail::ChunkRe
   int64_t row_bytes = local.element_size();
   for (size_t d = 1; d < c.sizes.size(); ++d) row_bytes *= c.sizes[d];
   int64_t skip = 0;
-  std::string bytes = read_chunk_range(dir, key, c, (lo[0] - c.offsets[0]) * row_bytes,
-                                       (hi[0] - c.offsets[0]) * row_bytes, &skip);
+  std::string bytes =
+      read_chunk_range(dir, key, c, (lo[0] - c.offsets[0]) * row_bytes, (hi[0] - c.offsets[0]) * row_bytes, &skip);
   at::Tensor src = at::from_blob(&bytes[skip], rows_shape, local.options());
   at::Tensor dst = local.narrow(0, lo[0] - want[0].offset, hi[0] - lo[0]);
   for (size_t d = 1; d < want.size(); ++d) {
@@ -288,8 +289,10 @@ std::string make_metadata(const ShardedStateDict& state_dict, const std::vector<
     files[detail::data_file_name(static_cast<int64_t>(r))] = report.at("file_bytes");
     for (const auto& kv : report.at("chunks").items()) entries[kv.key()]["chunks"].push_back(kv.value());
   }
-  json meta = {{"format", detail::kCheckpointFormatName}, {"version", kCheckpointFormatVersion},
-               {"world_size", reports.size()}, {"block_bytes", kCheckpointBlockBytes}};
+  json meta = {{"format", detail::kCheckpointFormatName},
+               {"version", kCheckpointFormatVersion},
+               {"world_size", reports.size()},
+               {"block_bytes", kCheckpointBlockBytes}};
   meta["files"] = files;  // name -> size: a truncated file is caught without reading it
   meta["entries"] = entries;
   // Written inside the metadata, so that a checkpoint is complete with its attributes or not at all.
@@ -369,12 +372,13 @@ void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state
     }
     return std::string();
   });
-  const std::vector<std::string> reports = detail::on_all_ranks(*world, "fsdp::save_checkpoint", "writing the data files", [&] {
-    json chunks = json::object();
-    const std::string data = pack_pieces(state_dict, rank, &chunks);
-    write_file_durably(dir / detail::data_file_name(rank), data.data(), data.size());
-    return json{{"file_bytes", static_cast<int64_t>(data.size())}, {"chunks", chunks}}.dump();
-  });
+  const std::vector<std::string> reports =
+      detail::on_all_ranks(*world, "fsdp::save_checkpoint", "writing the data files", [&] {
+        json chunks = json::object();
+        const std::string data = pack_pieces(state_dict, rank, &chunks);
+        write_file_durably(dir / detail::data_file_name(rank), data.data(), data.size());
+        return json{{"file_bytes", static_cast<int64_t>(data.size())}, {"chunks", chunks}}.dump();
+      });
   // Rank 0 writes the metadata last: only now is the checkpoint complete.
   detail::on_all_ranks(*world, "fsdp::save_checkpoint", "writing the metadata", [&] {
     if (rank == 0) {

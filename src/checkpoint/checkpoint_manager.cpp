@@ -257,7 +257,8 @@ CheckpointManager::~CheckpointManager() {
     std::fprintf(stderr, "fsdp::CheckpointManager: the background save under '%s' failed: %s\n", root_.c_str(),
                  e.what_without_backtrace());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp::CheckpointManager: the background save under '%s' failed: %s\n", root_.c_str(), e.what());
+    std::fprintf(stderr, "fsdp::CheckpointManager: the background save under '%s' failed: %s\n", root_.c_str(),
+                 e.what());
   }
 }
 
@@ -277,8 +278,8 @@ std::string CheckpointManager::save(int64_t step, const ShardedStateDict& state_
   wait();
   const fs::path root(root_), dir = root / ("step_" + std::to_string(step));
   const int keep = keep_;
-  detail::write_checkpoint(dir.string(), state_dict, fsdp::world(), [&] { commit_latest(root, dir, keep); },
-                           background_->attributes);
+  detail::write_checkpoint(
+      dir.string(), state_dict, fsdp::world(), [&] { commit_latest(root, dir, keep); }, background_->attributes);
   return dir.string();
 }
 
@@ -293,10 +294,11 @@ void CheckpointManager::save_async(int64_t step, const ShardedStateDict& state_d
   const fs::path root(root_), dir = root / ("step_" + std::to_string(step));
   const int keep = keep_;
   auto group = background_->group;
-  background_->pending = std::async(std::launch::async, [dir, root, keep, group, staged = std::move(staged),
-                                                         attributes = background_->attributes] {
-    detail::write_checkpoint(dir.string(), staged, group, [&] { commit_latest(root, dir, keep); }, attributes);
-  });
+  background_->pending = std::async(
+      std::launch::async, [dir, root, keep, group, staged = std::move(staged), attributes = background_->attributes] {
+        detail::write_checkpoint(
+            dir.string(), staged, group, [&] { commit_latest(root, dir, keep); }, attributes);
+      });
 }
 
 std::optional<std::string> CheckpointManager::latest() const {
@@ -340,7 +342,8 @@ bool CheckpointManager::is_complete(const std::string& dir, std::string* why) {
 
 int64_t CheckpointManager::step_of(const std::string& dir) {
   const std::optional<int64_t> step = parse_step_dir_name(fs::path(dir).filename().string());
-  TORCH_CHECK(step, "fsdp::CheckpointManager: '", dir, "' is not a step_<N> directory (N an integer); move anything "
+  TORCH_CHECK(step, "fsdp::CheckpointManager: '", dir,
+              "' is not a step_<N> directory (N an integer); move anything "
               "else named step_* out of the checkpoint root");
   return *step;
 }

@@ -86,9 +86,8 @@ class Parser {
     TORCH_CHECK(format != root.end() && format->is_string() && *format == kCheckpointFormatName, who_, "'", path_,
                 "' is not an fsdp-cpp checkpoint metadata file");
     const int64_t version = integer(member(root, "version", field("version")), field("version"));
-    TORCH_CHECK(version >= 1 && version <= kCheckpointFormatVersion, who_, "'", path_, "' has format version ",
-                version, "; this build reads versions 1 to ", kCheckpointFormatVersion,
-                " (written by a newer fsdp-cpp?)");
+    TORCH_CHECK(version >= 1 && version <= kCheckpointFormatVersion, who_, "'", path_, "' has format version ", version,
+                "; this build reads versions 1 to ", kCheckpointFormatVersion, " (written by a newer fsdp-cpp?)");
   }
 
   const json& member(const json& obj, const char* name, const std::string& where) const {
@@ -111,8 +110,8 @@ class Parser {
     }
     if (!j.is_number_integer()) fail(where, describe(j) + ", expected an integer");
     const int64_t v = j.get<int64_t>();
-    if (v < min || v > max) fail(where, "is " + std::to_string(v) + ", outside [" + std::to_string(min) + ", " +
-                                            std::to_string(max) + "]");
+    if (v < min || v > max)
+      fail(where, "is " + std::to_string(v) + ", outside [" + std::to_string(min) + ", " + std::to_string(max) + "]");
     return v;
   }
   std::vector<int64_t> integers(const json& j, const std::string& where, int64_t min, int64_t max) const {
@@ -195,13 +194,13 @@ class Parser {
     }
     if (e.shape.empty()) {
       if (e.chunks.size() != 1) {
-        fail("key '" + printable(key) + "'", "is a scalar with " + std::to_string(e.chunks.size()) +
-                                                  " chunks; a scalar is stored in exactly one");
+        fail("key '" + printable(key) + "'",
+             "is a scalar with " + std::to_string(e.chunks.size()) + " chunks; a scalar is stored in exactly one");
       }
     } else if (bytes == 0) {
       if (!e.chunks.empty()) {
-        fail("key '" + printable(key) + "'", "has " + std::to_string(e.chunks.size()) +
-                                                  " chunks but its shape holds no elements");
+        fail("key '" + printable(key) + "'",
+             "has " + std::to_string(e.chunks.size()) + " chunks but its shape holds no elements");
       }
     } else {
       check_tiling(key, e);
@@ -261,8 +260,8 @@ class Parser {
       }
       if (begin < covered) {
         fail("key '" + printable(key) + "'", "has two chunks holding " + index(dim) + " " + std::to_string(begin) +
-                                                  (dim == 0 ? "" : " of dim " + std::to_string(dim)) + " (chunks[" +
-                                                  std::to_string(i) + "] overlaps another)");
+                                                 (dim == 0 ? "" : " of dim " + std::to_string(dim)) + " (chunks[" +
+                                                 std::to_string(i) + "] overlaps another)");
       }
       covered = begin + e.chunks[i].sizes[dim];  // <= size, checked above
     }
@@ -282,8 +281,8 @@ class Parser {
           overlap = a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d];
         }
         if (overlap) {
-          fail("key '" + printable(key) + "'", "has overlapping chunks: chunks[" + std::to_string(i) +
-                                                    "] and chunks[" + std::to_string(j) + "]");
+          fail("key '" + printable(key) + "'",
+               "has overlapping chunks: chunks[" + std::to_string(i) + "] and chunks[" + std::to_string(j) + "]");
         }
       }
     }
@@ -295,8 +294,8 @@ class Parser {
       covered += n;
     }
     if (covered < total) {
-      fail("key '" + printable(key) + "'", "has gaps: its chunks hold " + std::to_string(covered) + " of its " +
-                                                std::to_string(total) + " elements");
+      fail("key '" + printable(key) + "'",
+           "has gaps: its chunks hold " + std::to_string(covered) + " of its " + std::to_string(total) + " elements");
     }
   }
   static std::string range(int64_t begin, int64_t end) {
@@ -343,8 +342,8 @@ json read_json(const fs::path& meta, const std::string& who) {
     // Without the library's "[json.exception.parse_error.101] " tag: the position and the problem.
     const std::string what = e.what();
     const size_t tag_end = what.rfind("] ", what.find(' '));
-    TORCH_CHECK(false, who, "'", meta.string(), "' is not valid JSON: ",
-                tag_end == std::string::npos ? what : what.substr(tag_end + 2));
+    TORCH_CHECK(false, who, "'", meta.string(),
+                "' is not valid JSON: ", tag_end == std::string::npos ? what : what.substr(tag_end + 2));
   }
 }
 
@@ -418,8 +417,9 @@ std::optional<DataFileProblem> find_data_file_problem(const std::string& dir_nam
       const auto size = fs::file_size(p.path, ec);
       if (!ec && static_cast<int64_t>(size) == recorded) continue;
       p.actual = ec ? -1 : static_cast<int64_t>(size);
-      p.predicate = ec ? "cannot be read: " + ec.message()
-                       : "is " + std::to_string(size) + " bytes, " + kMetadataFile + " says " + std::to_string(recorded);
+      p.predicate =
+          ec ? "cannot be read: " + ec.message()
+             : "is " + std::to_string(size) + " bytes, " + kMetadataFile + " says " + std::to_string(recorded);
     }
     return p;
   }

@@ -48,10 +48,10 @@ struct EntryRecord {
 };
 
 struct CheckpointMetadata {
-  std::string path;                             // the metadata file, for messages
+  std::string path;  // the metadata file, for messages
   int64_t world_size = 0;
-  std::map<std::string, int64_t> files;         // data file name -> its size in bytes
-  std::map<std::string, EntryRecord> entries;   // key -> its record
+  std::map<std::string, int64_t> files;           // data file name -> its size in bytes
+  std::map<std::string, EntryRecord> entries;     // key -> its record
   std::map<std::string, std::string> attributes;  // what the writer recorded of itself; may be empty
 };
 

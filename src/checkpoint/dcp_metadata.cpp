@@ -722,15 +722,11 @@ void storage_record(PickleWriter& w, const std::string& key, const std::vector<i
     w.str("fqn");
     w.str(key);
     w.str("offset");
-    if (offsets)
-      size_value(w, *offsets);
-    else
-      w.none();
+    if (offsets) size_value(w, *offsets);
+    else w.none();
     w.str("index");
-    if (offsets)
-      w.integer(index);
-    else
-      w.none();
+    if (offsets) w.integer(index);
+    else w.none();
   });
   record(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
     w.str("relative_path");
@@ -832,10 +828,8 @@ std::string write_dcp_metadata(const DcpMetadata& meta, const std::string& check
       w.str(key);
       w.mark();
       for (const DcpMetadata::PathPart& part : path) {
-        if (part.index >= 0)
-          w.integer(part.index);
-        else
-          w.str(part.name);
+        if (part.index >= 0) w.integer(part.index);
+        else w.str(part.name);
       }
       w.tuple();
     }

@@ -33,12 +33,8 @@ using Options = std::map<std::string, double>;
 
 template <typename O>
 Options adam_like_options(const O& o) {
-  return {{"lr", o.lr()},
-          {"beta1", std::get<0>(o.betas())},
-          {"beta2", std::get<1>(o.betas())},
-          {"eps", o.eps()},
-          {"weight_decay", o.weight_decay()},
-          {"amsgrad", o.amsgrad() ? 1.0 : 0.0}};
+  return {{"lr", o.lr()},   {"beta1", std::get<0>(o.betas())},  {"beta2", std::get<1>(o.betas())},
+          {"eps", o.eps()}, {"weight_decay", o.weight_decay()}, {"amsgrad", o.amsgrad() ? 1.0 : 0.0}};
 }
 
 template <typename O>
@@ -53,8 +49,11 @@ Options options_of(Kind kind, torch::optim::OptimizerOptions& o) {
     case Kind::kAdamW: return adam_like_options(static_cast<torch::optim::AdamWOptions&>(o));
     case Kind::kSGD: {
       auto& s = static_cast<torch::optim::SGDOptions&>(o);
-      return {{"lr", s.lr()}, {"momentum", s.momentum()}, {"dampening", s.dampening()},
-              {"weight_decay", s.weight_decay()}, {"nesterov", s.nesterov() ? 1.0 : 0.0}};
+      return {{"lr", s.lr()},
+              {"momentum", s.momentum()},
+              {"dampening", s.dampening()},
+              {"weight_decay", s.weight_decay()},
+              {"nesterov", s.nesterov() ? 1.0 : 0.0}};
     }
   }
   return {};
@@ -140,7 +139,7 @@ std::map<std::string, at::Tensor> state_tensors(Kind kind, torch::optim::Optimiz
 }
 
 std::unique_ptr<torch::optim::OptimizerParamState> make_state(Kind kind, int64_t step,
-                                                               std::map<std::string, at::Tensor>& t) {
+                                                              std::map<std::string, at::Tensor>& t) {
   if (kind == Kind::kSGD) {
     auto s = std::make_unique<torch::optim::SGDParamState>();
     s->momentum_buffer(t["momentum_buffer"]);
@@ -166,7 +165,8 @@ ShardedStateDict sharded_optimizer_state_dict(torch::nn::Module& model, torch::o
   auto& states = optimizer.state();
   for (const ParamRef& p : params_in_optimizer(model, optimizer, mesh)) {
     for (const auto& opt : options_of(kind, p.group->options())) {
-      out.insert("param_groups." + p.fqn + "." + opt.first, replicated(at::scalar_tensor(opt.second, at::kDouble), mesh));
+      out.insert("param_groups." + p.fqn + "." + opt.first,
+                 replicated(at::scalar_tensor(opt.second, at::kDouble), mesh));
     }
     auto it = states.find(compat::optimizer_state_key(states, p.param.unsafeGetTensorImpl()));
     if (it == states.end()) continue;

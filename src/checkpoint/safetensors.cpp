@@ -92,10 +92,10 @@ class AtomicFile {
   // The bytes reach the disk before the rename: otherwise a crash soon after could leave `path`
   // naming a file whose data was never written.
   void commit() {
-    TORCH_CHECK(std::fflush(f_.get()) == 0, "fsdp::save_safetensors: writing '", tmp_, "' failed: ",
-                std::strerror(errno));
-    TORCH_CHECK(::fsync(::fileno(f_.get())) == 0, "fsdp::save_safetensors: fsync of '", tmp_, "' failed: ",
-                std::strerror(errno));
+    TORCH_CHECK(std::fflush(f_.get()) == 0, "fsdp::save_safetensors: writing '", tmp_,
+                "' failed: ", std::strerror(errno));
+    TORCH_CHECK(::fsync(::fileno(f_.get())) == 0, "fsdp::save_safetensors: fsync of '", tmp_,
+                "' failed: ", std::strerror(errno));
     const bool closed = std::fclose(f_.release()) == 0;
     const int close_errno = errno;
     if (!closed) std::remove(tmp_.c_str());  // not committed
@@ -133,8 +133,8 @@ void check_entries(const ShardedStateDict& state_dict, int world, const Safetens
     TORCH_CHECK(is_utf8(item.key()), "fsdp::save_safetensors: tensor name '", item.key(),
                 "' is not UTF-8 text, which the safetensors header requires");
     TORCH_CHECK(d.defined(), "fsdp::save_safetensors: '", item.key(), "' is an undefined DTensor");
-    TORCH_CHECK(dtype_name(d.scalar_type()), "fsdp::save_safetensors: '", item.key(), "' has dtype ",
-                d.scalar_type(), ", which safetensors cannot hold here (F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
+    TORCH_CHECK(dtype_name(d.scalar_type()), "fsdp::save_safetensors: '", item.key(), "' has dtype ", d.scalar_type(),
+                ", which safetensors cannot hold here (F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
     TORCH_CHECK(d.device_mesh().size() == world, "fsdp::save_safetensors: '", item.key(), "' lives on mesh ",
                 d.device_mesh().str(), ", which does not span the world of ", world, " ranks");
   }
@@ -202,13 +202,13 @@ void write_rank_file(const ShardedStateDict& state_dict, const std::vector<int>&
     const at::Tensor full = d.full_tensor();  // collective; dropped at once by non-owners
     if (mine) out.write_tensor(full);
   }
-  TORCH_CHECK(out.written() == expected, "fsdp::save_safetensors: internal error: wrote ", out.written(),
-              " bytes to '", path, "' instead of ", expected);
+  TORCH_CHECK(out.written() == expected, "fsdp::save_safetensors: internal error: wrote ", out.written(), " bytes to '",
+              path, "' instead of ", expected);
   out.commit();
 }
 
-void write_index(const ShardedStateDict& state_dict, const std::vector<int>& owner, int world,
-                 const std::string& dir, const SafetensorsOptions& options) {
+void write_index(const ShardedStateDict& state_dict, const std::vector<int>& owner, int world, const std::string& dir,
+                 const SafetensorsOptions& options) {
   int64_t total = 0;
   Json weight_map = Json::object();
   size_t i = 0;
@@ -231,8 +231,8 @@ void save_safetensors(const ShardedStateDict& state_dict, const std::string& dir
   check_entries(state_dict, world, options);
   std::error_code ec, exists_ec;
   std::filesystem::create_directories(dir, ec);  // every rank: the ranks may not share a node
-  TORCH_CHECK(std::filesystem::is_directory(dir, exists_ec), "fsdp::save_safetensors: cannot create directory '",
-              dir, "': ", ec ? ec.message() : exists_ec.message());
+  TORCH_CHECK(std::filesystem::is_directory(dir, exists_ec), "fsdp::save_safetensors: cannot create directory '", dir,
+              "': ", ec ? ec.message() : exists_ec.message());
   const std::vector<int> owner = assign_owners(state_dict, world);
   write_rank_file(state_dict, owner, rank, dir + "/" + shard_file_name(options.prefix(), rank, world), options);
   fsdp::world()->barrier()->wait();  // every rank's file is in place
@@ -279,8 +279,8 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
   TORCH_CHECK(offsets.is_array() && offsets.size() == 2 && as_u64(offsets[0], &e.begin) && as_u64(offsets[1], &e.end) &&
                   e.begin <= e.end,
               where, "bad data_offsets ", offsets.dump());
-  TORCH_CHECK(e.end <= data_size, where, "data_offsets ", offsets.dump(), " run past the end of the data (",
-              data_size, " bytes; truncated file?)");
+  TORCH_CHECK(e.end <= data_size, where, "data_offsets ", offsets.dump(), " run past the end of the data (", data_size,
+              " bytes; truncated file?)");
   TORCH_CHECK(e.end - e.begin == nbytes, where, "data_offsets ", offsets.dump(), " span ", e.end - e.begin,
               " bytes but shape ", shape.dump(), " of ", v["dtype"].get<std::string>(), " needs ", nbytes);
   return e;
@@ -294,10 +294,10 @@ void check_tiling(const std::string& path, std::vector<Entry>& entries, uint64_t
   uint64_t cursor = 0;
   const std::string* previous = nullptr;
   for (const Entry& e : entries) {
-    TORCH_CHECK(e.begin >= cursor, api, ": '", path, "': the data of tensor '", e.name,
-                "' overlaps that of '", *previous, "'");
-    TORCH_CHECK(e.begin == cursor, api, ": '", path, "': bytes [", cursor, ", ", e.begin,
-                ") before tensor '", e.name, "' belong to no tensor");
+    TORCH_CHECK(e.begin >= cursor, api, ": '", path, "': the data of tensor '", e.name, "' overlaps that of '",
+                *previous, "'");
+    TORCH_CHECK(e.begin == cursor, api, ": '", path, "': bytes [", cursor, ", ", e.begin, ") before tensor '", e.name,
+                "' belong to no tensor");
     cursor = e.end;
     previous = &e.name;
   }
@@ -369,11 +369,12 @@ std::map<std::string, std::string> weight_map_of(const std::string& dir, const s
   if (!fs::exists(index_path, ec)) {
     const std::string single = prefix + ".safetensors";
     TORCH_CHECK(fs::exists(fs::path(dir) / single, ec), "fsdp::load_safetensors: '", dir, "' has neither ",
-                index_path.filename().string(), " nor ", single, "; pass the directory save_safetensors wrote (and "
+                index_path.filename().string(), " nor ", single,
+                "; pass the directory save_safetensors wrote (and "
                 "its prefix in the options)");
     FilePtr f(std::fopen((fs::path(dir) / single).c_str(), "rb"), std::fclose);
-    TORCH_CHECK(f, "fsdp::load_safetensors: cannot open '", (fs::path(dir) / single).string(), "': ",
-                std::strerror(errno));
+    TORCH_CHECK(f, "fsdp::load_safetensors: cannot open '", (fs::path(dir) / single).string(),
+                "': ", std::strerror(errno));
     for (const auto& item : index_file((fs::path(dir) / single).string(), f.get()).entries) files[item.first] = single;
     return files;
   }
@@ -409,8 +410,8 @@ at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileInde
   const std::string where = "fsdp::load_safetensors: '" + path + "': tensor '" + entry.name + "': ";
   TORCH_CHECK(entry.dtype == target.scalar_type(), where, "has dtype ", entry.dtype, " but the model's is ",
               target.scalar_type());
-  TORCH_CHECK(entry.shape == target.sizes(), where, "has shape ", c10::IntArrayRef(entry.shape),
-              " but the model's is ", c10::IntArrayRef(target.sizes()));
+  TORCH_CHECK(entry.shape == target.sizes(), where, "has shape ", c10::IntArrayRef(entry.shape), " but the model's is ",
+              c10::IntArrayRef(target.sizes()));
   at::Tensor local = at::empty(target.to_local().sizes(), at::TensorOptions().dtype(entry.dtype));
   if (local.numel() == 0) return local;
   uint64_t offset = entry.begin;
@@ -475,8 +476,8 @@ ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict
                 item.key(), "' in '", path, "', which does not hold it");
     const DTensor& target = item.value();
     at::Tensor local = read_local_rows(path, it->second.f.get(), it->second.index, entry->second, target);
-    out.insert(item.key(), DTensor::from_local(std::move(local), target.device_mesh(), target.placements(),
-                                               target.sizes()));
+    out.insert(item.key(),
+               DTensor::from_local(std::move(local), target.device_mesh(), target.placements(), target.sizes()));
   }
   return out;
 }
@@ -508,8 +509,8 @@ TensorStateDict load_safetensors_file(const std::string& path) {
   TensorStateDict out;
   for (const Entry& e : entries) {
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
-    TORCH_CHECK(std::fread(t.data_ptr(), 1, t.nbytes(), f.get()) == t.nbytes(), "fsdp::load_safetensors_file: '",
-                path, "': reading tensor '", e.name, "' failed");
+    TORCH_CHECK(std::fread(t.data_ptr(), 1, t.nbytes(), f.get()) == t.nbytes(), "fsdp::load_safetensors_file: '", path,
+                "': reading tensor '", e.name, "' failed");
     out.insert(e.name, std::move(t));
   }
   return out;

@@ -76,7 +76,8 @@ void check_entries(const std::vector<Target>& targets, const Dict& dict, bool st
   }
   if (!strict) return;
   for (const auto& item : dict) {
-    TORCH_CHECK(known.count(item.key()), what, ": unexpected key '", item.key(), "' (the model has no such parameter "
+    TORCH_CHECK(known.count(item.key()), what, ": unexpected key '", item.key(),
+                "' (the model has no such parameter "
                 "or buffer)");
   }
 }
@@ -135,8 +136,11 @@ const detail::PyValue& model_state_dict(const detail::PyValue& top, const std::s
                 ". Save the model's state dict alone, or under one of 'state_dict', 'model_state_dict', 'model'");
   }
   if (found.empty()) {
-    TORCH_CHECK(tensors > 0, "fsdp::load_pytorch_state_dict: '", path, "' holds no model "
-                "state dict: its top-level keys are ", keys_of(top), "; expected a dict of name -> tensor, or a "
+    TORCH_CHECK(tensors > 0, "fsdp::load_pytorch_state_dict: '", path,
+                "' holds no model "
+                "state dict: its top-level keys are ",
+                keys_of(top),
+                "; expected a dict of name -> tensor, or a "
                 "bundle with it under 'state_dict', 'model_state_dict' or 'model'");
     return top;
   }
@@ -184,7 +188,8 @@ DeviceMesh model_mesh(torch::nn::Module& model) {
   for (const auto& p : model.parameters()) {
     if (std::optional<DTensor> d = dtensor_parameter(p)) return d->device_mesh();
   }
-  TORCH_CHECK(false, "fsdp state dict: the model has no parameter sharded by fully_shard or split by tensor "
+  TORCH_CHECK(false,
+              "fsdp state dict: the model has no parameter sharded by fully_shard or split by tensor "
               "parallelism and no module replicated by replicate; apply fsdp::fully_shard, fsdp::models::parallelize "
               "or fsdp::replicate first, or use the module's own named_parameters()/named_buffers()");
 }
@@ -194,7 +199,8 @@ std::optional<DTensor> parameter_layout(const at::Tensor& param) {
   return dtensor_parameter(param);
 }
 
-at::Tensor local_piece_of_full(const at::Tensor& full, const DeviceMesh& mesh, const std::vector<Placement>& placements) {
+at::Tensor local_piece_of_full(const at::Tensor& full, const DeviceMesh& mesh,
+                               const std::vector<Placement>& placements) {
   if (all_replicate(placements)) return full;
   const auto bounds = shard_bounds(full.sizes().vec(), mesh.shape(), mesh.coordinate(), placements);
   at::Tensor piece = full;
@@ -214,15 +220,17 @@ at::Tensor local_piece(const DTensor& value, const DeviceMesh& mesh, const std::
 ShardedStateDict sharded_state_dict(torch::nn::Module& model) {
   ShardedStateDict out;
   for (const auto& t : targets_of(model)) {
-    out.insert(t.key, t.sharded ? *detail::parameter_layout(t.live) : DTensor::from_local(t.live, t.mesh, t.placements));
+    out.insert(t.key,
+               t.sharded ? *detail::parameter_layout(t.live) : DTensor::from_local(t.live, t.mesh, t.placements));
   }
   return out;
 }
 
 void load_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state_dict, bool strict) {
   const std::vector<Target> targets = targets_of(model);
-  check_entries(targets, state_dict, strict, "fsdp::load_sharded_state_dict",
-                [](const DTensor& d) { return d.sizes(); }, [](const DTensor& d) { return d.scalar_type(); });
+  check_entries(
+      targets, state_dict, strict, "fsdp::load_sharded_state_dict", [](const DTensor& d) { return d.sizes(); },
+      [](const DTensor& d) { return d.scalar_type(); });
   // Pieces first (gathering where layouts differ, in the same order on every rank), then writes.
   std::vector<at::Tensor> pieces;
   for (const auto& t : targets) {
@@ -241,8 +249,9 @@ void load_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& s
 
 void load_full_state_dict(torch::nn::Module& model, const TensorStateDict& state_dict, bool strict) {
   const std::vector<Target> targets = targets_of(model);
-  check_entries(targets, state_dict, strict, "fsdp::load_full_state_dict",
-                [](const at::Tensor& t) { return t.sizes().vec(); }, [](const at::Tensor& t) { return t.scalar_type(); });
+  check_entries(
+      targets, state_dict, strict, "fsdp::load_full_state_dict", [](const at::Tensor& t) { return t.sizes().vec(); },
+      [](const at::Tensor& t) { return t.scalar_type(); });
   std::vector<at::Tensor> pieces;
   for (const auto& t : targets) {
     const at::Tensor* v = state_dict.find(t.key);

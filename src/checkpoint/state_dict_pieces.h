@@ -17,7 +17,8 @@ at::Tensor local_piece(const DTensor& value, const DeviceMesh& mesh, const std::
 
 // This rank's piece (torch.chunk rules, as DTensor cuts it) of a whole tensor, for a live tensor
 // laid out over `mesh` with `placements`. A view of `full`; the whole of it when all replicate.
-at::Tensor local_piece_of_full(const at::Tensor& full, const DeviceMesh& mesh, const std::vector<Placement>& placements);
+at::Tensor local_piece_of_full(const at::Tensor& full, const DeviceMesh& mesh,
+                               const std::vector<Placement>& placements);
 
 // True when every placement is Replicate() (the value is whole on every rank).
 bool all_replicate(const std::vector<Placement>& placements);

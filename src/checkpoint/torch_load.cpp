@@ -44,13 +44,18 @@ PyRef make_named(Kind kind, std::string text) {
 
 // The dtype of a storage class as torch.save names it ("torch.FloatStorage").
 std::optional<at::ScalarType> storage_dtype(const std::string& name) {
-  static const std::map<std::string, at::ScalarType> table = {
-      {"torch.DoubleStorage", at::kDouble},   {"torch.FloatStorage", at::kFloat},
-      {"torch.HalfStorage", at::kHalf},       {"torch.BFloat16Storage", at::kBFloat16},
-      {"torch.LongStorage", at::kLong},       {"torch.IntStorage", at::kInt},
-      {"torch.ShortStorage", at::kShort},     {"torch.CharStorage", at::kChar},
-      {"torch.ByteStorage", at::kByte},       {"torch.BoolStorage", at::kBool},
-      {"torch.ComplexFloatStorage", at::kComplexFloat}, {"torch.ComplexDoubleStorage", at::kComplexDouble}};
+  static const std::map<std::string, at::ScalarType> table = {{"torch.DoubleStorage", at::kDouble},
+                                                              {"torch.FloatStorage", at::kFloat},
+                                                              {"torch.HalfStorage", at::kHalf},
+                                                              {"torch.BFloat16Storage", at::kBFloat16},
+                                                              {"torch.LongStorage", at::kLong},
+                                                              {"torch.IntStorage", at::kInt},
+                                                              {"torch.ShortStorage", at::kShort},
+                                                              {"torch.CharStorage", at::kChar},
+                                                              {"torch.ByteStorage", at::kByte},
+                                                              {"torch.BoolStorage", at::kBool},
+                                                              {"torch.ComplexFloatStorage", at::kComplexFloat},
+                                                              {"torch.ComplexDoubleStorage", at::kComplexDouble}};
   const auto it = table.find(name);
   if (it == table.end()) return std::nullopt;
   return it->second;
@@ -63,15 +68,16 @@ using StorageLoader = std::function<at::Tensor(const std::string& key, at::Scala
 // functions, LibTorch's type tag) are rebuilt; any other becomes an opaque value.
 class Unpickler {
  public:
-  Unpickler(std::string path, const char* data, size_t size, StorageLoader load_storage, const TorchLoadOptions& options)
+  Unpickler(std::string path, const char* data, size_t size, StorageLoader load_storage,
+            const TorchLoadOptions& options)
       : path_(std::move(path)), data_(data), size_(size), load_storage_(std::move(load_storage)), options_(options) {}
 
   PyRef run() {
     while (step()) {
     }
     if (stack_.size() != 1 || !marks_.empty()) {
-      fail("the pickle stops with " + std::to_string(stack_.size()) + " values and " +
-           std::to_string(marks_.size()) + " marks left (one value expected)");
+      fail("the pickle stops with " + std::to_string(stack_.size()) + " values and " + std::to_string(marks_.size()) +
+           " marks left (one value expected)");
     }
     return stack_.back();
   }
@@ -238,12 +244,14 @@ class Unpickler {
       case '2': push(top()); return true;                      // DUP
       case ')': push(make(Kind::kTuple)); return true;         // EMPTY_TUPLE
       case 't': push(sequence(Kind::kTuple, pop_mark())); return true;
-      case 0x85: case 0x86: case 0x87: push(sequence(Kind::kTuple, pop_n(op - 0x84))); return true;  // TUPLE1-3
-      case ']': push(make(Kind::kList)); return true;          // EMPTY_LIST
+      case 0x85:
+      case 0x86:
+      case 0x87: push(sequence(Kind::kTuple, pop_n(op - 0x84))); return true;  // TUPLE1-3
+      case ']': push(make(Kind::kList)); return true;                          // EMPTY_LIST
       case 'l': push(sequence(Kind::kList, pop_mark())); return true;
       case 'a': append(pop_n(1), "APPEND"); return true;
       case 'e': append(pop_mark(), "APPENDS"); return true;
-      case '}': push(make(Kind::kDict)); return true;          // EMPTY_DICT
+      case '}': push(make(Kind::kDict)); return true;  // EMPTY_DICT
       case 'd': {  // DICT: the items above the mark become a new dict in the mark's place
         std::vector<PyRef> items = pop_mark();
         push(make(Kind::kDict));
@@ -257,11 +265,11 @@ class Unpickler {
   }
   bool object_op(unsigned char op) {
     switch (op) {
-      case 'q': memo_[static_cast<uint32_t>(little_endian(1))] = top(); return true;  // BINPUT
-      case 'r': memo_[static_cast<uint32_t>(little_endian(4))] = top(); return true;  // LONG_BINPUT
+      case 'q': memo_[static_cast<uint32_t>(little_endian(1))] = top(); return true;   // BINPUT
+      case 'r': memo_[static_cast<uint32_t>(little_endian(4))] = top(); return true;   // LONG_BINPUT
       case 'h': push(memo_get(static_cast<uint32_t>(little_endian(1)))); return true;  // BINGET
       case 'j': push(memo_get(static_cast<uint32_t>(little_endian(4)))); return true;  // LONG_BINGET
-      case 'c': {  // GLOBAL
+      case 'c': {                                                                      // GLOBAL
         std::string module = line();
         std::string name = module + "." + line();
         if (options_.only_tensor_globals && !tensor_global(name)) {
@@ -327,7 +335,8 @@ class Unpickler {
   PyRef persistent_load(const PyValue& pid) {
     const auto& t = pid.items;
     if (pid.kind != Kind::kTuple || t.size() != 5 || t[0]->kind != Kind::kStr || t[0]->text != "storage" ||
-        t[1]->kind != Kind::kGlobal || t[2]->kind != Kind::kStr || t[3]->kind != Kind::kStr || t[4]->kind != Kind::kInt) {
+        t[1]->kind != Kind::kGlobal || t[2]->kind != Kind::kStr || t[3]->kind != Kind::kStr ||
+        t[4]->kind != Kind::kInt) {
       fail("a persistent id that is not ('storage', storage type, key, location, numel)");
     }
     const std::optional<at::ScalarType> dtype = storage_dtype(t[1]->text);
@@ -403,8 +412,8 @@ class Unpickler {
     for (size_t d = 0; d < size.size(); ++d) {
       int64_t reach = 0;
       empty = empty || size[d] == 0;
-      if (size[d] > 0 && (__builtin_mul_overflow(size[d] - 1, stride[d], &reach) ||
-                          __builtin_add_overflow(last, reach, &last))) {
+      if (size[d] > 0 &&
+          (__builtin_mul_overflow(size[d] - 1, stride[d], &reach) || __builtin_add_overflow(last, reach, &last))) {
         fail("a tensor's sizes and strides overflow 64 bits");
       }
     }
@@ -459,11 +468,10 @@ std::tuple<at::DataPtr, size_t> record(Archive& zip, const std::string& name, co
   }
 }
 
-at::Tensor load_storage(Archive& zip, const Source& src, const std::string& key, at::ScalarType dtype,
-                        int64_t numel) {
+at::Tensor load_storage(Archive& zip, const Source& src, const std::string& key, at::ScalarType dtype, int64_t numel) {
   int64_t bytes = 0;
-  TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(dtype)), &bytes), src.who,
-              src.name, ": storage '", key, "' claims ", numel, " elements, more bytes than fit in 64 bits");
+  TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(dtype)), &bytes), src.who, src.name,
+              ": storage '", key, "' claims ", numel, " elements, more bytes than fit in 64 bits");
   auto [data, size] = record(zip, "data/" + key, src);
   TORCH_CHECK(static_cast<int64_t>(size) == bytes, src.who, src.name, ": storage '", key, "' has ", size,
               " bytes; its ", numel, " elements of ", dtype, " take ", bytes);
@@ -476,7 +484,8 @@ at::Tensor load_storage(Archive& zip, const Source& src, const std::string& key,
 void check_is_zip(std::istream& in, const Source& src) {
   char magic[4] = {0, 0, 0, 0};
   in.read(magic, 4);
-  TORCH_CHECK(static_cast<unsigned char>(magic[0]) != 0x80, src.who, src.name, " is in torch.save's legacy format "
+  TORCH_CHECK(static_cast<unsigned char>(magic[0]) != 0x80, src.who, src.name,
+              " is in torch.save's legacy format "
               "(_use_new_zipfile_serialization=False), which is not supported: save it again with the default format");
   TORCH_CHECK(in.gcount() == 4 && std::memcmp(magic, "PK\x03\x04", 4) == 0, src.who, src.name,
               " is not a torch.save file (not a zip archive)");
@@ -498,11 +507,12 @@ std::shared_ptr<PyValue> read_archive(std::istream& in, const Source& src, const
                 " was saved on a big-endian machine; this reader reads little-endian files only");
   }
   auto [pickle, size] = record(*zip, "data.pkl", src);
-  return Unpickler(src.name, static_cast<const char*>(pickle.get()), size,
-                   [&](const std::string& key, at::ScalarType dtype, int64_t numel) {
-                     return load_storage(*zip, src, key, dtype, numel);
-                   },
-                   options)
+  return Unpickler(
+             src.name, static_cast<const char*>(pickle.get()), size,
+             [&](const std::string& key, at::ScalarType dtype, int64_t numel) {
+               return load_storage(*zip, src, key, dtype, numel);
+             },
+             options)
       .run();
 }
 

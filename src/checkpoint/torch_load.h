@@ -33,7 +33,7 @@ struct PyValue {
   std::string text;     // kStr; kGlobal and kOpaque: the Python name, "module.qualname"
   // kTuple, kList: the elements; kDict: key, value, key, value, ... in insertion order.
   std::vector<std::shared_ptr<PyValue>> items;
-  at::Tensor tensor;    // kTensor; kStorage: a 1-D tensor of the storage's dtype over all of it
+  at::Tensor tensor;  // kTensor; kStorage: a 1-D tensor of the storage's dtype over all of it
   // Bookkeeping of the reader: a container stored inside another is never changed again (no
   // cycles can form), and nesting is bounded (no deep recursion anywhere).
   bool stored = false;

@@ -41,8 +41,8 @@ int env_int(const char* name, int fallback) {
   if (!v) return fallback;
   char* end = nullptr;
   long parsed = std::strtol(v, &end, 10);
-  TORCH_CHECK(end && *end == '\0' && parsed >= 0 && parsed <= 1000000000L, "environment variable ",
-              name, "='", v, "' is not a non-negative integer");
+  TORCH_CHECK(end && *end == '\0' && parsed >= 0 && parsed <= 1000000000L, "environment variable ", name, "='", v,
+              "' is not a non-negative integer");
   return static_cast<int>(parsed);
 }
 
@@ -65,13 +65,13 @@ int slurm_tasks_per_node() {
 struct Runtime {
   RendezvousInfo info;
   InitOptions options;
-  c10::intrusive_ptr<c10d::Store> store;        // prefixed; shared by group creation
-  std::shared_ptr<comm::ProgressBoard> board;   // has its own store connection
+  c10::intrusive_ptr<c10d::Store> store;       // prefixed; shared by group creation
+  std::shared_ptr<comm::ProgressBoard> board;  // has its own store connection
   std::shared_ptr<ProcessGroup> world;
   std::map<std::vector<int>, int> groups_made;  // how many groups of each member set exist
   std::string transport_host;
   std::string transport_iface;
-  std::string backend;                          // "gloo" or "mpi"
+  std::string backend;  // "gloo" or "mpi"
 };
 
 std::mutex g_mu;
@@ -92,7 +92,8 @@ c10::intrusive_ptr<c10d::Store> host_rendezvous_store(const RendezvousInfo& info
   return comm::host_store(o);
 }
 
-c10::intrusive_ptr<c10d::Store> connect_rendezvous_store(const RendezvousInfo& info, std::chrono::milliseconds timeout) {
+c10::intrusive_ptr<c10d::Store> connect_rendezvous_store(const RendezvousInfo& info,
+                                                         std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(info.master_port);
   opts.isServer = false;
@@ -113,13 +114,11 @@ c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousInfo& info, std::c
     tcp = host ? host_rendezvous_store(info, timeout) : connect_rendezvous_store(info, timeout);
   } catch (const std::exception& e) {
     throw CollectiveError(c10::str("fsdp: rank ", info.rank, " could not ", host ? "host" : "reach",
-                                   " the rendezvous store at ", info.master_addr, ":", info.master_port, " (",
-                                   e.what(), "). Check MASTER_ADDR/MASTER_PORT, and that no other job uses that port."));
+                                   " the rendezvous store at ", info.master_addr, ":", info.master_port, " (", e.what(),
+                                   "). Check MASTER_ADDR/MASTER_PORT, and that no other job uses that port."));
   }
   // torchrun's agent store scopes each restart attempt's keys like this; so do we.
-  const std::string prefix = info.use_agent_store
-                                 ? "/worker/attempt_" + std::to_string(info.restart_count)
-                                 : "fsdp";
+  const std::string prefix = info.use_agent_store ? "/worker/attempt_" + std::to_string(info.restart_count) : "fsdp";
   return c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
 }
 
@@ -165,8 +164,8 @@ int64_t store_add(c10d::Store& store, const std::string& key, int64_t delta, con
   try {
     return store.add(key, delta);
   } catch (const std::exception& e) {
-    throw CollectiveError(c10::str("fsdp: rank ", info.rank, " lost the rendezvous store at ", info.master_addr,
-                                   ":", info.master_port, " (", e.what(), "); is the process that hosts it still running?"));
+    throw CollectiveError(c10::str("fsdp: rank ", info.rank, " lost the rendezvous store at ", info.master_addr, ":",
+                                   info.master_port, " (", e.what(), "); is the process that hosts it still running?"));
   }
 }
 
@@ -179,8 +178,8 @@ void store_barrier(c10d::Store& store, const RendezvousInfo& info, std::chrono::
     const int64_t joined = store_add(store, "joined", 0, info);
     if (joined >= info.world_size) return;
     if (std::chrono::steady_clock::now() >= deadline) {
-      throw CollectiveError(c10::str("fsdp: rendezvous timed out after ", timeout.count(), " ms: only ", joined,
-                                     " of ", info.world_size, " ranks joined the store at ", info.master_addr, ":",
+      throw CollectiveError(c10::str("fsdp: rendezvous timed out after ", timeout.count(), " ms: only ", joined, " of ",
+                                     info.world_size, " ranks joined the store at ", info.master_addr, ":",
                                      info.master_port));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -214,9 +213,9 @@ void destroy_at_mpi_exit() { destroy_process_group(); }
 // fsdprun (whose processes would each be an MPI job of one).
 void join_mpi_job(Runtime& rt) {
   const comm::MpiJob job = comm::mpi_job(&destroy_at_mpi_exit);
-  TORCH_CHECK(job.size == rt.info.world_size && job.rank == rt.info.rank, "fsdp: the mpi backend sees rank ",
-              job.rank, " of ", job.size, " in MPI_COMM_WORLD, but the environment (", rt.info.source,
-              " variables) says rank ", rt.info.rank, " of ", rt.info.world_size,
+  TORCH_CHECK(job.size == rt.info.world_size && job.rank == rt.info.rank, "fsdp: the mpi backend sees rank ", job.rank,
+              " of ", job.size, " in MPI_COMM_WORLD, but the environment (", rt.info.source, " variables) says rank ",
+              rt.info.rank, " of ", rt.info.world_size,
               ". Start the job with mpirun -np N or srun --mpi=pmix, or use the gloo backend "
               "(FSDP_BACKEND=gloo) under fsdprun or torchrun");
   if (rt.info.world_size > 1) {
@@ -274,18 +273,16 @@ RendezvousInfo rendezvous_info_from_env() {
   info.use_agent_store = env_true("TORCHELASTIC_USE_AGENT_STORE");
 
   TORCH_CHECK(info.world_size >= 1, "fsdp: world size must be at least 1 (from ", info.source, ")");
-  TORCH_CHECK(info.rank < info.world_size, "fsdp: rank ", info.rank, " is not below world size ",
-              info.world_size, " (from ", info.source, " variables)");
+  TORCH_CHECK(info.rank < info.world_size, "fsdp: rank ", info.rank, " is not below world size ", info.world_size,
+              " (from ", info.source, " variables)");
   TORCH_CHECK(info.local_rank < info.local_world_size, "fsdp: local rank ", info.local_rank,
               " is not below local world size ", info.local_world_size, " (from ", info.source, " variables)");
-  TORCH_CHECK(info.master_port >= 1 && info.master_port <= 65535, "fsdp: MASTER_PORT ",
-              info.master_port, " is not a TCP port (1..65535)");
+  TORCH_CHECK(info.master_port >= 1 && info.master_port <= 65535, "fsdp: MASTER_PORT ", info.master_port,
+              " is not a TCP port (1..65535)");
   return info;
 }
 
-void init_process_group(InitOptions options) {
-  init_process_group(rendezvous_info_from_env(), std::move(options));
-}
+void init_process_group(InitOptions options) { init_process_group(rendezvous_info_from_env(), std::move(options)); }
 
 void init_process_group(const RendezvousInfo& info, InitOptions options) {
   std::lock_guard<std::mutex> lock(g_mu);

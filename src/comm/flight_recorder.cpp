@@ -160,8 +160,7 @@ void FlightRecorder::register_group(const std::string& name, const std::vector<i
   impl_->groups.emplace_back(name, global_ranks);
 }
 
-void FlightRecorder::enqueued(const std::string& group, const char* op, int64_t seq, int64_t bytes,
-                              const char* dtype) {
+void FlightRecorder::enqueued(const std::string& group, const char* op, int64_t seq, int64_t bytes, const char* dtype) {
   const int64_t t = now_us();
   std::lock_guard<std::timed_mutex> lock(impl_->mu);
   const int64_t id = impl_->next_id++;
@@ -272,13 +271,13 @@ std::string FlightRecorder::to_json(const std::string& reason) const {
   out.reserve(256 + slots.size() * 260);
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  out += "{\n  \"version\": 1,\n  \"rank\": " + std::to_string(impl_->rank) + ",\n  \"pid\": " +
-         std::to_string(getpid()) + ",\n  \"host\": ";
+  out += "{\n  \"version\": 1,\n  \"rank\": " + std::to_string(impl_->rank) +
+         ",\n  \"pid\": " + std::to_string(getpid()) + ",\n  \"host\": ";
   append_escaped(out, host);
   out += ",\n  \"reason\": ";
   append_escaped(out, reason);
-  out += ",\n  \"dump_time_us\": " + std::to_string(now_us()) + ",\n  \"consistent\": " +
-         (locked ? "true" : "false") + ",\n  \"first_failure\": ";
+  out += ",\n  \"dump_time_us\": " + std::to_string(now_us()) + ",\n  \"consistent\": " + (locked ? "true" : "false") +
+         ",\n  \"first_failure\": ";
   append_escaped(out, first_failure);
   out += ",\n  \"last_seen\": {\"phase\": ";
   append_escaped(out, context.phase);
@@ -303,9 +302,10 @@ std::string FlightRecorder::to_json(const std::string& reason) const {
     append_escaped(out, s.op);
     out += ", \"seq\": " + std::to_string(s.seq) + ", \"bytes\": " + std::to_string(s.bytes) + ", \"dtype\": ";
     append_escaped(out, s.dtype);
-    out += ", \"state\": \"" + std::string(to_string(s.state)) + "\", \"enqueued_us\": " +
-           std::to_string(s.enqueued_us) + ", \"started_us\": " + std::to_string(s.started_us) +
-           ", \"finished_us\": " + std::to_string(s.finished_us) + ", \"phase\": ";
+    out += ", \"state\": \"" + std::string(to_string(s.state)) +
+           "\", \"enqueued_us\": " + std::to_string(s.enqueued_us) +
+           ", \"started_us\": " + std::to_string(s.started_us) + ", \"finished_us\": " + std::to_string(s.finished_us) +
+           ", \"phase\": ";
     append_escaped(out, s.phase);
     out += ", \"module\": ";
     append_escaped(out, s.module);

@@ -177,8 +177,8 @@ GlooProcessGroup::GlooProcessGroup(GlooGroupConfig config)
       wait_until_every_member_connected();
     } catch (const std::exception& e) {
       throw CollectiveError("fsdp: could not connect process group '" + name() + "' (global ranks " +
-                            ranks_str(global_ranks()) + ") within " +
-                            std::to_string(timeout().count()) + " ms: " + e.what() +
+                            ranks_str(global_ranks()) + ") within " + std::to_string(timeout().count()) +
+                            " ms: " + e.what() +
                             ". Check that every member creates this group and that the transport "
                             "address is reachable (GLOO_SOCKET_IFNAME).");
     }
@@ -217,8 +217,8 @@ void GlooProcessGroup::fail(const Op& op, int64_t seq, const std::string& cause)
   // A little slack: Gloo's own timer and this clock may disagree by a few microseconds.
   const bool timed_out = Clock::now() + std::chrono::milliseconds(2) >= deadline_;
   std::ostringstream msg;
-  msg << "fsdp: " << to_string(op.kind) << " #" << seq << " on process group '" << name()
-      << "' (global ranks " << ranks_str(global_ranks()) << ", this is group rank " << rank() << ") ";
+  msg << "fsdp: " << to_string(op.kind) << " #" << seq << " on process group '" << name() << "' (global ranks "
+      << ranks_str(global_ranks()) << ", this is group rank " << rank() << ") ";
   if (timed_out) {
     msg << "timed out after " << timeout().count() << " ms";
   } else {

@@ -22,7 +22,7 @@
 namespace c10d {
 class Store;
 class Backend;
-}
+}  // namespace c10d
 
 namespace fsdp {
 namespace comm {
@@ -30,14 +30,14 @@ namespace comm {
 class ProgressBoard;
 
 struct GlooGroupConfig {
-  int rank = 0;                          // this process's rank in the group
-  std::vector<int> global_ranks;         // members, in group-rank order
-  std::string name;                      // unique per program; scopes the store keys
+  int rank = 0;                   // this process's rank in the group
+  std::vector<int> global_ranks;  // members, in group-rank order
+  std::string name;               // unique per program; scopes the store keys
   std::chrono::milliseconds timeout{300000};
-  c10::intrusive_ptr<c10d::Store> store; // used to exchange transport addresses
-  std::string transport_host;            // address to bind, or empty when `transport_iface` is set
-  std::string transport_iface;           // network interface to bind (GLOO_SOCKET_IFNAME)
-  std::shared_ptr<ProgressBoard> board;  // for naming absent ranks on a timeout; may be null
+  c10::intrusive_ptr<c10d::Store> store;  // used to exchange transport addresses
+  std::string transport_host;             // address to bind, or empty when `transport_iface` is set
+  std::string transport_iface;            // network interface to bind (GLOO_SOCKET_IFNAME)
+  std::shared_ptr<ProgressBoard> board;   // for naming absent ranks on a timeout; may be null
 };
 
 class GlooProcessGroup final : public QueuedProcessGroup {
@@ -65,7 +65,7 @@ class GlooProcessGroup final : public QueuedProcessGroup {
   Transport transport(CollectiveKind kind, int64_t seq);
 
   GlooGroupConfig config_;
-  c10::intrusive_ptr<c10d::Backend> peers_;  // c10d's ProcessGroupGloo; null for a group of one
+  c10::intrusive_ptr<c10d::Backend> peers_;         // c10d's ProcessGroupGloo; null for a group of one
   std::chrono::steady_clock::time_point deadline_;  // of the operation being executed
 };
 

@@ -251,9 +251,8 @@ class Watchdog {
         cv_.wait(lock);
         continue;
       }
-      auto first = std::min_element(armed_.begin(), armed_.end(), [](const auto& a, const auto& b) {
-        return a.second.deadline < b.second.deadline;
-      });
+      auto first = std::min_element(armed_.begin(), armed_.end(),
+                                    [](const auto& a, const auto& b) { return a.second.deadline < b.second.deadline; });
       if (Clock::now() < first->second.deadline) {
         cv_.wait_until(lock, first->second.deadline);
         continue;
@@ -332,7 +331,9 @@ void avoid_a_refused_single_copy() {
 #ifdef OPEN_MPI
   if (std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism")) return;
   char from = 1, to = 0;
-  struct iovec local {&to, 1}, remote{&from, 1};
+  struct iovec local {
+    &to, 1
+  }, remote{&from, 1};
   if (process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == 1 && to == 1) return;
   setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 0);
 #endif
@@ -359,8 +360,10 @@ MpiJob mpi_job(void (*before_finalize)()) {
     TORCH_CHECK(provided >= MPI_THREAD_MULTIPLE,
                 "fsdp: the MPI backend needs MPI_THREAD_MULTIPLE (each process group has its own "
                 "communication thread), but this MPI provides level ",
-                provided, initialised ? " (the program initialised MPI itself: call MPI_Init_thread with "
-                                        "MPI_THREAD_MULTIPLE)" : "; use an MPI built with thread support, or the gloo backend");
+                provided,
+                initialised ? " (the program initialised MPI itself: call MPI_Init_thread with "
+                              "MPI_THREAD_MULTIPLE)"
+                            : "; use an MPI built with thread support, or the gloo backend");
     auto* state = new MpiState();
     state->we_initialised = !initialised;
     state->before_finalize = before_finalize;
@@ -408,8 +411,7 @@ MpiBoardStore mpi_board_store(std::chrono::milliseconds timeout) {
   const MpiJob job = mpi_job(nullptr);
   // One node when every rank shares this node's memory: then loopback reaches rank 0.
   MPI_Comm node;
-  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
-            "MPI_Comm_split_type");
+  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
   int node_size = 0;
   MPI_Comm_size(node, &node_size);
   MPI_Comm_free(&node);
@@ -464,9 +466,9 @@ std::shared_ptr<MpiProcessGroup> MpiProcessGroup::subgroup(MpiGroupConfig config
   mpi_job(nullptr);
   MPI_Group world_group, members;
   check_mpi(MPI_Comm_group(g_mpi->create_comm, &world_group), "MPI_Comm_group");
-  check_mpi(MPI_Group_incl(world_group, static_cast<int>(config.global_ranks.size()), config.global_ranks.data(),
-                           &members),
-            "MPI_Group_incl");
+  check_mpi(
+      MPI_Group_incl(world_group, static_cast<int>(config.global_ranks.size()), config.global_ranks.data(), &members),
+      "MPI_Group_incl");
   // Members agree on the tag: it comes from the member set and how many such groups exist.
   size_t h = std::hash<std::string>()(config.name) + static_cast<size_t>(instance);
   const int tag = static_cast<int>(h % 32000);
@@ -474,9 +476,8 @@ std::shared_ptr<MpiProcessGroup> MpiProcessGroup::subgroup(MpiGroupConfig config
   std::ostringstream what;
   what << "creating process group '" << config.name << "' (global ranks " << format_ranks(config.global_ranks)
        << ", MPI_Comm_create_group)";
-  guarded(config.timeout, what.str(), [&] {
-    check_mpi(MPI_Comm_create_group(g_mpi->create_comm, members, tag, &comm), "MPI_Comm_create_group");
-  });
+  guarded(config.timeout, what.str(),
+          [&] { check_mpi(MPI_Comm_create_group(g_mpi->create_comm, members, tag, &comm), "MPI_Comm_create_group"); });
   MPI_Group_free(&members);
   MPI_Group_free(&world_group);
   return std::shared_ptr<MpiProcessGroup>(new MpiProcessGroup(std::move(config), comm));
@@ -501,8 +502,8 @@ WorkHandle MpiProcessGroup::enqueue(Op op) {
   // Refused here, on the caller's thread and on every rank alike, rather than failing one
   // rank's communication thread while the others wait for it.
   if (op.kind == CollectiveKind::kReduceScatter || op.kind == CollectiveKind::kAllReduce) {
-    TORCH_CHECK(reduction_for(op.input.scalar_type(), op.reduce).type != MPI_DATATYPE_NULL, "fsdp collective on group '",
-                name(), "': the MPI backend cannot reduce dtype ", op.input.scalar_type(),
+    TORCH_CHECK(reduction_for(op.input.scalar_type(), op.reduce).type != MPI_DATATYPE_NULL,
+                "fsdp collective on group '", name(), "': the MPI backend cannot reduce dtype ", op.input.scalar_type(),
                 " (it reduces float, double, bfloat16, half, bool and integer tensors); use the gloo backend");
   }
   const std::string& group = name();
@@ -529,8 +530,8 @@ void MpiProcessGroup::execute(const Op& op, int64_t seq) {
 
 void MpiProcessGroup::run_under_watchdog(const Op& op, int64_t seq) {
   const CollectiveKind kind = op.kind;
-  const uint64_t id = g_mpi->watchdog->arm(Clock::now() + timeout(),
-                                           [this, kind, seq] { return timeout_message(kind, seq); });
+  const uint64_t id =
+      g_mpi->watchdog->arm(Clock::now() + timeout(), [this, kind, seq] { return timeout_message(kind, seq); });
   try {
     switch (kind) {
       case CollectiveKind::kAllGather: all_gather(op); break;

@@ -59,8 +59,8 @@ struct MpiBoardStore {
 MpiBoardStore mpi_board_store(std::chrono::milliseconds timeout);
 
 struct MpiGroupConfig {
-  std::vector<int> global_ranks;         // members, in group-rank order
-  std::string name;                      // unique per program
+  std::vector<int> global_ranks;  // members, in group-rank order
+  std::string name;               // unique per program
   std::chrono::milliseconds timeout{300000};
   std::shared_ptr<ProgressBoard> board;  // for naming absent ranks on a timeout; may be null
 };

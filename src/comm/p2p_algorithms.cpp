@@ -67,8 +67,7 @@ uint64_t slot_of(int64_t seq, int step) {
   return (static_cast<uint64_t>(seq) << 28) | (static_cast<uint64_t>(step) << 16);
 }
 
-void direct_all_gather(const Transport& t, char* out, const char* in, const std::vector<int64_t>& counts,
-                       size_t es) {
+void direct_all_gather(const Transport& t, char* out, const char* in, const std::vector<int64_t>& counts, size_t es) {
   const int W = t.size, r = t.rank;
   const std::vector<int64_t> off = prefix_offsets(counts);
   const size_t own = counts[r] * es;

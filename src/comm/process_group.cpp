@@ -84,8 +84,7 @@ void Work::finish(std::exception_ptr error) {
 
 // ------------------------------------------------------------------------------ ProcessGroup
 
-ProcessGroup::ProcessGroup(int rank, std::vector<int> global_ranks, std::string name,
-                           std::chrono::milliseconds timeout)
+ProcessGroup::ProcessGroup(int rank, std::vector<int> global_ranks, std::string name, std::chrono::milliseconds timeout)
     : rank_(rank),
       global_ranks_(std::move(global_ranks)),
       name_(std::move(name)),
@@ -99,29 +98,28 @@ namespace {
 
 void check_tensor(const at::Tensor& t, const char* what, const std::string& group) {
   TORCH_CHECK(t.defined(), "fsdp collective on group '", group, "': ", what, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "fsdp collective on group '", group, "': ", what,
-              " is on ", t.device(), " but this process group's backend (gloo) handles CPU tensors only");
+  TORCH_CHECK(t.device().is_cpu(), "fsdp collective on group '", group, "': ", what, " is on ", t.device(),
+              " but this process group's backend (gloo) handles CPU tensors only");
   TORCH_CHECK(t.is_contiguous(), "fsdp collective on group '", group, "': ", what,
               " must be contiguous; call .contiguous() first");
 }
 
 void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const std::string& group) {
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "fsdp collective on group '", group,
-              "': input dtype ", b.scalar_type(), " differs from output dtype ", a.scalar_type());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "fsdp collective on group '", group, "': input dtype ",
+              b.scalar_type(), " differs from output dtype ", a.scalar_type());
 }
 
 void check_counts(const std::vector<int64_t>& counts, int size, const std::string& group) {
-  TORCH_CHECK(static_cast<int>(counts.size()) == size, "fsdp collective on group '", group,
-              "': got ", counts.size(), " counts for a group of ", size, " ranks");
+  TORCH_CHECK(static_cast<int>(counts.size()) == size, "fsdp collective on group '", group, "': got ", counts.size(),
+              " counts for a group of ", size, " ranks");
   for (int64_t c : counts) {
     TORCH_CHECK(c >= 0, "fsdp collective on group '", group, "': negative count ", c);
   }
 }
 
 void check_reduce_op(ReduceOp op, const at::Tensor& t, const std::string& group) {
-  TORCH_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()),
-              "fsdp collective on group '", group, "': ReduceOp avg needs a floating dtype, got ",
-              t.scalar_type(), "; use sum and divide yourself");
+  TORCH_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), "fsdp collective on group '", group,
+              "': ReduceOp avg needs a floating dtype, got ", t.scalar_type(), "; use sum and divide yourself");
 }
 
 int64_t sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
@@ -130,9 +128,9 @@ int64_t sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v
 
 WorkHandle ProcessGroup::all_gather_into(const at::Tensor& output, const at::Tensor& input) {
   TORCH_CHECK(output.defined() && input.defined() && output.numel() == size() * input.numel(),
-              "all_gather_into on group '", name_, "': output has ",
-              output.defined() ? output.numel() : -1, " elements but needs group size ", size(),
-              " x input ", input.defined() ? input.numel() : -1, "; use all_gather_v for uneven sizes");
+              "all_gather_into on group '", name_, "': output has ", output.defined() ? output.numel() : -1,
+              " elements but needs group size ", size(), " x input ", input.defined() ? input.numel() : -1,
+              "; use all_gather_v for uneven sizes");
   return all_gather_v(output, input, std::vector<int64_t>(size(), input.numel()));
 }
 
@@ -142,10 +140,10 @@ WorkHandle ProcessGroup::all_gather_v(const at::Tensor& output, const at::Tensor
   check_tensor(input, "input", name_);
   check_same_dtype(output, input, name_);
   check_counts(counts, size(), name_);
-  TORCH_CHECK(input.numel() == counts[rank_], "all_gather_v on group '", name_, "': input has ",
-              input.numel(), " elements but counts[", rank_, "] = ", counts[rank_]);
-  TORCH_CHECK(output.numel() == sum(counts), "all_gather_v on group '", name_, "': output has ",
-              output.numel(), " elements but the counts add up to ", sum(counts));
+  TORCH_CHECK(input.numel() == counts[rank_], "all_gather_v on group '", name_, "': input has ", input.numel(),
+              " elements but counts[", rank_, "] = ", counts[rank_]);
+  TORCH_CHECK(output.numel() == sum(counts), "all_gather_v on group '", name_, "': output has ", output.numel(),
+              " elements but the counts add up to ", sum(counts));
   Op op;
   op.kind = CollectiveKind::kAllGather;
   op.output = output;
@@ -154,12 +152,10 @@ WorkHandle ProcessGroup::all_gather_v(const at::Tensor& output, const at::Tensor
   return enqueue(std::move(op));
 }
 
-WorkHandle ProcessGroup::reduce_scatter_into(const at::Tensor& output, const at::Tensor& input,
-                                             ReduceOp reduce) {
+WorkHandle ProcessGroup::reduce_scatter_into(const at::Tensor& output, const at::Tensor& input, ReduceOp reduce) {
   TORCH_CHECK(output.defined() && input.defined() && input.numel() == size() * output.numel(),
-              "reduce_scatter_into on group '", name_, "': input has ",
-              input.defined() ? input.numel() : -1, " elements but needs group size ", size(),
-              " x output ", output.defined() ? output.numel() : -1,
+              "reduce_scatter_into on group '", name_, "': input has ", input.defined() ? input.numel() : -1,
+              " elements but needs group size ", size(), " x output ", output.defined() ? output.numel() : -1,
               "; use reduce_scatter_v for uneven sizes");
   return reduce_scatter_v(output, input, std::vector<int64_t>(size(), output.numel()), reduce);
 }
@@ -171,12 +167,12 @@ WorkHandle ProcessGroup::reduce_scatter_v(const at::Tensor& output, const at::Te
   check_same_dtype(output, input, name_);
   check_counts(counts, size(), name_);
   check_reduce_op(reduce, output, name_);
-  TORCH_CHECK(output.numel() == counts[rank_], "reduce_scatter_v on group '", name_,
-              "': output has ", output.numel(), " elements but counts[", rank_, "] = ", counts[rank_]);
-  TORCH_CHECK(input.numel() == sum(counts), "reduce_scatter_v on group '", name_, "': input has ",
-              input.numel(), " elements but the counts add up to ", sum(counts));
-  TORCH_CHECK(output.numel() == 0 || output.data_ptr() != input.data_ptr(),
-              "reduce_scatter on group '", name_, "': output must not alias input");
+  TORCH_CHECK(output.numel() == counts[rank_], "reduce_scatter_v on group '", name_, "': output has ", output.numel(),
+              " elements but counts[", rank_, "] = ", counts[rank_]);
+  TORCH_CHECK(input.numel() == sum(counts), "reduce_scatter_v on group '", name_, "': input has ", input.numel(),
+              " elements but the counts add up to ", sum(counts));
+  TORCH_CHECK(output.numel() == 0 || output.data_ptr() != input.data_ptr(), "reduce_scatter on group '", name_,
+              "': output must not alias input");
   Op op;
   op.kind = CollectiveKind::kReduceScatter;
   op.reduce = reduce;

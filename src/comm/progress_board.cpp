@@ -53,8 +53,9 @@ int64_t parse_seq(const std::string& key, const std::vector<uint8_t>& value) {
   errno = 0;
   char* end = nullptr;
   const long long seq = std::strtoll(text.c_str(), &end, 10);
-  TORCH_CHECK(!text.empty() && end == text.c_str() + text.size() && errno == 0, "fsdp: store key '", key,
-              "' holds '", text, "', not a collective sequence number; is another program using this job's "
+  TORCH_CHECK(!text.empty() && end == text.c_str() + text.size() && errno == 0, "fsdp: store key '", key, "' holds '",
+              text,
+              "', not a collective sequence number; is another program using this job's "
               "store (MASTER_ADDR/MASTER_PORT)?");
   return static_cast<int64_t>(seq);
 }
@@ -95,7 +96,6 @@ void ProgressBoard::entered(const std::string& group, int64_t seq) {
 std::string ProgressBoard::key(const std::string& group, int rank) const {
   return "progress/" + group + "/" + std::to_string(rank);
 }
-
 
 void ProgressBoard::publish_dirty() {
   std::vector<std::pair<std::string, int64_t>> todo;
@@ -184,8 +184,7 @@ std::vector<int> ProgressBoard::stalled(const std::vector<int>& global_ranks) {
   return stopped;
 }
 
-std::vector<int64_t> ProgressBoard::last_entered(const std::string& group,
-                                                 const std::vector<int>& global_ranks) {
+std::vector<int64_t> ProgressBoard::last_entered(const std::string& group, const std::vector<int>& global_ranks) {
   publish_dirty();
   std::this_thread::sleep_for(3 * kPeriod);
   std::vector<int64_t> result;

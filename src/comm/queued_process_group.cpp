@@ -69,9 +69,9 @@ void QueuedProcessGroup::run(Task& task) {
   const int64_t seq = task.work->seq();
   const char* kind = to_string(task.op.kind);
   if (!broken_.empty()) {
-    error = std::make_exception_ptr(CollectiveError(
-        std::string("fsdp: ") + kind + " #" + std::to_string(seq) + " on process group '" + name() +
-        "' was not run: the group is unusable after an earlier failure (" + broken_ + ")"));
+    error = std::make_exception_ptr(
+        CollectiveError(std::string("fsdp: ") + kind + " #" + std::to_string(seq) + " on process group '" + name() +
+                        "' was not run: the group is unusable after an earlier failure (" + broken_ + ")"));
   } else {
     const auto start = Clock::now();
     FlightRecorder::global().started(name(), seq);

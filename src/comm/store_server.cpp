@@ -69,8 +69,7 @@ int bound_listener(const std::string& address, int port) {
     if (fd >= 0) return fd;
     if (error == EADDRINUSE) break;
   }
-  throw StoreBindError("cannot listen on " + where(address, port) + ": " + std::strerror(error),
-                       error == EADDRINUSE);
+  throw StoreBindError("cannot listen on " + where(address, port) + ": " + std::strerror(error), error == EADDRINUSE);
 }
 
 int port_of(int fd) {

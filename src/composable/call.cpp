@@ -41,7 +41,8 @@ void run_post_forward(ForwardHooks& hooks, const torch::nn::Module& module, torc
     run_post_forward(hooks, module, *v);
   } else {
     TORCH_CHECK(false, "fsdp::call: the FSDP module '", module.name(), "' in a torch::nn::Sequential returned a ",
-                c10::demangle(result.type_info().name()), "; an FSDP child of a Sequential must return at::Tensor or "
+                c10::demangle(result.type_info().name()),
+                "; an FSDP child of a Sequential must return at::Tensor or "
                 "std::vector<at::Tensor>, so that its backward can be hooked. Call it from a module of your own "
                 "through fsdp::call instead.");
   }

@@ -129,7 +129,8 @@ void Reducer::install_hooks() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
     p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
-    TORCH_CHECK(p.accumulator, "fsdp::replicate: parameter '", p.fqn, "' has no gradient accumulator (is it a leaf "
+    TORCH_CHECK(p.accumulator, "fsdp::replicate: parameter '", p.fqn,
+                "' has no gradient accumulator (is it a leaf "
                 "that requires grad?)");
     p.hook_key = compat::add_post_hook(*p.accumulator, std::make_unique<GradientReadyHook>(weak_from_this(), i));
   }
@@ -161,7 +162,8 @@ void Reducer::on_gradient_ready(size_t index) {
     if (p.ready) {
       // A second gradient in one backward (a parameter used inside and outside a reentrant
       // checkpoint): fine until its bucket is on the wire, wrong after.
-      TORCH_CHECK(!buckets_[p.bucket].work, "fsdp::replicate: parameter '", p.fqn, "' received a second gradient "
+      TORCH_CHECK(!buckets_[p.bucket].work, "fsdp::replicate: parameter '", p.fqn,
+                  "' received a second gradient "
                   "in one backward after its bucket's all-reduce was issued (it is used both inside and outside a "
                   "reentrant-checkpointed region, or reached twice by one backward); DDP does not support this either");
       copy_into_slot(p);
@@ -190,10 +192,13 @@ void Reducer::begin_backward() {
 void Reducer::copy_into_slot(Param& p) {
   const at::Tensor& grad = p.tensor.grad();
   if (options_.gradient_as_bucket_view && grad.data_ptr() == p.slot.data_ptr()) return;  // accumulated in place
-  TORCH_CHECK(grad.layout() == at::kStrided, "fsdp::replicate: parameter '", p.fqn, "' got a sparse gradient; "
+  TORCH_CHECK(grad.layout() == at::kStrided, "fsdp::replicate: parameter '", p.fqn,
+              "' got a sparse gradient; "
               "replicate() reduces dense gradients only");
-  TORCH_CHECK(grad.scalar_type() == p.slot.scalar_type() && grad.sizes() == p.slot.sizes(), "fsdp::replicate: "
-              "parameter '", p.fqn, "' has a gradient of dtype ", grad.scalar_type(), " and shape ", grad.sizes(),
+  TORCH_CHECK(grad.scalar_type() == p.slot.scalar_type() && grad.sizes() == p.slot.sizes(),
+              "fsdp::replicate: "
+              "parameter '",
+              p.fqn, "' has a gradient of dtype ", grad.scalar_type(), " and shape ", grad.sizes(),
               " but its bucket was built for ", p.slot.scalar_type(), " ", p.slot.sizes(),
               "; change dtypes and shapes (module->to(...)) before replicate()");
   copy_values(p.slot, grad);
@@ -238,8 +243,11 @@ void Reducer::end_of_backward() {
   std::string names;
   for (size_t i = 0; i < missing.size() && i < 20; ++i) names += (i ? ", '" : "'") + missing[i] + "'";
   if (missing.size() > 20) names += ", ... (" + std::to_string(missing.size()) + " in all)";
-  TORCH_CHECK(false, "fsdp::replicate: on rank ", group_->rank(), " these parameters got no gradient in this "
-              "backward: ", names, ". Every bucket was still reduced (zeros for them), but DDP's default expects "
+  TORCH_CHECK(false, "fsdp::replicate: on rank ", group_->rank(),
+              " these parameters got no gradient in this "
+              "backward: ",
+              names,
+              ". Every bucket was still reduced (zeros for them), but DDP's default expects "
               "every trainable parameter to take part in the loss. If some are unused on purpose (in some steps or "
               "on some ranks), pass ReplicateOptions().find_unused_parameters(true); if they are never used, set "
               "requires_grad(false) on them before replicate()");
@@ -255,7 +263,8 @@ void Reducer::check_accumulators_unchanged() const {
     if (torch::autograd::impl::try_get_grad_accumulator(p.tensor) == p.accumulator) continue;
     names += (names.empty() ? "'" : ", '") + p.fqn + "'";
   }
-  TORCH_CHECK(names.empty(), "fsdp::replicate: parameters ", names, " changed dtype or device after replicate() "
+  TORCH_CHECK(names.empty(), "fsdp::replicate: parameters ", names,
+              " changed dtype or device after replicate() "
               "(module->to(...)), which gave them new gradient accumulators that replicate() does not hook; change "
               "dtypes and devices before replicate()");
 }

@@ -39,8 +39,8 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
 class Reducer : public composable::ModuleState, public std::enable_shared_from_this<Reducer> {
  public:
   // `params`: the trainable parameters with their names, in registration order.
-  Reducer(std::vector<std::pair<std::string, at::Tensor>> params, DeviceMesh mesh, std::weak_ptr<torch::nn::Module> module,
-          ReducerOptions options);
+  Reducer(std::vector<std::pair<std::string, at::Tensor>> params, DeviceMesh mesh,
+          std::weak_ptr<torch::nn::Module> module, ReducerOptions options);
   // Removes the hooks (waiting out any all-reduce still in flight).
   ~Reducer();
   Reducer(const Reducer&) = delete;
@@ -97,9 +97,9 @@ class Reducer : public composable::ModuleState, public std::enable_shared_from_t
   std::weak_ptr<torch::nn::Module> module_;
   ReducerOptions options_;
   bool requires_gradient_sync_ = true;
-  bool in_backward_ = false;  // a synced backward has started and its callback is queued
-  size_t next_bucket_ = 0;    // the next bucket whose all-reduce is to be issued
-  at::Tensor used_map_;       // int32, one per parameter (find_unused_parameters)
+  bool in_backward_ = false;    // a synced backward has started and its callback is queued
+  size_t next_bucket_ = 0;      // the next bucket whose all-reduce is to be issued
+  at::Tensor used_map_;         // int32, one per parameter (find_unused_parameters)
   std::string deferred_error_;  // the first error a hook hit, raised at the end of backward
 };
 

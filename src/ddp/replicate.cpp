@@ -34,7 +34,8 @@ std::shared_ptr<Reducer> reducer_of(const torch::nn::Module& module) {
 
 DeviceMesh checked_mesh(const ReplicateOptions& options) {
   DeviceMesh mesh = options.mesh().valid() ? options.mesh() : default_world_mesh();
-  TORCH_CHECK(mesh.ndim() == 1, "fsdp::replicate: got a ", mesh.ndim(), "-D mesh; replicate() takes a 1-D mesh (for "
+  TORCH_CHECK(mesh.ndim() == 1, "fsdp::replicate: got a ", mesh.ndim(),
+              "-D mesh; replicate() takes a 1-D mesh (for "
               "replicas of a sharded model use fully_shard; to replicate over one dim of a larger mesh pass "
               "mesh[\"<dim name>\"])");
   return mesh;
@@ -57,10 +58,12 @@ void collect_params(const std::shared_ptr<torch::nn::Module>& m, const std::stri
     const std::string fqn = prefix.empty() ? item.key() : prefix + "." + item.key();
     const auto owner = composable::managed_parameter(t);
     TORCH_CHECK(!(owner && owner->api == Api::kFullyShard && owner->role == composable::ParamRole::kSharded),
-                "fsdp::replicate: parameter '", fqn, "' is sharded by the fully_shard() "
+                "fsdp::replicate: parameter '", fqn,
+                "' is sharded by the fully_shard() "
                 "of an enclosing module; a module is either sharded or replicated: apply replicate() to a module "
                 "outside that one, or fully_shard() it instead");
-    TORCH_CHECK(!(owner && owner->api == Api::kReplicate), "fsdp::replicate: parameter '", fqn, "' is already reduced by "
+    TORCH_CHECK(!(owner && owner->api == Api::kReplicate), "fsdp::replicate: parameter '", fqn,
+                "' is already reduced by "
                 "another replicate() call (on an enclosing module or a submodule); apply replicate() once, to the "
                 "outermost module");
     if (!t.defined() || !t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
@@ -111,7 +114,8 @@ ReplicatedModule make_replicated_module(std::shared_ptr<detail::Reducer> reducer
 
 ReplicatedModule replicate(const std::shared_ptr<torch::nn::Module>& module, const ReplicateOptions& options) {
   TORCH_CHECK(module != nullptr, "fsdp::replicate: got a null module");
-  TORCH_CHECK(!detail::is_sharded_module(*module), "fsdp::replicate: this ", module->name(), " is managed by fully_shard(); a "
+  TORCH_CHECK(!detail::is_sharded_module(*module), "fsdp::replicate: this ", module->name(),
+              " is managed by fully_shard(); a "
               "module is either sharded (fully_shard) or replicated (replicate), not both");
   TORCH_CHECK(!is_replicated(*module), "fsdp::replicate: replicate() was already applied to this ", module->name(),
               "; apply it once");
@@ -148,7 +152,8 @@ bool is_replicated_parameter(const at::Tensor& param) {
 
 ReplicatedModule get_replicated_module(const torch::nn::Module& module) {
   std::shared_ptr<detail::Reducer> reducer = detail::reducer_of(module);
-  TORCH_CHECK(reducer, "fsdp::get_replicated_module: this ", module.name(), " is not replicated; call "
+  TORCH_CHECK(reducer, "fsdp::get_replicated_module: this ", module.name(),
+              " is not replicated; call "
               "fsdp::replicate() on it first");
   return make_replicated_module(reducer);
 }

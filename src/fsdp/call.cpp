@@ -22,9 +22,13 @@ void FSDPState::rethrow_forward_error() {
     if (!freed_storage || resharded.empty()) throw;
     std::string names;
     for (const auto& n : resharded) names += (names.empty() ? "'" : ", '") + n + "'";
-    TORCH_CHECK(false, "fsdp: a module computed on resharded (freed) parameters. At that moment these FSDP modules "
-                "were resharded: ", names, ". Call FSDP modules through fsdp::call(module, ...) instead of "
-                "module->forward(...) or module(...), or unshard() them first. LibTorch said: ", msg);
+    TORCH_CHECK(false,
+                "fsdp: a module computed on resharded (freed) parameters. At that moment these FSDP modules "
+                "were resharded: ",
+                names,
+                ". Call FSDP modules through fsdp::call(module, ...) instead of "
+                "module->forward(...) or module(...), or unshard() them first. LibTorch said: ",
+                msg);
   }
 }
 

@@ -53,19 +53,21 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   TORCH_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive or infinity, got ", norm_type);
   const bool inf = std::isinf(norm_type);
   NormPlan plan;
-  std::vector<at::Tensor> grads;   // every gradient, to scale
-  std::vector<at::Tensor> counted; // the ones this rank's part of the norm sums
+  std::vector<at::Tensor> grads;    // every gradient, to scale
+  std::vector<at::Tensor> counted;  // the ones this rank's part of the norm sums
   for (const auto& p : parameters) {
     bool counts = true;
     if (std::optional<DTensor> d = model_dtensor(p)) {
-      TORCH_CHECK(!plan.mesh.valid() || plan.mesh == d->device_mesh(), "clip_grad_norm_: the parameters are "
+      TORCH_CHECK(!plan.mesh.valid() || plan.mesh == d->device_mesh(),
+                  "clip_grad_norm_: the parameters are "
                   "DTensors on different meshes; clip each mesh's parameters separately");
       plan.mesh = d->device_mesh();
       counts = counts_here(*d);
     } else if (is_sharded_parameter(p)) {
       // Under HSDP the replicas hold the same gradients: the norm sums one replica's shards.
       auto g = detail::mesh_info_of_parameter(p).shard_group();
-      TORCH_CHECK(!plan.shard_group || plan.shard_group.get() == g.get(), "clip_grad_norm_: the parameters are "
+      TORCH_CHECK(!plan.shard_group || plan.shard_group.get() == g.get(),
+                  "clip_grad_norm_: the parameters are "
                   "sharded over different process groups; clip each group's parameters separately");
       plan.shard_group = g;
     } else {
@@ -79,7 +81,8 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
   TORCH_CHECK(kinds <= 1, "clip_grad_norm_: the parameters mix ",
               plan.shard_group ? "parameters sharded by fully_shard over a data-parallel mesh, " : "",
               plan.mesh.valid() ? "DTensor parameters on a mesh with model dims, " : "",
-              plan.any_plain ? "plain parameters, " : "", "whose norms cannot be combined correctly; clip each kind "
+              plan.any_plain ? "plain parameters, " : "",
+              "whose norms cannot be combined correctly; clip each kind "
               "separately");
   // This rank's part: sum of |g|^p over its pieces (max |g| for the inf-norm), in double.
   double local = 0.0;

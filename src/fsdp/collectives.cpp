@@ -76,9 +76,12 @@ at::Tensor allocate_comm_buffer(CommBufferAllocator& allocator, int64_t numel, c
   TORCH_CHECK(buffer.defined() && buffer.dim() == 1 && buffer.numel() == numel && buffer.is_contiguous() &&
                   buffer.scalar_type() == options.dtype().toScalarType() && buffer.device() == options.device(),
               "fsdp: the custom ", what, "'s allocate(", numel, ", ", options.dtype().toScalarType(), ", ",
-              options.device(), ") must return a contiguous 1-D tensor of exactly that size, dtype and device, but "
-              "returned ", buffer.defined() ? buffer.toString() + " of shape " + c10::str(buffer.sizes()) +
-              (buffer.is_contiguous() ? "" : " (not contiguous)") : std::string("an undefined tensor"));
+              options.device(),
+              ") must return a contiguous 1-D tensor of exactly that size, dtype and device, but "
+              "returned ",
+              buffer.defined() ? buffer.toString() + " of shape " + c10::str(buffer.sizes()) +
+                                     (buffer.is_contiguous() ? "" : " (not contiguous)")
+                               : std::string("an undefined tensor"));
   return buffer;
 }
 
@@ -123,9 +126,9 @@ at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, 
 
 AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group,
                                    AllGather* custom) {
-  TORCH_CHECK(layout.parts == group.size() && input.numel() == layout.row_numel,
-              "internal: all-gather of ", input.numel(), " elements as one of ", layout.parts, " rows of ",
-              layout.row_numel, " over a group of ", group.size());
+  TORCH_CHECK(layout.parts == group.size() && input.numel() == layout.row_numel, "internal: all-gather of ",
+              input.numel(), " elements as one of ", layout.parts, " rows of ", layout.row_numel, " over a group of ",
+              group.size());
   if (group.size() == 1) return AllGatherResult{nullptr, input, layout};
   if (!custom) {
     at::Tensor output = at::empty({layout.numel()}, input.options());
@@ -166,9 +169,7 @@ at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayo
 
 namespace {
 
-at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype) {
-  return t.scalar_type() == dtype ? t : t.to(dtype);
-}
+at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
 
 // Piece `q` of `grad` (flat, `numel` elements, any dtype) into `dst` (a slice of the
 // reduce-scatter input of another dtype): a converting copy of the real elements, zeros after.
@@ -197,8 +198,10 @@ GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t shard_si
                                    std::optional<double> divide_factor, bool force_sum_reduction) {
   TORCH_CHECK(shard_size >= 1 && replicate_size >= 1, "internal: gradient division over ", shard_size, " x ",
               replicate_size, " ranks");
-  TORCH_CHECK(!divide_factor || (*divide_factor > 0 && std::isfinite(*divide_factor)), "internal: gradient divide "
-              "factor ", *divide_factor);
+  TORCH_CHECK(!divide_factor || (*divide_factor > 0 && std::isfinite(*divide_factor)),
+              "internal: gradient divide "
+              "factor ",
+              *divide_factor);
   const bool overflow_risk = reduce_dtype != at::kFloat && reduce_dtype != at::kBFloat16;
   const int64_t data_parallel = shard_size * replicate_size;
   GradientDivision d;
@@ -224,9 +227,8 @@ GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t shard_si
   return d;
 }
 
-at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced,
-                                  const RankMajorLayout& layout, at::ScalarType reduce_dtype,
-                                  CommBufferAllocator* allocator) {
+at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced, const RankMajorLayout& layout,
+                                  at::ScalarType reduce_dtype, CommBufferAllocator* allocator) {
   TORCH_CHECK(layout.piece_numel.size() == reduced.size(), "internal: a reduce-scatter layout of ",
               layout.piece_numel.size(), " pieces for ", reduced.size(), " reduced parameters");
   at::NoGradGuard no_grad;
@@ -237,8 +239,8 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams&
   for (size_t k = 0; k < reduced.size(); ++k) {
     FSDPParam& p = *params.at(reduced[k]);
     at::Tensor g = p.unsharded_grad_to_reduce();
-    TORCH_CHECK(!g.defined() || at::isFloatingType(g.scalar_type()), "FSDP reduce-scatter: the gradient of '",
-                p.fqn(), "' has dtype ", g.scalar_type(), "; only floating-point gradients can be reduced");
+    TORCH_CHECK(!g.defined() || at::isFloatingType(g.scalar_type()), "FSDP reduce-scatter: the gradient of '", p.fqn(),
+                "' has dtype ", g.scalar_type(), "; only floating-point gradients can be reduced");
     if (g.defined()) g = g.contiguous().view(-1);
     const int64_t piece = layout.piece_numel[k];
     const int64_t runs = layout.runs[k];
@@ -271,7 +273,8 @@ void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& red
     if (g.defined()) {
       p.accumulate_sharded_grad(cast_to(g, dtypes.reduce).to(devices.shard, dtypes.orig, devices.non_blocking));
     } else {
-      p.accumulate_sharded_grad(at::zeros(p.sharded_shape(), at::TensorOptions().dtype(dtypes.orig).device(devices.shard)));
+      p.accumulate_sharded_grad(
+          at::zeros(p.sharded_shape(), at::TensorOptions().dtype(dtypes.orig).device(devices.shard)));
     }
     p.clear_unsharded_grad();
   }

@@ -56,7 +56,7 @@ struct RankMajorLayout {
   // piece q starts at element (o * parts + q) * (piece_numel / runs) there. 1 for dim 0 and
   // for the post-forward layout (a piece is one slice of the unsharded storage).
   std::vector<int64_t> runs;
-  int64_t row_numel = 0;             // the sum of piece_numel
+  int64_t row_numel = 0;  // the sum of piece_numel
 
   int64_t numel() const { return parts * row_numel; }
 };
@@ -74,9 +74,9 @@ RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k);
 at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout);
 
 struct AllGatherResult {
-  WorkHandle work;          // null when nothing is in flight (a group of one rank)
-  at::Tensor output;        // rank-major, `layout.numel()` elements; undefined: no all-gather
-  RankMajorLayout layout;   // of `output`
+  WorkHandle work;         // null when nothing is in flight (a group of one rank)
+  at::Tensor output;       // rank-major, `layout.numel()` elements; undefined: no all-gather
+  RankMajorLayout layout;  // of `output`
 };
 
 // The all-gather input of a flat shard: the shard itself, or its copy on the compute device
@@ -122,8 +122,8 @@ RankMajorLayout reduce_scatter_layout(const FSDPParams& params, const ReducedPar
 // input by a scalar, then sum"): it is done exactly as defined, the reduce-scatter input
 // multiplied by `premul` = 1/F and then a SUM.
 struct GradientDivision {
-  double pre_divide = 1.0;   // the reduce-scatter input is divided by it first
-  double premul = 1.0;       // then multiplied by it (PREMUL_SUM's scalar; 1 when not used)
+  double pre_divide = 1.0;  // the reduce-scatter input is divided by it first
+  double premul = 1.0;      // then multiplied by it (PREMUL_SUM's scalar; 1 when not used)
   ReduceOp reduce_scatter_op = ReduceOp::kSum;
   ReduceOp all_reduce_op = ReduceOp::kSum;
   double post_divide = 1.0;  // the reduced output is divided by it last
@@ -135,8 +135,8 @@ GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t shard_si
                                    std::optional<double> divide_factor, bool force_sum_reduction);
 
 struct ReduceScatterResult {
-  WorkHandle work;    // null when nothing was issued (a shard group of one rank)
-  at::Tensor output;  // this rank's reduced padded shards of `params`, one row of `layout` (reduce dtype)
+  WorkHandle work;            // null when nothing was issued (a shard group of one rank)
+  at::Tensor output;          // this rank's reduced padded shards of `params`, one row of `layout` (reduce dtype)
   GradientDivision division;  // what was applied, and what the output still needs (post_divide)
   ReducedParams params;       // which of the group's parameters the output holds
   RankMajorLayout layout;     // of the reduce-scatter input; `output` is one of its rows
@@ -165,9 +165,8 @@ void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& red
 // reverse, row q = piece q of every reduced parameter's unsharded gradient (zeros for one
 // without a gradient). Releases those unsharded gradients. The buffer comes from `allocator`
 // when given (a custom reduce-scatter's).
-at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced,
-                                  const RankMajorLayout& layout, at::ScalarType reduce_dtype,
-                                  CommBufferAllocator* allocator = nullptr);
+at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced, const RankMajorLayout& layout,
+                                  at::ScalarType reduce_dtype, CommBufferAllocator* allocator = nullptr);
 // HSDP: issues the all-reduce of a finished reduce-scatter's output, in place, over the
 // replicate group with `division.all_reduce_op`. Collective over `replicate_group`; returns at
 // once (it runs on that group's own communication thread, beside the shard group's collectives).

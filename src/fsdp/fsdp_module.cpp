@@ -23,7 +23,8 @@ bool is_fsdp_module(const torch::nn::Module& module) { return detail::find_state
 
 FSDPModule get_fsdp_module(const torch::nn::Module& module) {
   auto state = detail::find_state(module);
-  TORCH_CHECK(state, "fsdp::get_fsdp_module: this ", module.name(), " is not an FSDP module; apply fsdp::fully_shard to it first");
+  TORCH_CHECK(state, "fsdp::get_fsdp_module: this ", module.name(),
+              " is not an FSDP module; apply fsdp::fully_shard to it first");
   return make_fsdp_module(state);
 }
 
@@ -65,7 +66,7 @@ void FSDPModule::reshard() {
 
 // The handles' states (held by the handles themselves, so a module that is gone is no problem).
 std::vector<std::weak_ptr<FSDPState>> FSDPModule::states_of(const std::vector<FSDPModule>& modules,
-                                                           const char* setter) {
+                                                            const char* setter) {
   std::vector<std::weak_ptr<FSDPState>> out;
   for (const auto& m : modules) {
     TORCH_CHECK(m.valid(), "fsdp::FSDPModule::", setter, ": got an invalid FSDPModule handle");
@@ -99,8 +100,10 @@ void FSDPModule::set_requires_all_reduce(bool requires_all_reduce, bool recurse)
 }
 
 void FSDPModule::set_gradient_divide_factor(double factor) {
-  TORCH_CHECK(factor > 0 && std::isfinite(factor), "fsdp::FSDPModule::set_gradient_divide_factor: the factor must be "
-              "positive and finite, got ", factor);
+  TORCH_CHECK(factor > 0 && std::isfinite(factor),
+              "fsdp::FSDPModule::set_gradient_divide_factor: the factor must be "
+              "positive and finite, got ",
+              factor);
   if (FSDPParamGroup* g = states(false).front()->group()) g->set_gradient_divide_factor(factor);
 }
 
@@ -157,8 +160,10 @@ void FSDPModule::set_separate_reduce_scatter_group(bool enable, bool recurse) {
 }
 
 void FSDPModule::set_reduce_scatter_max_input_buffers(int max_buffers, bool recurse) {
-  TORCH_CHECK(max_buffers > 0, "fsdp::FSDPModule::set_reduce_scatter_max_input_buffers: max_buffers must be at "
-              "least 1, got ", max_buffers);
+  TORCH_CHECK(max_buffers > 0,
+              "fsdp::FSDPModule::set_reduce_scatter_max_input_buffers: max_buffers must be at "
+              "least 1, got ",
+              max_buffers);
   for (FSDPState* st : states(recurse)) {
     if (st->group()) st->group()->set_max_reductions_in_flight(max_buffers);
   }
@@ -175,24 +180,30 @@ void FSDPModule::set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) 
 void FSDPModule::set_allocate_memory_from_process_group_for_comm(bool enable) {
   if (!enable) return;  // the default: FSDP's own buffers (or a custom comm's)
   FSDPParamGroup* g = states(false).front()->group();
-  TORCH_CHECK(!g || !g->has_custom_comm(), "fsdp::FSDPModule::set_allocate_memory_from_process_group_for_comm: this "
+  TORCH_CHECK(!g || !g->has_custom_comm(),
+              "fsdp::FSDPModule::set_allocate_memory_from_process_group_for_comm: this "
               "module has a custom all-gather or reduce-scatter installed, which allocates its buffers; it cannot "
               "take memory from the process group as well");
-  TORCH_CHECK(false, "fsdp::FSDPModule::set_allocate_memory_from_process_group_for_comm(true) is not supported by "
+  TORCH_CHECK(false,
+              "fsdp::FSDPModule::set_allocate_memory_from_process_group_for_comm(true) is not supported by "
               "this backend: fsdp-cpp's CPU process group (Gloo over TCP) sends from any host memory and has no "
               "communication-memory allocator to take buffers from. To control the buffers, install a custom "
               "all-gather or reduce-scatter (fsdp/custom_comm.h), whose allocate() FSDP uses.");
 }
 
 void FSDPModule::set_post_optim_event(const c10::Event& event) {
-  TORCH_CHECK(false, "fsdp::FSDPModule::set_post_optim_event: not supported on this build's CPU meshes (got an event "
-              "of device type ", c10::DeviceTypeName(event.device_type()), "). It orders the all-gather stream after "
+  TORCH_CHECK(false,
+              "fsdp::FSDPModule::set_post_optim_event: not supported on this build's CPU meshes (got an event "
+              "of device type ",
+              c10::DeviceTypeName(event.device_type()),
+              "). It orders the all-gather stream after "
               "an event instead of the whole current stream, and a CPU mesh has no streams: the next all-gather "
               "already runs after the optimizer step in program order. Remove the call; nothing needs to replace it.");
 }
 
 void FSDPModule::set_symm_mem_for_comm(const std::string& backend) {
-  TORCH_CHECK(false, "fsdp::FSDPModule::set_symm_mem_for_comm(\"", backend, "\"): not supported: symmetric-memory "
+  TORCH_CHECK(false, "fsdp::FSDPModule::set_symm_mem_for_comm(\"", backend,
+              "\"): not supported: symmetric-memory "
               "all-gather buffers need NCCL, and fsdp-cpp's process groups are Gloo and MPI on CPU, which send from "
               "any host memory. Remove the call, or install a custom all-gather (fsdp/custom_comm.h) to control "
               "the buffers.");
@@ -201,7 +212,8 @@ void FSDPModule::set_symm_mem_for_comm(const std::string& backend) {
 void FSDPModule::set_unshard_async_op(bool async_op) {
   TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
   if (!async_op) return;  // the default: how every pre-forward and pre-backward all-gather runs here
-  TORCH_CHECK(false, "fsdp::FSDPModule::set_unshard_async_op(true) is not supported on a CPU mesh: it moves the "
+  TORCH_CHECK(false,
+              "fsdp::FSDPModule::set_unshard_async_op(true) is not supported on a CPU mesh: it moves the "
               "all-gather's allocation onto the default CUDA stream, and a CPU mesh has no streams. Its all-gathers "
               "already run on the group's communication thread and are waited for right before the module runs; "
               "for overlap, prefetch explicitly (unshard(true) or set_modules_to_forward_prefetch).");

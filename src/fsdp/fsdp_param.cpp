@@ -6,19 +6,20 @@
 #include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 
-
 namespace fsdp {
 namespace detail {
 
 FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64_t rank)
     : fqn_(std::move(fqn)), unsharded_(std::move(unsharded)), world_(world), rank_(rank) {
   const at::Tensor& u = unsharded_;
-  TORCH_CHECK(u.dim() >= 1, "fully_shard: parameter '", fqn_, "' is a scalar (0-dim); FSDP shards along dim 0 "
+  TORCH_CHECK(u.dim() >= 1, "fully_shard: parameter '", fqn_,
+              "' is a scalar (0-dim); FSDP shards along dim 0 "
               "and needs at least one dim. Make it shape [1], or keep it out of the FSDP module.");
   // PyTorch's meta-device initialisation (fully_shard on meta, then to_empty() and
   // reset_parameters()) needs modules that can re-create their parameters on another device; C++
   // modules allocate and initialise theirs in their constructors only.
-  TORCH_CHECK(!u.is_meta(), "fully_shard: parameter '", fqn_, "' is on the meta device; meta-device "
+  TORCH_CHECK(!u.is_meta(), "fully_shard: parameter '", fqn_,
+              "' is on the meta device; meta-device "
               "initialisation is not supported yet (LibTorch's C++ modules have no to_empty(), and allocate and "
               "initialise their parameters in their constructors). Build the model on the CPU, sharding each "
               "block as soon as it is built (models::sharded_transformer shows how).");
@@ -26,7 +27,8 @@ FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64
               "; this build of fsdp-cpp shards CPU parameters only");
   TORCH_CHECK(u.is_contiguous() && u.storage_offset() == 0 &&
                   u.storage().nbytes() == static_cast<size_t>(u.numel()) * u.element_size(),
-              "fully_shard: parameter '", fqn_, "' does not own a contiguous storage of its own (it is a view or "
+              "fully_shard: parameter '", fqn_,
+              "' does not own a contiguous storage of its own (it is a view or "
               "non-contiguous); FSDP frees and refills each parameter's storage, so give it its own (e.g. clone())");
   global_shape_ = u.sizes().vec();
   orig_dtype_ = u.scalar_type();
@@ -37,15 +39,16 @@ FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64
 void FSDPParam::shard_on(int64_t dim) {
   const int64_t ndim = static_cast<int64_t>(global_shape_.size());
   TORCH_CHECK(dim >= -ndim && dim < ndim, "fully_shard: Shard(", dim, ") for parameter '", fqn_, "' of shape ",
-              c10::IntArrayRef(global_shape_), " is invalid for a ", ndim, "-D tensor; choose a dim in [", -ndim,
-              ", ", ndim, ")");
+              c10::IntArrayRef(global_shape_), " is invalid for a ", ndim, "-D tensor; choose a dim in [", -ndim, ", ",
+              ndim, ")");
   const int64_t d = dim < 0 ? dim + ndim : dim;
   const int64_t size = global_shape_[d];
   // Padding exists only along dim 0, where it is the suffix of the gathered buffer; a padded
   // inner dim would interleave padding with data in every block.
   TORCH_CHECK(d == 0 || size % world_ == 0, "fully_shard: FSDP does not support uneven sharding on dim ", d,
-              ": parameter '", fqn_, "' of shape ", c10::IntArrayRef(global_shape_), " has size ", size,
-              " on dim ", d, ", which ", world_, " ranks do not divide; return Shard(0) (or nothing) from "
+              ": parameter '", fqn_, "' of shape ", c10::IntArrayRef(global_shape_), " has size ", size, " on dim ", d,
+              ", which ", world_,
+              " ranks do not divide; return Shard(0) (or nothing) from "
               "shard_placement_fn for it, or a dim whose size the shard group size divides");
   shard_dim_ = d;
   const int64_t chunk = (size + world_ - 1) / world_;

@@ -63,7 +63,6 @@ void collect_managed(const std::shared_ptr<torch::nn::Module>& m, bool top,
   out.push_back(m);
 }
 
-
 // reshard_after_forward -> the group a parameter group's backward all-gather runs over, or null
 // to keep the parameters unsharded from forward to backward. The one place the option is
 // interpreted. Unset means true here; lazy initialisation turns it off for a root. An int k
@@ -102,7 +101,8 @@ using TensorSet = std::set<const c10::TensorImpl*>;
 TensorSet ignored_set(const std::vector<at::Tensor>& ignored) {
   TensorSet out;
   for (size_t i = 0; i < ignored.size(); ++i) {
-    TORCH_CHECK(ignored[i].defined(), "fully_shard: ignored_params[", i, "] is an undefined tensor; pass the "
+    TORCH_CHECK(ignored[i].defined(), "fully_shard: ignored_params[", i,
+                "] is an undefined tensor; pass the "
                 "module's parameters (module->parameters()) to leave out of sharding");
     out.insert(ignored[i].unsafeGetTensorImpl());
   }
@@ -112,8 +112,8 @@ TensorSet ignored_set(const std::vector<at::Tensor>& ignored) {
 // The managed modules' direct parameters, in post-order, each once (tied parameters appear in
 // several modules), as records of their sharding over `mesh`; the ignored ones stay out.
 FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>& managed,
-                          const std::unordered_map<const torch::nn::Module*, std::string>& prefix,
-                          const MeshInfo& mesh, const TensorSet& ignored) {
+                          const std::unordered_map<const torch::nn::Module*, std::string>& prefix, const MeshInfo& mesh,
+                          const TensorSet& ignored) {
   const int64_t world = mesh.shard_size();
   const int64_t rank = mesh.shard_rank();
   FSDPParams params;
@@ -126,12 +126,13 @@ FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>&
       const std::string fqn = pre.empty() ? item.key() : pre + "." + item.key();
       const auto owner = composable::managed_parameter(t);
       const bool fsdp_owner = owner && owner->api == Api::kFullyShard;
-      TORCH_CHECK(!(fsdp_owner && owner->role == ParamRole::kUnsharded), "fully_shard: parameter '",
-                  fqn, "' is shared with a parameter already managed by another FSDP group; shard the modules "
+      TORCH_CHECK(!(fsdp_owner && owner->role == ParamRole::kUnsharded), "fully_shard: parameter '", fqn,
+                  "' is shared with a parameter already managed by another FSDP group; shard the modules "
                   "that share it in one call: fully_shard({module_a, module_b})");
       TORCH_CHECK(!(fsdp_owner && owner->role == ParamRole::kSharded), "fully_shard: parameter '", fqn,
                   "' is already a shard of another FSDP group");
-      TORCH_CHECK(!owner || owner->api != Api::kReplicate, "fully_shard: parameter '", fqn, "' is reduced by the replicate() of "
+      TORCH_CHECK(!owner || owner->api != Api::kReplicate, "fully_shard: parameter '", fqn,
+                  "' is reduced by the replicate() of "
                   "an enclosing module; a module is either sharded or replicated, not both");
       params.push_back(std::make_unique<FSDPParam>(fqn, t, world, rank));
     }
@@ -147,7 +148,8 @@ void apply_shard_placements(const FSDPParams& params, const ShardPlacementFn& pl
     const std::optional<Placement> placement = placement_fn(p->fqn(), p->unsharded());
     if (!placement) continue;
     TORCH_CHECK(placement->is_shard(), "fully_shard: shard_placement_fn returned ", placement->str(),
-                " for parameter '", p->fqn(), "'; FSDP shards every parameter it manages: return Shard(d), or "
+                " for parameter '", p->fqn(),
+                "'; FSDP shards every parameter it manages: return Shard(d), or "
                 "std::nullopt for Shard(0)");
     p->shard_on(placement->dim());
   }
@@ -179,10 +181,12 @@ void register_shards(const std::vector<std::shared_ptr<torch::nn::Module>>& mana
 // or a named mesh with dp_mesh_dims (FSDP over the dp dim, the others the model's).
 MeshInfo checked_mesh(const FullyShardOptions& options) {
   if (options.dp_mesh_dims()) {
-    TORCH_CHECK(options.mesh().valid(), "fully_shard: dp_mesh_dims names dims of FullyShardOptions::mesh, which is "
+    TORCH_CHECK(options.mesh().valid(),
+                "fully_shard: dp_mesh_dims names dims of FullyShardOptions::mesh, which is "
                 "not set; pass the whole mesh the parameters are DTensors on (e.g. the (dp, tp) mesh)");
     TORCH_CHECK(!options.reshard_after_forward().is_int(), "fully_shard: an int reshard_after_forward (",
-                options.reshard_after_forward().group_size(), ") is not supported with dp_mesh_dims; pass true or "
+                options.reshard_after_forward().group_size(),
+                ") is not supported with dp_mesh_dims; pass true or "
                 "false");
   }
   return mesh_info_of(options.mesh().valid() ? options.mesh() : default_world_mesh(), options.dp_mesh_dims());
@@ -196,15 +200,21 @@ void attach_model_layouts(const FSDPParams& params, const MeshInfo& mesh) {
   const std::string dp_name = mesh.mesh.dim_names()[mesh.shard_dim];
   for (const auto& p : params) {
     const std::optional<DTensor> d = dtensor_parameter(p->unsharded());
-    TORCH_CHECK(d.has_value(), "fully_shard: when dp_mesh_dims is provided, all parameters must be DTensors on the "
-                "full SPMD mesh, but '", p->fqn(), "' is a plain tensor; split or register it first "
-                "(a plan such as fsdp::models::parallelize, or fsdp::register_dtensor_parameter with Replicate() on every dim)");
+    TORCH_CHECK(d.has_value(),
+                "fully_shard: when dp_mesh_dims is provided, all parameters must be DTensors on the "
+                "full SPMD mesh, but '",
+                p->fqn(),
+                "' is a plain tensor; split or register it first "
+                "(a plan such as fsdp::models::parallelize, or fsdp::register_dtensor_parameter with Replicate() on "
+                "every dim)");
     TORCH_CHECK(d->device_mesh() == mesh.mesh, "fully_shard: parameter '", p->fqn(), "' is a DTensor on the mesh ",
-                d->device_mesh().str(), ", not on FullyShardOptions::mesh ", mesh.mesh.str(), "; with dp_mesh_dims "
+                d->device_mesh().str(), ", not on FullyShardOptions::mesh ", mesh.mesh.str(),
+                "; with dp_mesh_dims "
                 "both must be the same mesh object");
     const std::vector<Placement> placements = d->placements();
     TORCH_CHECK(placements[mesh.shard_dim].is_replicate(), "fully_shard: parameter '", p->fqn(), "' is ",
-                placements[mesh.shard_dim].str(), " on the data-parallel mesh dim '", dp_name, "'; with "
+                placements[mesh.shard_dim].str(), " on the data-parallel mesh dim '", dp_name,
+                "'; with "
                 "dp_mesh_dims it must be Replicate() there (FSDP does the sharding over dp)");
     p->set_model_layout(placements, d->sizes());
   }
@@ -219,14 +229,17 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   for (const auto& m : modules) {
     TORCH_CHECK(m != nullptr, "fully_shard: got a null module");
     const auto managed_by = composable::managed_module(*m);
-    TORCH_CHECK(!managed_by || managed_by->api != composable::Api::kFullyShard, "fully_shard: fully_shard was "
-                "already applied to this ", m->name(), "; apply it once per module, bottom-up");
+    TORCH_CHECK(!managed_by || managed_by->api != composable::Api::kFullyShard,
+                "fully_shard: fully_shard was "
+                "already applied to this ",
+                m->name(), "; apply it once per module, bottom-up");
     TORCH_CHECK(!managed_by || managed_by->api != composable::Api::kReplicate, "fully_shard: this ", m->name(),
                 " is managed by replicate(); a module is either sharded (fully_shard) or replicated (replicate), "
                 "not both");
     // As in PyTorch: a container without a forward is never called, so its hooks would never run.
     TORCH_CHECK(typeid(*m) != typeid(torch::nn::ModuleListImpl) && typeid(*m) != typeid(torch::nn::ModuleDictImpl),
-                "fully_shard does not support a ", m->name(), ", which has no forward (nothing would run its "
+                "fully_shard does not support a ", m->name(),
+                ", which has no forward (nothing would run its "
                 "hooks). Apply fully_shard to each of its elements, or to the module that owns it, and call the "
                 "elements through fsdp::call (see fsdp/call.h)");
   }

@@ -8,9 +8,11 @@ namespace detail {
 namespace {
 
 MeshInfo spmd_mesh_info(const DeviceMesh& mesh, const DataParallelMeshDims& dims) {
-  TORCH_CHECK(!dims.shard().empty() || !dims.replicate().empty(), "fully_shard: DataParallelMeshDims needs at "
+  TORCH_CHECK(!dims.shard().empty() || !dims.replicate().empty(),
+              "fully_shard: DataParallelMeshDims needs at "
               "least one of shard or replicate; e.g. DataParallelMeshDims().shard(\"dp\")");
-  TORCH_CHECK(dims.replicate().empty(), "fully_shard: DataParallelMeshDims.replicate (HSDP over a mesh with model "
+  TORCH_CHECK(dims.replicate().empty(),
+              "fully_shard: DataParallelMeshDims.replicate (HSDP over a mesh with model "
               "dims) is not supported yet; pass only shard (the dp dim FSDP shards over)");
   TORCH_CHECK(!mesh.dim_names().empty(), "fully_shard: dp_mesh_dims names mesh dims, but the mesh ", mesh.str(),
               " has no dim names; build it with e.g. fsdp::init_device_mesh(\"cpu\", {dp, tp}, {\"dp\", \"tp\"})");
@@ -46,8 +48,11 @@ MeshInfo mesh_info_of(const DeviceMesh& mesh, const std::optional<DataParallelMe
   TORCH_CHECK(ndim == 1 || ndim == 2, "fully_shard expects a 1-D or 2-D DeviceMesh but got ", mesh.str(),
               "; pass a 1-D mesh (FSDP) or a 2-D mesh with dim names (replicate, shard) for HSDP");
   if (ndim == 1) return MeshInfo{mesh, 0, -1, {}};
-  TORCH_CHECK(!mesh.dim_names().empty(), "fully_shard: please init the 2-D mesh for HSDP with mesh_dim_names "
-              "specified, got ", mesh.str(), "; e.g. fsdp::init_device_mesh(\"cpu\", {replicas, shards}, "
+  TORCH_CHECK(!mesh.dim_names().empty(),
+              "fully_shard: please init the 2-D mesh for HSDP with mesh_dim_names "
+              "specified, got ",
+              mesh.str(),
+              "; e.g. fsdp::init_device_mesh(\"cpu\", {replicas, shards}, "
               "{\"replicate\", \"shard\"}): dim 0 replicates, dim 1 shards");
   return MeshInfo{mesh, 1, 0, {}};
 }

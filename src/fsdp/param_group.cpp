@@ -24,20 +24,19 @@ void wait_traced(const WorkHandle& work, const char* kind, const std::string& mo
   }
   const auto begin = trace::Clock::now();
   work->wait();
-  trace::record("wait", std::string("wait ") + kind + " " + module_label(module_fqn), begin,
-                trace::Clock::now());
+  trace::record("wait", std::string("wait ") + kind + " " + module_label(module_fqn), begin, trace::Clock::now());
 }
 
 // The process group's error names the op, its sequence number, the group and the missing
 // ranks; this adds which FSDP module's collective it was, and for a reduce-scatter the usual
 // cause: ranks whose backward reached different modules.
 [[noreturn]] void rethrow_naming_module(const CollectiveError& e, const char* kind, const std::string& module_fqn) {
-  std::string msg = std::string(e.what()) + " [the " + kind + " of FSDP module '" +
-                    module_label(module_fqn) + "']";
+  std::string msg = std::string(e.what()) + " [the " + kind + " of FSDP module '" + module_label(module_fqn) + "']";
   if (std::string(kind) == "reduce_scatter") {
-    msg += ". If the ranks' backward passes do not all reach the same FSDP modules (rank-dependent control "
-           "flow, unused parameters), call set_reduce_scatter_unused_params(true) on the root FSDPModule on "
-           "every rank, so that every rank issues the same reduce-scatters";
+    msg +=
+        ". If the ranks' backward passes do not all reach the same FSDP modules (rank-dependent control "
+        "flow, unused parameters), call set_reduce_scatter_unused_params(true) on the root FSDPModule on "
+        "every rank, so that every rank issues the same reduce-scatters";
   }
   throw CollectiveError(msg);
 }
@@ -192,14 +191,20 @@ void FSDPParamGroup::check_shards_intact() const {
       replaced += (replaced.empty() ? "'" : ", '") + p->fqn() + "' (" + c10::toString(shard.scalar_type()) + ")";
     }
   }
-  const char* load_in_place = ". Load state dicts into the sharded parameters in place (fsdp::load_sharded_state_dict) "
-                              "instead of moving them.";
-  TORCH_CHECK(moved.empty() || !offloaded_, "fsdp: FSDP parameters should be materialized on CPU when enabling CPU "
-              "offloading (CPUOffloadPolicy), but these of '", module_fqn_, "' are not: ", moved, load_in_place);
+  const char* load_in_place =
+      ". Load state dicts into the sharded parameters in place (fsdp::load_sharded_state_dict) "
+      "instead of moving them.";
+  TORCH_CHECK(moved.empty() || !offloaded_,
+              "fsdp: FSDP parameters should be materialized on CPU when enabling CPU "
+              "offloading (CPUOffloadPolicy), but these of '",
+              module_fqn_, "' are not: ", moved, load_in_place);
   TORCH_CHECK(moved.empty(), "fsdp: the sharded parameters of '", module_fqn_, "' must stay on ", devices_.shard.str(),
               ", but these moved: ", moved, load_in_place);
-  TORCH_CHECK(replaced.empty(), "fsdp: the sharded parameters of '", module_fqn_, "' were replaced after fully_shard "
-              "(e.g. by module->to(dtype) or set_data()), so FSDP can no longer gather them: ", replaced, ". Change "
+  TORCH_CHECK(replaced.empty(), "fsdp: the sharded parameters of '", module_fqn_,
+              "' were replaced after fully_shard "
+              "(e.g. by module->to(dtype) or set_data()), so FSDP can no longer gather them: ",
+              replaced,
+              ". Change "
               "dtypes before fully_shard (or compute in another dtype with a MixedPrecisionPolicy), and load values "
               "with fsdp::load_sharded_state_dict.");
 }
@@ -208,12 +213,12 @@ void FSDPParamGroup::unshard() {
   check_shards_intact();  // also where nothing is gathered (one rank), so every unshard refuses alike
   if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
   if (sharded_state_ == ShardedState::kShardedPostForward) {
-    pending_all_gather_ = foreach_all_gather(post_forward_shard_, post_forward_layout(params_, post_forward_group_->size()),
-                                             *post_forward_group_, custom_all_gather_.get());
-  } else {
     pending_all_gather_ =
-        foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded, devices_), shard_layout_, *shard_group_,
-                           custom_all_gather_.get());
+        foreach_all_gather(post_forward_shard_, post_forward_layout(params_, post_forward_group_->size()),
+                           *post_forward_group_, custom_all_gather_.get());
+  } else {
+    pending_all_gather_ = foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded, devices_), shard_layout_,
+                                             *shard_group_, custom_all_gather_.get());
   }
 }
 
@@ -302,10 +307,12 @@ void FSDPParamGroup::post_forward() {
 
 void FSDPParamGroup::pre_backward() {
   if (training_state_ == TrainingState::kPreBackward) return;  // another output's hook got here first
-  TORCH_CHECK(!reduced_ahead_, "fsdp: the gradients of FSDP module '", module_fqn_, "' arrived after it was "
+  TORCH_CHECK(!reduced_ahead_, "fsdp: the gradients of FSDP module '", module_fqn_,
+              "' arrived after it was "
               "reduce-scattered ahead of its backward (set_reduce_scatter_unused_params keeps every rank's "
               "reduce-scatters in the reverse order of the forward, and a module that ran forward later than '",
-              module_fqn_, "' finished its backward first). This setting needs the modules' backward passes to "
+              module_fqn_,
+              "' finished its backward first). This setting needs the modules' backward passes to "
               "run in the reverse order of their forward passes, as in a sequential model.");
   training_state_ = TrainingState::kPreBackward;
   if (!unshard_in_backward_) return;  // its parameters are not needed to compute gradients
@@ -327,8 +334,10 @@ int64_t FSDPParamGroup::pop_post_forward_index() {
 // ------------------------------------------------------------------------------ reduce-scatter
 
 void FSDPParamGroup::set_separate_reduce_scatter_group(std::shared_ptr<ProcessGroup> group) {
-  TORCH_CHECK(!group || group->global_ranks() == shard_group_->global_ranks(), "internal: a separate "
-              "reduce-scatter group of FSDP module '", module_fqn_, "' must have the shard group's ranks");
+  TORCH_CHECK(!group || group->global_ranks() == shard_group_->global_ranks(),
+              "internal: a separate "
+              "reduce-scatter group of FSDP module '",
+              module_fqn_, "' must have the shard group's ranks");
   separate_reduce_scatter_group_ = std::move(group);
 }
 
@@ -355,8 +364,8 @@ ReducedParams FSDPParamGroup::params_to_reduce() const {
   }
   // Without unused-parameter reduction, a backward that gave none of them a gradient reduces
   // nothing, as without HSDP.
-  const bool any_grad = std::any_of(reduced.begin(), reduced.end(),
-                                    [&](size_t i) { return params_[i]->has_unsharded_grad(); });
+  const bool any_grad =
+      std::any_of(reduced.begin(), reduced.end(), [&](size_t i) { return params_[i]->has_unsharded_grad(); });
   if (partial_sums && !reduce_scatter_unused_params_ && !any_grad) return {};
   return reduced;
 }
@@ -430,11 +439,8 @@ void FSDPParamGroup::end_backward() {
 
 void FSDPParamGroup::after_reduce_scatter(PendingReduction& r) {
   switch (r.next) {
-    case PendingReduction::Next::kWriteGrads:
-      return;
-    case PendingReduction::Next::kKeepPartial:
-      keep_partial_reduce_output(r.reduce_scatter.output);
-      return;
+    case PendingReduction::Next::kWriteGrads: return;
+    case PendingReduction::Next::kKeepPartial: keep_partial_reduce_output(r.reduce_scatter.output); return;
     case PendingReduction::Next::kAllReduce:
       add_partial_reduce_output(r.reduce_scatter.output);
       r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
@@ -463,8 +469,10 @@ void FSDPParamGroup::run_all_reduce_hook(at::Tensor& output) const {
   const at::Tensor before = output;
   all_reduce_hook_(output);
   TORCH_CHECK(output.defined() && output.numel() == before.numel() && output.scalar_type() == before.scalar_type(),
-              "fsdp: the all-reduce hook of '", module_fqn_, "' must modify the reduce output in place (or replace "
-              "it by a tensor of ", before.numel(), " elements of ", before.scalar_type(), "), but it left ",
+              "fsdp: the all-reduce hook of '", module_fqn_,
+              "' must modify the reduce output in place (or replace "
+              "it by a tensor of ",
+              before.numel(), " elements of ", before.scalar_type(), "), but it left ",
               output.defined() ? std::to_string(output.numel()) + " elements of " + c10::toString(output.scalar_type())
                                : std::string("an undefined tensor"));
   if (!output.is_contiguous()) output = output.contiguous();

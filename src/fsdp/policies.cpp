@@ -21,8 +21,8 @@ std::string dtype_name(const std::optional<at::ScalarType>& dtype) {
 
 std::string MixedPrecisionPolicy::str() const {
   std::ostringstream s;
-  s << "MixedPrecisionPolicy(param_dtype=" << dtype_name(param_dtype()) << ", reduce_dtype="
-    << dtype_name(reduce_dtype()) << ", output_dtype=" << dtype_name(output_dtype())
+  s << "MixedPrecisionPolicy(param_dtype=" << dtype_name(param_dtype())
+    << ", reduce_dtype=" << dtype_name(reduce_dtype()) << ", output_dtype=" << dtype_name(output_dtype())
     << ", cast_forward_inputs=" << (cast_forward_inputs() ? "true" : "false") << ")";
   return s.str();
 }
@@ -31,8 +31,10 @@ namespace detail {
 namespace {
 
 void check_floating(const std::optional<at::ScalarType>& dtype, const char* field) {
-  TORCH_CHECK(!dtype || at::isFloatingType(*dtype), "fully_shard: MixedPrecisionPolicy.", field, " must be a "
-              "floating-point dtype (torch::kFloat32, torch::kBFloat16, torch::kFloat16), got ", *dtype);
+  TORCH_CHECK(!dtype || at::isFloatingType(*dtype), "fully_shard: MixedPrecisionPolicy.", field,
+              " must be a "
+              "floating-point dtype (torch::kFloat32, torch::kBFloat16, torch::kFloat16), got ",
+              *dtype);
 }
 
 // Whether this LibTorch has an fp16 matmul on CPU, and if not, what it said. Probed once: the
@@ -59,8 +61,11 @@ void check_mp_policy(const MixedPrecisionPolicy& policy, const DeviceMesh& mesh)
   check_floating(policy.output_dtype(), "output_dtype");
   if (policy.param_dtype() == at::kHalf && mesh.device_type() == "cpu") {
     const std::string& error = cpu_half_matmul_error();
-    TORCH_CHECK(error.empty(), "fully_shard: MixedPrecisionPolicy.param_dtype = Half (fp16) on a CPU mesh "
-                "needs fp16 matmul on CPU, which this LibTorch does not have (it says: ", error, "). Use "
+    TORCH_CHECK(error.empty(),
+                "fully_shard: MixedPrecisionPolicy.param_dtype = Half (fp16) on a CPU mesh "
+                "needs fp16 matmul on CPU, which this LibTorch does not have (it says: ",
+                error,
+                "). Use "
                 "torch::kBFloat16 as param_dtype instead (same range as fp32, no gradient scaler needed).");
   }
 }
@@ -76,7 +81,8 @@ GroupDtypes resolve_group_dtypes(const MixedPrecisionPolicy& policy, at::ScalarT
 }
 
 void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy) {
-  TORCH_CHECK(!policy || !policy->pin_memory(), "fully_shard: ", policy->str(), " needs pinned host memory, which "
+  TORCH_CHECK(!policy || !policy->pin_memory(), "fully_shard: ", policy->str(),
+              " needs pinned host memory, which "
               "needs CUDA, and this build of fsdp-cpp has none; pass fsdp::CPUOffloadPolicy().pin_memory(false)");
 }
 

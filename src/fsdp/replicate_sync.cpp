@@ -49,8 +49,11 @@ void broadcast_coalesced(const std::vector<at::Tensor>& tensors, ProcessGroup& g
 }  // namespace
 
 void sync_module_states(torch::nn::Module& module, const DeviceMesh& mesh) {
-  TORCH_CHECK(mesh.valid() && mesh.ndim() == 2, "fsdp::sync_module_states: needs the 2-D HSDP mesh (replicate, "
-              "shard), got ", mesh.valid() ? mesh.str() : std::string("an empty mesh"), "; on a 1-D FSDP mesh every "
+  TORCH_CHECK(mesh.valid() && mesh.ndim() == 2,
+              "fsdp::sync_module_states: needs the 2-D HSDP mesh (replicate, "
+              "shard), got ",
+              mesh.valid() ? mesh.str() : std::string("an empty mesh"),
+              "; on a 1-D FSDP mesh every "
               "rank holds a different shard and there is nothing to copy");
   const detail::MeshInfo info = detail::mesh_info_of(mesh);
   std::shared_ptr<ProcessGroup> replicas = info.replicate_group();

@@ -90,8 +90,11 @@ void FSDPState::lazy_init() {
   if (ctx_) return;
   auto root_module = module();
   TORCH_CHECK(root_module, "fsdp: the module of this FSDP state no longer exists");
-  TORCH_CHECK(modules_.size() == 1, "fsdp: FSDP requires a single root module, but the first forward ran through "
-              "one of ", modules_.size(), " modules sharded together by fully_shard({...}) with no FSDP module "
+  TORCH_CHECK(modules_.size() == 1,
+              "fsdp: FSDP requires a single root module, but the first forward ran through "
+              "one of ",
+              modules_.size(),
+              " modules sharded together by fully_shard({...}) with no FSDP module "
               "above them. Apply fully_shard to a module that contains them all (last, as the root) and run the "
               "forward through it.");
   ctx_ = std::make_shared<StateContext>();
@@ -103,10 +106,12 @@ void FSDPState::lazy_init() {
     if (!st) continue;
     if (std::find(ctx_->all_states.begin(), ctx_->all_states.end(), st.get()) != ctx_->all_states.end()) continue;
     if (st.get() != this) {
-      TORCH_CHECK(!st->ctx_, "fsdp: FSDP module '", item.key(), "' was already initialised as a root of its own: "
+      TORCH_CHECK(!st->ctx_, "fsdp: FSDP module '", item.key(),
+                  "' was already initialised as a root of its own: "
                   "its forward ran before the forward of its parent FSDP module. Run the first forward through "
                   "the root module.");
-      TORCH_CHECK(!st->comm_before_init_, "fsdp::share_comm_ctx was given FSDP module '", item.key(), "', which "
+      TORCH_CHECK(!st->comm_before_init_, "fsdp::share_comm_ctx was given FSDP module '", item.key(),
+                  "', which "
                   "is not a root: it runs under the FSDP module that contains it. Pass only root modules.");
       st->ctx_ = ctx_;
       st->is_root_ = false;
@@ -146,12 +151,14 @@ bool in_backward() { return torch::autograd::get_current_graph_task_exec_info() 
 void FSDPState::check_previous_iteration_finished() const {
   if (!ctx_) return;
   TORCH_CHECK(ctx_->failed_forward.empty(), "fsdp: an exception escaped the forward of FSDP module '",
-              ctx_->failed_forward, "' and left that iteration unfinished. Call reset_iter_state() on the root "
+              ctx_->failed_forward,
+              "' and left that iteration unfinished. Call reset_iter_state() on the root "
               "FSDPModule (on every rank) before running forward again.");
   // A backward runs FSDP's end-of-backward callback when it ends; one that was thrown out of
   // never does.
   TORCH_CHECK(!ctx_->final_callback_queued || in_backward(), "fsdp: the previous backward through FSDP module '",
-              module_label(fqn_), "' did not finish (an exception was thrown inside it), so its gradient "
+              module_label(fqn_),
+              "' did not finish (an exception was thrown inside it), so its gradient "
               "reduction never completed. Call reset_iter_state() on the root FSDPModule (on every rank) before "
               "running forward again.");
 }
@@ -163,8 +170,11 @@ void FSDPState::mark_iteration_failed() {
 // Every rank must reach this at the same point of its collectives (an exception every rank
 // threw alike): it waits for the collectives they all issued.
 void FSDPState::reset_iter_state() {
-  TORCH_CHECK(is_root_ != false, "fsdp::FSDPModule::reset_iter_state() must be called on the root FSDP module, but "
-              "'", fqn_, "' runs under the FSDP module that contains it. Call it on the module the training loop "
+  TORCH_CHECK(is_root_ != false,
+              "fsdp::FSDPModule::reset_iter_state() must be called on the root FSDP module, but "
+              "'",
+              fqn_,
+              "' runs under the FSDP module that contains it. Call it on the module the training loop "
               "calls.");
   if (!ctx_) return;  // no forward ran yet: nothing to reset
   StateContext& ctx = *ctx_;
@@ -191,7 +201,8 @@ void FSDPState::reset_iter_state() {
 }
 
 std::shared_ptr<CommContext> FSDPState::comm_context_to_share() {
-  TORCH_CHECK(is_root_ != false, "fsdp::share_comm_ctx: FSDP module '", fqn_, "' is not a root: it runs under the "
+  TORCH_CHECK(is_root_ != false, "fsdp::share_comm_ctx: FSDP module '", fqn_,
+              "' is not a root: it runs under the "
               "FSDP module that contains it. Pass only root modules.");
   if (ctx_) return ctx_->comm;
   if (!comm_before_init_) comm_before_init_ = std::make_shared<CommContext>();
@@ -199,15 +210,17 @@ std::shared_ptr<CommContext> FSDPState::comm_context_to_share() {
 }
 
 void FSDPState::use_comm_context(std::shared_ptr<CommContext> comm) {
-  TORCH_CHECK(is_root_ != false, "fsdp::share_comm_ctx: FSDP module '", fqn_, "' is not a root: it runs under the "
+  TORCH_CHECK(is_root_ != false, "fsdp::share_comm_ctx: FSDP module '", fqn_,
+              "' is not a root: it runs under the "
               "FSDP module that contains it. Pass only root modules.");
   if (!ctx_) {
     comm_before_init_ = std::move(comm);
     return;
   }
   if (ctx_->comm == comm) return;
-  TORCH_CHECK(ctx_->comm->reductions.empty(), "fsdp::share_comm_ctx: FSDP module '", module_label(fqn_),
-              "' has ", ctx_->comm->reductions.size(), " gradient reductions in flight; share communication contexts "
+  TORCH_CHECK(ctx_->comm->reductions.empty(), "fsdp::share_comm_ctx: FSDP module '", module_label(fqn_), "' has ",
+              ctx_->comm->reductions.size(),
+              " gradient reductions in flight; share communication contexts "
               "between iterations (after a backward run with set_is_last_backward(true)).");
   ctx_->comm = std::move(comm);
   for (FSDPState* st : ctx_->all_states) {
@@ -258,8 +271,10 @@ std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, 
   for (const auto& m : modules_) {
     if (auto locked = m.lock()) modules_to_run_forward_.insert(locked.get());
   }
-  TORCH_CHECK(modules_to_run_forward_.count(&module), "internal: pre-forward of a module that is not managed by "
-              "this FSDP state ('", fqn_, "')");
+  TORCH_CHECK(modules_to_run_forward_.count(&module),
+              "internal: pre-forward of a module that is not managed by "
+              "this FSDP state ('",
+              fqn_, "')");
   group_->pre_forward();
   prefetch_next_in_forward();
   hook_inputs_for_post_backward(inputs);
@@ -273,7 +288,8 @@ std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, 
 // is redone: no root, no forward order or prefetch, no reshard after it (its backward needs the
 // parameters at once), so the recomputation all-gathers once, or uses a backward prefetch.
 std::vector<at::Tensor> FSDPState::pre_recompute(std::vector<at::Tensor> inputs) {
-  TORCH_CHECK(ctx_, "fsdp: an FSDP module ran for the first time in an activation checkpoint's recomputation; a "
+  TORCH_CHECK(ctx_,
+              "fsdp: an FSDP module ran for the first time in an activation checkpoint's recomputation; a "
               "checkpointed function must call the same modules when it is recomputed in backward");
   if (!group_) return inputs;
   group_->unshard();
@@ -312,8 +328,10 @@ void FSDPState::post_forward(const torch::nn::Module& module, std::vector<at::Te
     cast_forward_outputs(outputs);
     return;
   }
-  TORCH_CHECK(is_module_of_this_state(module), "internal: post-forward of a module that is not managed by this FSDP "
-              "state ('", fqn_, "')");
+  TORCH_CHECK(is_module_of_this_state(module),
+              "internal: post-forward of a module that is not managed by this FSDP "
+              "state ('",
+              fqn_, "')");
   modules_to_run_forward_.erase(&module);
   const bool round_done = modules_to_run_forward_.empty();
   if (group_ && round_done) group_->post_forward();
@@ -446,9 +464,11 @@ void FSDPState::reduce_groups_due_before(FSDPParamGroup* group) {
   for (auto it = order.begin(); it != position; ++it) {
     FSDPParamGroup* due = *it;
     if (!due->reduces_unused_params() || due->reduced_in_this_backward()) continue;
-    TORCH_CHECK(due->training_state() != TrainingState::kPreBackward, "fsdp: set_reduce_scatter_unused_params: "
-                "the backward of FSDP module '", group->module_fqn(), "' finished while that of '",
-                due->module_fqn(), "', which ran forward after it, is still running. Reduce-scatters follow the "
+    TORCH_CHECK(due->training_state() != TrainingState::kPreBackward,
+                "fsdp: set_reduce_scatter_unused_params: "
+                "the backward of FSDP module '",
+                group->module_fqn(), "' finished while that of '", due->module_fqn(),
+                "', which ran forward after it, is still running. Reduce-scatters follow the "
                 "reverse order of the forward on every rank, which needs the modules' backward passes to finish "
                 "in that order (a sequential model); turn the setting off for this model.");
     due->post_backward_ahead();

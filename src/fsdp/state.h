@@ -54,9 +54,7 @@ struct StateContext {
 
 // One fully_shard call's state. The composable registry owns it while its modules live and
 // finds it for fsdp::call (forward_hooks) and for autograd (by id).
-class FSDPState : public composable::ModuleState,
-                  public ForwardHooks,
-                  public std::enable_shared_from_this<FSDPState> {
+class FSDPState : public composable::ModuleState, public ForwardHooks, public std::enable_shared_from_this<FSDPState> {
  public:
   // `auto_reshard_after_forward`: reshard_after_forward was left unset, so the group's
   // post-forward resharding (already set up by fully_shard) is turned off if this state
@@ -136,7 +134,7 @@ class FSDPState : public composable::ModuleState,
   bool auto_reshard_after_forward_;
   MixedPrecisionPolicy mp_policy_;
   std::string fqn_;
-  std::optional<bool> is_root_;  // set by lazy init
+  std::optional<bool> is_root_;                       // set by lazy init
   std::optional<bool> is_last_backward_before_init_;  // see set_is_last_backward
   std::shared_ptr<StateContext> ctx_;
   std::shared_ptr<CommContext> comm_before_init_;  // from fsdp::share_comm_ctx before lazy init

@@ -133,8 +133,8 @@ at::Tensor linear_cross_entropy(const at::Tensor& x, const at::Tensor& weight, c
               "; give int64 class indices of x's leading shape ", x.sizes().slice(0, x.dim() - 1));
   const at::Tensor rows_x = x.reshape({-1, x.size(-1)});
   const int64_t rows = rows_x.size(0);
-  TORCH_CHECK(chunks >= 1 && chunks <= rows, "chunked_linear_cross_entropy: chunks=", chunks, " must be in [1, ",
-              rows, "] (at most one piece per row)");
+  TORCH_CHECK(chunks >= 1 && chunks <= rows, "chunked_linear_cross_entropy: chunks=", chunks, " must be in [1, ", rows,
+              "] (at most one piece per row)");
   // A target outside the vocabulary would otherwise count as a logit of 0 (no rank holds it).
   const int64_t vocab = group ? weight.size(0) * group->size() : weight.size(0);
   const at::Tensor outside = (targets < 0).logical_or_(targets >= vocab).logical_and_(targets != ignore_index);

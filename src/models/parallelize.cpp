@@ -25,8 +25,8 @@ struct KeepGlobalGenerator {
 
 void check_whole(const torch::nn::Module& module, const std::string& name) {
   TORCH_CHECK(!dynamic_cast<const tp::ColumnParallelLinearImpl*>(&module) &&
-              !dynamic_cast<const tp::RowParallelLinearImpl*>(&module) &&
-              !dynamic_cast<const tp::VocabParallelEmbeddingImpl*>(&module),
+                  !dynamic_cast<const tp::RowParallelLinearImpl*>(&module) &&
+                  !dynamic_cast<const tp::VocabParallelEmbeddingImpl*>(&module),
               "fsdp::models::parallelize: '", name, "' is already tensor-parallel; parallelize a model once");
 }
 
@@ -34,28 +34,31 @@ template <typename ParallelImpl>
 void replace_linear(torch::nn::Module& owner, const std::string& name, torch::nn::Linear& member,
                     const tp::TensorParallelMesh& tp) {
   check_whole(*member, name);
-  member = owner.replace_module(name, torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<ParallelImpl>(*member, tp))));
+  member = owner.replace_module(
+      name, torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<ParallelImpl>(*member, tp))));
 }
 
 }  // namespace
 
 void check_parallelizable(int64_t n_heads, int64_t dim, int64_t tp_size) {
   TORCH_CHECK(tp_size >= 1, "fsdp::models::parallelize: the tensor-parallel size must be >= 1, got ", tp_size);
-  TORCH_CHECK(n_heads % tp_size == 0, "fsdp::models::parallelize: n_heads=", n_heads, " is not divisible by the tensor-parallel size ",
-              tp_size, "; each tp rank computes whole heads, so choose a tp size that divides n_heads");
-  TORCH_CHECK(dim % tp_size == 0, "fsdp::models::parallelize: dim=", dim, " is not divisible by the tensor-parallel size ", tp_size);
+  TORCH_CHECK(n_heads % tp_size == 0, "fsdp::models::parallelize: n_heads=", n_heads,
+              " is not divisible by the tensor-parallel size ", tp_size,
+              "; each tp rank computes whole heads, so choose a tp size that divides n_heads");
+  TORCH_CHECK(dim % tp_size == 0, "fsdp::models::parallelize: dim=", dim,
+              " is not divisible by the tensor-parallel size ", tp_size);
 }
 
 void check_vocab_parallelizable(int64_t vocab_size, int64_t tp_size) {
   TORCH_CHECK(tp_size >= 1, "fsdp::models::parallelize: the tensor-parallel size must be >= 1, got ", tp_size);
   TORCH_CHECK(vocab_size % tp_size == 0, "fsdp::models::parallelize: vocab_size=", vocab_size,
-              " is not divisible by the tensor-parallel size ", tp_size, "; a vocab-parallel embedding and head "
+              " is not divisible by the tensor-parallel size ", tp_size,
+              "; a vocab-parallel embedding and head "
               "give each tp rank vocab_size / tp rows, so choose a tp size that divides it, or keep them whole "
               "(ParallelizeOptions().vocab_parallel(false))");
 }
 
-void parallelize_block(TransformerBlockImpl& block, const ModelArgs& args,
-                       const tp::TensorParallelMesh& tp) {
+void parallelize_block(TransformerBlockImpl& block, const ModelArgs& args, const tp::TensorParallelMesh& tp) {
   check_parallelizable(args.n_heads, args.dim, tp.size());
   const KeepGlobalGenerator keep;
   AttentionImpl& attention = *block.attention;
@@ -68,7 +71,8 @@ void parallelize_block(TransformerBlockImpl& block, const ModelArgs& args,
   replace_linear<tp::RowParallelLinearImpl>(ff, "w2", ff.w2, tp);
   // The norms are whole on every tp rank.
   for (const auto& p : block.parameters()) {
-    if (!dtensor_parameter(p)) register_dtensor_parameter(p, tp.mesh(), std::vector<Placement>(tp.mesh().ndim(), Replicate()), p.sizes().vec());
+    if (!dtensor_parameter(p))
+      register_dtensor_parameter(p, tp.mesh(), std::vector<Placement>(tp.mesh().ndim(), Replicate()), p.sizes().vec());
   }
 }
 

@@ -101,7 +101,8 @@ TransformerImpl::TransformerImpl(const ModelArgs& args, const BlockBuiltHook& on
     if (on_block_built) on_block_built(blocks_.back());
   }
   norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({args.dim})));
-  output = register_module("output", torch::nn::Linear(torch::nn::LinearOptions(args.dim, args.vocab_size).bias(false)));
+  output =
+      register_module("output", torch::nn::Linear(torch::nn::LinearOptions(args.dim, args.vocab_size).bias(false)));
 }
 
 at::Tensor TransformerImpl::hidden_states(const at::Tensor& tokens) {
@@ -136,8 +137,8 @@ at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
 }
 
 at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks) {
-  TORCH_CHECK(targets.sizes() == tokens.sizes(), "forward_loss: targets have shape ", targets.sizes(),
-              " but tokens ", tokens.sizes(), "; give one target per token");
+  TORCH_CHECK(targets.sizes() == tokens.sizes(), "forward_loss: targets have shape ", targets.sizes(), " but tokens ",
+              tokens.sizes(), "; give one target per token");
   const int64_t seq = tokens.size(1), vocab = args_.vocab_size;
   TORCH_CHECK(chunks >= 1 && chunks <= seq, "forward_loss: chunks=", chunks, " must be in [1, ", seq,
               "] (at most one piece per position of the sequence)");
@@ -147,7 +148,8 @@ at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Ten
   const std::optional<tp::VocabSlice> slice = tp::vocab_slice_of(output);
   if (chunks == 1) {
     const at::Tensor logits = head_logits(norm, output, h);
-    if (slice) return tp::vocab_parallel_cross_entropy(logits.reshape({-1, slice->size}), targets.reshape({-1}), *slice);
+    if (slice)
+      return tp::vocab_parallel_cross_entropy(logits.reshape({-1, slice->size}), targets.reshape({-1}), *slice);
     return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), targets.reshape({-1}));
   }
   // The output head and the loss in one autograd node (the head's weight gets one gradient),
@@ -158,8 +160,8 @@ at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Ten
       [&output = output, chunks, &slice](const at::Tensor& x, const at::Tensor& t) {
         if (!slice) return chunked_linear_cross_entropy(x, output->weight, t, chunks, kIgnoreIndex);
         // Each rank's piece of x's gradient comes from its slice: copy_to_tp_region sums them.
-        return chunked_linear_cross_entropy(tp::copy_to_tp_region(x, slice->group), output->weight, t, chunks,
-                                            *slice, kIgnoreIndex);
+        return chunked_linear_cross_entropy(tp::copy_to_tp_region(x, slice->group), output->weight, t, chunks, *slice,
+                                            kIgnoreIndex);
       },
       normed, targets);
   const double counted = (targets != kIgnoreIndex).sum().item<double>();
@@ -167,7 +169,8 @@ at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Ten
 }
 
 void TransformerImpl::set_activation_checkpointing(int64_t every_k, const CheckpointOptions& options) {
-  TORCH_CHECK(every_k >= 0, "set_activation_checkpointing: every_k=", every_k, " must be >= 0 (0 turns "
+  TORCH_CHECK(every_k >= 0, "set_activation_checkpointing: every_k=", every_k,
+              " must be >= 0 (0 turns "
               "checkpointing off, 1 checkpoints every block, k every k-th)");
   if (every_k > 0) fsdp::detail::check_checkpoint_options(options);  // now, not at the first forward
   checkpoint_every_k_ = every_k;

@@ -17,12 +17,12 @@ namespace detail {
 // the group's options and the parameter's step count after incrementing it). The kernel
 // rounds them to the parameter's dtype, as ATen does with the scalar operands of its ops.
 struct AdamWCoefficients {
-  double weight_decay_factor;     // 1 - lr * weight_decay
+  double weight_decay_factor;  // 1 - lr * weight_decay
   double beta1;
   double beta2;
-  double sqrt_bias_correction2;   // sqrt(1 - beta2^step)
+  double sqrt_bias_correction2;  // sqrt(1 - beta2^step)
   double eps;
-  double negative_step_size;      // -lr / (1 - beta1^step)
+  double negative_step_size;  // -lr / (1 - beta1^step)
 };
 
 // One parameter's memory: `numel` contiguous elements of the same dtype in each buffer.

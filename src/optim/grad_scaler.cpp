@@ -31,8 +31,8 @@ const char* const kStateKeys[] = {kScaleKey, kGrowthFactorKey, kBackoffFactorKey
                                   kGrowthTrackerKey};
 
 void check_scale_value(double scale, const char* what) {
-  TORCH_CHECK(std::isfinite(scale) && scale > 0 && std::isfinite(static_cast<float>(scale)),
-              "GradScaler: ", what, " must be positive and finite in fp32, got ", scale);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0 && std::isfinite(static_cast<float>(scale)), "GradScaler: ", what,
+              " must be positive and finite in fp32, got ", scale);
 }
 void check_growth_factor(double factor) {
   TORCH_CHECK(factor > 1.0 && std::isfinite(factor),
@@ -94,8 +94,8 @@ std::vector<at::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
       TORCH_CHECK(grad.layout() == at::kStrided,
                   "GradScaler::unscale_: sparse gradients are not supported; got one of layout ", grad.layout(),
                   " (use a dense gradient, e.g. an Embedding without sparse=true)");
-      TORCH_CHECK(grad.device().is_cpu(), "GradScaler::unscale_: gradients must be CPU tensors in this build, got one on ",
-                  grad.device());
+      TORCH_CHECK(grad.device().is_cpu(),
+                  "GradScaler::unscale_: gradients must be CPU tensors in this build, got one on ", grad.device());
       TORCH_CHECK(at::isFloatingType(grad.scalar_type()),
                   "GradScaler::unscale_: gradients must be floating point, got one of dtype ", grad.scalar_type());
       grads.push_back(grad);
@@ -145,7 +145,8 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) {
 }
 
 void GradScaler::check_scale_used(const char* method) const {
-  TORCH_CHECK(scale_used_, "GradScaler: attempted ", method, "() before any scale(). This may indicate your script "
+  TORCH_CHECK(scale_used_, "GradScaler: attempted ", method,
+              "() before any scale(). This may indicate your script "
               "did not use scaler.scale(loss) earlier in the iteration; call backward() on the scaled loss");
 }
 
@@ -153,9 +154,11 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!enabled()) return;
   check_scale_used("unscale_");
   OptimizerRecord& record = per_optimizer_[&optimizer];
-  TORCH_CHECK(record.stage != Stage::kUnscaled, "GradScaler: unscale_() has already been called on this optimizer "
+  TORCH_CHECK(record.stage != Stage::kUnscaled,
+              "GradScaler: unscale_() has already been called on this optimizer "
               "since the last update(); call it at most once per optimizer per iteration");
-  TORCH_CHECK(record.stage != Stage::kStepped, "GradScaler: unscale_() is being called after step(); unscale_ "
+  TORCH_CHECK(record.stage != Stage::kStepped,
+              "GradScaler: unscale_() is being called after step(); unscale_ "
               "before step, or let step() unscale");
 
   std::vector<at::Tensor> grads = gradients_of(optimizer);
@@ -181,10 +184,12 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   }
   check_scale_used("step");
   OptimizerRecord& record = per_optimizer_[&optimizer];  // stays valid: unscale_ inserts nothing new
-  TORCH_CHECK(record.stage != Stage::kStepped, "GradScaler: step() has already been called since the last update(); "
+  TORCH_CHECK(record.stage != Stage::kStepped,
+              "GradScaler: step() has already been called since the last update(); "
               "call update() to end the iteration first");
   if (record.stage == Stage::kReady) unscale_(optimizer);
-  TORCH_CHECK(record.inf_checked, "GradScaler::step: no inf checks were recorded for this optimizer: none of its "
+  TORCH_CHECK(record.inf_checked,
+              "GradScaler::step: no inf checks were recorded for this optimizer: none of its "
               "parameters has a gradient on any rank; call backward() on scaler.scale(loss) before step()");
   const bool take_step = !record.found_inf;
   if (take_step) optimizer.step();
@@ -204,7 +209,8 @@ void GradScaler::update(std::optional<double> new_scale) {
       inf_checked |= entry.second.inf_checked;
       found_inf |= entry.second.found_inf;
     }
-    TORCH_CHECK(inf_checked, "GradScaler: no inf checks were recorded prior to update(); call step(optimizer) "
+    TORCH_CHECK(inf_checked,
+                "GradScaler: no inf checks were recorded prior to update(); call step(optimizer) "
                 "(or unscale_) for the optimizers of this iteration first");
     apply_found_inf(found_inf);
   }
@@ -252,7 +258,8 @@ GradScalerState GradScaler::state_dict() const {
 
 void GradScaler::load_state_dict(const GradScalerState& state) {
   if (!enabled()) return;
-  TORCH_CHECK(!state.empty(), "The source state dict is empty, possibly because it was saved from a disabled "
+  TORCH_CHECK(!state.empty(),
+              "The source state dict is empty, possibly because it was saved from a disabled "
               "instance of GradScaler.");
   const double scale = state_value(state, kScaleKey);
   const double growth_factor = state_value(state, kGrowthFactorKey);
@@ -290,9 +297,8 @@ void GradScaler::load_sharded_state_dict(const ShardedStateDict& state_dict, con
   for (const char* key : kStateKeys) {
     const DTensor* entry = state_dict.find(prefix + key);
     if (!entry) continue;  // load_state_dict names what is missing
-    TORCH_CHECK(entry->numel() == 1 && entry->to_local().numel() == 1, "GradScaler::load_sharded_state_dict: '",
-                prefix, key, "' must hold one value, got global shape ",
-                c10::IntArrayRef(entry->sizes()));
+    TORCH_CHECK(entry->numel() == 1 && entry->to_local().numel() == 1, "GradScaler::load_sharded_state_dict: '", prefix,
+                key, "' must hold one value, got global shape ", c10::IntArrayRef(entry->sizes()));
     state[key] = entry->to_local().item<double>();
   }
   load_state_dict(state);

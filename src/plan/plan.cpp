@@ -329,8 +329,8 @@ class StepReplay {
       if (st.checkpointed) {
         for (int64_t piece = 0; piece < std::min<int64_t>(st.pieces, 2); ++piece) {
           const std::string where = at + (st.pieces > 1 ? " (piece " + std::to_string(piece + 1) + ")" : "");
-          std::vector<Buffer> extra = {{st.name, "activations (recomputed)",
-                                        static_cast<int64_t>(st.saved_bytes + st.backward_extra_bytes)}};
+          std::vector<Buffer> extra = {
+              {st.name, "activations (recomputed)", static_cast<int64_t>(st.saved_bytes + st.backward_extra_bytes)}};
           if (st.grads_accumulated_in_fp32) {
             for (const Buffer& b : grads)
               extra.push_back({b.module, "gradients (fp32 accumulator)", b.bytes / pb_ * 4});
@@ -384,8 +384,9 @@ class StepReplay {
     const double row = static_cast<double>(layouts_[g].row_numel);
     if (shards_ == 1 && !hybrid) {  // handed over: the gradient tensors become the shards' own
       const bool cast = o_.param_dtype_ != Dtype::kFloat32 || o_.reduce_dtype_ != Dtype::kFloat32;
-      if (cast) ledger_.point(when + ": gradients of " + label(gname(g)) + " cast to fp32",
-                              {{gname(g), "sharded gradients", static_cast<int64_t>(unsharded * 4)}});
+      if (cast)
+        ledger_.point(when + ": gradients of " + label(gname(g)) + " cast to fp32",
+                      {{gname(g), "sharded gradients", static_cast<int64_t>(unsharded * 4)}});
       drop_unsharded_grads(g);
       ledger_.drop(key("accgrad", g));
       add_sharded_grad(g, unsharded * 4);
@@ -409,8 +410,9 @@ class StepReplay {
     for (int g : pending_) {
       const double row = static_cast<double>(layouts_[g].row_numel);
       ledger_.drop(key("rs", g));
-      if (rb_ != 4) ledger_.point("reduce-scatter copy-out of " + label(gname(g)),
-                                  {{gname(g), "sharded gradients", static_cast<int64_t>(row * 4)}});
+      if (rb_ != 4)
+        ledger_.point("reduce-scatter copy-out of " + label(gname(g)),
+                      {{gname(g), "sharded gradients", static_cast<int64_t>(row * 4)}});
       ledger_.drop(key("rsout", g));
       add_sharded_grad(g, row * 4);
     }
@@ -421,7 +423,8 @@ class StepReplay {
   // root and its quotient); FusedAdamW none.
   void optimizer_step() {
     int64_t largest = 0;
-    for (const GroupLayout& l : layouts_) largest = std::max(largest, o_.no_shard_ ? l.unsharded_numel : l.largest_real);
+    for (const GroupLayout& l : layouts_)
+      largest = std::max(largest, o_.no_shard_ ? l.unsharded_numel : l.largest_real);
     const double temporaries = o_.optimizer_ == Optimizer::kAdamW ? 2.0 * largest * 4 : 0;
     ledger_.point("optimizer step", {{"", "optimizer temporaries", static_cast<int64_t>(temporaries)}});
   }
@@ -582,7 +585,8 @@ void step_time(const ModelSpec& m, const PlanOptions& o, const std::vector<Colle
   p.optimizer_s = per_rank * optimizer_bytes / (c.memory_bytes_per_s * speed.share);
   double per_micro_batch = 0;
   const double per_stage = fp32 ? c.stage_overhead_s : c.bf16_stage_overhead_s;
-  for (const StageSpec& s : m.stages) per_micro_batch += per_stage + (s.checkpointed ? c.checkpointed_stage_overhead_s : 0);
+  for (const StageSpec& s : m.stages)
+    per_micro_batch += per_stage + (s.checkpointed ? c.checkpointed_stage_overhead_s : 0);
   p.overhead_s = k * per_micro_batch / speed.share;
   p.step_time_s = p.compute_s + p.communication_s + p.optimizer_s + p.overhead_s;
 }

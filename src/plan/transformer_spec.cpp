@@ -55,21 +55,27 @@ GroupSpec block_group(const TransformerShape& t, int64_t i, int64_t k) {
   const int64_t D = t.dim, F = 4 * t.dim;
   const std::string p = "layers." + std::to_string(i) + ".";
   return GroupSpec{"layers." + std::to_string(i),
-                   {{p + "attention_norm.weight", {D}}, {p + "attention_norm.bias", {D}},
-                    {p + "attention.wq.weight", {D / k, D}}, {p + "attention.wk.weight", {D / k, D}},
-                    {p + "attention.wv.weight", {D / k, D}}, {p + "attention.wo.weight", {D, D / k}},
-                    {p + "ffn_norm.weight", {D}}, {p + "ffn_norm.bias", {D}},
-                    {p + "feed_forward.w1.weight", {F / k, D}}, {p + "feed_forward.w1.bias", {F / k}},
-                    {p + "feed_forward.w2.weight", {D, F / k}}, {p + "feed_forward.w2.bias", {D}}}};
+                   {{p + "attention_norm.weight", {D}},
+                    {p + "attention_norm.bias", {D}},
+                    {p + "attention.wq.weight", {D / k, D}},
+                    {p + "attention.wk.weight", {D / k, D}},
+                    {p + "attention.wv.weight", {D / k, D}},
+                    {p + "attention.wo.weight", {D, D / k}},
+                    {p + "ffn_norm.weight", {D}},
+                    {p + "ffn_norm.bias", {D}},
+                    {p + "feed_forward.w1.weight", {F / k, D}},
+                    {p + "feed_forward.w1.bias", {F / k}},
+                    {p + "feed_forward.w2.weight", {D, F / k}},
+                    {p + "feed_forward.w2.bias", {D}}}};
 }
 
 void check_sizes(const TransformerShape& t, const ActivationOptions& a, const TransformerSharding& s) {
   require(t.n_layers >= 1 && t.vocab_size >= 1 && t.dim >= 1 && t.n_heads >= 1 && t.max_seq_len >= 1,
           "every size must be >= 1");
-  require(t.dim % t.n_heads == 0, "dim " + std::to_string(t.dim) + " is not divisible by n_heads " +
-                                      std::to_string(t.n_heads));
-  require(a.seq >= 1 && a.seq <= t.max_seq_len, "seq " + std::to_string(a.seq) + " must be in [1, max_seq_len " +
-                                                    std::to_string(t.max_seq_len) + "]");
+  require(t.dim % t.n_heads == 0,
+          "dim " + std::to_string(t.dim) + " is not divisible by n_heads " + std::to_string(t.n_heads));
+  require(a.seq >= 1 && a.seq <= t.max_seq_len,
+          "seq " + std::to_string(a.seq) + " must be in [1, max_seq_len " + std::to_string(t.max_seq_len) + "]");
   require(a.micro_batch >= 1, "micro_batch must be >= 1");
   require(a.loss_chunks >= 1 && a.loss_chunks <= a.seq,
           "loss_chunks " + std::to_string(a.loss_chunks) + " must be in [1, seq " + std::to_string(a.seq) + "]");
@@ -110,8 +116,8 @@ StageSpec block_stage(const TransformerShape& t, const ActivationOptions& a, int
   b.checkpointed = a.checkpoint_every > 0 && (i + 1) % a.checkpoint_every == 0;
   // Without grad nothing is kept: the high point is the attention's scores and their masked
   // copy, or w1's and GELU's outputs.
-  b.forward_extra_bytes = b.checkpointed ? c * std::max(2 * P + 2 * ND, (1 + 8 / kd) * ND)
-                                         : c * std::max(0.0, P - (2 + 8 / kd) * ND);
+  b.forward_extra_bytes =
+      b.checkpointed ? c * std::max(2 * P + 2 * ND, (1 + 8 / kd) * ND) : c * std::max(0.0, P - (2 + 8 / kd) * ND);
   b.forward_flops = (2 * N * 12 * D * D + 4 * B * T * T * D) / kd;
   b.other_bytes_moved = b.saved_bytes * 2 + c * 4 * P;
   // wo and w2 all-reduce their outputs; wq, wk and wv (which share their input) and w1 their

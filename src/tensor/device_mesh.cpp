@@ -18,8 +18,8 @@ struct DeviceMesh::Impl {
   std::string device_type;
   std::vector<int64_t> shape;
   std::vector<std::string> dim_names;
-  std::vector<int64_t> ranks;       // world ranks, row-major over `shape`
-  std::vector<int64_t> coordinate;  // this rank's
+  std::vector<int64_t> ranks;                         // world ranks, row-major over `shape`
+  std::vector<int64_t> coordinate;                    // this rank's
   std::vector<std::shared_ptr<ProcessGroup>> groups;  // one per dim
 };
 
@@ -32,9 +32,10 @@ namespace {
 
 void check_device_type(const std::string& device_type) {
 #ifdef FSDP_WITH_CUDA
-  TORCH_CHECK(device_type == "cpu" || device_type == "cuda", "fsdp::init_device_mesh: device type '",
-              device_type, "' is not supported; use \"cpu\" or \"cuda\"");
-  TORCH_CHECK(device_type != "cuda", "fsdp::init_device_mesh: the \"cuda\" mesh (NCCL backend) is not "
+  TORCH_CHECK(device_type == "cpu" || device_type == "cuda", "fsdp::init_device_mesh: device type '", device_type,
+              "' is not supported; use \"cpu\" or \"cuda\"");
+  TORCH_CHECK(device_type != "cuda",
+              "fsdp::init_device_mesh: the \"cuda\" mesh (NCCL backend) is not "
               "implemented yet in fsdp-cpp; use \"cpu\"");
 #else
   TORCH_CHECK(device_type == "cpu", "fsdp::init_device_mesh: device type '", device_type,
@@ -59,10 +60,10 @@ DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<in
     total *= s;
   }
   const int world = get_world_size();
-  TORCH_CHECK(total == world, "fsdp::init_device_mesh: a mesh of shape ", c10::IntArrayRef(shape), " has ",
-              total, " ranks but the world has ", world);
-  TORCH_CHECK(dim_names.empty() || dim_names.size() == shape.size(), "fsdp::init_device_mesh: ",
-              dim_names.size(), " dim names for a ", shape.size(), "-D mesh");
+  TORCH_CHECK(total == world, "fsdp::init_device_mesh: a mesh of shape ", c10::IntArrayRef(shape), " has ", total,
+              " ranks but the world has ", world);
+  TORCH_CHECK(dim_names.empty() || dim_names.size() == shape.size(), "fsdp::init_device_mesh: ", dim_names.size(),
+              " dim names for a ", shape.size(), "-D mesh");
   TORCH_CHECK(std::set<std::string>(dim_names.begin(), dim_names.end()).size() == dim_names.size(),
               "fsdp::init_device_mesh: dim names must be distinct");
 
@@ -124,9 +125,7 @@ int64_t DeviceMesh::get_local_rank(int64_t dim) const {
   check_dim(dim, ndim());
   return impl_->coordinate[dim];
 }
-int64_t DeviceMesh::get_local_rank(const std::string& dim_name) const {
-  return get_local_rank(dim_index(dim_name));
-}
+int64_t DeviceMesh::get_local_rank(const std::string& dim_name) const { return get_local_rank(dim_index(dim_name)); }
 
 std::shared_ptr<ProcessGroup> DeviceMesh::get_group(int64_t dim) const {
   check_dim(dim, ndim());

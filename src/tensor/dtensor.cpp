@@ -104,8 +104,8 @@ DTensor DTensor::from_local(at::Tensor local, DeviceMesh mesh, std::vector<Place
     const auto bounds = shard_bounds(shape, mesh.shape(), mesh.coordinate(), placements);
     for (int64_t d = 0; d < local.dim(); ++d) {
       TORCH_CHECK(bounds[d].length == local.size(d), "fsdp::DTensor::from_local: this rank's piece of a ",
-                  c10::IntArrayRef(shape), " tensor under these placements has size ", bounds[d].length,
-                  " along dim ", d, " but the local tensor has ", local.size(d));
+                  c10::IntArrayRef(shape), " tensor under these placements has size ", bounds[d].length, " along dim ",
+                  d, " but the local tensor has ", local.size(d));
     }
   } else {
     shape = local.sizes().vec();
@@ -159,7 +159,8 @@ DTensor DTensor::redistribute(const std::vector<Placement>& target_in) const {
     int64_t unsplit = global_shape_[d];  // size along d before mesh dim i split it
     for (int64_t k = 0; k < pos; ++k) {
       const int64_t j = order[k];
-      if (current[j].is_shard() && current[j].dim() == d) unsplit = chunk_bounds(unsplit, mesh_.size(j), coord[j]).length;
+      if (current[j].is_shard() && current[j].dim() == d)
+        unsplit = chunk_bounds(unsplit, mesh_.size(j), coord[j]).length;
     }
     local = gather_along(local, d, unsplit, mesh_, i);
     current[i] = Replicate();

@@ -43,8 +43,9 @@ void register_dtensor_parameter(const at::Tensor& param, const DeviceMesh& mesh,
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.drop_expired();
-  r.by_tensor.insert_or_assign(param.unsafeGetTensorImpl(), Layout{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), checked.device_mesh(),
-             checked.placements(), checked.sizes()});
+  r.by_tensor.insert_or_assign(param.unsafeGetTensorImpl(),
+                               Layout{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()),
+                                      checked.device_mesh(), checked.placements(), checked.sizes()});
 }
 
 std::optional<DTensor> dtensor_parameter(const at::Tensor& param) {

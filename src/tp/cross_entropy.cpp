@@ -53,7 +53,7 @@ TargetColumns target_columns(const at::Tensor& targets, int64_t first, int64_t s
 
 void combine_vocab_parallel_rows(at::Tensor& logsumexp, at::Tensor& target_logit, ProcessGroup& group) {
   TORCH_CHECK(logsumexp.scalar_type() == at::kFloat && target_logit.scalar_type() == at::kFloat &&
-              logsumexp.dim() == 1 && target_logit.sizes() == logsumexp.sizes(),
+                  logsumexp.dim() == 1 && target_logit.sizes() == logsumexp.sizes(),
               "fsdp::tp::combine_vocab_parallel_rows: give fp32 [rows] tensors of the same size, got ",
               logsumexp.scalar_type(), " ", logsumexp.sizes(), " and ", target_logit.scalar_type(), " ",
               target_logit.sizes());
@@ -70,18 +70,20 @@ void combine_vocab_parallel_rows(at::Tensor& logsumexp, at::Tensor& target_logit
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         const VocabSlice& slice, int64_t ignore_index) {
   TORCH_CHECK(slice.group != nullptr, "fsdp::tp::vocab_parallel_cross_entropy: the slice's process group is null");
-  TORCH_CHECK(local_logits.dim() == 2 && at::isFloatingType(local_logits.scalar_type()) &&
-              local_logits.size(1) == slice.size,
-              "fsdp::tp::vocab_parallel_cross_entropy: local_logits are ", local_logits.scalar_type(), " of shape ",
-              local_logits.sizes(), "; give floating [rows, ", slice.size, "] (this rank's slice of the vocabulary)");
+  TORCH_CHECK(
+      local_logits.dim() == 2 && at::isFloatingType(local_logits.scalar_type()) && local_logits.size(1) == slice.size,
+      "fsdp::tp::vocab_parallel_cross_entropy: local_logits are ", local_logits.scalar_type(), " of shape ",
+      local_logits.sizes(), "; give floating [rows, ", slice.size, "] (this rank's slice of the vocabulary)");
   TORCH_CHECK(targets.scalar_type() == at::kLong && targets.dim() == 1 && targets.size(0) == local_logits.size(0),
               "fsdp::tp::vocab_parallel_cross_entropy: targets are ", targets.scalar_type(), " of shape ",
               targets.sizes(), "; give int64 [", local_logits.size(0), "] (one class index per row)");
   // A target outside the vocabulary would otherwise count as a logit of 0 (no rank holds it).
   const int64_t vocab = slice.size * slice.group->size();
   const at::Tensor outside = (targets < 0).logical_or_(targets >= vocab).logical_and_(targets != ignore_index);
-  TORCH_CHECK(!outside.any().item<bool>(), "fsdp::tp::vocab_parallel_cross_entropy: a target is outside the "
-              "vocabulary [0, ", vocab, ") and is not ignore_index=", ignore_index, "; give class indices the head has");
+  TORCH_CHECK(!outside.any().item<bool>(),
+              "fsdp::tp::vocab_parallel_cross_entropy: a target is outside the "
+              "vocabulary [0, ",
+              vocab, ") and is not ignore_index=", ignore_index, "; give class indices the head has");
   const at::Tensor total = VocabParallelCrossEntropy::apply(local_logits, targets, slice, ignore_index);
   return total / (targets != ignore_index).sum().to(at::kFloat);
 }

@@ -133,13 +133,15 @@ at::Tensor reduce_from_tp_region(const at::Tensor& x, const std::shared_ptr<Proc
 
 at::Tensor gather_from_tp_region(const at::Tensor& x, const std::shared_ptr<ProcessGroup>& group) {
   check_group(group, "gather_from_tp_region");
-  TORCH_CHECK(x.dim() >= 1, "fsdp::tp::gather_from_tp_region: x is a 0-dim tensor; give one with a last dim to gather along");
+  TORCH_CHECK(x.dim() >= 1,
+              "fsdp::tp::gather_from_tp_region: x is a 0-dim tensor; give one with a last dim to gather along");
   if (group->size() == 1) return x;
   return GatherFromRegion::apply(x, c10::make_intrusive<GroupCapsule>(group));
 }
 
 TensorParallelMesh::TensorParallelMesh(DeviceMesh mesh, std::string tp_dim) : mesh_(std::move(mesh)) {
-  TORCH_CHECK(mesh_.valid(), "fsdp::tp::TensorParallelMesh: the mesh handle is empty; build one with "
+  TORCH_CHECK(mesh_.valid(),
+              "fsdp::tp::TensorParallelMesh: the mesh handle is empty; build one with "
               "fsdp::init_device_mesh()");
   if (tp_dim.empty()) {
     TORCH_CHECK(mesh_.ndim() == 1, "fsdp::tp::TensorParallelMesh: the mesh ", mesh_.str(), " has ", mesh_.ndim(),
@@ -184,10 +186,12 @@ torch::nn::EmbeddingOptions local_options(const torch::nn::EmbeddingImpl& full, 
   torch::nn::EmbeddingOptions o = full.options;
   TORCH_CHECK(!o.padding_idx().has_value() && !o.max_norm().has_value(),
               "fsdp::tp: a vocab-parallel Embedding does not support padding_idx or max_norm (the full Embedding "
-              "sets ", o.padding_idx().has_value() ? "padding_idx" : "max_norm", "); keep such an Embedding whole");
-  TORCH_CHECK(o.num_embeddings() % tp == 0, "fsdp::tp: a vocab-parallel Embedding splits its num_embeddings=",
-              o.num_embeddings(), " over tp=", tp, ", which does not divide it; choose a tp size that divides ",
-              o.num_embeddings(), " or keep the embedding whole");
+              "sets ",
+              o.padding_idx().has_value() ? "padding_idx" : "max_norm", "); keep such an Embedding whole");
+  TORCH_CHECK(o.num_embeddings() % tp == 0,
+              "fsdp::tp: a vocab-parallel Embedding splits its num_embeddings=", o.num_embeddings(), " over tp=", tp,
+              ", which does not divide it; choose a tp size that divides ", o.num_embeddings(),
+              " or keep the embedding whole");
   o.num_embeddings(o.num_embeddings() / tp);
   return o;
 }
@@ -237,7 +241,8 @@ std::vector<at::Tensor> call_linears_on_shared_input(const std::vector<torch::nn
   std::vector<at::Tensor> out;
   if (!linears.empty() && columns.size() == linears.size()) {
     const at::Tensor shared = copy_to_tp_region(x, columns.front()->group());
-    for (auto& column : columns) out.push_back(fsdp::call_method(column, &ColumnParallelLinearImpl::forward_in_tp_region, shared));
+    for (auto& column : columns)
+      out.push_back(fsdp::call_method(column, &ColumnParallelLinearImpl::forward_in_tp_region, shared));
   } else {
     for (const auto& linear : linears) out.push_back(call_linear(linear, x));
   }
@@ -245,7 +250,8 @@ std::vector<at::Tensor> call_linears_on_shared_input(const std::vector<torch::nn
 }
 
 at::Tensor call_embedding(const torch::nn::Embedding& embedding, const at::Tensor& tokens) {
-  if (auto split = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(embedding.ptr())) return fsdp::call(split, tokens);
+  if (auto split = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(embedding.ptr()))
+    return fsdp::call(split, tokens);
   std::shared_ptr<torch::nn::EmbeddingImpl> plain = embedding.ptr();
   return fsdp::call(plain, tokens);
 }

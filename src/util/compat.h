@@ -15,8 +15,7 @@
 
 // True when the LibTorch being compiled against is at least major.minor.
 #define FSDP_TORCH_VERSION_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||               \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 #if !FSDP_TORCH_VERSION_AT_LEAST(2, 11)
 #error "fsdp-cpp needs LibTorch 2.11 or newer (scripts/install-deps.sh installs the pinned one)"

@@ -30,7 +30,6 @@
 // at exit still find it.
 #include <fsdp/memory.h>
 
-
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/alignment.h>
@@ -59,10 +58,10 @@ namespace {
 constexpr uint8_t kInstallPriority = 100;
 
 struct Header {
-  size_t nbytes;                 // what the caller asked for (what we count)
-  size_t capacity;               // usable bytes after the header
-  c10::DeleterFnPtr deleter;     // the wrapped DataPtr's deleter ...
-  void* context;                 // ... and its context
+  size_t nbytes;              // what the caller asked for (what we count)
+  size_t capacity;            // usable bytes after the header
+  c10::DeleterFnPtr deleter;  // the wrapped DataPtr's deleter ...
+  void* context;              // ... and its context
 };
 
 constexpr size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
@@ -157,8 +156,8 @@ void check_limit(size_t n) {
   const int64_t limit = g_limit.load(std::memory_order_relaxed);
   if (limit <= 0) return;
   const int64_t live = g_live.load(std::memory_order_relaxed);
-  TORCH_CHECK(live + static_cast<int64_t>(n) <= limit, "CPU out of memory: tried to allocate ", n, " bytes with ",
-              live, " bytes of tensors allocated, over the limit of ", limit,
+  TORCH_CHECK(live + static_cast<int64_t>(n) <= limit, "CPU out of memory: tried to allocate ", n, " bytes with ", live,
+              " bytes of tensors allocated, over the limit of ", limit,
               " bytes set by fsdp::memory::set_allocation_limit; raise the limit or allocate less");
 }
 
@@ -167,8 +166,7 @@ void note_alloc(int64_t n) {
   g_count.fetch_add(1, std::memory_order_relaxed);
   g_live_count.fetch_add(1, std::memory_order_relaxed);
   int64_t peak = g_peak.load(std::memory_order_relaxed);
-  while (now > peak &&
-         !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
 }
 
@@ -292,15 +290,11 @@ bool install_tracking_allocator() {
   return c10::GetCPUAllocator() == &counting;
 }
 
-bool tracking_allocator_installed() {
-  return c10::GetCPUAllocator() == &counting_allocator();
-}
+bool tracking_allocator_installed() { return c10::GetCPUAllocator() == &counting_allocator(); }
 
 int64_t allocated_bytes() { return g_live.load(std::memory_order_relaxed); }
 int64_t max_allocated_bytes() { return g_peak.load(std::memory_order_relaxed); }
-void reset_peak_allocated() {
-  g_peak.store(g_live.load(std::memory_order_relaxed), std::memory_order_relaxed);
-}
+void reset_peak_allocated() { g_peak.store(g_live.load(std::memory_order_relaxed), std::memory_order_relaxed); }
 int64_t allocation_count() { return g_count.load(std::memory_order_relaxed); }
 int64_t cached_bytes() { return block_cache().cached.load(std::memory_order_relaxed); }
 int64_t reserved_bytes() { return allocated_bytes() + cached_bytes(); }
@@ -333,8 +327,7 @@ int64_t peak_rss_bytes() {
 bool reset_peak_rss(std::string* error) {
   FILE* f = std::fopen("/proc/self/clear_refs", "w");
   if (f == nullptr) {
-    if (error != nullptr)
-      *error = std::string("cannot open /proc/self/clear_refs: ") + std::strerror(errno);
+    if (error != nullptr) *error = std::string("cannot open /proc/self/clear_refs: ") + std::strerror(errno);
     return false;
   }
   const bool wrote = std::fputs("5", f) >= 0;
@@ -342,8 +335,7 @@ bool reset_peak_rss(std::string* error) {
   const bool closed = std::fclose(f) == 0;  // the kernel reports a rejected value here
   if (!wrote || !closed) {
     if (error != nullptr)
-      *error = std::string("writing 5 to /proc/self/clear_refs failed: ") +
-               std::strerror(wrote ? errno : write_errno);
+      *error = std::string("writing 5 to /proc/self/clear_refs failed: ") + std::strerror(wrote ? errno : write_errno);
     return false;
   }
   return true;
@@ -352,8 +344,8 @@ bool reset_peak_rss(std::string* error) {
 std::string MemoryStats::to_string() const {
   std::ostringstream s;
   if (tracking) {
-    s << "tensors " << mib(allocated_bytes, 2) << " (peak " << mib(max_allocated_bytes, 2)
-      << ", " << live_allocation_count << " live / " << allocation_count << " allocs)";
+    s << "tensors " << mib(allocated_bytes, 2) << " (peak " << mib(max_allocated_bytes, 2) << ", "
+      << live_allocation_count << " live / " << allocation_count << " allocs)";
   } else {
     s << "tensors: not tracked";
   }

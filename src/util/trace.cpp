@@ -67,8 +67,7 @@ void stop() { g_enabled.store(false, std::memory_order_relaxed); }
 
 bool enabled() { return g_enabled.load(std::memory_order_relaxed); }
 
-void record(const char* category, std::string name, Clock::time_point begin, Clock::time_point end,
-            std::string args) {
+void record(const char* category, std::string name, Clock::time_point begin, Clock::time_point end, std::string args) {
   if (!enabled()) return;
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -88,27 +87,30 @@ void set_thread_name(std::string name) {
 int64_t write_chrome_trace(const std::string& path, int pid) {
   Recorder& r = recorder();
   std::lock_guard<std::mutex> lock(r.mu);
-  auto us = [&](Clock::time_point t) {
-    return std::chrono::duration<double, std::micro>(t - r.origin).count();
-  };
+  auto us = [&](Clock::time_point t) { return std::chrono::duration<double, std::micro>(t - r.origin).count(); };
   nlohmann::json events = nlohmann::json::array();
-  events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", pid},
-                    {"args", {{"name", "rank " + std::to_string(pid)}}}});
+  events.push_back(
+      {{"ph", "M"}, {"name", "process_name"}, {"pid", pid}, {"args", {{"name", "rank " + std::to_string(pid)}}}});
   for (size_t tid = 0; tid < r.thread_names.size(); ++tid) {
-    events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", pid}, {"tid", tid},
-                      {"args", {{"name", r.thread_names[tid]}}}});
+    events.push_back(
+        {{"ph", "M"}, {"name", "thread_name"}, {"pid", pid}, {"tid", tid}, {"args", {{"name", r.thread_names[tid]}}}});
   }
   for (const Event& e : r.events) {
-    nlohmann::json j = {{"ph", "X"}, {"cat", e.category}, {"name", e.name}, {"pid", pid}, {"tid", e.tid},
-                        {"ts", us(e.begin)}, {"dur", us(e.end) - us(e.begin)}};
+    nlohmann::json j = {{"ph", "X"},
+                        {"cat", e.category},
+                        {"name", e.name},
+                        {"pid", pid},
+                        {"tid", e.tid},
+                        {"ts", us(e.begin)},
+                        {"dur", us(e.end) - us(e.begin)}};
     if (!e.args.empty()) {
       nlohmann::json args = nlohmann::json::parse(e.args, nullptr, /*allow_exceptions=*/false);
       j["args"] = args.is_discarded() ? nlohmann::json{{"text", e.args}} : args;  // not JSON: keep it as text
     }
     events.push_back(std::move(j));
   }
-  nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"},
-                        {"otherData", {{"dropped_events", r.dropped}}}};
+  nlohmann::json doc = {
+      {"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}, {"otherData", {{"dropped_events", r.dropped}}}};
   // Names and args are the caller's bytes: replace what is not UTF-8 rather than fail.
   const std::string text = doc.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   std::ofstream out(path);

@@ -132,16 +132,12 @@ struct TiedImpl : torch::nn::Module {
     mid = register_module("mid", torch::nn::Linear(7, 7));
     b = register_module("b", Proj(shared));
   }
-  at::Tensor body(const at::Tensor& h) {
-    return fsdp::call(b, at::tanh(fsdp::call(mid, at::tanh(fsdp::call(a, h)))));
-  }
+  at::Tensor body(const at::Tensor& h) { return fsdp::call(b, at::tanh(fsdp::call(mid, at::tanh(fsdp::call(a, h))))); }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = fsdp::call(pre, x);
     switch (mode) {
-      case TiedMode::kPlain:
-        return body(h);
-      case TiedMode::kOneCheckpoint:
-        return fsdp::checkpoint([this](const at::Tensor& in) { return body(in); }, h);
+      case TiedMode::kPlain: return body(h);
+      case TiedMode::kOneCheckpoint: return fsdp::checkpoint([this](const at::Tensor& in) { return body(in); }, h);
       case TiedMode::kCheckpointEach:
         h = at::tanh(fsdp::call(mid, at::tanh(fsdp::call_checkpointed(a, h))));
         return fsdp::call_checkpointed(b, h);
@@ -169,9 +165,7 @@ struct TwiceImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = fsdp::call(pre, x);
     switch (mode) {
-      case TwiceMode::kPlain:
-        h = twice(h);
-        break;
+      case TwiceMode::kPlain: h = twice(h); break;
       case TwiceMode::kCheckpointEachCall:
         h = fsdp::call_checkpointed(m, at::tanh(fsdp::call_checkpointed(m, h)));
         break;

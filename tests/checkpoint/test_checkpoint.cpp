@@ -65,7 +65,8 @@ struct Trainer {
   fsdp::ShardedStateDict state() {
     fsdp::ShardedStateDict sd;
     for (const auto& item : fsdp::sharded_state_dict(*model)) sd.insert("model." + item.key(), item.value());
-    for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, *opt)) sd.insert("optim." + item.key(), item.value());
+    for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, *opt))
+      sd.insert("optim." + item.key(), item.value());
     return sd;
   }
   void load(const fsdp::ShardedStateDict& sd) {
@@ -136,7 +137,8 @@ TEST(Checkpoint, SaveAtOneWorldSizeResumeAtAnother) {
         ASSERT_EQ(reference.size(), after.size());
         for (size_t i = 0; i < after.size(); ++i) {
           if (W == a) EXPECT_EQ(after[i], reference[i]) << "saved at " << a << ", step " << i + 3;
-          else EXPECT_NEAR(after[i], reference[i], 1e-6) << "saved at " << a << ", loaded at " << W << ", step " << i + 3;
+          else
+            EXPECT_NEAR(after[i], reference[i], 1e-6) << "saved at " << a << ", loaded at " << W << ", step " << i + 3;
         }
       });
     }
@@ -198,8 +200,8 @@ TEST(Checkpoint, BadCheckpointsAreRejectedNamingFileAndKey) {
         EXPECT_NE(std::string(e.what()).find("missing key 'model.extra'"), std::string::npos) << e.what();
       }
       auto reshaped = like;
-      reshaped["model.norm.weight"] = fsdp::DTensor::from_local(at::zeros({3}), like["model.norm.weight"].device_mesh(),
-                                                                {fsdp::Replicate()});
+      reshaped["model.norm.weight"] =
+          fsdp::DTensor::from_local(at::zeros({3}), like["model.norm.weight"].device_mesh(), {fsdp::Replicate()});
       try {
         fsdp::load_checkpoint(good, reshaped);
         ADD_FAILURE();
@@ -207,8 +209,8 @@ TEST(Checkpoint, BadCheckpointsAreRejectedNamingFileAndKey) {
         EXPECT_NE(std::string(e.what()).find("key 'model.norm.weight' has shape [16]"), std::string::npos) << e.what();
       }
       auto retyped = like;
-      retyped["model.norm.weight"] = fsdp::DTensor::from_local(at::zeros({16}, at::kDouble),
-                                                               like["model.norm.weight"].device_mesh(), {fsdp::Replicate()});
+      retyped["model.norm.weight"] = fsdp::DTensor::from_local(
+          at::zeros({16}, at::kDouble), like["model.norm.weight"].device_mesh(), {fsdp::Replicate()});
       try {
         fsdp::load_checkpoint(good, retyped);
         ADD_FAILURE();

@@ -32,7 +32,8 @@ namespace {
 fsdp::ShardedStateDict state(int64_t rows = 64) {
   auto mesh = fsdp::init_device_mesh("cpu", {fsdp::get_world_size()});
   fsdp::ShardedStateDict sd;
-  sd.insert("w", fsdp::distribute_tensor(at::arange(rows * 16, at::kFloat).reshape({rows, 16}), mesh, {fsdp::Shard(0)}));
+  sd.insert("w",
+            fsdp::distribute_tensor(at::arange(rows * 16, at::kFloat).reshape({rows, 16}), mesh, {fsdp::Shard(0)}));
   sd.insert("v", fsdp::distribute_tensor(at::ones({8}), mesh, {fsdp::Replicate()}));
   return sd;
 }
@@ -98,8 +99,11 @@ TEST(CheckpointManager, ScanAndIsCompleteReportEveryStateOfTheRoot) {
   EXPECT_EQ(scan.newest_complete, root + "/step_10");
   EXPECT_TRUE(has_finding(scan, root + "/latest names 'step_30', which has no metadata.json (an incomplete save)"))
       << all_findings(scan);
-  EXPECT_TRUE(has_finding(scan, root + "/step_20 is incomplete: " + root + "/step_20/rank_0.data is 12 bytes, "
-                                "metadata.json says " + recorded)) << all_findings(scan);
+  EXPECT_TRUE(has_finding(scan, root + "/step_20 is incomplete: " + root +
+                                    "/step_20/rank_0.data is 12 bytes, "
+                                    "metadata.json says " +
+                                    recorded))
+      << all_findings(scan);
   EXPECT_EQ(scan.findings.size(), 2u) << all_findings(scan);
   std::string why;
   EXPECT_FALSE(fsdp::CheckpointManager::is_complete(root + "/step_30", &why));
@@ -124,7 +128,7 @@ TEST(CheckpointManager, ScanAndIsCompleteReportEveryStateOfTheRoot) {
       {std::string("\x01\x02garbage\n", 10), root + "/latest does not hold a step_<N> name (9 bytes, not shown)"},
       {"step_99\n", root + "/latest names 'step_99', which does not exist"},
       {std::string(5000, 's'), root + "/latest cannot be read or is longer than 4096 bytes: it does not name a step "
-                               "directory"},
+                                      "directory"},
       // A path to a complete checkpoint, but not a step directory's name.
       {"step_10/../step_10", root + "/latest does not hold a step_<N> name (18 bytes, not shown)"},
       {"step_30", root + "/latest names 'step_30', which has no metadata.json (an incomplete save)"},
@@ -148,8 +152,10 @@ TEST(CheckpointManager, ScanAndIsCompleteReportEveryStateOfTheRoot) {
   // `latest` behind the newest complete checkpoint, missing, or not a file.
   manager.save(40, state());
   write_text(root + "/latest", "step_10");
-  EXPECT_TRUE(has_finding(manager.scan(), root + "/latest names 'step_10', but " + root + "/step_40 is newer and "
-                          "complete (saved after `latest` was last written)")) << all_findings(manager.scan());
+  EXPECT_TRUE(has_finding(manager.scan(), root + "/latest names 'step_10', but " + root +
+                                              "/step_40 is newer and "
+                                              "complete (saved after `latest` was last written)"))
+      << all_findings(manager.scan());
   fs::remove(root + "/latest");
   scan = manager.scan();
   EXPECT_FALSE(scan.has_latest_file);
@@ -186,11 +192,11 @@ TEST(CheckpointManager, PruningCountsOnlyCompleteCheckpoints) {
   for (const char* other : {"step_x", "step_05", "notes"}) fs::create_directories(root + "/" + other);
   write_text(root + "/step_7", "a file");
   manager.save(3, state());
-  EXPECT_EQ(names_in(root), (std::set<std::string>{"latest", "notes", "step_05", "step_1", "step_2", "step_3",
-                                                   "step_7", "step_x"}));
+  EXPECT_EQ(names_in(root),
+            (std::set<std::string>{"latest", "notes", "step_05", "step_1", "step_2", "step_3", "step_7", "step_x"}));
   manager.save(4, state());  // keeps 4 and 3; removes 1, and the incomplete 2, older than both
-  EXPECT_EQ(names_in(root), (std::set<std::string>{"latest", "notes", "step_05", "step_3", "step_4", "step_7",
-                                                   "step_x"}));
+  EXPECT_EQ(names_in(root),
+            (std::set<std::string>{"latest", "notes", "step_05", "step_3", "step_4", "step_7", "step_x"}));
   // A save numbered below the newest complete one keeps both: `latest` names the new one.
   fsdp::CheckpointManager one(root, /*keep=*/1);
   one.save(0, state());
@@ -238,31 +244,34 @@ TEST(CheckpointManager, AFailureToPointLatestFailsEveryRankAtOnce) {
   if (!fsdp::testing::is_child()) fs::remove_all(root);
   fsdp::testing::DistOptions options;
   options.collective_timeout = std::chrono::milliseconds(30000);
-  run_distributed(2, [root] {
-    // `latest` is a directory that is not empty: renaming the new pointer onto it fails.
-    if (fsdp::get_rank() == 0) fs::create_directories(root + "/latest/keep");
-    fsdp::world()->barrier()->wait();
-    fsdp::CheckpointManager manager(root);
-    auto expect_fails_fast = [&root](const std::function<void()>& save) {
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        save();
-        ADD_FAILURE() << "expected the save to fail";
-      } catch (const c10::Error& e) {
-        const std::string what = e.what_without_backtrace();
-        EXPECT_NE(what.find("while pointing 'latest' at it"), std::string::npos) << what;
-        EXPECT_NE(what.find("\n  rank 0: renaming '" + root + "/latest.tmp'"), std::string::npos) << what;
-      }
-      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));  // not the 30 s timeout
-    };
-    expect_fails_fast([&] { manager.save(1, state()); });
-    expect_fails_fast([&] {
-      manager.save_async(2, state());
-      manager.wait();
-    });
-    EXPECT_FALSE(fs::exists(root + "/latest.tmp"));
-    EXPECT_TRUE(fsdp::CheckpointManager::is_complete(root + "/step_2"));  // the checkpoint itself is whole
-  }, options);
+  run_distributed(
+      2,
+      [root] {
+        // `latest` is a directory that is not empty: renaming the new pointer onto it fails.
+        if (fsdp::get_rank() == 0) fs::create_directories(root + "/latest/keep");
+        fsdp::world()->barrier()->wait();
+        fsdp::CheckpointManager manager(root);
+        auto expect_fails_fast = [&root](const std::function<void()>& save) {
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            save();
+            ADD_FAILURE() << "expected the save to fail";
+          } catch (const c10::Error& e) {
+            const std::string what = e.what_without_backtrace();
+            EXPECT_NE(what.find("while pointing 'latest' at it"), std::string::npos) << what;
+            EXPECT_NE(what.find("\n  rank 0: renaming '" + root + "/latest.tmp'"), std::string::npos) << what;
+          }
+          EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));  // not the 30 s timeout
+        };
+        expect_fails_fast([&] { manager.save(1, state()); });
+        expect_fails_fast([&] {
+          manager.save_async(2, state());
+          manager.wait();
+        });
+        EXPECT_FALSE(fs::exists(root + "/latest.tmp"));
+        EXPECT_TRUE(fsdp::CheckpointManager::is_complete(root + "/step_2"));  // the checkpoint itself is whole
+      },
+      options);
   if (!fsdp::testing::is_child()) fs::remove_all(root);
 }
 

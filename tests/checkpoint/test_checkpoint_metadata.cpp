@@ -60,7 +60,8 @@ class Bench {
   explicit Bench(const std::string& name) : root_(fsdp::testing::shared_temp_path(name)) {
     if (!fsdp::testing::is_child()) fs::remove_all(root_);
     const std::string good = root_ + "/good";
-    fsdp::testing::run_distributed(2, [good] { fsdp::save_checkpoint(good, layout(fsdp::init_device_mesh("cpu", {2}))); });
+    fsdp::testing::run_distributed(2,
+                                   [good] { fsdp::save_checkpoint(good, layout(fsdp::init_device_mesh("cpu", {2}))); });
     if (fsdp::testing::is_child()) return;
     work_ = root_ + "/work";
     fs::copy(good, work_, fs::copy_options::recursive);
@@ -84,7 +85,9 @@ class Bench {
     return m;
   }
   std::string metadata_path() const { return work_ + "/metadata.json"; }
-  void write(const std::string& text) const { std::ofstream(metadata_path(), std::ios::binary | std::ios::trunc) << text; }
+  void write(const std::string& text) const {
+    std::ofstream(metadata_path(), std::ios::binary | std::ios::trunc) << text;
+  }
   void write(const json& meta) const { write(meta.dump(1)); }
 
   // Loads the work copy: "" when it returns exactly the saved data, the error message when it
@@ -129,9 +132,9 @@ TEST(CheckpointMetadata, DataFileNamesParseExactlyAsWritten) {
   for (int64_t r : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{123}, int64_t{999999999999999999}}) {
     EXPECT_EQ(fsdp::detail::rank_of_data_file(fsdp::detail::data_file_name(r)), r);
   }
-  for (const char* name : {"rank_.data", "rank_01.data", "rank_-1.data", "rank_+1.data", "rank_1.data.tmp",
-                           "rank_1", "Rank_1.data", "rank_1x.data", "rank_ 1.data", "rank_1000000000000000000.data",
-                           "x/rank_1.data", ""}) {
+  for (const char* name :
+       {"rank_.data", "rank_01.data", "rank_-1.data", "rank_+1.data", "rank_1.data.tmp", "rank_1", "Rank_1.data",
+        "rank_1x.data", "rank_ 1.data", "rank_1000000000000000000.data", "x/rank_1.data", ""}) {
     EXPECT_EQ(fsdp::detail::rank_of_data_file(name), -1) << name;
   }
 }
@@ -172,7 +175,9 @@ TEST(CheckpointMetadata, ChunksMustTileEveryShapeExactly) {
                   {"key 's'", "a scalar with 0 chunks"});
   expect_rejected(bench, with([](json& m) { m["entries"]["e"]["chunks"] = m["entries"]["r"]["chunks"]; }),
                   {"key 'e'", "holds no elements"});
-  expect_rejected(bench, with([](json& m) { m["entries"]["w"]["shape"] = {kMax, kMax}; }),
+  expect_rejected(bench, with([](json& m) {
+                    m["entries"]["w"]["shape"] = {kMax, kMax};
+                  }),
                   {"key 'w'", "field 'shape'", "64 bits"});
 }
 
@@ -207,7 +212,8 @@ TEST(CheckpointMetadata, ByteRangesAndFilesAreCheckedBeforeAnyRead) {
   fs::create_symlink(fs::absolute(outside), bench.work() + "/rank_1.data");
   bench.write(good);
   EXPECT_NE(bench.load().find("rank_1.data' listed in '" + bench.metadata_path() + "' resolves outside"),
-            std::string::npos) << bench.load();
+            std::string::npos)
+      << bench.load();
   // The metadata is checked before the data files: damaged metadata is the error reported.
   fs::remove(bench.work() + "/rank_1.data");
   expect_rejected(bench, with([](json& m) { m["entries"]["w"]["chunks"][1]["offsets"][0] = 2; }),
@@ -221,7 +227,8 @@ TEST(CheckpointMetadata, WrongStructureNamesTheField) {
   Bench bench("meta_structure");
   if (bench.in_child()) return;
   auto with = [&](const std::function<void(json&)>& change) { return bench.metadata(change); };
-  expect_rejected(bench, with([](json& m) { m["entries"]["w"] = 5; }), {"key 'w'", "is the number 5, expected an object"});
+  expect_rejected(bench, with([](json& m) { m["entries"]["w"] = 5; }),
+                  {"key 'w'", "is the number 5, expected an object"});
   expect_rejected(bench, with([](json& m) { m["entries"]["w"]["chunks"] = "abc"; }),
                   {"key 'w', field 'chunks'", "is a string, expected an array"});
   expect_rejected(bench, with([](json& m) { m.erase("files"); }), {"field 'files' is missing"});
@@ -269,7 +276,9 @@ class Mutator {
  private:
   uint64_t pick(uint64_t n) { return rng_() % n; }
   template <typename T>
-  const T& any(const std::vector<T>& v) { return v[pick(v.size())]; }
+  const T& any(const std::vector<T>& v) {
+    return v[pick(v.size())];
+  }
 
   void collect(const json& j, const json::json_pointer& pointer) {
     (j.is_object() || j.is_array() ? containers_ : leaves_).push_back(pointer);
@@ -297,9 +306,22 @@ class Mutator {
   }
 
   json odd_value() {
-    const std::vector<json> odd = {nullptr, true, "x", 3.5, json::array(), json::object(), -1, 0, 1, kMax,
-                                   std::numeric_limits<int64_t>::min(), 18446744073709551615u, 1e300,
-                                   "../../etc/passwd", json::array({0, 0}), json::array({-1})};
+    const std::vector<json> odd = {nullptr,
+                                   true,
+                                   "x",
+                                   3.5,
+                                   json::array(),
+                                   json::object(),
+                                   -1,
+                                   0,
+                                   1,
+                                   kMax,
+                                   std::numeric_limits<int64_t>::min(),
+                                   18446744073709551615u,
+                                   1e300,
+                                   "../../etc/passwd",
+                                   json::array({0, 0}),
+                                   json::array({-1})};
     return odd[pick(odd.size())];
   }
   json perturbed(const json& v) {
@@ -313,14 +335,38 @@ class Mutator {
     const json::json_pointer leaf = any(leaves_), container = any(containers_);
     if (!m.contains(leaf) || !m.contains(container)) return;  // an earlier change removed it
     switch (kind) {
-      case 2: *what += " delete " + container.to_string(); erase(m, container); break;
-      case 3: *what += " delete " + leaf.to_string(); erase(m, leaf); break;
-      case 4: *what += " replace " + leaf.to_string(); m[leaf] = odd_value(); break;
-      case 5: *what += " replace " + container.to_string(); m[container] = odd_value(); break;
-      case 6: *what += " perturb " + leaf.to_string(); m[leaf] = perturbed(m[leaf]); break;
-      case 7: *what += " duplicate in " + container.to_string(); duplicate(m[container]); break;
-      case 8: *what += " evil file"; evil_file(m); break;
-      default: *what += " shuffle or overlap chunks"; chunks(m); break;
+      case 2:
+        *what += " delete " + container.to_string();
+        erase(m, container);
+        break;
+      case 3:
+        *what += " delete " + leaf.to_string();
+        erase(m, leaf);
+        break;
+      case 4:
+        *what += " replace " + leaf.to_string();
+        m[leaf] = odd_value();
+        break;
+      case 5:
+        *what += " replace " + container.to_string();
+        m[container] = odd_value();
+        break;
+      case 6:
+        *what += " perturb " + leaf.to_string();
+        m[leaf] = perturbed(m[leaf]);
+        break;
+      case 7:
+        *what += " duplicate in " + container.to_string();
+        duplicate(m[container]);
+        break;
+      case 8:
+        *what += " evil file";
+        evil_file(m);
+        break;
+      default:
+        *what += " shuffle or overlap chunks";
+        chunks(m);
+        break;
     }
   }
   static void erase(json& m, const json::json_pointer& p) {
@@ -334,8 +380,13 @@ class Mutator {
     if (c.is_object() && !c.empty()) c["copy_" + c.begin().key()] = c.begin().value();
   }
   void evil_file(json& m) {
-    const std::vector<std::string> names = {"../../etc/passwd", "/etc/passwd", "rank_1.data/../rank_0.data",
-                                            "rank_9.data", "rank_01.data", "", std::string("rank_1.data\0x", 13)};
+    const std::vector<std::string> names = {"../../etc/passwd",
+                                            "/etc/passwd",
+                                            "rank_1.data/../rank_0.data",
+                                            "rank_9.data",
+                                            "rank_01.data",
+                                            "",
+                                            std::string("rank_1.data\0x", 13)};
     const std::string name = any(names);
     json& chunks = m["entries"][pick(2) ? "w" : "big"]["chunks"];
     chunks[pick(chunks.size())]["file"] = name;

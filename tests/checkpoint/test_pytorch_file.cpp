@@ -125,8 +125,8 @@ json StateDictPyTorchFile::manifest_;
 
 at::ScalarType dtype_of(const std::string& python) {
   static const std::map<std::string, at::ScalarType> table = {
-      {"torch.float32", at::kFloat}, {"torch.float64", at::kDouble}, {"torch.float16", at::kHalf},
-      {"torch.bfloat16", at::kBFloat16}, {"torch.int64", at::kLong}, {"torch.bool", at::kBool}};
+      {"torch.float32", at::kFloat},     {"torch.float64", at::kDouble}, {"torch.float16", at::kHalf},
+      {"torch.bfloat16", at::kBFloat16}, {"torch.int64", at::kLong},     {"torch.bool", at::kBool}};
   return table.at(python);
 }
 
@@ -198,7 +198,8 @@ TEST_F(StateDictPyTorchFile, ViewsOfOneStorageStayViewsOfOneStorage) {
 }
 
 TEST_F(StateDictPyTorchFile, BundlesWithoutOneStateDictAreErrorsListingTheKeys) {
-  expect_error(path("ambiguous"), {"ambiguous", "'state_dict' and 'model'", "top-level keys are 'model', 'state_dict'"});
+  expect_error(path("ambiguous"),
+               {"ambiguous", "'state_dict' and 'model'", "top-level keys are 'model', 'state_dict'"});
   expect_error(path("no_state_dict"), {"holds no model state dict", "top-level keys are 'epoch', 'lr'"});
   expect_error(path("non_tensor"), {"key 'b' holds a value of type int, not a tensor"});
   expect_error(path("nested_non_tensor"), {"entry 'model': key 'n' holds a value of type str, not a tensor"});

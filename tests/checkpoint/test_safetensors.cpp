@@ -32,7 +32,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-
 // A directory name every rank agrees on: the ranks are children of the test process.
 std::string test_dir(const std::string& name) {
   const char* tmp = std::getenv("TMPDIR");
@@ -55,9 +54,7 @@ std::string slurp(const std::string& path) {
   return s.str();
 }
 
-void spit(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void spit(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 // The JSON header of a safetensors file, checking that the data starts 8-byte aligned.
 nlohmann::json header_of(const std::string& path) {
@@ -116,8 +113,8 @@ void check_with_python(const std::string& dir, const std::string& prefix, const 
   ASSERT_TRUE(fs::exists(script)) << script << " (located through __FILE__)";
   const std::string ref = dir + "/reference.pt", log = dir + "/python.log";
   fsdp::save_pytorch_state_dict(full, ref);
-  const std::string cmd = fsdp_test::python() + " '" + script + "' '" + dir + "/" + prefix + ".safetensors.index.json' '" +
-                          ref + "' > '" + log + "' 2>&1";
+  const std::string cmd = fsdp_test::python() + " '" + script + "' '" + dir + "/" + prefix +
+                          ".safetensors.index.json' '" + ref + "' > '" + log + "' 2>&1";
   const int rc = std::system(cmd.c_str());
   const std::string out = slurp(log);
   EXPECT_EQ(rc, 0) << cmd << "\n" << out;
@@ -231,11 +228,15 @@ TEST(Safetensors, MalformedFilesAreRejectedNamingTheFile) {
                   "unknown dtype \"F8\"");
   expect_rejected("wrong_length", file_bytes(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
                   "needs 12");
-  expect_rejected("overlap", file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-                                        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12),
+  expect_rejected("overlap",
+                  file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                             R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                             12),
                   "the data of tensor 'b' overlaps that of 'a'");
-  expect_rejected("hole", file_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
-                                     R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})", 12),
+  expect_rejected("hole",
+                  file_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                             R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                             12),
                   "belong to no tensor");
   expect_rejected("bad_shape", file_bytes(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
                   "bad shape");

@@ -29,7 +29,6 @@ using fsdp::testing::WithBuffer;
 
 namespace {
 
-
 std::string temp_path(const std::string& name) {
   const char* dir = std::getenv("TMPDIR");
   return std::string(dir ? dir : "/tmp") + "/fsdp_sd_" + std::to_string(::getpid()) + "_" + name;
@@ -97,7 +96,8 @@ TEST(StateDict, ReplicatedDTensorsAreChunkedOnLoad) {
     auto full = fsdp::full_state_dict(*m);
     auto mesh = fsdp::as_dtensor(m->net->output->weight).device_mesh();
     fsdp::ShardedStateDict replicated;
-    for (const auto& item : full) replicated.insert(item.key(), fsdp::DTensor::from_local(item.value(), mesh, {fsdp::Replicate()}));
+    for (const auto& item : full)
+      replicated.insert(item.key(), fsdp::DTensor::from_local(item.value(), mesh, {fsdp::Replicate()}));
     auto other = make_sharded(5);
     fsdp::load_sharded_state_dict(*other, replicated);
     expect_equal_dicts(fsdp::full_state_dict(*other), full);
@@ -146,9 +146,11 @@ TEST(StateDict, PyTorchFileFormatRoundTripsAndPythonReadsIt) {
     if (fsdp::get_rank() == 0) {
       const std::string check = temp_path("check.txt");
       const std::string cmd =
-          fsdp_test::python() + " -c \"import sys, torch; sd = torch.load(sys.argv[1]); "
+          fsdp_test::python() +
+          " -c \"import sys, torch; sd = torch.load(sys.argv[1]); "
           "open(sys.argv[2], 'w').write(''.join('%s %s %.9g\\n' % (k, list(v.shape), v.double().sum().item()) "
-          "for k, v in sd.items()))\" " + path + " " + check;
+          "for k, v in sd.items()))\" " +
+          path + " " + check;
       ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
       std::ifstream in(check);
       std::string key;
@@ -227,7 +229,8 @@ TEST(StateDict, OptimizerStateResumesTrainingBitwise) {
       fsdp::load_sharded_optimizer_state_dict(*m, opt, bad);
       ADD_FAILURE() << "expected an error";
     } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("unexpected key 'state.no.such.param.exp_avg'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("unexpected key 'state.no.such.param.exp_avg'"), std::string::npos)
+          << e.what();
     }
   });
 }

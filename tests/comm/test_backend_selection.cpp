@@ -37,7 +37,8 @@ TEST(Backend, AnUnknownNameIsRefusedNamingTheOptionOrTheVariable) {
     fsdp::destroy_process_group();  // this test initialises by itself
     const std::string by_option = init_error(fsdp::InitOptions().backend("nccl"));
     EXPECT_NE(by_option.find("fsdp::InitOptions().backend='nccl' is not a process-group backend; use gloo, mpi"),
-              std::string::npos) << by_option;
+              std::string::npos)
+        << by_option;
     ::setenv("FSDP_BACKEND", "tcp", 1);
     const std::string by_env = init_error(fsdp::InitOptions().backend("gloo"));  // the variable wins
     ::unsetenv("FSDP_BACKEND");

@@ -219,7 +219,7 @@ TEST(Collectives, BadArgumentsAreRejectedWithAMessage) {
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find("all_gather_v"), std::string::npos) << e.what();
     }
-    EXPECT_THROW(pg->all_gather_into(at::empty({4}), at::empty({2, 2}).t()), c10::Error);  // not contiguous
+    EXPECT_THROW(pg->all_gather_into(at::empty({4}), at::empty({2, 2}).t()), c10::Error);        // not contiguous
     EXPECT_THROW(pg->all_gather_into(at::empty({2}, at::kDouble), at::empty({2})), c10::Error);  // dtype
     at::Tensor x = at::empty({4});
     EXPECT_THROW(pg->reduce_scatter_into(x, x), c10::Error);  // aliasing
@@ -231,44 +231,47 @@ TEST(Collectives, AMissingRankTimesOutWithANamedError) {
   fsdp::testing::DistOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(1500);
   for (int world : {2, 3}) {
-    run_distributed(world, [] {
-      auto pg = fsdp::world();
-      const int W = pg->size(), r = pg->rank();
-      pg->barrier()->wait();  // #0: everyone is here
-      if (r == W - 1) {
-        // Never joins #1; stays alive (an exit would close its connections and fail the
-        // others early with a different error).
-        std::this_thread::sleep_for(std::chrono::milliseconds(5000));
-        return;
-      }
-      at::Tensor out = at::empty({4 * W});
-      const auto start = std::chrono::steady_clock::now();
-      auto work = pg->all_gather_into(out, at::ones({4}));
-      try {
-        work->wait();
-        FAIL() << "expected a timeout";
-      } catch (const fsdp::CollectiveError& e) {
-        const std::string msg = e.what();
-        EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
-        EXPECT_NE(msg.find("'world'"), std::string::npos) << msg;
-        // With W = 3 the other waiting rank may see the first one's connections close just
-        // before its own deadline; who did not arrive is reported either way.
-        if (W == 2) {
-          EXPECT_NE(msg.find("timed out after 1500 ms"), std::string::npos) << msg;
-        }
-        EXPECT_NE(msg.find("ranks that did not arrive: [" + std::to_string(W - 1) + "]"), std::string::npos) << msg;
-      }
-      const auto elapsed = std::chrono::steady_clock::now() - start;
-      EXPECT_GE(elapsed, std::chrono::milliseconds(1400));
-      EXPECT_LT(elapsed, std::chrono::milliseconds(1500 + 5000));  // the timeout plus diagnosis, on a loaded box
-      // The group is now unusable, and says so at once.
-      try {
-        pg->barrier()->wait();
-        FAIL() << "expected the group to be unusable";
-      } catch (const fsdp::CollectiveError& e) {
-        EXPECT_NE(std::string(e.what()).find("unusable"), std::string::npos) << e.what();
-      }
-    }, opts);
+    run_distributed(
+        world,
+        [] {
+          auto pg = fsdp::world();
+          const int W = pg->size(), r = pg->rank();
+          pg->barrier()->wait();  // #0: everyone is here
+          if (r == W - 1) {
+            // Never joins #1; stays alive (an exit would close its connections and fail the
+            // others early with a different error).
+            std::this_thread::sleep_for(std::chrono::milliseconds(5000));
+            return;
+          }
+          at::Tensor out = at::empty({4 * W});
+          const auto start = std::chrono::steady_clock::now();
+          auto work = pg->all_gather_into(out, at::ones({4}));
+          try {
+            work->wait();
+            FAIL() << "expected a timeout";
+          } catch (const fsdp::CollectiveError& e) {
+            const std::string msg = e.what();
+            EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
+            EXPECT_NE(msg.find("'world'"), std::string::npos) << msg;
+            // With W = 3 the other waiting rank may see the first one's connections close just
+            // before its own deadline; who did not arrive is reported either way.
+            if (W == 2) {
+              EXPECT_NE(msg.find("timed out after 1500 ms"), std::string::npos) << msg;
+            }
+            EXPECT_NE(msg.find("ranks that did not arrive: [" + std::to_string(W - 1) + "]"), std::string::npos) << msg;
+          }
+          const auto elapsed = std::chrono::steady_clock::now() - start;
+          EXPECT_GE(elapsed, std::chrono::milliseconds(1400));
+          EXPECT_LT(elapsed, std::chrono::milliseconds(1500 + 5000));  // the timeout plus diagnosis, on a loaded box
+          // The group is now unusable, and says so at once.
+          try {
+            pg->barrier()->wait();
+            FAIL() << "expected the group to be unusable";
+          } catch (const fsdp::CollectiveError& e) {
+            EXPECT_NE(std::string(e.what()).find("unusable"), std::string::npos) << e.what();
+          }
+        },
+        opts);
   }
 }
 
@@ -307,35 +310,38 @@ void stop_inside_all_gather(fsdp::ProcessGroup& pg, const std::string& pid_file)
 TEST(Collectives, AStoppedRankIsNamedButNotOneThatLeft) {
   fsdp::testing::DistOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(3000);
-  run_distributed(3, [] {
-    auto pg = fsdp::world();
-    const int r = pg->rank();
-    const std::string pid_file = "/tmp/fsdp_stopped_rank_left_" + std::to_string(getppid());
-    pg->barrier()->wait();  // #0
-    at::Tensor out = at::empty({12});
-    if (r == 2) {
-      stop_inside_all_gather(*pg, pid_file);
-      return;
-    }
-    ASSERT_GT(wait_until_stopped(pid_file, std::chrono::seconds(30)), 0) << "rank 2 did not stop";
-    if (r == 1) return;  // leaves the job: destroy_process_group, then the process ends
-    auto work = pg->all_gather_into(out, at::ones({4}));
-    try {
-      work->wait();
-      ADD_FAILURE() << "expected the all-gather to fail";
-    } catch (const fsdp::CollectiveError& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("ranks that stopped making progress: [2] (their process is stopped"), std::string::npos)
-          << msg;
-      EXPECT_EQ(msg.find("stopped making progress: [1"), std::string::npos) << msg;
-    }
-    int pid = 0;
-    std::ifstream(pid_file) >> pid;
-    ASSERT_GT(pid, 0);
-    kill(pid, SIGCONT);
-    std::remove(pid_file.c_str());
-  }, opts);
+  run_distributed(
+      3,
+      [] {
+        auto pg = fsdp::world();
+        const int r = pg->rank();
+        const std::string pid_file = "/tmp/fsdp_stopped_rank_left_" + std::to_string(getppid());
+        pg->barrier()->wait();  // #0
+        at::Tensor out = at::empty({12});
+        if (r == 2) {
+          stop_inside_all_gather(*pg, pid_file);
+          return;
+        }
+        ASSERT_GT(wait_until_stopped(pid_file, std::chrono::seconds(30)), 0) << "rank 2 did not stop";
+        if (r == 1) return;  // leaves the job: destroy_process_group, then the process ends
+        auto work = pg->all_gather_into(out, at::ones({4}));
+        try {
+          work->wait();
+          ADD_FAILURE() << "expected the all-gather to fail";
+        } catch (const fsdp::CollectiveError& e) {
+          const std::string msg = e.what();
+          EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("ranks that stopped making progress: [2] (their process is stopped"), std::string::npos)
+              << msg;
+          EXPECT_EQ(msg.find("stopped making progress: [1"), std::string::npos) << msg;
+        }
+        int pid = 0;
+        std::ifstream(pid_file) >> pid;
+        ASSERT_GT(pid, 0);
+        kill(pid, SIGCONT);
+        std::remove(pid_file.c_str());
+      },
+      opts);
 }
 
 // A rank that entered a collective and then stopped (SIGSTOP) looks as if it arrived; the
@@ -343,40 +349,43 @@ TEST(Collectives, AStoppedRankIsNamedButNotOneThatLeft) {
 TEST(Collectives, AStoppedRankIsNamedByTheOthersTimeout) {
   fsdp::testing::DistOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(3000);
-  run_distributed(3, [] {
-    auto pg = fsdp::world();
-    const int r = pg->rank();
-    // Where rank 2 leaves its pid for rank 0, which resumes it at the end (the test process is
-    // the ranks' common parent).
-    const std::string pid_file = "/tmp/fsdp_stopped_rank_" + std::to_string(getppid());
-    pg->barrier()->wait();  // #0
-    at::Tensor out = at::empty({12});
-    if (r == 2) {
-      stop_inside_all_gather(*pg, pid_file);
-      return;
-    }
-    // Only once rank 2 is stopped: entering earlier, a slow rank 2 could still finish the
-    // all-gather with us.
-    ASSERT_GT(wait_until_stopped(pid_file, std::chrono::seconds(30)), 0) << "rank 2 did not stop";
-    auto work = pg->all_gather_into(out, at::ones({4}));
-    try {
-      work->wait();
-      ADD_FAILURE() << "expected a timeout";
-    } catch (const fsdp::CollectiveError& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("ranks that stopped making progress: [2]"), std::string::npos) << msg;
-      EXPECT_EQ(msg.find("did not arrive"), std::string::npos) << msg;
-    }
-    // Stay alive a while: the other waiting rank is still reading heartbeats, and ours must not
-    // stop before it is done.
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-    if (r == 0) {
-      int pid = 0;
-      std::ifstream(pid_file) >> pid;
-      ASSERT_GT(pid, 0);
-      kill(pid, SIGCONT);
-      std::remove(pid_file.c_str());
-    }
-  }, opts);
+  run_distributed(
+      3,
+      [] {
+        auto pg = fsdp::world();
+        const int r = pg->rank();
+        // Where rank 2 leaves its pid for rank 0, which resumes it at the end (the test process is
+        // the ranks' common parent).
+        const std::string pid_file = "/tmp/fsdp_stopped_rank_" + std::to_string(getppid());
+        pg->barrier()->wait();  // #0
+        at::Tensor out = at::empty({12});
+        if (r == 2) {
+          stop_inside_all_gather(*pg, pid_file);
+          return;
+        }
+        // Only once rank 2 is stopped: entering earlier, a slow rank 2 could still finish the
+        // all-gather with us.
+        ASSERT_GT(wait_until_stopped(pid_file, std::chrono::seconds(30)), 0) << "rank 2 did not stop";
+        auto work = pg->all_gather_into(out, at::ones({4}));
+        try {
+          work->wait();
+          ADD_FAILURE() << "expected a timeout";
+        } catch (const fsdp::CollectiveError& e) {
+          const std::string msg = e.what();
+          EXPECT_NE(msg.find("all_gather #1"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("ranks that stopped making progress: [2]"), std::string::npos) << msg;
+          EXPECT_EQ(msg.find("did not arrive"), std::string::npos) << msg;
+        }
+        // Stay alive a while: the other waiting rank is still reading heartbeats, and ours must not
+        // stop before it is done.
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+        if (r == 0) {
+          int pid = 0;
+          std::ifstream(pid_file) >> pid;
+          ASSERT_GT(pid, 0);
+          kill(pid, SIGCONT);
+          std::remove(pid_file.c_str());
+        }
+      },
+      opts);
 }

@@ -89,7 +89,8 @@ TEST(FlightRecorder, JsonHasEveryFieldAndEscapesText) {
   FlightRecorder& r = fresh_recorder(3);
   r.register_group("g\"quoted\"", {0, 1});
   r.set_context("backward", "layers.1\nodd");
-  for (int64_t seq = 0; seq < 5; ++seq) r.enqueued("g\"quoted\"", seq % 2 ? "reduce_scatter" : "all_gather", seq, 64, "Float");
+  for (int64_t seq = 0; seq < 5; ++seq)
+    r.enqueued("g\"quoted\"", seq % 2 ? "reduce_scatter" : "all_gather", seq, 64, "Float");
   r.started("g\"quoted\"", 4);
   const auto j = nlohmann::json::parse(r.to_json("a \"test\" reason"));
   EXPECT_EQ(j["version"], 1);
@@ -136,37 +137,41 @@ TEST(FlightRecorder, ATimeoutAndSigusr1WriteDumpsWithTheCollectives) {
   fsdp::testing::DistOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(1500);
   opts.env["FSDP_FLIGHT_RECORDER_DIR"] = dir;
-  run_distributed(2, [dir] {
-    auto pg = fsdp::world();
-    pg->barrier()->wait();  // #0
-    const std::string mine = dir + "/rank_" + std::to_string(pg->rank()) + ".json";
-    if (pg->rank() == 1) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(3000));  // never joins #1
-      EXPECT_EQ(kill(getpid(), SIGUSR1), 0);
-      for (int i = 0; i < 500 && !std::filesystem::exists(mine); ++i)
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      const auto j = nlohmann::json::parse(read_text(mine));
-      EXPECT_EQ(j["reason"], "signal SIGUSR1");
-      EXPECT_EQ(j["rank"], 1);
-      EXPECT_EQ(j["entries"].back()["op"], "barrier");
-      EXPECT_EQ(j["entries"].back()["state"], "completed");
-      return;  // still running: SIGUSR1 did not stop it
-    }
-    at::Tensor out = at::empty({8});
-    EXPECT_THROW(pg->all_gather_into(out, at::ones({4}))->wait(), fsdp::CollectiveError);
-    ASSERT_TRUE(std::filesystem::exists(mine));
-    const auto j = nlohmann::json::parse(read_text(mine));
-    EXPECT_EQ(j["rank"], 0);
-    EXPECT_NE(j["reason"].get<std::string>().find("collective failed: fsdp: all_gather #1"), std::string::npos) << j["reason"];
-    EXPECT_NE(j["first_failure"].get<std::string>().find("timed out"), std::string::npos);
-    const auto& last = j["entries"].back();
-    EXPECT_EQ(last["op"], "all_gather");
-    EXPECT_EQ(last["group"], "world");
-    EXPECT_EQ(last["seq"], 1);
-    EXPECT_EQ(last["state"], "failed");
-    EXPECT_EQ(last["bytes"], 32);
-    std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // let rank 1 finish first
-  }, opts);
+  run_distributed(
+      2,
+      [dir] {
+        auto pg = fsdp::world();
+        pg->barrier()->wait();  // #0
+        const std::string mine = dir + "/rank_" + std::to_string(pg->rank()) + ".json";
+        if (pg->rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(3000));  // never joins #1
+          EXPECT_EQ(kill(getpid(), SIGUSR1), 0);
+          for (int i = 0; i < 500 && !std::filesystem::exists(mine); ++i)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          const auto j = nlohmann::json::parse(read_text(mine));
+          EXPECT_EQ(j["reason"], "signal SIGUSR1");
+          EXPECT_EQ(j["rank"], 1);
+          EXPECT_EQ(j["entries"].back()["op"], "barrier");
+          EXPECT_EQ(j["entries"].back()["state"], "completed");
+          return;  // still running: SIGUSR1 did not stop it
+        }
+        at::Tensor out = at::empty({8});
+        EXPECT_THROW(pg->all_gather_into(out, at::ones({4}))->wait(), fsdp::CollectiveError);
+        ASSERT_TRUE(std::filesystem::exists(mine));
+        const auto j = nlohmann::json::parse(read_text(mine));
+        EXPECT_EQ(j["rank"], 0);
+        EXPECT_NE(j["reason"].get<std::string>().find("collective failed: fsdp: all_gather #1"), std::string::npos)
+            << j["reason"];
+        EXPECT_NE(j["first_failure"].get<std::string>().find("timed out"), std::string::npos);
+        const auto& last = j["entries"].back();
+        EXPECT_EQ(last["op"], "all_gather");
+        EXPECT_EQ(last["group"], "world");
+        EXPECT_EQ(last["seq"], 1);
+        EXPECT_EQ(last["state"], "failed");
+        EXPECT_EQ(last["bytes"], 32);
+        std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // let rank 1 finish first
+      },
+      opts);
   if (!fsdp::testing::is_child()) std::filesystem::remove_all(dir);
 }
 

@@ -14,11 +14,24 @@ namespace {
 class ScopedEnv {
  public:
   explicit ScopedEnv(const std::map<std::string, std::string>& vars) {
-    static const char* kAll[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                 "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
-                                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                                 "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                                 "SLURM_TASKS_PER_NODE", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_JOB_ID"};
+    static const char* kAll[] = {"RANK",
+                                 "WORLD_SIZE",
+                                 "LOCAL_RANK",
+                                 "LOCAL_WORLD_SIZE",
+                                 "MASTER_ADDR",
+                                 "MASTER_PORT",
+                                 "TORCHELASTIC_RESTART_COUNT",
+                                 "TORCHELASTIC_USE_AGENT_STORE",
+                                 "OMPI_COMM_WORLD_RANK",
+                                 "OMPI_COMM_WORLD_SIZE",
+                                 "OMPI_COMM_WORLD_LOCAL_RANK",
+                                 "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                 "SLURM_PROCID",
+                                 "SLURM_NTASKS",
+                                 "SLURM_LOCALID",
+                                 "SLURM_TASKS_PER_NODE",
+                                 "SLURM_LAUNCH_NODE_IPADDR",
+                                 "SLURM_JOB_ID"};
     for (const char* name : kAll) {
       const char* v = std::getenv(name);
       if (v) saved_[name] = v;
@@ -48,8 +61,13 @@ TEST(Rendezvous, NoLauncherMeansOneProcess) {
 }
 
 TEST(Rendezvous, TorchrunContract) {
-  ScopedEnv env({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-                 {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "1234"}, {"TORCHELASTIC_RESTART_COUNT", "2"},
+  ScopedEnv env({{"RANK", "3"},
+                 {"WORLD_SIZE", "4"},
+                 {"LOCAL_RANK", "1"},
+                 {"LOCAL_WORLD_SIZE", "2"},
+                 {"MASTER_ADDR", "10.1.2.3"},
+                 {"MASTER_PORT", "1234"},
+                 {"TORCHELASTIC_RESTART_COUNT", "2"},
                  {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
   const auto info = fsdp::rendezvous_info_from_env();
   EXPECT_EQ(info.source, "torchrun");
@@ -64,8 +82,12 @@ TEST(Rendezvous, TorchrunContract) {
 }
 
 TEST(Rendezvous, OpenMpiVariables) {
-  ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
-                 {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}, {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29400"}});
+  ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "5"},
+                 {"OMPI_COMM_WORLD_SIZE", "8"},
+                 {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                 {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+                 {"MASTER_ADDR", "node0"},
+                 {"MASTER_PORT", "29400"}});
   const auto info = fsdp::rendezvous_info_from_env();
   EXPECT_EQ(info.source, "openmpi");
   EXPECT_EQ(info.rank, 5);
@@ -77,8 +99,12 @@ TEST(Rendezvous, OpenMpiVariables) {
 }
 
 TEST(Rendezvous, SlurmVariables) {
-  ScopedEnv env({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"},
-                 {"SLURM_TASKS_PER_NODE", "2(x2)"}, {"SLURM_LAUNCH_NODE_IPADDR", "192.0.2.7"}, {"SLURM_JOB_ID", "12345"}});
+  ScopedEnv env({{"SLURM_PROCID", "2"},
+                 {"SLURM_NTASKS", "4"},
+                 {"SLURM_LOCALID", "0"},
+                 {"SLURM_TASKS_PER_NODE", "2(x2)"},
+                 {"SLURM_LAUNCH_NODE_IPADDR", "192.0.2.7"},
+                 {"SLURM_JOB_ID", "12345"}});
   const auto info = fsdp::rendezvous_info_from_env();
   EXPECT_EQ(info.source, "slurm");
   EXPECT_EQ(info.rank, 2);

@@ -64,8 +64,7 @@ at::Tensor token_batch(int64_t step, int64_t rows) {
   return at::randint(0, 8, {rows, 17}, gen);
 }
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& tokens) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                              tokens.slice(1, 1).reshape({-1}));
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), tokens.slice(1, 1).reshape({-1}));
 }
 
 fsdp::models::Transformer make_transformer(uint64_t seed) {
@@ -204,16 +203,17 @@ TEST(Replicate, TransformerParity) {
       expect_parity(transformer_case("transformer", fsdp::ReplicateOptions()));
       // Reentrant activation checkpointing: gradients of the blocks arrive in nested backwards;
       // the end-of-backward step still runs once, at the end of the outer one.
-      ParityCase checkpointed = transformer_case("transformer, every block checkpointed",
-                                                 fsdp::ReplicateOptions().bucket_cap_mb(2.0 / 1024));
+      ParityCase checkpointed =
+          transformer_case("transformer, every block checkpointed", fsdp::ReplicateOptions().bucket_cap_mb(2.0 / 1024));
       checkpointed.make = [](uint64_t seed) {
         auto t = make_transformer(seed);
         t->set_activation_checkpointing(1);
         return t.ptr();
       };
       expect_parity(checkpointed);
-      expect_parity(transformer_case("transformer, 2 KiB buckets",
-                                     fsdp::ReplicateOptions().bucket_cap_mb(2.0 / 1024).first_bucket_cap_mb(0.5 / 1024)));
+      expect_parity(
+          transformer_case("transformer, 2 KiB buckets",
+                           fsdp::ReplicateOptions().bucket_cap_mb(2.0 / 1024).first_bucket_cap_mb(0.5 / 1024)));
     });
   }
 }
@@ -387,7 +387,8 @@ TEST(Replicate, RefusesTwoDMeshesBadCapsAndDoubleManagement) {
         f();
         ADD_FAILURE() << "expected an error containing '" << needle << "'";
       } catch (const c10::Error& e) {
-        EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos) << e.what_without_backtrace();
+        EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos)
+            << e.what_without_backtrace();
       }
     };
     auto mesh2d = fsdp::init_device_mesh("cpu", {1, 2}, {"replicate", "shard"});
@@ -413,9 +414,9 @@ TEST(Replicate, RefusesTwoDMeshesBadCapsAndDoubleManagement) {
       fsdp::replicate(m);
       m->extra->to(at::kDouble);
       at::Tensor x = mlp_batch(0, 2);
-      expect_error([&] {
-        (mlp_loss(m->forward(x), x) + m->extra->forward(x.to(at::kDouble)).sum().to(at::kFloat)).backward();
-      }, "parameters 'extra.weight', 'extra.bias' changed dtype or device after replicate()");
+      expect_error(
+          [&] { (mlp_loss(m->forward(x), x) + m->extra->forward(x.to(at::kDouble)).sum().to(at::kFloat)).backward(); },
+          "parameters 'extra.weight', 'extra.bias' changed dtype or device after replicate()");
     }
     {
       // fully_shard of a parent leaves a replicated submodule to replicate().
@@ -468,7 +469,8 @@ TEST(Replicate, CheckpointsMoveBetweenReplicateAndFullyShardAcrossWorldSizes) {
         }
         sd.insert("model." + item.key(), item.value());
       }
-      for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, opt)) sd.insert("optim." + item.key(), item.value());
+      for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, opt))
+        sd.insert("optim." + item.key(), item.value());
       fsdp::save_checkpoint(root + "/" + name, sd);
       // The whole values, for the loaders to compare with.
       fsdp::TensorStateDict full;
@@ -492,7 +494,8 @@ TEST(Replicate, CheckpointsMoveBetweenReplicateAndFullyShardAcrossWorldSizes) {
       fsdp::init_optimizer_state(opt);
       fsdp::ShardedStateDict like;
       for (const auto& item : fsdp::sharded_state_dict(*model)) like.insert("model." + item.key(), item.value());
-      for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, opt)) like.insert("optim." + item.key(), item.value());
+      for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, opt))
+        like.insert("optim." + item.key(), item.value());
       fsdp::ShardedStateDict loaded = fsdp::load_checkpoint(root + "/" + name, like);
       fsdp::ShardedStateDict model_part, optim_part;
       for (const auto& item : loaded) {
@@ -508,7 +511,8 @@ TEST(Replicate, CheckpointsMoveBetweenReplicateAndFullyShardAcrossWorldSizes) {
       }
       for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, opt)) {
         EXPECT_LT(max_diff(item.value().full_tensor().to(at::kDouble), expected["optim." + item.key()].to(at::kDouble)),
-                  1e-6) << name << ": " << item.key();
+                  1e-6)
+            << name << ": " << item.key();
       }
     };
   };

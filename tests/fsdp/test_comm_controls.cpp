@@ -23,8 +23,8 @@
 #include <thread>
 
 using fsdp::testing::expect_training_parity;
-using fsdp::testing::ParityOptions;
 using fsdp::testing::parity_loss;
+using fsdp::testing::ParityOptions;
 using fsdp::testing::run_distributed;
 
 namespace {
@@ -284,7 +284,7 @@ TEST(ShareCommCtx, TwoRootsTrainTogetherOnOneContext) {
       TwoStages model = make_two_stages();
       fsdp::FSDPModule first = shard_stage(model->first);
       fsdp::FSDPModule second = shard_stage(model->second);
-      fsdp::share_comm_ctx({});  // nothing to share
+      fsdp::share_comm_ctx({});               // nothing to share
       fsdp::share_comm_ctx({first, second});  // before the first forward: adopted at lazy init
       // The first stage's first layer keeps its reduction pending until the end of the last
       // backward (a group with an all-reduce hook writes its gradients there).
@@ -311,8 +311,11 @@ TEST(ShareCommCtx, TwoRootsTrainTogetherOnOneContext) {
       EXPECT_EQ(second.reductions_in_flight(), 0);
       // After lazy initialisation: a root again is fine, a non-root is refused at once.
       fsdp::share_comm_ctx({second, first});
-      expect_error([&] { fsdp::share_comm_ctx({first, fsdp::get_fsdp_module(*model->second->a)}); },
-                   "FSDP module 'a' is not a root");
+      expect_error(
+          [&] {
+            fsdp::share_comm_ctx({first, fsdp::get_fsdp_module(*model->second->a)});
+          },
+          "FSDP module 'a' is not a root");
     });
   }
 }
@@ -433,7 +436,10 @@ TEST(CustomComm, ABufferOfTheWrongSizeIsNamed) {
     Net model = make_net();
     shard_net(model);
     fsdp::get_fsdp_module(*model->l3).set_custom_all_gather(std::make_shared<WrongSizeAllGather>());
-    expect_error([&] { fsdp::call(model, at::ones({2, 5})); },
-                 "the custom all-gather's allocate(16, Float, cpu) must return a contiguous 1-D tensor");
+    expect_error(
+        [&] {
+          fsdp::call(model, at::ones({2, 5}));
+        },
+        "the custom all-gather's allocate(16, Float, cpu) must return a contiguous 1-D tensor");
   });
 }

@@ -37,8 +37,8 @@ TORCH_MODULE(Stack);
 // Linear, ReLU, a Stack (Linear, Tanh), Linear: dims that do not divide W = 2.
 torch::nn::Sequential make_sequential() {
   torch::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::ReLU(), Stack(torch::nn::Linear(7, 7), torch::nn::Tanh()),
-                               torch::nn::Linear(7, 1));
+  return torch::nn::Sequential(torch::nn::Linear(5, 7), torch::nn::ReLU(),
+                               Stack(torch::nn::Linear(7, 7), torch::nn::Tanh()), torch::nn::Linear(7, 1));
 }
 
 // Every Linear of the tree its own FSDP module, then the Sequential as the root.

@@ -29,7 +29,7 @@ using fsdp::testing::run_distributed;
 
 namespace {
 
-constexpr int64_t kDim = 5;          // dim 0 of every layer: uneven over 2, 3 and 4 ranks
+constexpr int64_t kDim = 5;  // dim 0 of every layer: uneven over 2, 3 and 4 ranks
 constexpr int64_t kRowsPerRank = 2;
 
 // x -> tanh(layer_i(x)) for i = 0..2 -> (head(h), aux(h)). The loss uses only head's output,
@@ -202,12 +202,16 @@ TEST(IgnoredParams, StayPlainTrainWithTheUsersAllReduceAndRoundTripThroughCheckp
         fsdp::call(model, local_batch(0));
       }
       // layer0, layer2, aux and the root (head.bias) gather; layer1 has no group; never does not run.
-      if (W > 1) { EXPECT_EQ(pg->stats()[CollectiveKind::kAllGather].calls, 4); }
+      if (W > 1) {
+        EXPECT_EQ(pg->stats()[CollectiveKind::kAllGather].calls, 4);
+      }
       StepHooks hooks;
       hooks.before_step = [&](torch::nn::Module&, int64_t) { pg->reset_stats(); };
       hooks.after_backward = [](Net& m) { all_reduce_grads(ignored_of(*m)); };
       hooks.check_step = [&](Net& m, int64_t) {
-        if (W > 1) { EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 3) << "layer0, layer2, root"; }
+        if (W > 1) {
+          EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 3) << "layer0, layer2, root";
+        }
         EXPECT_TRUE(param(*m, "layer1.weight").grad().defined());
       };
       train_in_parity(model, ref, 4, hooks);
@@ -301,7 +305,9 @@ TEST(FrozenParams, BitFitReduceScattersOnlyBiasBytes) {
         for (const auto& item : m->named_parameters()) {
           const bool trains = item.key().find("bias") != std::string::npos && item.key().rfind("aux", 0) != 0 &&
                               item.key().rfind("never", 0) != 0;
-          if (step == 0) { EXPECT_EQ(item.value().grad().defined(), trains) << item.key(); }
+          if (step == 0) {
+            EXPECT_EQ(item.value().grad().defined(), trains) << item.key();
+          }
         }
         if (W == 1) return;
         const auto rs = pg->stats()[CollectiveKind::kReduceScatter];
@@ -349,7 +355,9 @@ void train_with_alternating_frozen_layers(const fsdp::FullyShardOptions& opts,
     const std::string frozen = frozen_layer(step);
     const std::string trained = "layer" + std::to_string(1 - step % 2) + ".";
     EXPECT_TRUE(param(*m, trained + "weight").grad().defined()) << "step " << step;
-    if (step == 0) { EXPECT_FALSE(param(*m, frozen + "weight").grad().defined()); }
+    if (step == 0) {
+      EXPECT_FALSE(param(*m, frozen + "weight").grad().defined());
+    }
     if (rs_group->size() > 1) {
       EXPECT_EQ(rs_group->stats()[CollectiveKind::kReduceScatter].calls, 3) << "step " << step;
     }
@@ -426,7 +434,9 @@ TEST(UnusedParams, KeepNoGradientIssueNoReduceScatterAndAdamWLeavesThemExactly) 
         }
         EXPECT_TRUE(param(*m, "layer0.weight").grad().defined());
         // layer0..2 and the root; aux and never have nothing to reduce.
-        if (W > 1) { EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 4) << "step " << step; }
+        if (W > 1) {
+          EXPECT_EQ(pg->stats()[CollectiveKind::kReduceScatter].calls, 4) << "step " << step;
+        }
       };
       train_in_parity(model, ref, 3, hooks);
       auto ref_params = ref->named_parameters();

@@ -74,10 +74,10 @@ TEST(FsdpCollectives, ShardLayoutIsRankMajorOverPaddedPieces) {
 TEST(FsdpCollectives, FlatShardHoldsThisRanksRowsThenZeros) {
   Model m;
   const std::vector<std::vector<float>> expected = {
-      {1, 2, 3, 4, 5, 6, 100},      // rank 0: weight rows 0-1, bias[0]
-      {7, 8, 9, 10, 11, 12, 101},   // rank 1: weight rows 2-3, bias[1]
-      {13, 14, 15, 0, 0, 0, 102},   // rank 2: weight row 4 and a padding row, bias[2]
-      {0, 0, 0, 0, 0, 0, 0},        // rank 3: nothing real
+      {1, 2, 3, 4, 5, 6, 100},     // rank 0: weight rows 0-1, bias[0]
+      {7, 8, 9, 10, 11, 12, 101},  // rank 1: weight rows 2-3, bias[1]
+      {13, 14, 15, 0, 0, 0, 102},  // rank 2: weight row 4 and a padding row, bias[2]
+      {0, 0, 0, 0, 0, 0, 0},       // rank 3: nothing real
   };
   const std::vector<std::vector<int64_t>> weight_shapes = {{2, 3}, {2, 3}, {1, 3}, {0, 3}};
   for (int64_t r = 0; r < kWorld; ++r) {

@@ -95,8 +95,8 @@ TEST(FsdpRuntime, CollectiveCountsPerStep) {
       auto pg = mesh.get_group(0);
       auto model = make_model();
       auto handles = shard(model, mesh);
-      const int64_t groups = static_cast<int64_t>(handles.size());        // 2 blocks + root
-      const int64_t resharded = groups - 1;                               // the root keeps its params
+      const int64_t groups = static_cast<int64_t>(handles.size());  // 2 blocks + root
+      const int64_t resharded = groups - 1;                         // the root keeps its params
       torch::optim::Adam opt(model->parameters(), 1e-3);
       for (int step = 0; step < 3; ++step) {  // step 0 has no prefetch history, later ones prefetch
         opt.zero_grad();

@@ -45,10 +45,10 @@ TORCH_MODULE(MLP);
 
 struct Case {
   std::string name;
-  std::function<std::shared_ptr<torch::nn::Module>()> make;             // same weights on every call
+  std::function<std::shared_ptr<torch::nn::Module>()> make;  // same weights on every call
   std::function<void(std::shared_ptr<torch::nn::Module>, int world)> shard;
   std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)> forward;
-  std::function<at::Tensor(int64_t step, int64_t rows)> batch;          // the global batch of a step
+  std::function<at::Tensor(int64_t step, int64_t rows)> batch;  // the global batch of a step
   std::function<at::Tensor(const at::Tensor& out, const at::Tensor& batch)> loss;
   std::function<void(torch::nn::Module&)> before_forward = [](torch::nn::Module&) {};
   int steps = 10;
@@ -220,7 +220,8 @@ TEST(FullyShard, MlpParityWithPrefetchUnshardAndReuse) {
       Case u = mlp_case("unshard before forward", [](auto m, int) { shard_mlp_per_layer(m, {}); });
       u.before_forward = [](torch::nn::Module& m) { fsdp::get_fsdp_module(m).unshard(/*async_op=*/true); };
       expect_parity(u);
-      expect_parity(mlp_case("module called twice", [](auto m, int) { shard_mlp_per_layer(m, {}); }, true));
+      expect_parity(mlp_case(
+          "module called twice", [](auto m, int) { shard_mlp_per_layer(m, {}); }, true));
     });
   }
 }

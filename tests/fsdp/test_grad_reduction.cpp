@@ -141,11 +141,13 @@ TEST(GradReduction, AParameterWithoutAGradientKeepsNone) {
         opt.zero_grad();
         fsdp::call(model, input_of(r, step)).pow(2).sum().backward();
         EXPECT_TRUE(sharded(*model, "used.weight").grad().defined());
-        EXPECT_FALSE(sharded(*model, "unused.weight").grad().defined()) << "FSDP gives no gradient to a parameter that got none";
+        EXPECT_FALSE(sharded(*model, "unused.weight").grad().defined())
+            << "FSDP gives no gradient to a parameter that got none";
         EXPECT_FALSE(sharded(*model, "unused.bias").grad().defined());
         opt.step();
       }
-      EXPECT_TRUE(full_of(sharded(*model, "unused.weight")).equal(before)) << "Adam leaves a parameter without a gradient alone";
+      EXPECT_TRUE(full_of(sharded(*model, "unused.weight")).equal(before))
+          << "Adam leaves a parameter without a gradient alone";
     });
   }
 }
@@ -249,29 +251,32 @@ TEST(GradReduction, ARankThatSkipsABlockTrainsWhenUnusedParametersAreReduced) {
 TEST(GradReduction, ASkippedBlockWithoutTheSettingFailsAtTheTimeout) {
   fsdp::testing::DistOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(1500);
-  run_distributed(2, [] {
-    const int64_t r = fsdp::get_rank();
-    auto mesh = fsdp::init_device_mesh("cpu", {2});
-    Chain model(3, /*with_head=*/false);  // the root holds no parameters: no reduce-scatter of its own
-    shard_chain(model, mesh);
-    at::Tensor loss = loss_of(model, r, 0, r == 1 ? 1 : -1);
-    if (r == 1) {
-      loss.backward();  // pairs its two reduce-scatters with rank 0's first two; then stays alive
-      std::this_thread::sleep_for(std::chrono::milliseconds(6000));
-      return;
-    }
-    try {
-      loss.backward();
-      FAIL() << "expected the unmatched reduce-scatter to time out";
-    } catch (const fsdp::CollectiveError& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find("reduce_scatter #"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("'" + mesh.get_group(0)->name() + "'"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("did not arrive: [1]"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("FSDP module 'blocks0'"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("set_reduce_scatter_unused_params(true)"), std::string::npos) << msg;
-    }
-  }, opts);
+  run_distributed(
+      2,
+      [] {
+        const int64_t r = fsdp::get_rank();
+        auto mesh = fsdp::init_device_mesh("cpu", {2});
+        Chain model(3, /*with_head=*/false);  // the root holds no parameters: no reduce-scatter of its own
+        shard_chain(model, mesh);
+        at::Tensor loss = loss_of(model, r, 0, r == 1 ? 1 : -1);
+        if (r == 1) {
+          loss.backward();  // pairs its two reduce-scatters with rank 0's first two; then stays alive
+          std::this_thread::sleep_for(std::chrono::milliseconds(6000));
+          return;
+        }
+        try {
+          loss.backward();
+          FAIL() << "expected the unmatched reduce-scatter to time out";
+        } catch (const fsdp::CollectiveError& e) {
+          const std::string msg = e.what();
+          EXPECT_NE(msg.find("reduce_scatter #"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("'" + mesh.get_group(0)->name() + "'"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("did not arrive: [1]"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("FSDP module 'blocks0'"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("set_reduce_scatter_unused_params(true)"), std::string::npos) << msg;
+        }
+      },
+      opts);
 }
 
 // ------------------------------------------------------------------------------ micro-batches

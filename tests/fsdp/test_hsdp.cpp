@@ -221,7 +221,8 @@ TEST(Hsdp, GradientDivisionFollowsEveryRowOfFsdp2sRule) {
   EXPECT_EQ(d.post_divide, 6.0);
   EXPECT_EQ(d.pre_divide, 1.0);
   // fp16 (overflow risk): pre p, post F'/p, SUM/SUM, forced or not, with or without a factor.
-  const std::vector<std::array<double, 3>> rows = {{2, 2, 1}, {4, 2, 2}, {8, 4, 2}, {16, 4, 4}, {3, 2, 1.5}, {6, 4, 1.5}};
+  const std::vector<std::array<double, 3>> rows = {{2, 2, 1},  {4, 2, 2},   {8, 4, 2},
+                                                   {16, 4, 4}, {3, 2, 1.5}, {6, 4, 1.5}};
   for (const auto& row : rows) {
     const double f = row[0];
     for (bool force : {false, true}) {
@@ -313,7 +314,8 @@ TEST(Hsdp, OneAllReducePerReduceScatterOn2DAndNoneOn1D) {
       auto shard_group = shard_group_of(mesh);
       auto replicate_group = replicate_group_of(mesh);
       auto model = make_transformer();
-      const int64_t groups = static_cast<int64_t>(shard_transformer(model, fsdp::FullyShardOptions().mesh(mesh)).size());
+      const int64_t groups =
+          static_cast<int64_t>(shard_transformer(model, fsdp::FullyShardOptions().mesh(mesh)).size());
       for (int64_t step = 0; step < 2; ++step) {
         shard_group->reset_stats();
         if (replicate_group) replicate_group->reset_stats();
@@ -387,7 +389,8 @@ TEST(Hsdp, SkippingTheAllReduceOverMicroBatches) {
       auto ref_params = ref->named_parameters();
       for (const auto& item : model->named_parameters()) {
         ASSERT_TRUE(item.value().grad().defined()) << what << " " << item.key();
-        EXPECT_LT(max_diff(full_grad_of(item.value()), ref_params[item.key()].grad()), 1e-6) << what << " " << item.key();
+        EXPECT_LT(max_diff(full_grad_of(item.value()), ref_params[item.key()].grad()), 1e-6)
+            << what << " " << item.key();
       }
     }
   });
@@ -475,8 +478,8 @@ TEST(Hsdp, ForcedSumAndFp16ReductionGiveTheSameMeans) {
       }
       {
         Mlp model;
-        shard_mlp(model, fsdp::FullyShardOptions().mesh(mesh).mp_policy(
-                             fsdp::MixedPrecisionPolicy().reduce_dtype(at::kHalf)));
+        shard_mlp(model,
+                  fsdp::FullyShardOptions().mesh(mesh).mp_policy(fsdp::MixedPrecisionPolicy().reduce_dtype(at::kHalf)));
         mlp_loss(model, 0, begin, end).backward();
         expect_divided_grads(model, W, W, 2e-3, what + " fp16 reduce");
       }
@@ -564,7 +567,8 @@ struct Trainer {
   fsdp::ShardedStateDict state() {
     fsdp::ShardedStateDict sd;
     for (const auto& item : fsdp::sharded_state_dict(*model)) sd.insert("model." + item.key(), item.value());
-    for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, *opt)) sd.insert("optim." + item.key(), item.value());
+    for (const auto& item : fsdp::sharded_optimizer_state_dict(*model, *opt))
+      sd.insert("optim." + item.key(), item.value());
     return sd;
   }
   void load(const std::string& dir) {

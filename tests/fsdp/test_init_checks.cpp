@@ -103,12 +103,18 @@ TEST(InitChecks, ParametersFsdpCannotShardAreRefusedByName) {
     auto opts = fsdp::FullyShardOptions().mesh(fsdp::init_device_mesh("cpu", {2}));
     expect_error([&] { fsdp::fully_shard(WithParam(at::ones({})), opts); },
                  {"parameter 'w' is a scalar (0-dim)", "Make it shape [1]"});
-    expect_error([&] { fsdp::fully_shard(WithParam(at::randn({4, 3}).t()), opts); },
-                 {"parameter 'w' does not own a contiguous storage", "clone()"});
+    expect_error(
+        [&] {
+          fsdp::fully_shard(WithParam(at::randn({4, 3}).t()), opts);
+        },
+        {"parameter 'w' does not own a contiguous storage", "clone()"});
     expect_error([&] { fsdp::fully_shard(WithParam(at::randn({8}).narrow(0, 2, 4)), opts); },
                  {"parameter 'w' does not own a contiguous storage"});
-    expect_error([&] { fsdp::fully_shard(WithParam(at::empty({4, 3}, at::TensorOptions().device(at::kMeta))), opts); },
-                 {"parameter 'w' is on the meta device", "not supported yet", "to_empty()"});
+    expect_error(
+        [&] {
+          fsdp::fully_shard(WithParam(at::empty({4, 3}, at::TensorOptions().device(at::kMeta))), opts);
+        },
+        {"parameter 'w' is on the meta device", "not supported yet", "to_empty()"});
     // A refused call leaves the module unmanaged: a fixed parameter then shards.
     WithParam m(at::ones({}));
     expect_error([&] { fsdp::fully_shard(m, opts); }, {"0-dim"});
@@ -169,9 +175,8 @@ TEST(InitChecks, AChildsForwardBeforeTheRootsFirstForwardIsRefused) {
     Stack m;
     shard(m, fsdp::init_device_mesh("cpu", {2}));
     fsdp::call(m->l0, batch(0, 2));  // l0 becomes a root of its own
-    expect_error([&] { fsdp::call(m, batch(0, 2)); },
-                 {"FSDP module 'l0' was already initialised as a root of its own",
-                  "Run the first forward through the root module"});
+    expect_error([&] { fsdp::call(m, batch(0, 2)); }, {"FSDP module 'l0' was already initialised as a root of its own",
+                                                       "Run the first forward through the root module"});
   });
 }
 

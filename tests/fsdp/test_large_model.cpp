@@ -133,8 +133,9 @@ TEST(LargeModel, BuiltShardedUnderTheCapEqualsTheWholeBuild) {
       model = fsdp::models::sharded_transformer(a, options, options);
       peak = capped.peak();
     }
-    std::printf("rank %d: built sharded over 2 ranks, peak %.2f MiB of tensors; full parameters %.2f MiB, cap %.2f MiB\n",
-                fsdp::get_rank(), peak / 1048576.0, full_parameter_bytes(a) / 1048576.0, cap_bytes(a) / 1048576.0);
+    std::printf(
+        "rank %d: built sharded over 2 ranks, peak %.2f MiB of tensors; full parameters %.2f MiB, cap %.2f MiB\n",
+        fsdp::get_rank(), peak / 1048576.0, full_parameter_bytes(a) / 1048576.0, cap_bytes(a) / 1048576.0);
     EXPECT_LT(peak, cap_bytes(a));
     // The registered parameters are this rank's shards: about half of the model.
     EXPECT_LE(fsdp::models::count_parameters(*model) * 4, full_parameter_bytes(a) / 2 + 4 * a.dim * 4);
@@ -184,9 +185,11 @@ TEST(LargeModel, TrainsOneStepUnderTheCapLikeTheWholeModel) {
       opt.zero_grad();
       step_peak = capped.peak();
     }
-    std::printf("rank %d: over 4 ranks, peak %.2f MiB building, %.2f MiB with one step; full parameters %.2f MiB, "
-                "cap %.2f MiB\n", rank, build_peak / 1048576.0, step_peak / 1048576.0,
-                full_parameter_bytes(a) / 1048576.0, cap_bytes(a) / 1048576.0);
+    std::printf(
+        "rank %d: over 4 ranks, peak %.2f MiB building, %.2f MiB with one step; full parameters %.2f MiB, "
+        "cap %.2f MiB\n",
+        rank, build_peak / 1048576.0, step_peak / 1048576.0, full_parameter_bytes(a) / 1048576.0,
+        cap_bytes(a) / 1048576.0);
     EXPECT_LT(step_peak, cap_bytes(a));
 
     // The reference, without a cap: the whole model, the whole global batch, one process.

@@ -169,7 +169,8 @@ TEST(MixedPrecision, GradientDivisionFollowsPyTorchForFp16) {
   using fsdp::detail::gradient_division;
   EXPECT_EQ(gradient_division(at::kFloat, 8, 1, std::nullopt, false).reduce_scatter_op, fsdp::ReduceOp::kAvg);
   EXPECT_EQ(gradient_division(at::kBFloat16, 8, 1, std::nullopt, false).reduce_scatter_op, fsdp::ReduceOp::kAvg);
-  const std::vector<std::array<double, 3>> fp16 = {{2, 2, 1}, {4, 2, 2}, {8, 4, 2}, {16, 4, 4}, {3, 2, 1.5}, {6, 4, 1.5}};
+  const std::vector<std::array<double, 3>> fp16 = {{2, 2, 1},  {4, 2, 2},   {8, 4, 2},
+                                                   {16, 4, 4}, {3, 2, 1.5}, {6, 4, 1.5}};
   for (const auto& c : fp16) {
     const auto d = gradient_division(at::kHalf, static_cast<int64_t>(c[0]), 1, std::nullopt, false);
     EXPECT_EQ(d.reduce_scatter_op, fsdp::ReduceOp::kSum);
@@ -413,7 +414,8 @@ TEST(MixedPrecision, ModulesWithDifferentPoliciesTrain) {
     auto mesh = fsdp::init_device_mesh("cpu", {2});
     auto model = make_transformer();
     auto block_policy = bf16().output_dtype(at::kFloat);
-    for (auto& block : model->blocks()) fsdp::fully_shard(block, fsdp::FullyShardOptions().mesh(mesh).mp_policy(block_policy));
+    for (auto& block : model->blocks())
+      fsdp::fully_shard(block, fsdp::FullyShardOptions().mesh(mesh).mp_policy(block_policy));
     fsdp::fully_shard(model, fsdp::FullyShardOptions().mesh(mesh));
     torch::optim::Adam opt(model->parameters(), 1e-2);
     std::vector<double> losses;

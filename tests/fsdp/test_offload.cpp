@@ -22,7 +22,8 @@ using fsdp::testing::run_distributed;
 
 namespace {
 
-fsdp::models::Transformer sharded_transformer(const fsdp::DeviceMesh& mesh, const std::optional<CPUOffloadPolicy>& offload) {
+fsdp::models::Transformer sharded_transformer(const fsdp::DeviceMesh& mesh,
+                                              const std::optional<CPUOffloadPolicy>& offload) {
   torch::manual_seed(0);
   fsdp::models::ModelArgs args;
   args.dropout_p = 0.0;
@@ -83,8 +84,8 @@ TEST(CpuOffload, PinnedMemoryAndShardsLeavingFsdpsBufferAreRefused) {
     // A CPU build cannot move a shard off the host (set_data refuses other device types), so what
     // is checked here is the other way a shard leaves FSDP's buffer: module->to(dtype).
     for (bool offload : {true, false}) {
-      auto model = sharded_transformer(mesh, offload ? std::optional<CPUOffloadPolicy>(CPUOffloadPolicy().pin_memory(false))
-                                                     : std::nullopt);
+      auto model = sharded_transformer(
+          mesh, offload ? std::optional<CPUOffloadPolicy>(CPUOffloadPolicy().pin_memory(false)) : std::nullopt);
       model->to(at::kDouble);
       try {
         loss_of(model, 0);

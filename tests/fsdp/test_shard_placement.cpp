@@ -271,7 +271,8 @@ TEST(ShardPlacement, LayoutsCutAndRebuildAlongTheShardDim) {
   const at::Tensor cube = at::arange(24, at::kFloat).reshape({2, 3, 4}) + 100;
   auto params_of = [&](int64_t rank) {
     fsdp::detail::FSDPParams params;
-    params.push_back(std::make_unique<fsdp::detail::FSDPParam>("weight", weight.clone().set_requires_grad(true), W, rank));
+    params.push_back(
+        std::make_unique<fsdp::detail::FSDPParam>("weight", weight.clone().set_requires_grad(true), W, rank));
     params.push_back(std::make_unique<fsdp::detail::FSDPParam>("cube", cube.clone().set_requires_grad(true), W, rank));
     params[0]->shard_on(1);
     params[1]->shard_on(-1);

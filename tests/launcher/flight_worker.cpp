@@ -41,9 +41,7 @@ struct BlockImpl : torch::nn::Module {
 TORCH_MODULE(Block);
 
 struct NetImpl : torch::nn::Module {
-  NetImpl() {
-    blocks = register_module("blocks", torch::nn::ModuleList(Block(), Block(), Block(), Block()));
-  }
+  NetImpl() { blocks = register_module("blocks", torch::nn::ModuleList(Block(), Block(), Block(), Block())); }
   // `fault` runs when the gradient reaches the input of blocks.2: after the backward of blocks.3
   // and blocks.2, before that of blocks.1 and blocks.0.
   at::Tensor forward(const at::Tensor& x, const std::function<void()>& fault) {
@@ -73,7 +71,8 @@ struct AnnouncedReduceScatter : fsdp::ReduceScatter {
 };
 
 void wait_for_file(const std::string& path) {
-  for (int i = 0; i < 600 && !std::filesystem::exists(path); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int i = 0; i < 600 && !std::filesystem::exists(path); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
 }
 
 }  // namespace

@@ -15,16 +15,17 @@ namespace {
 
 using namespace process_test;
 using fsdprun::diagnose;
-using fsdprun::may_have_hung;
 using fsdprun::FlightDump;
 using fsdprun::FlightEntry;
+using fsdprun::may_have_hung;
 using fsdprun::RankStatus;
 
 const Program fsdprun_bin(FSDPRUN_BIN);
 const Program flight_worker(FLIGHT_WORKER_BIN);
 
 bool contains(const std::string& text, const std::string& piece) { return text.find(piece) != std::string::npos; }
-#define EXPECT_CONTAINS(text, piece) EXPECT_TRUE(contains(text, piece)) << "missing \"" << (piece) << "\" in:\n" << (text)
+#define EXPECT_CONTAINS(text, piece) \
+  EXPECT_TRUE(contains(text, piece)) << "missing \"" << (piece) << "\" in:\n" << (text)
 
 // ---------------------------------------------------------------- diagnosis of hand-made dumps
 
@@ -65,17 +66,19 @@ TEST(FlightDiagnosis, NamesTheRankThatNeverEnteredAndWhatItDidLast) {
                              entry("all_gather", 57, "started", "forward", "blocks.3", 69)},
                             "forward", "blocks.3"));
   }
-  dumps.push_back(dump_of(1, {entry("reduce_scatter", 56, "completed", "post-backward", "blocks.2", 60)}, "backward",
-                          "blocks.1"));
+  dumps.push_back(
+      dump_of(1, {entry("reduce_scatter", 56, "completed", "post-backward", "blocks.2", 60)}, "backward", "blocks.1"));
   std::map<int, RankStatus> status;
   status[1].exit = "was killed by signal SIGTERM (15)";
   const std::string text = diagnose(dumps, status, 4);
   EXPECT_CONTAINS(text, "flight recorder: dumps of ranks 0,1,2,3");
-  EXPECT_CONTAINS(text, "all_gather #57 of group 'dp' (forward of blocks.3, 4096 bytes Float): ranks 0,2,3 entered it "
-                        "31.0 s before the dumps; rank 1 never did \xe2\x80\x94 its last collective on this group was "
-                        "reduce_scatter #56 (completed)");
-  EXPECT_CONTAINS(text, "rank 1: last seen: backward of blocks.1; it dumped on signal SIGTERM; was killed by signal "
-                        "SIGTERM (15)");
+  EXPECT_CONTAINS(text,
+                  "all_gather #57 of group 'dp' (forward of blocks.3, 4096 bytes Float): ranks 0,2,3 entered it "
+                  "31.0 s before the dumps; rank 1 never did \xe2\x80\x94 its last collective on this group was "
+                  "reduce_scatter #56 (completed)");
+  EXPECT_CONTAINS(text,
+                  "rank 1: last seen: backward of blocks.1; it dumped on signal SIGTERM; was killed by signal "
+                  "SIGTERM (15)");
 }
 
 TEST(FlightDiagnosis, RanksThatDisagreeOnTheOpAndRanksWithoutADump) {
@@ -91,8 +94,9 @@ TEST(FlightDiagnosis, RanksThatDisagreeOnTheOpAndRanksWithoutADump) {
   EXPECT_CONTAINS(text, "ranks 0,1 entered it");
   EXPECT_CONTAINS(text, "rank 0 called all_gather; rank 1 called barrier;");
   EXPECT_CONTAINS(text, "ranks 2,3 left no dump");
-  EXPECT_CONTAINS(text, "rank 3: its process was stopped (SIGSTOP or a debugger), not dead; it then was killed by "
-                        "signal SIGKILL (9)");
+  EXPECT_CONTAINS(text,
+                  "rank 3: its process was stopped (SIGSTOP or a debugger), not dead; it then was killed by "
+                  "signal SIGKILL (9)");
 }
 
 TEST(FlightDiagnosis, NothingPendingAndTheFirstPendingOpPerGroup) {
@@ -110,7 +114,8 @@ TEST(FlightDiagnosis, NothingPendingAndTheFirstPendingOpPerGroup) {
   dumps[0].entries.push_back(entry("all_gather", 3, "enqueued", "forward", "a", 3));
   const std::string text = diagnose(dumps, {}, 2);
   EXPECT_CONTAINS(text, "reduce_scatter #2 of group 'dp' (post-backward of a, 4096 bytes Float): rank 0 entered it");
-  EXPECT_CONTAINS(text, "rank 1 never did \xe2\x80\x94 its last collective on this group was all_gather #1 (completed)");
+  EXPECT_CONTAINS(text,
+                  "rank 1 never did \xe2\x80\x94 its last collective on this group was all_gather #1 (completed)");
   EXPECT_FALSE(contains(text, "#3")) << text;
 }
 
@@ -142,8 +147,8 @@ RunResult run_job(const std::string& mode, const TempDir& dir, const Env& env = 
   Env e = env;
   e["FSDP_COLLECTIVE_TIMEOUT_MS"] = std::to_string(static_cast<int>(kTimeoutS * 1000));
   e["OMP_NUM_THREADS"] = "1";
-  return fsdprun_bin.run({"--standalone", "--nproc-per-node", "2", "--stop-grace-seconds", "5",
-                          "--flight-recorder-dir", dir / "flight", flight_worker.path(), mode, dir.path()},
+  return fsdprun_bin.run({"--standalone", "--nproc-per-node", "2", "--stop-grace-seconds", "5", "--flight-recorder-dir",
+                          dir / "flight", flight_worker.path(), mode, dir.path()},
                          e, 90);
 }
 
@@ -184,8 +189,9 @@ TEST(FlightJobs, ARankStoppedBySigstopIsNamedAndTheJobEnds) {
   // whether the communication thread finished them before the process stopped; if it finished
   // both, rank 0 waits in blocks.1's reduce-scatter, which rank 1 never issued.
   EXPECT_TRUE(contains(r.err, "reduce_scatter #") || contains(r.err, "(backward of blocks.1")) << r.err;
-  EXPECT_TRUE(contains(r.err, "rank 1 entered it but its process was stopped (SIGSTOP or a debugger): it cannot "
-                              "complete it") ||
+  EXPECT_TRUE(contains(r.err,
+                       "rank 1 entered it but its process was stopped (SIGSTOP or a debugger): it cannot "
+                       "complete it") ||
               contains(r.err, "rank 1 never did"))
       << r.err;
   EXPECT_CONTAINS(r.err, "rank 1: last seen: backward of blocks.");
@@ -226,11 +232,11 @@ TEST(FlightJobs, TwoNodesEachDiagnoseTheWholeJobWithTheOtherNodesDumps) {
   const std::string port = std::to_string(free_port());
   Env e{{"FSDP_COLLECTIVE_TIMEOUT_MS", std::to_string(static_cast<int>(kTimeoutS * 1000))}, {"OMP_NUM_THREADS", "1"}};
   auto node = [&](int n) {
-    return fsdprun_bin.start({"--nnodes", "2", "--node-rank", std::to_string(n), "--nproc-per-node", "1",
-                              "--master-port", port, "--monitor-interval", "0.2", "--stop-grace-seconds", "5",
-                              "--join-timeout", "60", "--flight-recorder-dir", dir / ("flight_node" + std::to_string(n)),
-                              flight_worker.path(), "skip", dir.path()},
-                             e);
+    return fsdprun_bin.start(
+        {"--nnodes", "2", "--node-rank", std::to_string(n), "--nproc-per-node", "1", "--master-port", port,
+         "--monitor-interval", "0.2", "--stop-grace-seconds", "5", "--join-timeout", "60", "--flight-recorder-dir",
+         dir / ("flight_node" + std::to_string(n)), flight_worker.path(), "skip", dir.path()},
+        e);
   };
   Process node0 = node(0), node1 = node(1);
   const RunResult r0 = node0.wait(90), r1 = node1.wait(90);
@@ -243,7 +249,8 @@ TEST(FlightJobs, TwoNodesEachDiagnoseTheWholeJobWithTheOtherNodesDumps) {
   }
   for (int n : {0, 1}) {
     for (int rank : {0, 1}) {
-      const std::string path = dir / ("flight_node" + std::to_string(n) + "/attempt_0/rank_" + std::to_string(rank) + ".json");
+      const std::string path =
+          dir / ("flight_node" + std::to_string(n) + "/attempt_0/rank_" + std::to_string(rank) + ".json");
       ASSERT_TRUE(std::filesystem::exists(path)) << path;
       EXPECT_EQ(nlohmann::json::parse(read_file(path))["rank"], rank);
     }

@@ -32,11 +32,10 @@ Args with_worker(Args args, const Args& worker_args) {
 
 std::string port_arg() { return std::to_string(free_port()); }
 
-bool contains(const std::string& text, const std::string& piece) {
-  return text.find(piece) != std::string::npos;
-}
+bool contains(const std::string& text, const std::string& piece) { return text.find(piece) != std::string::npos; }
 
-#define EXPECT_CONTAINS(text, piece) EXPECT_TRUE(contains(text, piece)) << "missing \"" << (piece) << "\" in:\n" << (text)
+#define EXPECT_CONTAINS(text, piece) \
+  EXPECT_TRUE(contains(text, piece)) << "missing \"" << (piece) << "\" in:\n" << (text)
 
 // Values of the pid_* files the test worker wrote in dir.
 std::vector<pid_t> worker_pids(const std::string& dir) {
@@ -56,11 +55,10 @@ TEST_P(EnvContract, EachWorkerSeesTorchrunVariables) {
   const int nproc = GetParam();
   TempDir dir;
   const std::string port = port_arg();
-  const auto r = fsdprun.run(
-      with_worker({"--nproc-per-node", std::to_string(nproc), "--master-port", port, "--run-id", "job7",
-                   "--max-restarts", "3"},
-                  {"env", dir.path()}),
-      {{"OMP_NUM_THREADS", ""}});
+  const auto r = fsdprun.run(with_worker({"--nproc-per-node", std::to_string(nproc), "--master-port", port, "--run-id",
+                                          "job7", "--max-restarts", "3"},
+                                         {"env", dir.path()}),
+                             {{"OMP_NUM_THREADS", ""}});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_CONTAINS(r.err, "OMP_NUM_THREADS");  // the one-time note
   for (int rank = 0; rank < nproc; ++rank) {
@@ -100,9 +98,9 @@ TEST(EnvContractExtra, KeepsUserOmpNumThreads) {
 // ---------------------------------------------------------------- failures
 TEST(Failure, NonZeroExitStopsTheOthers) {
   TempDir dir, logs;
-  const auto r = fsdprun.run(with_worker({"--nproc-per-node", "3", "--master-port", port_arg(),
-                                          "--stop-grace-seconds", "1", "--log-dir", logs.path()},
-                                         {"fail", dir.path(), "1", "7"}));
+  const auto r = fsdprun.run(with_worker(
+      {"--nproc-per-node", "3", "--master-port", port_arg(), "--stop-grace-seconds", "1", "--log-dir", logs.path()},
+      {"fail", dir.path(), "1", "7"}));
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_LT(r.seconds, 10.0);
@@ -149,8 +147,8 @@ std::string attempts_seen(const std::string& dir, int rank) {
 
 TEST(Restart, SucceedsOnThirdAttempt) {
   TempDir dir;
-  const auto r = fsdprun.run(with_worker({"--nproc-per-node", "2", "--standalone", "--max-restarts", "2"},
-                                         {"restart", dir.path(), "0", "2"}));
+  const auto r = fsdprun.run(
+      with_worker({"--nproc-per-node", "2", "--standalone", "--max-restarts", "2"}, {"restart", dir.path(), "0", "2"}));
   EXPECT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(attempts_seen(dir.path(), 0), "0\n1\n2\n");
   EXPECT_EQ(attempts_seen(dir.path(), 1), "0\n1\n2\n");
@@ -189,7 +187,8 @@ TEST(BadArguments, PortOutOfRange) {
   expect_usage_error({"--master-port", "70000"}, "--master-port must be in 1..65535 (got 70000)");
 }
 TEST(BadArguments, DurationsAreBounded) {
-  expect_usage_error({"--stop-grace-seconds", "1e308"}, "--stop-grace-seconds must be in [0, 3600] seconds (got 1e+308)");
+  expect_usage_error({"--stop-grace-seconds", "1e308"},
+                     "--stop-grace-seconds must be in [0, 3600] seconds (got 1e+308)");
   expect_usage_error({"--monitor-interval", "inf"}, "--monitor-interval must be in (0, 3600] seconds (got inf)");
   expect_usage_error({"--join-timeout", "1e9"}, "--join-timeout must be in (0, 604800] seconds (a week) (got 1e+09)");
 }
@@ -204,8 +203,9 @@ TEST(BadArguments, NprocAboveTheLimit) {
   expect_usage_error({"--nproc-per-node", "15000"}, "--nproc-per-node must be at most 1024 (got 15000)");
 }
 TEST(BadArguments, WorldSizeAboveTheLimit) {
-  expect_usage_error({"--nnodes", "2000", "--nproc-per-node", "1000"},
-                     "the world size (--nnodes x --nproc-per-node) must be at most 1048576 (got 2000 x 1000 = 2000000)");
+  expect_usage_error(
+      {"--nnodes", "2000", "--nproc-per-node", "1000"},
+      "the world size (--nnodes x --nproc-per-node) must be at most 1048576 (got 2000 x 1000 = 2000000)");
 }
 TEST(BadArguments, WorldSizeThatOverflowsAnInt) {
   expect_usage_error({"--nnodes", "2000000000", "--nproc-per-node", "1000"}, "= 2000000000000)");
@@ -261,8 +261,8 @@ TEST(Output, LogDirWritesPerRankFiles) {
 
 TEST(Output, TeeAlsoEchoesToTheConsole) {
   TempDir dir, logs;
-  const auto r = fsdprun.run(with_worker(
-      {"--nproc-per-node", "2", "--standalone", "--log-dir", logs.path(), "--tee"}, {"env", dir.path()}));
+  const auto r = fsdprun.run(
+      with_worker({"--nproc-per-node", "2", "--standalone", "--log-dir", logs.path(), "--tee"}, {"env", dir.path()}));
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_CONTAINS(r.out, "[rank1]:hello from rank 1\n");
   EXPECT_CONTAINS(r.out, "[rank1]:tail 1\n");
@@ -317,9 +317,9 @@ TEST(Signals, SigtermWhileStartingWorkers) {
 
 // ---------------------------------------------------------------- loopback store
 bool is_loopback(const std::string& hex) {
-  return hex == "0100007F" ||                           // 127.0.0.1
-         hex == "0000000000000000FFFF00000100007F" ||   // ::ffff:127.0.0.1
-         hex == "00000000000000000000000001000000";     // ::1
+  return hex == "0100007F" ||                          // 127.0.0.1
+         hex == "0000000000000000FFFF00000100007F" ||  // ::ffff:127.0.0.1
+         hex == "00000000000000000000000001000000";    // ::1
 }
 
 bool is_wildcard(const std::string& hex) { return hex.find_first_not_of('0') == std::string::npos; }
@@ -395,9 +395,9 @@ double rss_mib(pid_t pid) {
 TEST(StoreStall, WorkerDeathIsNoticedAtOnce) {
   TempDir dir;
   const int port = free_port();
-  Process run = fsdprun.start(with_worker({"--nproc-per-node", "2", "--master-port", std::to_string(port),
-                                           "--stop-grace-seconds", "1"},
-                                          {"killwhen", dir.path(), "0", "go"}));
+  Process run = fsdprun.start(
+      with_worker({"--nproc-per-node", "2", "--master-port", std::to_string(port), "--stop-grace-seconds", "1"},
+                  {"killwhen", dir.path(), "0", "go"}));
   ASSERT_TRUE(wait_for_file(dir / "pid_0_0"));
   ASSERT_TRUE(wait_for_file(dir / "pid_1_0"));
   HeldConnection stall(port, kHalfARequest);
@@ -433,8 +433,8 @@ TEST(StoreStall, NormalRunExitsPromptly) {
 TEST(StoreStall, AHalfSentRequestDelaysNoRendezvous) {
   TempDir dir;
   const int port = free_port();
-  Process run = fsdprun.start(
-      {"--nproc-per-node", "2", "--master-port", std::to_string(port), store_worker.path(), dir.path()});
+  Process run =
+      fsdprun.start({"--nproc-per-node", "2", "--master-port", std::to_string(port), store_worker.path(), dir.path()});
   ASSERT_TRUE(wait_for_file(dir / "ready_0", 30));
   ASSERT_TRUE(wait_for_file(dir / "ready_1", 30));
   HeldConnection stall(port, kHalfARequest);
@@ -454,16 +454,16 @@ TEST(StoreStall, AHalfSentRequestDelaysNoRendezvous) {
 TEST(StoreStall, LengthsClaimedOnTheWireAreCapped) {
   TempDir dir;
   const int port = free_port();
-  Process run = fsdprun.start(
-      {"--nproc-per-node", "2", "--master-port", std::to_string(port), store_worker.path(), dir.path()});
+  Process run =
+      fsdprun.start({"--nproc-per-node", "2", "--master-port", std::to_string(port), store_worker.path(), dir.path()});
   ASSERT_TRUE(wait_for_file(dir / "ready_0", 30));
   ASSERT_TRUE(wait_for_file(dir / "ready_1", 30));
   const double baseline = rss_mib(run.pid());
   ASSERT_GT(baseline, 0);
   const std::string padding(64 << 10, 'x');  // what a client would send on after the header
   HeldConnection huge_key(port, std::string(1, '\x01') + store_string_header(uint64_t{2} << 30) + padding);
-  HeldConnection huge_value(port, std::string(1, '\x01') + store_string_header(1) + "k" +
-                                      store_string_header(uint64_t{2} << 30) + padding);
+  HeldConnection huge_value(
+      port, std::string(1, '\x01') + store_string_header(1) + "k" + store_string_header(uint64_t{2} << 30) + padding);
   ASSERT_TRUE(huge_key.ok());
   ASSERT_TRUE(huge_value.ok());
   EXPECT_TRUE(huge_key.wait_closed_by_server(5)) << "the store kept a client that claims a 2 GiB key";
@@ -477,9 +477,10 @@ TEST(StoreStall, LengthsClaimedOnTheWireAreCapped) {
 
 // ---------------------------------------------------------------- two nodes
 Args node_args(int node_rank, const std::string& port, Args extra = {}) {
-  Args args = {"--nnodes", "2", "--node-rank", std::to_string(node_rank), "--nproc-per-node", "2",
-               "--master-port", port, "--monitor-interval", "0.1", "--stop-grace-seconds", "1",
-               "--join-timeout", "20"};
+  Args args = {"--nnodes",           "2",   "--node-rank",          std::to_string(node_rank),
+               "--nproc-per-node",   "2",   "--master-port",        port,
+               "--monitor-interval", "0.1", "--stop-grace-seconds", "1",
+               "--join-timeout",     "20"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
 }
@@ -549,11 +550,11 @@ TEST(TwoNodes, FailureIsSharedDespiteAStalledStore) {
 // Node 0 alone: it says it timed out waiting for node 1, and exits then.
 TEST(TwoNodes, MissingNodeEndsTheRunAtTheJoinTimeout) {
   TempDir dir;
-  const auto r = fsdprun.run(with_worker({"--nnodes", "2", "--master-port", port_arg(), "--join-timeout", "2"},
-                                         {"env", dir.path()}),
-                             {}, 60);
+  const auto r = fsdprun.run(
+      with_worker({"--nnodes", "2", "--master-port", port_arg(), "--join-timeout", "2"}, {"env", dir.path()}), {}, 60);
   EXPECT_EQ(r.exit_code, 1) << describe(r);
-  EXPECT_CONTAINS(r.err, "error: timed out after 2s waiting for the fsdprun of all 2 nodes to join attempt 0 (1 joined");
+  EXPECT_CONTAINS(r.err,
+                  "error: timed out after 2s waiting for the fsdprun of all 2 nodes to join attempt 0 (1 joined");
   EXPECT_LT(r.seconds, 2 + 5.0) << describe(r);
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }

@@ -58,8 +58,7 @@ void wait_for_all_workers() {
   for (int i = 0; i < 1000; ++i) {
     int found = 0;
     for (int r = 0; r < world; ++r)
-      found += std::filesystem::exists(g_dir + "/pid_" + std::to_string(r) + "_" +
-                                       env("TORCHELASTIC_RESTART_COUNT"));
+      found += std::filesystem::exists(g_dir + "/pid_" + std::to_string(r) + "_" + env("TORCHELASTIC_RESTART_COUNT"));
     if (found == world) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -85,14 +84,14 @@ bool store_reachable() {
 int mode_env() {
   std::string text;
   for (const char* name :
-       {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-        "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS"})
+       {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
+        "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS"})
     text += std::string(name) + "=" + env(name) + "\n";
   text += std::string("STORE_REACHABLE=") + (store_reachable() ? "1" : "0") + "\n";
   write_file("env_" + tag(), text);
-  std::cout << "hello from rank " << env("RANK") << "\n" << "tail " << env("RANK") << std::flush;
+  std::cout << "hello from rank " << env("RANK") << "\n"
+            << "tail " << env("RANK") << std::flush;
   std::cerr << "warning from rank " << env("RANK") << std::endl;
   return 0;
 }
@@ -125,8 +124,8 @@ int mode_when(char** argv, bool kill_self) {
 int mode_restart(char** argv) {
   append_file("attempts_" + env("RANK"), env("TORCHELASTIC_RESTART_COUNT") + "\n");
   write_pid();
-  const bool fails = env_int("RANK") == std::atoi(argv[3]) &&
-                     env_int("TORCHELASTIC_RESTART_COUNT") < std::atoi(argv[4]);
+  const bool fails =
+      env_int("RANK") == std::atoi(argv[3]) && env_int("TORCHELASTIC_RESTART_COUNT") < std::atoi(argv[4]);
   if (!fails) return 0;
   wait_for_all_workers();  // so that every rank recorded this attempt before the group stops
   return 1;

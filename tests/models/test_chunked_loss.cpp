@@ -115,9 +115,9 @@ TEST(ChunkedLoss, EqualsTheWholeLogitsLossAndGradsUnsharded) {
   };
   for (const Case c : {Case{0.0, 0, false}, Case{0.1, 0, false}, Case{0.1, 1, false}, Case{0.0, 2, true}}) {
     for (int64_t chunks : {1, 2, 3, 5, 16}) {
-      const std::string what = "dropout=" + std::to_string(c.dropout) + " every_k=" +
-                               std::to_string(c.checkpoint_every_k) + " ignore=" + std::to_string(c.ignore_some) +
-                               " chunks=" + std::to_string(chunks);
+      const std::string what = "dropout=" + std::to_string(c.dropout) +
+                               " every_k=" + std::to_string(c.checkpoint_every_k) +
+                               " ignore=" + std::to_string(c.ignore_some) + " chunks=" + std::to_string(chunks);
       auto ref = make_transformer(c.dropout, c.checkpoint_every_k);
       auto model = make_transformer(c.dropout, c.checkpoint_every_k);
       const at::Tensor toks = tokens(0);
@@ -232,8 +232,11 @@ TEST(ChunkedLoss, LinearCrossEntropyRefusesBadArguments) {
   using fsdp::models::chunked_linear_cross_entropy;
   expect_error([&] { chunked_linear_cross_entropy(x, w, t, 0); }, "chunks=0 must be in [1, 4]");
   expect_error([&] { chunked_linear_cross_entropy(x, w, t, 5); }, "chunks=5 must be in [1, 4]");
-  expect_error([&] { chunked_linear_cross_entropy(x, at::randn({9, 5}), t, 1); },
-               "x has shape [4, 6] and weight [9, 5]");
+  expect_error(
+      [&] {
+        chunked_linear_cross_entropy(x, at::randn({9, 5}), t, 1);
+      },
+      "x has shape [4, 6] and weight [9, 5]");
   expect_error([&] { chunked_linear_cross_entropy(x, w.to(at::kDouble), t, 1); },
                "x is Float and weight Double; give both the same floating dtype");
   expect_error([&] { chunked_linear_cross_entropy(x, w, t.narrow(0, 0, 3), 1); },
@@ -278,7 +281,8 @@ TEST(ChunkedLoss, EqualsTheWholeLogitsLossAndGradsUnderFullyShardAtTwoRanks) {
     };
     for (const Case c : {Case{true, 0, 4}, Case{true, 1, 3}, Case{false, 1, 5}, Case{true, 2, 16}}) {
       const std::string what = std::string("reshard=") + (c.reshard ? "true" : "false") +
-                               " every_k=" + std::to_string(c.checkpoint_every_k) + " chunks=" + std::to_string(c.chunks);
+                               " every_k=" + std::to_string(c.checkpoint_every_k) +
+                               " chunks=" + std::to_string(c.chunks);
       auto ref = make_transformer(0.1, c.checkpoint_every_k);
       auto model = make_transformer(0.1, c.checkpoint_every_k);
       for (Transformer* m : {&ref, &model}) {
@@ -295,10 +299,11 @@ TEST(ChunkedLoss, EqualsTheWholeLogitsLossAndGradsUnderFullyShardAtTwoRanks) {
         torch::manual_seed(40 + step);
         const Counts ref_counts = count_step(pg, want, [&] { return whole_logits_loss(ref, toks, targets_of(toks)); });
         torch::manual_seed(40 + step);
-        const Counts counts = count_step(pg, got, [&] { return chunked_loss(model, toks, targets_of(toks), c.chunks); });
-        EXPECT_TRUE(counts == ref_counts) << what << ": all-gathers " << counts.forward_all_gathers << "/"
-                                          << counts.backward_all_gathers << ", reduce-scatters "
-                                          << counts.backward_reduce_scatters;
+        const Counts counts =
+            count_step(pg, got, [&] { return chunked_loss(model, toks, targets_of(toks), c.chunks); });
+        EXPECT_TRUE(counts == ref_counts)
+            << what << ": all-gathers " << counts.forward_all_gathers << "/" << counts.backward_all_gathers
+            << ", reduce-scatters " << counts.backward_reduce_scatters;
         EXPECT_EQ(counts.backward_reduce_scatters, 3) << what;
         EXPECT_LT(std::abs(got.item<double>() - want.item<double>()), 1e-6) << what << " step " << step;
         expect_same_grads(*model, *ref, /*sharded=*/true, what + " step " + std::to_string(step));
@@ -323,8 +328,8 @@ Transformer sharded_tiny(const fsdp::DeviceMesh& mesh, std::optional<bool> head_
   const auto root_options = fsdp::FullyShardOptions().mesh(mesh).mp_policy(mp);
   Transformer model =
       head_reshard ? fsdp::models::sharded_transformer(
-                         args, block_options, fsdp::FullyShardOptions(block_options).reshard_after_forward(*head_reshard),
-                         root_options)
+                         args, block_options,
+                         fsdp::FullyShardOptions(block_options).reshard_after_forward(*head_reshard), root_options)
                    : fsdp::models::sharded_transformer(args, block_options, root_options);
   model->set_activation_checkpointing(1);
   return model;
@@ -355,8 +360,8 @@ TEST(ChunkedLoss, HeadGroupEqualsTheWholeLogitsRunAndIsFreedBeforeTheBlocksBackw
       auto mesh = fsdp::init_device_mesh("cpu", {world});
       auto pg = mesh.get_group(0);
       for (const bool head_reshard : {false, true}) {
-        const std::string what = "W=" + std::to_string(world) + " head reshard_after_forward=" +
-                                 (head_reshard ? "true" : "false");
+        const std::string what =
+            "W=" + std::to_string(world) + " head reshard_after_forward=" + (head_reshard ? "true" : "false");
         auto ref = sharded_tiny(mesh, std::nullopt);
         auto model = sharded_tiny(mesh, head_reshard);
         AtBlocksBackward at_blocks;
@@ -375,7 +380,8 @@ TEST(ChunkedLoss, HeadGroupEqualsTheWholeLogitsRunAndIsFreedBeforeTheBlocksBackw
           opt.zero_grad();
           at::Tensor want, got;
           torch::manual_seed(40 + step);
-          const Counts ref_counts = count_step(pg, want, [&] { return whole_logits_loss(ref, toks, targets_of(toks)); });
+          const Counts ref_counts =
+              count_step(pg, want, [&] { return whole_logits_loss(ref, toks, targets_of(toks)); });
           torch::manual_seed(40 + step);
           at_blocks = AtBlocksBackward{};
           const Counts counts = count_step(pg, got, [&] { return chunked_loss(model, toks, targets_of(toks), 3); });

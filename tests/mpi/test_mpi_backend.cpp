@@ -50,8 +50,8 @@ TEST(MpiBackend, MeshDimGroupsReduceWithinTheirMembers) {
   run_distributed(4, [] {
     const int r = fsdp::get_rank();
     auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
-    auto rows = mesh.get_group("shard");       // ranks {0,1} and {2,3}
-    auto cols = mesh.get_group("replicate");   // ranks {0,2} and {1,3}
+    auto rows = mesh.get_group("shard");      // ranks {0,1} and {2,3}
+    auto cols = mesh.get_group("replicate");  // ranks {0,2} and {1,3}
     ASSERT_EQ(rows->size(), 2);
     ASSERT_EQ(cols->size(), 2);
     at::Tensor a = at::full({5}, static_cast<float>(r));
@@ -200,17 +200,20 @@ TEST(MpiJobEnd, ARankThatNeverJoinsAbortsTheJobNamingIt) {
   fsdp::testing::DistOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(1500);
   for (int world : {2, 3}) {
-    run_distributed(world, [] {
-      auto pg = fsdp::world();
-      pg->barrier()->wait();
-      if (pg->rank() == pg->size() - 1) {
-        std::this_thread::sleep_for(std::chrono::seconds(60));  // far past the timeout
-        return;
-      }
-      at::Tensor out = at::empty({4 * pg->size()});
-      pg->all_gather_into(out, at::ones({4}))->wait();
-      ADD_FAILURE() << "the all-gather completed without the last rank";
-    }, opts);
+    run_distributed(
+        world,
+        [] {
+          auto pg = fsdp::world();
+          pg->barrier()->wait();
+          if (pg->rank() == pg->size() - 1) {
+            std::this_thread::sleep_for(std::chrono::seconds(60));  // far past the timeout
+            return;
+          }
+          at::Tensor out = at::empty({4 * pg->size()});
+          pg->all_gather_into(out, at::ones({4}))->wait();
+          ADD_FAILURE() << "the all-gather completed without the last rank";
+        },
+        opts);
   }
 }
 
@@ -218,13 +221,16 @@ TEST(MpiJobEnd, ARankThatNeverJoinsAbortsTheJobNamingIt) {
 TEST(MpiJobEnd, ARankKilledBySigkillEndsTheJob) {
   fsdp::testing::DistOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(120000);  // the launcher, not the watchdog, ends it
-  run_distributed(2, [] {
-    auto pg = fsdp::world();
-    pg->barrier()->wait();
-    if (pg->rank() == 1) std::raise(SIGKILL);
-    pg->barrier()->wait();
-    ADD_FAILURE() << "the barrier completed without rank 1";
-  }, opts);
+  run_distributed(
+      2,
+      [] {
+        auto pg = fsdp::world();
+        pg->barrier()->wait();
+        if (pg->rank() == 1) std::raise(SIGKILL);
+        pg->barrier()->wait();
+        ADD_FAILURE() << "the barrier completed without rank 1";
+      },
+      opts);
 }
 
 namespace {
@@ -297,23 +303,26 @@ bool hold_half_a_request(int port) {
 TEST(MpiJobEnd, AStalledClientOfTheBoardDelaysNothing) {
   fsdp::testing::DistOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(3000);
-  run_distributed(2, [] {
-    auto pg = fsdp::world();
-    pg->barrier()->wait();
-    if (pg->rank() == 1) {
-      std::this_thread::sleep_for(std::chrono::seconds(60));  // far past the timeout
-      return;
-    }
-    const std::vector<Listener> listeners = listeners_of_this_process();
-    ASSERT_EQ(listeners.size(), 1u) << "rank 0 should listen for the board's store only";
-    ASSERT_TRUE(is_loopback_hex(listeners[0].address_hex))
-        << "the board listens on " << listeners[0].address_hex << ", not on loopback";
-    ASSERT_TRUE(hold_half_a_request(listeners[0].port));
-    const auto now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::chrono::system_clock::now().time_since_epoch());
-    std::fprintf(stderr, "job-clock-start: %lld\n", static_cast<long long>(now_ms.count()));
-    at::Tensor out = at::empty({4 * pg->size()});
-    pg->all_gather_into(out, at::ones({4}))->wait();
-    ADD_FAILURE() << "the all-gather completed without the last rank";
-  }, opts);
+  run_distributed(
+      2,
+      [] {
+        auto pg = fsdp::world();
+        pg->barrier()->wait();
+        if (pg->rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(60));  // far past the timeout
+          return;
+        }
+        const std::vector<Listener> listeners = listeners_of_this_process();
+        ASSERT_EQ(listeners.size(), 1u) << "rank 0 should listen for the board's store only";
+        ASSERT_TRUE(is_loopback_hex(listeners[0].address_hex))
+            << "the board listens on " << listeners[0].address_hex << ", not on loopback";
+        ASSERT_TRUE(hold_half_a_request(listeners[0].port));
+        const auto now_ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch());
+        std::fprintf(stderr, "job-clock-start: %lld\n", static_cast<long long>(now_ms.count()));
+        at::Tensor out = at::empty({4 * pg->size()});
+        pg->all_gather_into(out, at::ones({4}))->wait();
+        ADD_FAILURE() << "the all-gather completed without the last rank";
+      },
+      opts);
 }

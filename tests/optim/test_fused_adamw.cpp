@@ -319,8 +319,8 @@ TEST(FusedAdamW, TorchSaveLoadsIntoAdamWAndBack) {
         forward_backward(*side, tokens_for(step, 0));
         opt->step();
       }
-      expect_params_near(*writer, *reader, (fused_writes ? "fused wrote, step " : "AdamW wrote, step ") +
-                                               std::to_string(step));
+      expect_params_near(*writer, *reader,
+                         (fused_writes ? "fused wrote, step " : "AdamW wrote, step ") + std::to_string(step));
     }
     expect_states_near(*writer, *writer_opt, *reader, *reader_opt);
   }
@@ -356,8 +356,8 @@ TEST(FusedAdamW, ShardedOptimizerStateDictLoadsIntoAdamWAndBack) {
           forward_backward(*side, tokens_for(step, rank));
           opt->step();
         }
-        expect_params_near(*writer, *reader, (fused_writes ? "fused wrote, step " : "AdamW wrote, step ") +
-                                                 std::to_string(step));
+        expect_params_near(*writer, *reader,
+                           (fused_writes ? "fused wrote, step " : "AdamW wrote, step ") + std::to_string(step));
       }
       expect_states_near(*writer, *writer_opt, *reader, *reader_opt);
       // The loaded state is one tensor per parameter, yet each shard group is still one run.
@@ -448,8 +448,8 @@ TEST(FusedAdamW, CheckpointWrittenWithOneOptimizerResumesWithTheOther) {
         ASSERT_EQ(reference.size(), 3u);
         for (int64_t s = 3; s < 6; ++s) {
           EXPECT_NEAR(run.step(s), reference[s - 3], kTolerance)
-              << (fused_writes ? "fused wrote, AdamW resumed" : "AdamW wrote, fused resumed") << " at W="
-              << fsdp::get_world_size() << ", step " << s;
+              << (fused_writes ? "fused wrote, AdamW resumed" : "AdamW wrote, fused resumed")
+              << " at W=" << fsdp::get_world_size() << ", step " << s;
         }
       });
     }

@@ -184,7 +184,7 @@ TEST(GradScaler, UnscalesAndChecksEveryFloatingDtype) {
     const at::Tensor truth = at::tensor({1.0, -2.0, 0.5, 3.0}).to(dtype);
     at::Tensor small = param_with_grad(truth * 1024);
     at::Tensor transposed = param_with_grad((truth.reshape({2, 2}) * 1024).t());  // non-contiguous
-    at::Tensor large = param_with_grad(at::full({200000}, 1024.0, dtype));       // several tasks
+    at::Tensor large = param_with_grad(at::full({200000}, 1024.0, dtype));        // several tasks
     at::Tensor without_grad = at::zeros({3}, dtype).requires_grad_();             // skipped
     auto opt = sgd({small, transposed, large, without_grad}, 0.0);
     mark_scaled(scaler);
@@ -272,8 +272,8 @@ TEST(GradScaler, DisabledIsTheIdentityAndStateDictRoundTrips) {
   expect_error([&] { scaler.load_state_dict(disabled.state_dict()); },
                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.");
   expect_error([&] { scaler.load_sharded_state_dict(fsdp::ShardedStateDict()); }, "The source state dict is empty");
-  fsdp::GradScalerState state = {{"scale", 32}, {"growth_factor", 3}, {"backoff_factor", 0.25},
-                                 {"growth_interval", 9}, {"_growth_tracker", 4}};
+  fsdp::GradScalerState state = {
+      {"scale", 32}, {"growth_factor", 3}, {"backoff_factor", 0.25}, {"growth_interval", 9}, {"_growth_tracker", 4}};
   scaler.load_state_dict(state);
   EXPECT_EQ(scaler.state_dict(), state);
   EXPECT_EQ(scaler.get_growth_factor(), 3);
@@ -344,8 +344,8 @@ TEST(GradScaler, InfOrNanOnOneRankSkipsTheStepOnEveryRank) {
 TEST(GradScaler, StateSurvivesACheckpointAtAnotherWorldSize) {
   const std::string dir = fsdp::testing::shared_temp_path("grad_scaler_ckpt");
   if (!fsdp::testing::is_child()) std::filesystem::remove_all(dir);
-  const fsdp::GradScalerState saved = {{"scale", 2048}, {"growth_factor", 4}, {"backoff_factor", 0.25},
-                                       {"growth_interval", 7}, {"_growth_tracker", 3}};
+  const fsdp::GradScalerState saved = {
+      {"scale", 2048}, {"growth_factor", 4}, {"backoff_factor", 0.25}, {"growth_interval", 7}, {"_growth_tracker", 3}};
   // The checkpoint as a trainer would write it: the model's shards plus the scaler's entries.
   auto checkpoint_state = [](torch::nn::Module& model, const GradScaler& scaler) {
     auto mesh = fsdp::as_dtensor(model.parameters()[0]).device_mesh();

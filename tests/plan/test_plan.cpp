@@ -115,8 +115,7 @@ TEST(Plan, ReshardAfterForwardGathersBlocksAgainInBackwardButNeverTheRoot) {
   EXPECT_EQ(find(zero3.ranks[0], "block", "all_gather").count, 2);
   EXPECT_EQ(find(zero3.ranks[0], "block", "all_gather").bytes, 2 * (2 * 6 * 4));
   EXPECT_EQ(find(zero3.ranks[0], "block", "reduce_scatter").bytes, 2 * 6 * 4);
-  const Plan zero2 =
-      plan(root_and_block(), PlanOptions().world(2).reshard_after_forward(false).constants(no_time()));
+  const Plan zero2 = plan(root_and_block(), PlanOptions().world(2).reshard_after_forward(false).constants(no_time()));
   EXPECT_EQ(find(zero2.ranks[0], "block", "all_gather").count, 1);
   // Keeping the block gathered until backward cannot lower the peak.
   EXPECT_GE(zero2.ranks[0].peak_tensor_bytes, zero3.ranks[0].peak_tensor_bytes);
@@ -182,8 +181,7 @@ TEST(Plan, AHeadGroupGathersOnceAndIsFreedBeforeTheBlocksBackward) {
   // gradient (48). The head's unsharded parameters (64) were freed after its backward.
   EXPECT_NE(r.peak_at.find("backward of block"), std::string::npos) << r.peak_at;
   EXPECT_EQ(r.peak_tensor_bytes, 216 + 32 + 48 + 96 + 6000 + 48);
-  for (const Buffer& b : r.at_peak)
-    EXPECT_FALSE(b.module == "head" && b.what == "unsharded parameters") << b.bytes;
+  for (const Buffer& b : r.at_peak) EXPECT_FALSE(b.module == "head" && b.what == "unsharded parameters") << b.bytes;
 }
 
 // Two blocks as the Transformer's are split over 2 tp ranks: each one's stage all-reduces twice
@@ -372,7 +370,7 @@ TEST(PlanTransformer, AnOutputHeadGroupHoldsTheFinalNormAndTheHead) {
   TransformerSharding head;
   head.output_head_group = true;
   const ModelSpec m = transformer_spec(t, ActivationOptions{2, 10}, head);
-  ASSERT_EQ(m.groups.size(), 4u);  // the root, two blocks, the head
+  ASSERT_EQ(m.groups.size(), 4u);            // the root, two blocks, the head
   EXPECT_EQ(m.groups[0].params.size(), 2u);  // the embeddings
   EXPECT_EQ(m.groups[3].name, "norm+output");
   EXPECT_FALSE(m.groups[3].reshard_after_forward);

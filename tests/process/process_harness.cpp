@@ -83,8 +83,8 @@ int free_port() {
 }
 
 std::string describe(const RunResult& r) {
-  return "exit " + std::to_string(r.exit_code) + (r.signaled ? " (signal)" : "") +
-         (r.timed_out ? " TIMED OUT" : "") + "\n--- stdout:\n" + r.out + "\n--- stderr:\n" + r.err;
+  return "exit " + std::to_string(r.exit_code) + (r.signaled ? " (signal)" : "") + (r.timed_out ? " TIMED OUT" : "") +
+         "\n--- stdout:\n" + r.out + "\n--- stderr:\n" + r.err;
 }
 
 Process::Process(const std::string& program, const std::vector<std::string>& args, const Env& env,

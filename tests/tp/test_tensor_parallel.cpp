@@ -152,8 +152,8 @@ TEST(TensorParallel, ColumnThenRowEqualsWholeLayers) {
       ref.pow(2).sum().backward();
       out.pow(2).sum().backward();
       EXPECT_LT((x2.grad() - x.grad()).abs().max().item<double>(), 1e-6);
-      const std::vector<std::pair<at::Tensor, at::Tensor>> pairs = {{col->weight, fc1->weight}, {col->bias, fc1->bias},
-                                                                   {row->weight, fc2->weight}, {row->bias, fc2->bias}};
+      const std::vector<std::pair<at::Tensor, at::Tensor>> pairs = {
+          {col->weight, fc1->weight}, {col->bias, fc1->bias}, {row->weight, fc2->weight}, {row->bias, fc2->bias}};
       for (const auto& [piece, whole] : pairs) {
         auto d = fsdp::dtensor_parameter(piece);
         ASSERT_TRUE(d.has_value());
@@ -203,7 +203,8 @@ TEST(TensorParallel, AllReducesPerBlock) {
     for (bool vocab_parallel : {false, true}) {
       SCOPED_TRACE(vocab_parallel ? "vocab-parallel" : "whole head");
       auto model = seeded_model(tp_args(12, 4, 8));
-      models::parallelize(model, tp::TensorParallelMesh(mesh), models::ParallelizeOptions().vocab_parallel(vocab_parallel));
+      models::parallelize(model, tp::TensorParallelMesh(mesh),
+                          models::ParallelizeOptions().vocab_parallel(vocab_parallel));
       const int64_t blocks = model->args().n_layers;
       group->reset_stats();
       at::Tensor loss = forward_loss(1)(model, step_tokens(0, 2, 8, 8));
@@ -224,7 +225,8 @@ TEST(TensorParallel, HeadsNotDivisibleByTpAreRejected) {
       FAIL() << "expected an error";
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find("n_heads=2 is not divisible by the tensor-parallel size 4"),
-                std::string::npos) << e.what();
+                std::string::npos)
+          << e.what();
     }
   });
   EXPECT_THROW(models::check_parallelizable(12, 12, 5), c10::Error);
@@ -240,7 +242,8 @@ TEST(TensorParallel, VocabNotDivisibleByTpIsRejected) {
       FAIL() << "expected an error";
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find("vocab_size=7 is not divisible by the tensor-parallel size 2"),
-                std::string::npos) << e.what();
+                std::string::npos)
+          << e.what();
     }
     // Refused before anything was split: the model can still be parallelized with a whole head.
     EXPECT_NO_THROW(models::parallelize(model, tp::TensorParallelMesh(mesh)));
@@ -334,7 +337,8 @@ fsdp::FullyShardOptions dp_tp_options(const fsdp::DeviceMesh& mesh) {
 // The model split over tp, then each block and the root sharded over dp.
 void parallelize_and_shard(fsdp::models::Transformer& model, const fsdp::DeviceMesh& mesh,
                            bool vocab_parallel = false) {
-  models::parallelize(model, tp::TensorParallelMesh(mesh, "tp"), models::ParallelizeOptions().vocab_parallel(vocab_parallel));
+  models::parallelize(model, tp::TensorParallelMesh(mesh, "tp"),
+                      models::ParallelizeOptions().vocab_parallel(vocab_parallel));
   for (auto& block : model->blocks()) fsdp::fully_shard(block, dp_tp_options(mesh));
   fsdp::fully_shard(model, dp_tp_options(mesh));
 }
@@ -381,7 +385,8 @@ TEST(TensorParallel, FsdpOverVocabParallelParityWithOneProcess) {
         EXPECT_EQ(d.sizes(), (std::vector<int64_t>{10, 6}));
         EXPECT_EQ(d.to_local().size(0), mesh.get_local_rank(0) == 0 ? 3 : 2);  // 5 tp rows over 2 dp ranks
       }
-      expect_parity(reference, model, Layout{mesh, "tp", true}, "dp2 x tp2 vocab-parallel, chunks " + std::to_string(chunks),
+      expect_parity(reference, model, Layout{mesh, "tp", true},
+                    "dp2 x tp2 vocab-parallel, chunks " + std::to_string(chunks),
                     /*max_norm=*/0.5, forward_loss(chunks));
     }
   });
@@ -433,16 +438,22 @@ TEST(TensorParallel, DpMeshDimsErrors) {
     // A plain (unregistered) parameter.
     expect_error([&] { fsdp::fully_shard(torch::nn::Linear(4, 4).ptr(), dp_tp_options(mesh)); },
                  "all parameters must be DTensors on the full SPMD mesh");
-    expect_error([&] {
-      fsdp::fully_shard(torch::nn::Linear(4, 4).ptr(),
-                        fsdp::FullyShardOptions().mesh(mesh).dp_mesh_dims(fsdp::DataParallelMeshDims()));
-    }, "needs at least one of shard or replicate");
-    expect_error([&] {
-      fsdp::fully_shard(torch::nn::Linear(4, 4).ptr(), fsdp::FullyShardOptions().mesh(mesh).dp_mesh_dims(
-                                                          fsdp::DataParallelMeshDims().shard("dp").replicate("r")));
-    }, "not supported yet");
-    expect_error([&] { fsdp::fully_shard(torch::nn::Linear(4, 4).ptr(), dp_tp_options(mesh).reshard_after_forward(2)); },
-                 "an int reshard_after_forward (2) is not supported with dp_mesh_dims");
+    expect_error(
+        [&] {
+          fsdp::fully_shard(torch::nn::Linear(4, 4).ptr(),
+                            fsdp::FullyShardOptions().mesh(mesh).dp_mesh_dims(fsdp::DataParallelMeshDims()));
+        },
+        "needs at least one of shard or replicate");
+    expect_error(
+        [&] {
+          fsdp::fully_shard(torch::nn::Linear(4, 4).ptr(),
+                            fsdp::FullyShardOptions().mesh(mesh).dp_mesh_dims(
+                                fsdp::DataParallelMeshDims().shard("dp").replicate("r")));
+        },
+        "not supported yet");
+    expect_error(
+        [&] { fsdp::fully_shard(torch::nn::Linear(4, 4).ptr(), dp_tp_options(mesh).reshard_after_forward(2)); },
+        "an int reshard_after_forward (2) is not supported with dp_mesh_dims");
     // Sharded (not Replicate()) over dp already.
     torch::nn::Linear lin(4, 4);
     fsdp::register_dtensor_parameter(lin->weight, mesh, {fsdp::Shard(0), fsdp::Replicate()}, {8, 4});
@@ -539,13 +550,14 @@ TEST(TensorParallel, StateDictsAndCheckpointsAcrossLayouts) {
   for (const CheckpointLayout& layout : layouts) {
     run_distributed(layout.world(), [&] {
       auto model = build_layout(layout);
-      fsdp::load_sharded_state_dict(
-          *model, fsdp::load_checkpoint(root + "/" + saved.name(), fsdp::sharded_state_dict(*model)));
+      fsdp::load_sharded_state_dict(*model,
+                                    fsdp::load_checkpoint(root + "/" + saved.name(), fsdp::sharded_state_dict(*model)));
       expect_values(fsdp::full_state_dict(*model), other_values(), saved.name() + " -> " + layout.name());
       fsdp::save_checkpoint(root + "/" + layout.name(), fsdp::sharded_state_dict(*model));
       if (layout.world() == 1) {
         auto again = build_layout(layout);
-        fsdp::load_sharded_state_dict(*again, fsdp::load_safetensors(root + "/safetensors", fsdp::sharded_state_dict(*again)));
+        fsdp::load_sharded_state_dict(*again,
+                                      fsdp::load_safetensors(root + "/safetensors", fsdp::sharded_state_dict(*again)));
         expect_values(fsdp::full_state_dict(*again), other_values(), "safetensors export");
       }
     });
@@ -553,7 +565,8 @@ TEST(TensorParallel, StateDictsAndCheckpointsAcrossLayouts) {
   for (const CheckpointLayout& layout : layouts) {
     run_distributed(saved.world(), [&] {
       auto model = build_layout(saved);
-      fsdp::load_sharded_state_dict(*model, fsdp::load_checkpoint(root + "/" + layout.name(), fsdp::sharded_state_dict(*model)));
+      fsdp::load_sharded_state_dict(
+          *model, fsdp::load_checkpoint(root + "/" + layout.name(), fsdp::sharded_state_dict(*model)));
       expect_values(fsdp::full_state_dict(*model), other_values(), layout.name() + " -> " + saved.name());
     });
   }

@@ -76,15 +76,18 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   EXPECT_TRUE(c.fsdp_config.vocab_parallel);
   EXPECT_NO_THROW(check_model_parallel(c, 8, 4, 16, 8));
   expect_error([&] { check_model_parallel(c, 3, 4, 16, 8); }, {"fsdp_config.model_parallel_size: 2", "world of 3"});
-  expect_error([&] { check_model_parallel(c, 8, 3, 15, 8); }, {"fsdp_config.model_parallel_size: 2", "model.n_heads: 3"});
+  expect_error([&] { check_model_parallel(c, 8, 3, 15, 8); },
+               {"fsdp_config.model_parallel_size: 2", "model.n_heads: 3"});
   expect_error([&] { check_model_parallel(c, 8, 4, 16, 7); },
                {"fsdp_config.model_parallel_size: 2", "fsdp_config.vocab_parallel: true", "model.vocab_size: 7",
                 "vocab_parallel: false"});
   TrainConfig whole_head = load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.vocab_parallel=false"});
   EXPECT_NO_THROW(check_model_parallel(whole_head, 8, 4, 16, 7));
-  expect_error([] {
-    check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"}));
-  }, {"fsdp_config.model_parallel_size: 2", "HYBRID_SHARD", "not supported yet"});
+  expect_error(
+      [] {
+        check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"}));
+      },
+      {"fsdp_config.model_parallel_size: 2", "HYBRID_SHARD", "not supported yet"});
   EXPECT_EQ(c.fsdp_config.checkpoint_dir, "./checkpoints");
   EXPECT_NO_THROW(check_against_launcher(c, 8, 5));  // local_rank 0 = every rank's
   expect_error([&] { check_against_launcher(c, 2, 0); }, {"world_size", "8", "2"});
@@ -99,9 +102,9 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   // offload_params: true as in the example; the optimizer state goes with the parameters.
   EXPECT_TRUE(c.fsdp_config.offload_params);
   EXPECT_TRUE(c.fsdp_config.offload_optimizer_state);
-  expect_error([] {
-    check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.offload_optimizer_state=false"}));
-  }, {"fsdp_config.offload_optimizer_state: false", "differs from fsdp_config.offload_params: true"});
+  expect_error(
+      [] { check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.offload_optimizer_state=false"})); },
+      {"fsdp_config.offload_optimizer_state: false", "differs from fsdp_config.offload_params: true"});
 }
 
 TEST(TrainConfig, DefaultsWithoutFile) {
@@ -113,11 +116,11 @@ TEST(TrainConfig, DefaultsWithoutFile) {
 }
 
 TEST(TrainConfig, OverridesApplyAfterYaml) {
-  TrainConfig c = load_config(kConfigs + "/tiny.yaml",
-                              {"--training.steps=7", "--fsdp_config.sharding_strategy=SHARD_GRAD_OP",
-                               "--optimizer.betas=[0.8, 0.95]", "--optimizer.lr=3e-4",
-                               "--model.n_layers=3", "--logging.trace=true", "--logging.jsonl=m.jsonl",
-                               "--training.resume=never", "--training.steps=9"});
+  TrainConfig c =
+      load_config(kConfigs + "/tiny.yaml",
+                  {"--training.steps=7", "--fsdp_config.sharding_strategy=SHARD_GRAD_OP",
+                   "--optimizer.betas=[0.8, 0.95]", "--optimizer.lr=3e-4", "--model.n_layers=3", "--logging.trace=true",
+                   "--logging.jsonl=m.jsonl", "--training.resume=never", "--training.steps=9"});
   EXPECT_EQ(c.training.steps, 9);  // the last override of a key wins
   EXPECT_EQ(c.fsdp_config.sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
   EXPECT_FALSE(reshard_after_forward(c));
@@ -134,10 +137,10 @@ TEST(TrainConfig, OverridesApplyAfterYaml) {
 }
 
 TEST(TrainConfig, TrainerKeys) {
-  TrainConfig c = load_config(kConfigs + "/gpl3.yaml",
-                              {"--model.init_from=init.pt", "--training.export=out.safetensors",
-                               "--training.keep_checkpoints=0", "--sample.length=5", "--sample.temperature=1.5",
-                               "--logging.summary_json=s.json", "--logging.trace_dir=t"});
+  TrainConfig c = load_config(
+      kConfigs + "/gpl3.yaml",
+      {"--model.init_from=init.pt", "--training.export=out.safetensors", "--training.keep_checkpoints=0",
+       "--sample.length=5", "--sample.temperature=1.5", "--logging.summary_json=s.json", "--logging.trace_dir=t"});
   EXPECT_EQ(c.model.init_from, "init.pt");
   EXPECT_EQ(c.training.export_path, "out.safetensors");
   EXPECT_EQ(c.training.keep_checkpoints, 0);
@@ -204,8 +207,9 @@ TEST(TrainConfig, ErrorsGiveLineAndSuggestion) {
 
 // A key put in the wrong section is answered with its section; otherwise a near miss anywhere.
 TEST(TrainConfig, UnknownKeysSuggestTheSameNameElsewhereAndNearMisses) {
-  expect_error([] { load_config("", {"--training.log_interval=5"}); },
-               {"unknown key 'training.log_interval'", "did you mean 'logging.log_interval'? it is in another section"});
+  expect_error(
+      [] { load_config("", {"--training.log_interval=5"}); },
+      {"unknown key 'training.log_interval'", "did you mean 'logging.log_interval'? it is in another section"});
   expect_error([] { load_config("", {"--model.seed=5"}); },
                {"unknown key 'model.seed'", "'training.seed' or 'sample.seed'"});
   expect_error([] { load_config("", {"--training.stesp=5"}); }, {"did you mean 'steps'"});
@@ -267,8 +271,8 @@ TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
     expect_error([&] { check_supported(c); }, {key, "not supported yet"});
   }
   // The two offload keys go together.
-  EXPECT_NO_THROW(check_supported(load_config(
-      "", {"--fsdp_config.offload_params=true", "--fsdp_config.offload_optimizer_state=true"})));
+  EXPECT_NO_THROW(check_supported(
+      load_config("", {"--fsdp_config.offload_params=true", "--fsdp_config.offload_optimizer_state=true"})));
   for (const char* arg : {"--fsdp_config.offload_params=true", "--fsdp_config.offload_optimizer_state=true"}) {
     SCOPED_TRACE(arg);
     expect_error([&] { check_supported(load_config("", {arg})); },
@@ -276,9 +280,12 @@ TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   }
   // Checkpointing is reentrant only.
   EXPECT_NO_THROW(check_supported(load_config("", {"--fsdp_config.activation_checkpointing=true"})));
-  expect_error([] {
-    check_supported(load_config("", {"--fsdp_config.activation_checkpointing=true", "--fsdp_config.use_reentrant=false"}));
-  }, {"fsdp_config.use_reentrant: false", "saved-tensor hooks"});
+  expect_error(
+      [] {
+        check_supported(
+            load_config("", {"--fsdp_config.activation_checkpointing=true", "--fsdp_config.use_reentrant=false"}));
+      },
+      {"fsdp_config.use_reentrant: false", "saved-tensor hooks"});
   expect_error([] { load_config("", {"--fsdp_config.activation_checkpointing_every=0"}); },
                {"fsdp_config.activation_checkpointing_every"});
   // use_reentrant alone is accepted: it only means something with activation checkpointing.
@@ -286,13 +293,19 @@ TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   expect_error([] { reshard_after_forward(load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD"})); },
                {"NO_SHARD", "does not shard"});
   // NO_SHARD (replicate) has no policies.
-  expect_error([] {
-    check_supported(load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.mixed_precision=true"}));
-  }, {"fsdp_config.mixed_precision", "NO_SHARD is not supported yet"});
-  expect_error([] {
-    check_supported(load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.offload_params=true",
-                                     "--fsdp_config.offload_optimizer_state=true"}));
-  }, {"fsdp_config.offload_params: true with fsdp_config.sharding_strategy: NO_SHARD"});
+  expect_error(
+      [] {
+        check_supported(
+            load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.mixed_precision=true"}));
+      },
+      {"fsdp_config.mixed_precision", "NO_SHARD is not supported yet"});
+  expect_error(
+      [] {
+        check_supported(
+            load_config("", {"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.offload_params=true",
+                             "--fsdp_config.offload_optimizer_state=true"}));
+      },
+      {"fsdp_config.offload_params: true with fsdp_config.sharding_strategy: NO_SHARD"});
   for (const char* s : {"NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"}) {
     SCOPED_TRACE(s);
     EXPECT_NO_THROW(check_supported(load_config("", {std::string("--fsdp_config.sharding_strategy=") + s})));
@@ -316,21 +329,30 @@ TEST(TrainConfig, StrategiesAndReplicateDegree) {
   // HYBRID_SHARD: one replica per node by default (8 ranks, 4 per node), or as configured.
   expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD"}, 8, 4), 2, 4, true);
   expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD"}, 4, 4), 1, 4, true);
-  expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"}, 4, 4), 2,
-               2, true);
+  expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"}, 4, 4), 2, 2,
+               true);
   expect_shape(shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD_ZERO2", "--fsdp_config.replicate_degree=4"}, 4, 4),
                4, 1, true);
   EXPECT_TRUE(reshard_after_forward(load_config("", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"})));
   EXPECT_FALSE(reshard_after_forward(load_config("", {"--fsdp_config.sharding_strategy=HYBRID_SHARD_ZERO2"})));
   // Each wrong degree names the key, the strategy and the world.
-  expect_error([&] { shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=3"}, 4, 4); },
-               {"fsdp_config.replicate_degree: 3 with sharding_strategy HYBRID_SHARD at a world of 4", "divide"});
-  expect_error([&] { shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=8"}, 4, 4); },
-               {"fsdp_config.replicate_degree: 8", "divide"});
+  expect_error(
+      [&] {
+        shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=3"}, 4, 4);
+      },
+      {"fsdp_config.replicate_degree: 3 with sharding_strategy HYBRID_SHARD at a world of 4", "divide"});
+  expect_error(
+      [&] {
+        shape({"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=8"}, 4, 4);
+      },
+      {"fsdp_config.replicate_degree: 8", "divide"});
   expect_error([&] { shape({"--fsdp_config.replicate_degree=2"}, 4, 4); },
                {"fsdp_config.replicate_degree: 2 with sharding_strategy FULL_SHARD", "must be 1"});
-  expect_error([&] { shape({"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.replicate_degree=2"}, 4, 4); },
-               {"fsdp_config.replicate_degree: 2 with sharding_strategy NO_SHARD", "equal the world size"});
+  expect_error(
+      [&] {
+        shape({"--fsdp_config.sharding_strategy=NO_SHARD", "--fsdp_config.replicate_degree=2"}, 4, 4);
+      },
+      {"fsdp_config.replicate_degree: 2 with sharding_strategy NO_SHARD", "equal the world size"});
   expect_cli_error("--fsdp_config.replicate_degree=0", "fsdp_config.replicate_degree");
 }
 
@@ -343,15 +365,19 @@ TEST(TrainConfig, ReshardAfterForwardTakesAGroupSizeThatDividesTheShardGroup) {
   expect_error([&] { check_reshard_group(c, data_parallel_shape(c, 3, 3)); },
                {"fsdp_config.reshard_after_forward: 2 does not divide the 3 rank(s)"});
   // HSDP: the group lies within a replica's shard group (2 ranks of a 2 x 2 mesh).
-  const TrainConfig hybrid = load_config("", {"--fsdp_config.sharding_strategy=HYBRID_SHARD",
-                                              "--fsdp_config.replicate_degree=2", "--fsdp_config.reshard_after_forward=2"});
+  const TrainConfig hybrid =
+      load_config("", {"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2",
+                       "--fsdp_config.reshard_after_forward=2"});
   EXPECT_NO_THROW(check_reshard_group(hybrid, data_parallel_shape(hybrid, 4, 4)));
   for (const char* s : {"SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD"}) {
     SCOPED_TRACE(s);
-    expect_error([&] {
-      check_supported(load_config("", {std::string("--fsdp_config.sharding_strategy=") + s,
-                                       "--fsdp_config.reshard_after_forward=2"}));
-    }, {"fsdp_config.reshard_after_forward: 2 with fsdp_config.sharding_strategy: " + std::string(s), "unset the key"});
+    expect_error(
+        [&] {
+          check_supported(load_config(
+              "", {std::string("--fsdp_config.sharding_strategy=") + s, "--fsdp_config.reshard_after_forward=2"}));
+        },
+        {"fsdp_config.reshard_after_forward: 2 with fsdp_config.sharding_strategy: " + std::string(s),
+         "unset the key"});
   }
   expect_cli_error("--fsdp_config.reshard_after_forward=0", "fsdp_config.reshard_after_forward");
   expect_cli_error("--fsdp_config.reshard_after_forward=true", "fsdp_config.reshard_after_forward");
@@ -485,8 +511,8 @@ TEST(TrainConfig, MixedPrecisionIsBf16ParamsWithFp32ReductionsAndTheDtypeKeysOve
             "param bf16, reduce bf16");
   EXPECT_EQ(precision({"--fsdp_config.mixed_precision=true", "--fsdp_config.param_dtype=float32"}), "fp32");
   // An empty value unsets a dtype key: mixed_precision decides again.
-  EXPECT_EQ(precision({"--fsdp_config.param_dtype=float32", "--fsdp_config.param_dtype=",
-                       "--fsdp_config.mixed_precision=true"}),
+  EXPECT_EQ(precision({"--fsdp_config.param_dtype=float32",
+                       "--fsdp_config.param_dtype=", "--fsdp_config.mixed_precision=true"}),
             "param bf16, reduce fp32");
   const std::string path = write_yaml("fsdp_config:\n  param_dtype: bfloat16\n  reduce_dtype: float32\n");
   const FsdpConfig f = load_config(path, {}).fsdp_config;
@@ -519,7 +545,9 @@ TEST(TrainConfig, Fp16ParametersRunAndFp16WithAScalerIsRefusedNamingTheKey) {
                {"fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet",
                 "fsdp_config.mixed_precision: true", "param_dtype: float16"});
   expect_error(
-      [] { check_supported(load_config("", {"--fsdp_config.fp16=true", "--fsdp_config.device=cuda"})); },
+      [] {
+        check_supported(load_config("", {"--fsdp_config.fp16=true", "--fsdp_config.device=cuda"}));
+      },
       {"fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet", "fsdp_config.device: cuda"});
 }
 

@@ -44,11 +44,46 @@ std::string text_of(const std::vector<std::string>& lines) {
 }
 
 // Values of every kind a key might wrongly get.
-const std::vector<std::string> kOddValues = {
-    "1e308", "-1e308", ".nan", "-.inf", ".inf", "99999999999999999999999", "-9223372036854775808",
-    "9223372036854775807", "-1", "0", "0x10", "1_000", "[1, 2]", "{a: 1}", "abc", "true", "", "~", "null",
-    "\"\"", "''", "[]", "{}", "&a 3", "*a", "!!binary aGVsbG8=", "!!str 5", "2.5", "-0.0", "1e-320", "|", ">",
-    "\"\\x00\\uffff\"", "[0.9, 0.95, 0.99]", "[[[1]]]", "- 1", "? x", "@", "`", "%"};
+const std::vector<std::string> kOddValues = {"1e308",
+                                             "-1e308",
+                                             ".nan",
+                                             "-.inf",
+                                             ".inf",
+                                             "99999999999999999999999",
+                                             "-9223372036854775808",
+                                             "9223372036854775807",
+                                             "-1",
+                                             "0",
+                                             "0x10",
+                                             "1_000",
+                                             "[1, 2]",
+                                             "{a: 1}",
+                                             "abc",
+                                             "true",
+                                             "",
+                                             "~",
+                                             "null",
+                                             "\"\"",
+                                             "''",
+                                             "[]",
+                                             "{}",
+                                             "&a 3",
+                                             "*a",
+                                             "!!binary aGVsbG8=",
+                                             "!!str 5",
+                                             "2.5",
+                                             "-0.0",
+                                             "1e-320",
+                                             "|",
+                                             ">",
+                                             "\"\\x00\\uffff\"",
+                                             "[0.9, 0.95, 0.99]",
+                                             "[[[1]]]",
+                                             "- 1",
+                                             "? x",
+                                             "@",
+                                             "`",
+                                             "%"};
 
 class Mutator {
  public:
@@ -107,19 +142,20 @@ const std::vector<std::pair<std::string, Mutator::Mutation>> Mutator::kMutations
     {"deep nesting",
      [](Mutator& m, auto& l, size_t i) {
        const size_t depth = 1 + m.below(3000);
-       set_value(l, i, m.below(2) ? std::string(depth, '[') : [&] {
-         std::string s;
-         for (size_t d = 0; d < depth; ++d) s += "{a: ";
-         return s;
-       }());
+       set_value(
+           l, i, m.below(2) ? std::string(depth, '[') : [&] {
+             std::string s;
+             for (size_t d = 0; d < depth; ++d) s += "{a: ";
+             return s;
+           }());
      }},
-    {"long string",
-     [](Mutator& m, auto& l, size_t i) { set_value(l, i, std::string(1 + m.below(200000), 'x')); }},
+    {"long string", [](Mutator& m, auto& l, size_t i) { set_value(l, i, std::string(1 + m.below(200000), 'x')); }},
     {"long key", [](Mutator& m, auto& l, size_t i) { l[i] = "  " + std::string(1 + m.below(5000), 'k') + ": 1"; }},
     {"yaml syntax",
      [](Mutator& m, auto& l, size_t i) {
-       static const std::vector<std::string> bits = {"---", "...", "%YAML 1.2", "- x", "? a", ": b", "&x", "*x",
-                                                     "!tag", "#", "[", "]", "{", "}", ",", "|-", ">+", "<<: *x"};
+       static const std::vector<std::string> bits = {"---", "...", "%YAML 1.2", "- x", "? a", ": b",
+                                                     "&x",  "*x",  "!tag",      "#",   "[",   "]",
+                                                     "{",   "}",   ",",         "|-",  ">+",  "<<: *x"};
        l.insert(l.begin() + static_cast<long>(i), std::string(m.below(4), ' ') + m.pick(bits));
      }},
 };
@@ -181,10 +217,23 @@ TEST(TrainConfigFuzz, MutatedShippedConfigsLoadOrFailWithConfigErrorNamingTheFil
 }
 
 TEST(TrainConfigFuzz, MutatedOverridesLoadOrFailWithConfigErrorNamingTheCommandLine) {
-  static const std::vector<std::string> keys = {
-      "training.steps", "training.seed", "optimizer.lr", "optimizer.betas", "model.dim", "model.dropout_p",
-      "fsdp_config.collective_timeout_s", "fsdp_config.sharding_strategy", "logging.jsonl", "sample.temperature",
-      "training.resume", "training.export", "nosuch.key", "training.nosuch", "training", ".", ""};
+  static const std::vector<std::string> keys = {"training.steps",
+                                                "training.seed",
+                                                "optimizer.lr",
+                                                "optimizer.betas",
+                                                "model.dim",
+                                                "model.dropout_p",
+                                                "fsdp_config.collective_timeout_s",
+                                                "fsdp_config.sharding_strategy",
+                                                "logging.jsonl",
+                                                "sample.temperature",
+                                                "training.resume",
+                                                "training.export",
+                                                "nosuch.key",
+                                                "training.nosuch",
+                                                "training",
+                                                ".",
+                                                ""};
   Mutator m(kSeed + 1);
   int loaded_count = 0;
   for (int i = 0; i < kOverrideCases; ++i) {

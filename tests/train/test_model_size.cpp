@@ -43,7 +43,7 @@ void expect_rejected_naming(const ModelSizes& m, const StepSizes& s, const std::
 // (test_trainer.cpp) checks that it is the formula's.
 TEST(ModelSize, ParameterCountsOfThePresets) {
   EXPECT_EQ(transformer_parameters(tiny()), 6976);
-  EXPECT_EQ(transformer_parameters({4, 8192, 256, 256, 8}), 7415296);     // small
+  EXPECT_EQ(transformer_parameters({4, 8192, 256, 256, 8}), 7415296);      // small
   EXPECT_EQ(transformer_parameters({8, 32000, 512, 768, 12}), 106225152);  // medium
 }
 

@@ -36,10 +36,10 @@ nlohmann::json plan_json(int world, const std::vector<std::string>& overrides) {
 // has no optimizer state yet).
 double measured_peak_mib(int world, const std::vector<std::string>& overrides) {
   TempDir dir;
-  const std::vector<std::string> args =
-      with(config(overrides), {"--training.steps=3", "--training.resume=never", "--training.export=none",
-                               "--fsdp_config.checkpoint_interval=0", "--fsdp_config.checkpoint_dir=" + dir.path() + "/c",
-                               "--logging.jsonl=" + dir.path() + "/m{rank}.jsonl", "--logging.progress=off"});
+  const std::vector<std::string> args = with(
+      config(overrides), {"--training.steps=3", "--training.resume=never", "--training.export=none",
+                          "--fsdp_config.checkpoint_interval=0", "--fsdp_config.checkpoint_dir=" + dir.path() + "/c",
+                          "--logging.jsonl=" + dir.path() + "/m{rank}.jsonl", "--logging.progress=off"});
   const RunResult r = world == 1 ? trainer.run(args, {}, 120) : fsdprun.run(under_fsdprun(world, args), {}, 240);
   EXPECT_EQ(r.exit_code, 0) << describe(r);
   std::ifstream in(dir.path() + "/m0.jsonl");
@@ -56,8 +56,8 @@ void expect_within_ten_percent(int world, const std::vector<std::string>& overri
   const double predicted = plan_json(world, overrides)["ranks"][0]["peak_tensor_bytes"].get<double>() / (1 << 20);
   const double measured = measured_peak_mib(world, overrides);
   ASSERT_GT(measured, 0);
-  EXPECT_NEAR(predicted / measured, 1.0, 0.10) << "W=" << world << ": predicted " << predicted << " MiB, measured "
-                                               << measured << " MiB";
+  EXPECT_NEAR(predicted / measured, 1.0, 0.10)
+      << "W=" << world << ": predicted " << predicted << " MiB, measured " << measured << " MiB";
 }
 
 TEST(PlanCli, PredictsTheTrainersPeakAtOneRankWithinTenPercent) { expect_within_ten_percent(1, {}); }
@@ -88,15 +88,18 @@ TEST(PlanCli, RefusesWhatTheTrainerRefusesNamingTheKey) {
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("--world N is required"), std::string::npos) << r.err;
   r = trainer.run({"plan", configs_dir() + "/tiny.yaml", "--world", "3", "--fsdp_config.replicate_degree=2",
-                   "--fsdp_config.sharding_strategy=HYBRID_SHARD"}, {}, 60);
+                   "--fsdp_config.sharding_strategy=HYBRID_SHARD"},
+                  {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("fsdp_config.replicate_degree"), std::string::npos) << r.err;
   r = trainer.run({"plan", configs_dir() + "/tiny.yaml", "--world", "2", "--fsdp_config.output_head_group=true",
-                   "--fsdp_config.sharding_strategy=NO_SHARD"}, {}, 60);
+                   "--fsdp_config.sharding_strategy=NO_SHARD"},
+                  {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("fsdp_config.output_head_group"), std::string::npos) << r.err;
-  r = trainer.run({"plan", configs_dir() + "/tiny.yaml", "--world", "2", "--data.source=tokens",
-                   "--data.path=/nonexistent.tokens"}, {}, 60);
+  r = trainer.run(
+      {"plan", configs_dir() + "/tiny.yaml", "--world", "2", "--data.source=tokens", "--data.path=/nonexistent.tokens"},
+      {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("data.path: /nonexistent.tokens"), std::string::npos) << r.err;
 }
@@ -105,7 +108,8 @@ TEST(PlanCli, SaysWhichBackendAndThreadsItPlansAndTheStepAfterASave) {
   // W=4: the root's 16 MiB reduce-scatter runs on fsdp-cpp's ring, whose scratch is a tensor (on
   // MPI as on Gloo, from 256 KiB).
   RunResult r = trainer.run({"plan", configs_dir() + "/small.yaml", "--world", "4", "--fsdp_config.backend=mpi",
-                             "--fsdp_config.checkpoint_interval=5"}, {}, 60);
+                             "--fsdp_config.checkpoint_interval=5"},
+                            {}, 60);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("collectives on mpi"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("one thread per rank"), std::string::npos) << r.out;
@@ -116,15 +120,15 @@ TEST(PlanCli, SaysWhichBackendAndThreadsItPlansAndTheStepAfterASave) {
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(r.out.find("collective scratch"), std::string::npos) << r.out;
   r = trainer.run({"plan", configs_dir() + "/small.yaml", "--world", "2", "--fsdp_config.backend=mpi",
-                   "--fsdp_config.checkpoint_interval=0"}, {{"FSDP_BACKEND", "gloo"}}, 60);
+                   "--fsdp_config.checkpoint_interval=0"},
+                  {{"FSDP_BACKEND", "gloo"}}, 60);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("collectives on gloo (FSDP_BACKEND in the environment)"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("background checkpoint"), std::string::npos) << r.out;
 }
 
 TEST(PlanCli, FindsTheLargestModelThatFitsAndPrintsEveryRank) {
-  std::vector<std::string> args = {"plan", configs_dir() + "/small.yaml", "--world", "4", "--memory-per-rank",
-                                   "1GiB"};
+  std::vector<std::string> args = {"plan", configs_dir() + "/small.yaml", "--world", "4", "--memory-per-rank", "1GiB"};
   RunResult text = trainer.run(args, {}, 60);
   ASSERT_EQ(text.exit_code, 0) << describe(text);
   EXPECT_NE(text.out.find("ranks 0-3:"), std::string::npos) << text.out;

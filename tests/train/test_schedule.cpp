@@ -71,9 +71,9 @@ TEST(Schedule, DecayNeverRises) {
 
 TEST(Schedule, NoWarmupStartsAtTheFullLr) {
   const LrSchedule s = schedule(0, 8);
-  EXPECT_NEAR(lr_at(s, 1), kLr, kTol);                   // t = 0
-  EXPECT_NEAR(lr_at(s, 5), (kLr + kMinLr) / 2, kTol);    // t = 4/8
-  EXPECT_NEAR(lr_at(s, 9), kMinLr, kTol);                // t = 1
+  EXPECT_NEAR(lr_at(s, 1), kLr, kTol);                 // t = 0
+  EXPECT_NEAR(lr_at(s, 5), (kLr + kMinLr) / 2, kTol);  // t = 4/8
+  EXPECT_NEAR(lr_at(s, 9), kMinLr, kTol);              // t = 1
 }
 
 TEST(Schedule, MinLrZeroDecaysToZero) {

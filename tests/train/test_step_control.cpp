@@ -26,7 +26,8 @@ std::vector<double> gathered(const std::vector<StepBallot>& ballots) {
 }
 
 TEST(StepControl, AllFiniteStepsApplyWithTheMeanLossAndRankZerosNorm) {
-  const StepVotes v = tally_votes(gathered({{2.0, 0.5, false, false}, {4.0, 0.5, false, false}, {6.0, 0.5, false, false}}), 3);
+  const StepVotes v =
+      tally_votes(gathered({{2.0, 0.5, false, false}, {4.0, 0.5, false, false}, {6.0, 0.5, false, false}}), 3);
   EXPECT_DOUBLE_EQ(v.loss, 4.0);
   EXPECT_DOUBLE_EQ(v.grad_norm, 0.5);
   EXPECT_EQ(v.local_losses, (std::vector<double>{2.0, 4.0, 6.0}));

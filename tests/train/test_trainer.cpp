@@ -143,10 +143,10 @@ TEST(Trainer, CheckpointSavedAtTwoRanksResumesAtOneAndFourRanks) {
 TEST(Trainer, GradientAccumulationEqualsOneLargerBatch) {
   TempDir dir;
   auto run = [&](const std::string& name, int world, int batch, int accumulation) {
-    const auto args = with(base_args(dir / name, 4),
-                           {"--training.micro_batch_size=" + std::to_string(batch),
-                            "--training.gradient_accumulation_steps=" + std::to_string(accumulation),
-                            "--fsdp_config.checkpoint_interval=0"});
+    const auto args =
+        with(base_args(dir / name, 4), {"--training.micro_batch_size=" + std::to_string(batch),
+                                        "--training.gradient_accumulation_steps=" + std::to_string(accumulation),
+                                        "--fsdp_config.checkpoint_interval=0"});
     RunResult r = fsdprun.run(under_fsdprun(world, args), {}, 120);
     EXPECT_EQ(r.exit_code, 0) << name << ": " << describe(r);
     return read_metrics(dir / (name + "/m0.jsonl"));
@@ -185,10 +185,10 @@ TEST(Trainer, TokenizeThenTrainOnATextFile) {
   std::ofstream(dir / "text.txt") << std::string(200, 'a') + "the quick brown fox jumps over the lazy dog\n";
   RunResult tok = trainer.run({"tokenize", dir / "text.txt", dir / "text.tokens"}, {}, 30);
   ASSERT_EQ(tok.exit_code, 0) << describe(tok);
-  const auto args = with(base_args(dir.path(), 10),
-                         {"--model.vocab_size=256", "--data.source=tokens", "--data.path=" + dir / "text.tokens",
-                          "--training.seq_len=32", "--sample.length=16", "--sample.prompt=the ",
-                          "--training.export=" + dir / "model.pt"});
+  const auto args = with(
+      base_args(dir.path(), 10),
+      {"--model.vocab_size=256", "--data.source=tokens", "--data.path=" + dir / "text.tokens", "--training.seq_len=32",
+       "--sample.length=16", "--sample.prompt=the ", "--training.export=" + dir / "model.pt"});
   RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("sample (16 tokens"), std::string::npos) << r.out;
@@ -209,20 +209,25 @@ TEST(Trainer, StartsFromATorchSaveFile) {
   };
   RunResult a = fsdprun.run(under_fsdprun(2, common("a", 3)), {}, 120);
   ASSERT_EQ(a.exit_code, 0) << describe(a);
-  const std::string python = "import sys, torch\n"
-                             "torch.save(dict(torch.load(sys.argv[1])), sys.argv[2])\n";
+  const std::string python =
+      "import sys, torch\n"
+      "torch.save(dict(torch.load(sys.argv[1])), sys.argv[2])\n";
   std::ofstream(dir / "resave.py") << python;
-  ASSERT_EQ(std::system((fsdp_test::python() + " " + dir / "resave.py" + " " + dir / "a.pt" + " " + dir / "init.pt").c_str()), 0);
+  ASSERT_EQ(
+      std::system((fsdp_test::python() + " " + dir / "resave.py" + " " + dir / "a.pt" + " " + dir / "init.pt").c_str()),
+      0);
   RunResult b = fsdprun.run(under_fsdprun(2, with(common("b", 1), {"--model.init_from=" + dir / "init.pt",
                                                                    "--optimizer.lr=1e-30", "--schedule.min_lr=0"})),
                             {}, 120);
   ASSERT_EQ(b.exit_code, 0) << describe(b);
   std::ofstream(dir / "compare.py") << "import sys, torch\n"
-                                        "a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])\n"
-                                        "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
-                                        "for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k\n"
-                                        "print('OK', len(a))\n";
-  EXPECT_EQ(std::system((fsdp_test::python() + " " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
+                                       "a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])\n"
+                                       "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
+                                       "for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k\n"
+                                       "print('OK', len(a))\n";
+  EXPECT_EQ(
+      std::system((fsdp_test::python() + " " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()),
+      0);
 }
 
 // model.init_from also takes a safetensors export, of which each rank reads only its rows: a
@@ -233,24 +238,26 @@ TEST(Trainer, StartsFromASafetensorsExportAtAnotherWorldSize) {
   FSDP_SKIP_WITHOUT_PYTHON();
   TempDir dir;
   const auto common = [&](const std::string& name, int steps, const std::string& export_path) {
-    return with(base_args(dir / name, steps),
-                {"--fsdp_config.checkpoint_interval=0", "--training.micro_batch_size=2", "--training.export=" + export_path});
+    return with(base_args(dir / name, steps), {"--fsdp_config.checkpoint_interval=0", "--training.micro_batch_size=2",
+                                               "--training.export=" + export_path});
   };
   for (const std::string exported : {"a.safetensors", "a.pt"}) {
     RunResult a = fsdprun.run(under_fsdprun(2, common("a_" + exported, 3, dir / exported)), {}, 120);
     ASSERT_EQ(a.exit_code, 0) << describe(a);
   }
-  RunResult b = fsdprun.run(under_fsdprun(3, with(common("b", 1, dir / "b.pt"),
-                                                  {"--model.init_from=" + dir / "a.safetensors",
-                                                   "--optimizer.lr=1e-30", "--schedule.min_lr=0"})),
-                            {}, 120);
+  RunResult b =
+      fsdprun.run(under_fsdprun(3, with(common("b", 1, dir / "b.pt"), {"--model.init_from=" + dir / "a.safetensors",
+                                                                       "--optimizer.lr=1e-30", "--schedule.min_lr=0"})),
+                  {}, 120);
   ASSERT_EQ(b.exit_code, 0) << describe(b);
   std::ofstream(dir / "compare.py") << "import sys, torch\n"
-                                        "a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])\n"
-                                        "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
-                                        "for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k\n"
-                                        "print('OK', len(a))\n";
-  EXPECT_EQ(std::system((fsdp_test::python() + " " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()), 0);
+                                       "a, b = torch.load(sys.argv[1]), torch.load(sys.argv[2])\n"
+                                       "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
+                                       "for k in a: assert torch.allclose(a[k], b[k], rtol=0, atol=1e-20), k\n"
+                                       "print('OK', len(a))\n";
+  EXPECT_EQ(
+      std::system((fsdp_test::python() + " " + dir / "compare.py" + " " + dir / "a.pt" + " " + dir / "b.pt").c_str()),
+      0);
 }
 
 TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaitsAndSafetensorsExport) {
@@ -293,7 +300,8 @@ TEST(Trainer, PrintsTheWholeModelsParameterCountWhichTheFormulaGives) {
   const auto want = static_cast<int64_t>(fsdp::train::transformer_parameters({3, 40, 24, 32, 4}));
   EXPECT_NE(r.out.find("fsdp-train: " + std::to_string(want) + " parameters (3 layers, dim 32, 4 heads, vocab 40"),
             std::string::npos)
-      << "expected " << want << " parameters\n" << describe(r);
+      << "expected " << want << " parameters\n"
+      << describe(r);
   const auto summary = nlohmann::json::parse(read_file(dir / "summary.json"));
   EXPECT_EQ(summary.at("params").get<int64_t>(), want);
 }
@@ -353,14 +361,13 @@ bool expect_close_losses(const std::map<int64_t, StepMetrics>& got, const std::m
 // without native bf16, so the start-up check measures both matmul rates and reports them.
 TEST(Trainer, MixedPrecisionTrainsInBf16AndResumesBitwiseFromItsOwnCheckpoint) {
   TempDir dir;
-  const std::vector<std::string> bf16 = {"--fsdp_config.mixed_precision=true", "--logging.summary_json=" +
-                                                                                   dir / "whole/summary.json"};
+  const std::vector<std::string> bf16 = {"--fsdp_config.mixed_precision=true",
+                                         "--logging.summary_json=" + dir / "whole/summary.json"};
   const RunResult whole = train(dir / "whole", bf16, {{"FSDP_TRAIN_CPU_FLAGS", "fpu sse2 avx2 avx512f"}});
   EXPECT_TRUE(has(whole, "rank(s), FULL_SHARD, param bf16, reduce fp32;")) << whole.out;
   EXPECT_TRUE(has(whole, "precision: param bf16, reduce fp32")) << whole.out;  // the step line
-  EXPECT_TRUE(has(whole, " (param bf16, reduce fp32)\n")) << whole.out;  // the summary line
-  EXPECT_TRUE(has(whole, "this CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag): bf16 matmul "))
-      << whole.out;
+  EXPECT_TRUE(has(whole, " (param bf16, reduce fp32)\n")) << whole.out;        // the summary line
+  EXPECT_TRUE(has(whole, "this CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag): bf16 matmul ")) << whole.out;
   EXPECT_TRUE(has(whole, " GFLOP/s vs fp32 ")) << whole.out;
   const auto summary = nlohmann::json::parse(read_file(dir / "whole/summary.json"));
   EXPECT_EQ(summary.at("param_dtype"), "bfloat16");
@@ -388,8 +395,8 @@ TEST(Trainer, CheckpointsResumeAcrossAChangeOfPrecision) {
   EXPECT_FALSE(has(fp32, "native bf16")) << "no bf16, no check\n" << fp32.out;
   const auto want = read_metrics(dir / "fp32/m0.jsonl");
 
-  const RunResult to_bf16 = train(dir / "to_bf16", {"--fsdp_config.param_dtype=bfloat16",
-                                                    "--training.resume=" + dir / "fp32/ckpt/step_10"});
+  const RunResult to_bf16 =
+      train(dir / "to_bf16", {"--fsdp_config.param_dtype=bfloat16", "--training.resume=" + dir / "fp32/ckpt/step_10"});
   EXPECT_TRUE(has(to_bf16, "resumed from") && has(to_bf16, "at step 10")) << to_bf16.out;
   EXPECT_TRUE(has(to_bf16, "precision: param bf16, reduce fp32")) << to_bf16.out;
   EXPECT_TRUE(has(to_bf16, "native bf16")) << "the start-up check, whatever this CPU has\n" << to_bf16.out;
@@ -416,11 +423,11 @@ TEST(Trainer, Fp16ParametersTrainOnCpu) {
 
 struct BadCase {
   std::string name;
-  std::string yaml;                    // written to bad.yaml when not empty
-  std::vector<std::string> args;       // after the config file
-  std::string expected;                // in stderr
-  int nproc = 0;                       // > 0: under fsdprun with that many ranks
-  int exit_code = 2;                   // configuration error, unless the input is a bad file
+  std::string yaml;               // written to bad.yaml when not empty
+  std::vector<std::string> args;  // after the config file
+  std::string expected;           // in stderr
+  int nproc = 0;                  // > 0: under fsdprun with that many ranks
+  int exit_code = 2;              // configuration error, unless the input is a bad file
 };
 
 std::vector<BadCase> bad_cases() {
@@ -434,89 +441,156 @@ std::vector<BadCase> bad_cases() {
       {"InvalidYaml", "training: [steps: 3\n", {}, "invalid YAML"},
       {"OverrideWithoutValue", "", {"--training.steps"}, "expected --section.key=value"},
       {"UnknownOverrideKey", "", {"--optimizer.learning_rate=0.1"}, "unknown key 'optimizer.learning_rate'"},
-      {"BadBetas", "", {"--optimizer.betas=[0.9]"},
+      {"BadBetas",
+       "",
+       {"--optimizer.betas=[0.9]"},
        "optimizer.betas: expected two values [beta1, beta2], got a list of 1 value"},
       {"BetasNotAList", "", {"--optimizer.betas=0.9"}, "optimizer.betas: expected a list [beta1, beta2], got '0.9'"},
       {"BetaOutOfRange", "", {"--optimizer.beta2=1.5"}, "optimizer.beta2: must be in [0, 1)"},
       // Mixed precision: dtypes by name, and no fp16 compute on CPU.
-      {"UnknownParamDtype", "", {"--fsdp_config.param_dtype=bf16"},
+      {"UnknownParamDtype",
+       "",
+       {"--fsdp_config.param_dtype=bf16"},
        "fsdp_config.param_dtype: expected one of float32 | bfloat16 | float16, got 'bf16'"},
-      {"UnknownReduceDtypeInFile", "fsdp_config:\n  reduce_dtype: double\n", {},
+      {"UnknownReduceDtypeInFile",
+       "fsdp_config:\n  reduce_dtype: double\n",
+       {},
        "bad.yaml:2: fsdp_config.reduce_dtype: expected one of float32 | bfloat16 | float16, got 'double'"},
-      {"Fp16WithAScaler", "", {"--fsdp_config.fp16=true"},
+      {"Fp16WithAScaler",
+       "",
+       {"--fsdp_config.fp16=true"},
        "fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet in fsdp-train; use "
        "fsdp_config.mixed_precision: true (bf16 parameters, fp32 reductions), or fsdp_config.param_dtype: float16 "
        "without a scaler"},
-      {"ReplicateDegreeNotDividingWorld", "",
+      {"ReplicateDegreeNotDividingWorld",
+       "",
        {"--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=3"},
-       "fsdp_config.replicate_degree: 3 with sharding_strategy HYBRID_SHARD at a world of 2 rank(s)", 2},
-      {"CudaOnCpuBuild", "", {"--fsdp_config.device=cuda"}, "fsdp_config.device: cuda (this is a CPU build) is not supported yet"},
-      {"ModelParallelNotDividingWorld", "", {"--fsdp_config.model_parallel_size=3"},
-       "fsdp_config.model_parallel_size: 3 does not divide the world of 2 rank(s)", 2},
-      {"ModelParallelNotDividingHeads", "", {"--fsdp_config.model_parallel_size=2", "--model.n_heads=1"},
-       "fsdp_config.model_parallel_size: 2 does not divide model.n_heads: 1", 2},
-      {"ModelParallelNotDividingVocab", "", {"--fsdp_config.model_parallel_size=2", "--model.vocab_size=7"},
+       "fsdp_config.replicate_degree: 3 with sharding_strategy HYBRID_SHARD at a world of 2 rank(s)",
+       2},
+      {"CudaOnCpuBuild",
+       "",
+       {"--fsdp_config.device=cuda"},
+       "fsdp_config.device: cuda (this is a CPU build) is not supported yet"},
+      {"ModelParallelNotDividingWorld",
+       "",
+       {"--fsdp_config.model_parallel_size=3"},
+       "fsdp_config.model_parallel_size: 3 does not divide the world of 2 rank(s)",
+       2},
+      {"ModelParallelNotDividingHeads",
+       "",
+       {"--fsdp_config.model_parallel_size=2", "--model.n_heads=1"},
+       "fsdp_config.model_parallel_size: 2 does not divide model.n_heads: 1",
+       2},
+      {"ModelParallelNotDividingVocab",
+       "",
+       {"--fsdp_config.model_parallel_size=2", "--model.vocab_size=7"},
        "fsdp_config.model_parallel_size: 2 with fsdp_config.vocab_parallel: true (the default) does not divide "
-       "model.vocab_size: 7", 2},
-      {"WorldSizeMismatch", "", {"--fsdp_config.world_size=4"}, "fsdp_config.world_size is 4 but the launcher started 2", 2},
-      {"SeqLongerThanModel", "", {"--training.seq_len=999"},
+       "model.vocab_size: 7",
+       2},
+      {"WorldSizeMismatch",
+       "",
+       {"--fsdp_config.world_size=4"},
+       "fsdp_config.world_size is 4 but the launcher started 2",
+       2},
+      {"SeqLongerThanModel",
+       "",
+       {"--training.seq_len=999"},
        "command line (--training.seq_len=999): training.seq_len (999) is longer than model.max_seq_len (16, "
        "model.preset tiny's)"},
-      {"SeqLongerThanModelInFile", "model:\n  max_seq_len: 16\ntraining:\n  seq_len: 100000\n", {},
+      {"SeqLongerThanModelInFile",
+       "model:\n  max_seq_len: 16\ntraining:\n  seq_len: 100000\n",
+       {},
        "bad.yaml:4: training.seq_len (100000) is longer than model.max_seq_len (16, set at "},
-      {"KeyOfAnotherSection", "", {"--training.log_interval=5"},
+      {"KeyOfAnotherSection",
+       "",
+       {"--training.log_interval=5"},
        "unknown key 'training.log_interval' (did you mean 'logging.log_interval'? it is in another section)"},
       {"KeyNearMiss", "", {"--training.stpes=5"}, "unknown key 'training.stpes' (did you mean 'steps'?)"},
       {"EmptyConfigFile", "# only a comment\n", {}, "bad.yaml: the config file is empty (no sections)"},
       {"ConfigFileIsADevice", "", {}, "/dev/zero: is not a regular file"},
       {"ConfigFileTooLarge", "", {}, "the config file is larger than 1 MiB"},
-      {"ControlBytesInYamlAreEscaped", "logging:\n  progress: \"\\e[31mred\"\n", {},
+      {"ControlBytesInYamlAreEscaped",
+       "logging:\n  progress: \"\\e[31mred\"\n",
+       {},
        "bad.yaml:2: logging.progress: expected one of auto | on | off, got '\\x1b[31mred'"},
       {"LossChunksZero", "", {"--training.loss_chunks=0"}, "training.loss_chunks: must be >= 1, got 0"},
-      {"OutputHeadGroupWithNoShard", "", {"--fsdp_config.output_head_group=true", "--fsdp_config.sharding_strategy=NO_SHARD"},
+      {"OutputHeadGroupWithNoShard",
+       "",
+       {"--fsdp_config.output_head_group=true", "--fsdp_config.sharding_strategy=NO_SHARD"},
        "fsdp_config.output_head_group: true with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
-      {"LossChunksMoreThanPositions", "", {"--training.seq_len=8", "--training.loss_chunks=9"},
+      {"LossChunksMoreThanPositions",
+       "",
+       {"--training.seq_len=8", "--training.loss_chunks=9"},
        "training.loss_chunks (9) is more than the sequence has positions (training.seq_len 8)"},
       {"HeadsDoNotDivideDim", "", {"--model.n_heads=5"}, "model.dim (16) must be divisible by model.n_heads (5)"},
       {"TokensWithoutPath", "", {"--data.source=tokens"}, "data.path: required when data.source is tokens"},
-      {"MissingTokenFile", "", {"--data.source=tokens", "--data.path=/nonexistent/x.tokens"},
-       "/nonexistent/x.tokens: cannot open the token file", 0, 1},
+      {"MissingTokenFile",
+       "",
+       {"--data.source=tokens", "--data.path=/nonexistent/x.tokens"},
+       "/nonexistent/x.tokens: cannot open the token file",
+       0,
+       1},
       {"TextInsteadOfTokenFile", "", {"--data.source=tokens", "--data.path=" + tiny}, "not a token file", 0, 1},
-      {"DirectoryAsTokenFile", "", {"--data.source=tokens", "--data.path=" + configs_dir()},
-       configs_dir() + ": is a directory, not a token file (data.path)", 0, 1},
+      {"DirectoryAsTokenFile",
+       "",
+       {"--data.source=tokens", "--data.path=" + configs_dir()},
+       configs_dir() + ": is a directory, not a token file (data.path)",
+       0,
+       1},
       {"MissingInitFrom", "", {"--model.init_from=/nonexistent/init.pt"}, "/nonexistent/init.pt"},
       {"MissingResumeCheckpoint", "", {"--training.resume=/nonexistent/step_5"}, "/nonexistent/step_5"},
       {"TwoConfigFiles", "", {tiny}, "only one is read"},
-      {"MinLrAboveLr", "", {"--optimizer.lr=1e-4", "--schedule.min_lr=1e-3"},
+      {"MinLrAboveLr",
+       "",
+       {"--optimizer.lr=1e-4", "--schedule.min_lr=1e-3"},
        "schedule.min_lr (0.001) must not exceed optimizer.lr (0.0001)"},
       // The YAML is read strictly: a repeated key or section, an unterminated quote.
-      {"KeyGivenTwice", "training:\n  steps: 3\n  seed: 1\n  steps: 4\n", {},
+      {"KeyGivenTwice",
+       "training:\n  steps: 3\n  seed: 1\n  steps: 4\n",
+       {},
        "bad.yaml:4: key 'training.steps' is given twice (lines 2 and 4)"},
-      {"SectionGivenTwice", "training:\n  steps: 3\nsample:\n  length: 0\ntraining:\n  seed: 2\n", {},
+      {"SectionGivenTwice",
+       "training:\n  steps: 3\nsample:\n  length: 0\ntraining:\n  seed: 2\n",
+       {},
        "bad.yaml:5: section 'training' is given twice (lines 1 and 5)"},
-      {"UnterminatedQuote", "sample:\n  prompt: \"The GNU\n  temperature: 0.7\nlogging:\n  log_interval: 3\n", {},
+      {"UnterminatedQuote",
+       "sample:\n  prompt: \"The GNU\n  temperature: 0.7\nlogging:\n  log_interval: 3\n",
+       {},
        "bad.yaml:2: invalid YAML: a quoted value starts on this line and is not closed on it"},
       {"UnknownShortOption", "", {"-x"}, "command line: unknown option '-x'"},
       {"UnknownLongOption", "", {"--verbose"}, "command line: unknown option '--verbose'"},
       {"ConfigFileIsADirectory", "", {}, "is a directory, not a config file"},
-      {"InitFromIsADirectory", "", {"--model.init_from=" + configs_dir()},
+      {"InitFromIsADirectory",
+       "",
+       {"--model.init_from=" + configs_dir()},
        "model.init_from: " + configs_dir() + " is a directory"},
       // Sizes no machine holds: refused before anything is allocated, naming the key.
       {"HugeDim", "", {"--model.dim=1000000000"}, "model.dim: this run needs at least"},
       {"HugeVocab", "", {"--model.vocab_size=1000000000000"}, "model.vocab_size: this run needs at least"},
       {"HugeLayers", "", {"--model.n_layers=1000000000"}, "model.n_layers: this run needs at least"},
       {"DimSquaredOverflowsInt64", "", {"--model.dim=4611686018427387904"}, "model.dim: this run needs at least"},
-      {"VocabTimesDimOverflowsInt64", "", {"--model.vocab_size=4611686018427387904", "--model.dim=64"},
+      {"VocabTimesDimOverflowsInt64",
+       "",
+       {"--model.vocab_size=4611686018427387904", "--model.dim=64"},
        "model.vocab_size: this run needs at least"},
-      {"HugeMicroBatch", "", {"--training.micro_batch_size=1000000000000"},
+      {"HugeMicroBatch",
+       "",
+       {"--training.micro_batch_size=1000000000000"},
        "training.micro_batch_size: this run needs at least"},
       {"HugeDimUnderFsdprun", "", {"--model.dim=1000000000"}, "MemTotal", 2},
-      {"CollectiveTimeoutZero", "", {"--fsdp_config.collective_timeout_s=0"},
+      {"CollectiveTimeoutZero",
+       "",
+       {"--fsdp_config.collective_timeout_s=0"},
        "fsdp_config.collective_timeout_s: must be in [0.001, "},
       // Found at start-up, not at the first save: a checkpoint_dir under a regular file.
-      {"CheckpointDirUnderAFile", "", {"--fsdp_config.checkpoint_dir=" + tiny + "/ckpt"},
-       "fsdp_config.checkpoint_dir: cannot create " + tiny + "/ckpt", 2},
-      {"CheckpointDirIsAFile", "", {"--fsdp_config.checkpoint_dir=" + tiny},
+      {"CheckpointDirUnderAFile",
+       "",
+       {"--fsdp_config.checkpoint_dir=" + tiny + "/ckpt"},
+       "fsdp_config.checkpoint_dir: cannot create " + tiny + "/ckpt",
+       2},
+      {"CheckpointDirIsAFile",
+       "",
+       {"--fsdp_config.checkpoint_dir=" + tiny},
        "fsdp_config.checkpoint_dir: " + tiny + " exists and is not a directory"},
   };
 }
@@ -541,8 +615,7 @@ TEST_P(BadConfig, FailsNamingTheProblem) {
   std::vector<std::string> args = {config, "--fsdp_config.checkpoint_dir=" + dir / "ckpt", "--training.steps=2",
                                    "--training.export=none"};
   args.insert(args.end(), c.args.begin(), c.args.end());
-  RunResult r = c.nproc > 0 ? fsdprun.run(under_fsdprun(c.nproc, args), {}, 60)
-                            : trainer.run(args, {}, 60, dir.path());
+  RunResult r = c.nproc > 0 ? fsdprun.run(under_fsdprun(c.nproc, args), {}, 60) : trainer.run(args, {}, 60, dir.path());
   EXPECT_FALSE(r.timed_out) << describe(r);
   if (c.nproc > 0) {  // fsdprun exits 1 when its group fails, naming the worker's exit code
     EXPECT_EQ(r.exit_code, 1) << describe(r);
@@ -550,8 +623,7 @@ TEST_P(BadConfig, FailsNamingTheProblem) {
   } else {
     EXPECT_EQ(r.exit_code, c.exit_code) << describe(r);
   }
-  EXPECT_NE((r.err + r.out).find(c.expected), std::string::npos)
-      << "expected: " << c.expected << "\n" << describe(r);
+  EXPECT_NE((r.err + r.out).find(c.expected), std::string::npos) << "expected: " << c.expected << "\n" << describe(r);
   // One line per problem and rank: no C++ backtrace.
   EXPECT_EQ((r.err + r.out).find("frame #"), std::string::npos) << describe(r);
 }
@@ -596,7 +668,8 @@ TEST(Trainer, ActivationCheckpointingTrainsLikeWithoutAndResumes) {
     ASSERT_EQ(got.size(), want.size());
     for (const auto& [step, m] : got) EXPECT_NEAR(m.loss, want.at(step).loss, 1e-6) << "step " << step;
   }
-  train(dir / "resumed", {"--fsdp_config.activation_checkpointing=true", "--training.resume=" + dir / "ac1/ckpt/step_10"});
+  train(dir / "resumed",
+        {"--fsdp_config.activation_checkpointing=true", "--training.resume=" + dir / "ac1/ckpt/step_10"});
   for (const auto& [step, m] : read_metrics(dir / "resumed/m0.jsonl")) {
     EXPECT_NEAR(m.loss, want.at(step).loss, 1e-6) << "step " << step;
   }

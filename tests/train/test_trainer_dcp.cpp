@@ -80,10 +80,10 @@ TEST(TrainerDcp, ResumesFromACheckpointPythonSaved) {
              "dcp.save(sd, checkpoint_id=sys.argv[2])\n");
   ASSERT_EQ(run_python(dir / "resave.py", {dir / "whole/ckpt/step_10", dir / "py_ckpt"}), 0);
   const std::string py_ckpt = dir / "py_ckpt";
-  const RunResult resumed = fsdprun.run(
-      under_fsdprun(1, with(base_args(dir / "resumed", kSteps),
-                            {"--training.micro_batch_size=8", "--training.resume=" + py_ckpt})),
-      {}, 180);
+  const RunResult resumed =
+      fsdprun.run(under_fsdprun(1, with(base_args(dir / "resumed", kSteps),
+                                        {"--training.micro_batch_size=8", "--training.resume=" + py_ckpt})),
+                  {}, 180);
   ASSERT_EQ(resumed.exit_code, 0) << describe(resumed);
   EXPECT_NE(resumed.out.find("resumed from " + py_ckpt + " at step 10"), std::string::npos) << resumed.out;
   const auto want = read_metrics(dir / "whole/m0.jsonl");

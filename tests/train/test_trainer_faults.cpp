@@ -122,10 +122,13 @@ TEST(TrainerFaults, ACorruptedLatestCheckpointNamesTheOlderCompleteOne) {
   RunResult r = fsdprun.run(under_fsdprun(2, keep_two(dir, 22)), {}, 120);
   expect_workers_exited(r, 1);
   EXPECT_TRUE(contains(r, "cannot load the checkpoint " + dir + "/ckpt/step_20")) << describe(r);
-  EXPECT_TRUE(contains(r, "The older complete checkpoint " + dir + "/ckpt/step_15 may load: run again with "
-                          "training.resume: " + dir + "/ckpt/step_15")) << describe(r);
-  RunResult older = fsdprun.run(under_fsdprun(2, with(keep_two(dir, 17), {"--training.resume=" + dir + "/ckpt/step_15"})),
-                                {}, 120);
+  EXPECT_TRUE(contains(r, "The older complete checkpoint " + dir +
+                              "/ckpt/step_15 may load: run again with "
+                              "training.resume: " +
+                              dir + "/ckpt/step_15"))
+      << describe(r);
+  RunResult older =
+      fsdprun.run(under_fsdprun(2, with(keep_two(dir, 17), {"--training.resume=" + dir + "/ckpt/step_15"})), {}, 120);
   ASSERT_EQ(older.exit_code, 0) << describe(older);
   EXPECT_TRUE(contains(older, "resumed from " + dir + "/ckpt/step_15 at step 15")) << describe(older);
 }
@@ -139,7 +142,8 @@ TEST(TrainerFaults, ResumeAutoWithNoCompleteCheckpointStopsAndStartsNothingOver)
   const std::string metrics_before = read_file(dir + "/m0.jsonl");
   RunResult r = fsdprun.run(under_fsdprun(2, keep_two(dir, 25)), {}, 120);
   expect_workers_exited(r, 1);
-  EXPECT_TRUE(contains(r, "training.resume: auto: " + dir + "/ckpt holds checkpoints but none is complete")) << describe(r);
+  EXPECT_TRUE(contains(r, "training.resume: auto: " + dir + "/ckpt holds checkpoints but none is complete"))
+      << describe(r);
   EXPECT_TRUE(contains(r, dir + "/ckpt/step_15")) << describe(r);
   EXPECT_TRUE(contains(r, "Nothing was started and nothing deleted")) << describe(r);
   EXPECT_TRUE(contains(r, "rank 1: error: rank 0 found no checkpoint to resume from")) << describe(r);
@@ -186,7 +190,8 @@ TEST(TrainerFaults, ARankThatCannotReadTheChosenCheckpointStopsEveryRankNamingIt
   for (const char* rank : {"rank 0", "rank 1"}) {
     EXPECT_TRUE(contains(r, std::string(rank) + ": error: cannot resume from ckpt/step_20, which rank 0 chose: rank 1: "
                                                 "ckpt/step_20"))
-        << rank << "\n" << describe(r);
+        << rank << "\n"
+        << describe(r);
   }
 }
 
@@ -200,18 +205,25 @@ TEST(TrainerFaults, ANonFiniteStepIsNeitherAppliedNorSavedAndTheLastGoodCheckpoi
   RunResult tok = trainer.run({"tokenize", "/usr/share/common-licenses/GPL-3", dir / "gpl3.tokens"}, {}, 30);
   ASSERT_EQ(tok.exit_code, 0) << describe(tok);
   const auto args = [&](int steps, const std::string& lr) {
-    return std::vector<std::string>{configs_dir() + "/gpl3.yaml", "--data.path=" + dir / "gpl3.tokens",
-                                    "--optimizer.lr=" + lr, "--fsdp_config.checkpoint_interval=1",
-                                    "--fsdp_config.checkpoint_dir=" + dir / "ckpt", "--training.keep_checkpoints=0",
-                                    "--training.steps=" + std::to_string(steps), "--logging.jsonl=" + dir / "m{rank}.jsonl",
-                                    "--logging.progress=off", "--training.export=none", "--sample.length=0"};
+    return std::vector<std::string>{configs_dir() + "/gpl3.yaml",
+                                    "--data.path=" + dir / "gpl3.tokens",
+                                    "--optimizer.lr=" + lr,
+                                    "--fsdp_config.checkpoint_interval=1",
+                                    "--fsdp_config.checkpoint_dir=" + dir / "ckpt",
+                                    "--training.keep_checkpoints=0",
+                                    "--training.steps=" + std::to_string(steps),
+                                    "--logging.jsonl=" + dir / "m{rank}.jsonl",
+                                    "--logging.progress=off",
+                                    "--training.export=none",
+                                    "--sample.length=0"};
   };
   RunResult r = fsdprun.run(under_fsdprun(2, args(20, "1e3")), {}, 180);
   expect_workers_exited(r, 3);
   std::smatch m;
   const std::string out = r.out;
-  ASSERT_TRUE(std::regex_search(out, m, std::regex("stopping at step ([0-9]+): the loss is (\\S+) and the gradient "
-                                                   "norm is (\\S+) \\(non-finite\\)")))
+  ASSERT_TRUE(std::regex_search(out, m,
+                                std::regex("stopping at step ([0-9]+): the loss is (\\S+) and the gradient "
+                                           "norm is (\\S+) \\(non-finite\\)")))
       << describe(r);
   const int bad = std::stoi(m[1]);
   ASSERT_GE(bad, 2) << "the first step already failed: no checkpoint to check";
@@ -233,8 +245,9 @@ TEST(TrainerFaults, ANonFiniteStepIsNeitherAppliedNorSavedAndTheLastGoodCheckpoi
   RunResult again = fsdprun.run(under_fsdprun(2, done), {}, 180);
   ASSERT_EQ(again.exit_code, 0) << describe(again);
   EXPECT_TRUE(contains(again, "resumed from " + good + " at step " + std::to_string(bad - 1))) << describe(again);
-  write_text(dir / "finite.py", "import sys, torch\nsd = torch.load(sys.argv[1])\n"
-                                "assert all(torch.isfinite(t).all() for t in sd.values())\n");
+  write_text(dir / "finite.py",
+             "import sys, torch\nsd = torch.load(sys.argv[1])\n"
+             "assert all(torch.isfinite(t).all() for t in sd.values())\n");
   EXPECT_EQ(run_python(dir / "finite.py", {dir / "good.pt"}), 0);
 }
 
@@ -251,7 +264,8 @@ TEST(TrainerFaults, AFailedBackgroundSaveStopsEveryRankWithOneLineEachAndStep5Re
   RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
   expect_workers_exited(r, 1);
   for (const char* rank : {"rank 0", "rank 1"})
-    EXPECT_TRUE(contains(r, std::string(rank) + ": saving the checkpoint of step 10 failed: ")) << rank << "\n" << describe(r);
+    EXPECT_TRUE(contains(r, std::string(rank) + ": saving the checkpoint of step 10 failed: ")) << rank << "\n"
+                                                                                                << describe(r);
   EXPECT_TRUE(contains(r, "the last complete checkpoint is " + dir / "ckpt/step_5")) << describe(r);
   const int64_t stopped = last_step_in(dir / "m0.jsonl");
   EXPECT_GE(stopped, 10);
@@ -322,15 +336,16 @@ TEST(TrainerFaults, InitFromReadsPythonStateDictsAndBundles) {
   for (const char* name : {"ordered_dict", "model_bundle", "state_dict_bundle"}) {
     SCOPED_TRACE(name);
     const std::string file = dir / (std::string(name) + ".pt"), out = dir / (std::string(name) + ".out.pt");
-    const auto args = with(base_args(dir / name, 1),
-                           {"--model.init_from=" + file, "--optimizer.lr=1e-30", "--schedule.min_lr=0",
-                            "--fsdp_config.checkpoint_interval=0", "--training.export=" + out});
+    const auto args =
+        with(base_args(dir / name, 1), {"--model.init_from=" + file, "--optimizer.lr=1e-30", "--schedule.min_lr=0",
+                                        "--fsdp_config.checkpoint_interval=0", "--training.export=" + out});
     RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
     ASSERT_EQ(r.exit_code, 0) << describe(r);
     EXPECT_EQ(run_python(dir / "compare.py", {file, out}), 0);  // a vanishing step exports the same weights
     // What a bundle holds besides the state dict is said, not silently dropped.
-    const std::string ignored = std::string(name) == "model_bundle" ? "'step' (int)"
-                                : std::string(name) == "state_dict_bundle" ? "'optimizer' (dict)" : "";
+    const std::string ignored = std::string(name) == "model_bundle"        ? "'step' (int)"
+                                : std::string(name) == "state_dict_bundle" ? "'optimizer' (dict)"
+                                                                           : "";
     EXPECT_EQ(contains(r, "these entries are ignored (nothing of them runs): " + ignored), !ignored.empty())
         << describe(r);
   }
@@ -345,8 +360,9 @@ TEST(TrainerFaults, InitFromWithNonFiniteWeightsIsRefusedNamingTheFileAndTensor)
   ASSERT_EQ(run_python(dir / "model.py", {dir.path()}), 0);
   RunResult r = trainer.run(with(base_args(dir.path(), 3), {"--model.init_from=" + dir / "nan.pt"}), {}, 60);
   EXPECT_EQ(r.exit_code, 1) << describe(r);
-  EXPECT_TRUE(contains(r, "model.init_from " + dir / "nan.pt" + ": 1 tensor(s) hold NaN or infinite values: "
-                                                                "norm.weight (1 of 64)"))
+  EXPECT_TRUE(contains(r, "model.init_from " + dir / "nan.pt" +
+                              ": 1 tensor(s) hold NaN or infinite values: "
+                              "norm.weight (1 of 64)"))
       << describe(r);
   EXPECT_FALSE(contains(r, "max_grad_norm")) << describe(r);
   EXPECT_EQ(last_step_in(dir / "m0.jsonl"), 0);
@@ -357,25 +373,28 @@ TEST(TrainerFaults, InitFromWithNonFiniteWeightsIsRefusedNamingTheFileAndTensor)
 TEST(TrainerFaults, InitFromSafetensorsWithANaNInOneRanksRowsStopsEveryRankNamingIt) {
   FSDP_SKIP_WITHOUT_PYTHON();
   TempDir dir;
-  RunResult a = fsdprun.run(under_fsdprun(2, with(base_args(dir / "a", 1), {"--fsdp_config.checkpoint_interval=0",
-                                                                          "--training.export=" + dir / "a.safetensors"})),
-                            {}, 120);
+  RunResult a = fsdprun.run(
+      under_fsdprun(2, with(base_args(dir / "a", 1),
+                            {"--fsdp_config.checkpoint_interval=0", "--training.export=" + dir / "a.safetensors"})),
+      {}, 120);
   ASSERT_EQ(a.exit_code, 0) << describe(a);
   // The last element of norm.weight (64 values): rank 1's rows at W=2.
-  write_text(dir / "poison.py", "import json, struct, sys\n"
-                                "d = sys.argv[1]\n"
-                                "f = d + '/' + json.load(open(d + '/model.safetensors.index.json'))['weight_map']['norm.weight']\n"
-                                "b = bytearray(open(f, 'rb').read())\n"
-                                "n = struct.unpack('<Q', b[:8])[0]\n"
-                                "begin, end = json.loads(b[8:8 + n])['norm.weight']['data_offsets']\n"
-                                "b[8 + n + end - 4:8 + n + end] = struct.pack('<f', float('nan'))\n"
-                                "open(f, 'wb').write(b)\n");
+  write_text(dir / "poison.py",
+             "import json, struct, sys\n"
+             "d = sys.argv[1]\n"
+             "f = d + '/' + json.load(open(d + '/model.safetensors.index.json'))['weight_map']['norm.weight']\n"
+             "b = bytearray(open(f, 'rb').read())\n"
+             "n = struct.unpack('<Q', b[:8])[0]\n"
+             "begin, end = json.loads(b[8:8 + n])['norm.weight']['data_offsets']\n"
+             "b[8 + n + end - 4:8 + n + end] = struct.pack('<f', float('nan'))\n"
+             "open(f, 'wb').write(b)\n");
   ASSERT_EQ(run_python(dir / "poison.py", {dir / "a.safetensors"}), 0);
-  RunResult r = fsdprun.run(under_fsdprun(2, with(base_args(dir / "b", 3), {"--model.init_from=" + dir / "a.safetensors"})),
-                            {}, 120);
+  RunResult r = fsdprun.run(
+      under_fsdprun(2, with(base_args(dir / "b", 3), {"--model.init_from=" + dir / "a.safetensors"})), {}, 120);
   EXPECT_NE(r.exit_code, 0) << describe(r);
-  EXPECT_TRUE(contains(r, "model.init_from " + dir / "a.safetensors" + ": rank 1: 1 tensor(s) hold NaN or infinite "
-                                                                       "values in this rank's rows: norm.weight (1 of 32)"))
+  EXPECT_TRUE(contains(r, "model.init_from " + dir / "a.safetensors" +
+                              ": rank 1: 1 tensor(s) hold NaN or infinite "
+                              "values in this rank's rows: norm.weight (1 of 32)"))
       << describe(r);
   EXPECT_FALSE(contains(r, "rank 0: 1 tensor(s)")) << describe(r);
   EXPECT_EQ(last_step_in(dir / "b/m0.jsonl"), 0);
@@ -409,9 +428,9 @@ TEST(TrainerFaults, DamagedTokenFileHeadersNameTheFileAndWhatIsWrong) {
     SCOPED_TRACE(name);
     const std::string file = dir / (name + ".tokens");
     write_text(file, bytes);
-    RunResult r = trainer.run(with(base_args(dir / name, 2),
-                                   {"--model.vocab_size=256", "--data.source=tokens", "--data.path=" + file}),
-                              {}, 60);
+    RunResult r = trainer.run(
+        with(base_args(dir / name, 2), {"--model.vocab_size=256", "--data.source=tokens", "--data.path=" + file}), {},
+        60);
     EXPECT_EQ(r.exit_code, 1) << describe(r);
     EXPECT_TRUE(contains(r, file + ": " + expected)) << describe(r);
   }
@@ -437,8 +456,9 @@ TEST(TrainerFaults, TheEnvironmentsTimeoutWinsOverTheKeyAndTheRunSaysSo) {
   RunResult r = trainer.run(with(base_args(dir.path(), 1), {"--fsdp_config.collective_timeout_s=5"}),
                             {{"FSDP_COLLECTIVE_TIMEOUT_MS", "60000"}}, 60);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  EXPECT_TRUE(contains(r, "note: FSDP_COLLECTIVE_TIMEOUT_MS=60000 in the environment sets the collective timeout; "
-                          "fsdp_config.collective_timeout_s (5"))
+  EXPECT_TRUE(contains(r,
+                       "note: FSDP_COLLECTIVE_TIMEOUT_MS=60000 in the environment sets the collective timeout; "
+                       "fsdp_config.collective_timeout_s (5"))
       << describe(r);
 
   // The note is true: rank 1 starts 5 s late, which the key's 2 s would not wait for (see the
@@ -449,8 +469,9 @@ TEST(TrainerFaults, TheEnvironmentsTimeoutWinsOverTheKeyAndTheRunSaysSo) {
   RunResult late = fsdprun.run(args, {{"FSDP_COLLECTIVE_TIMEOUT_MS", "60000"}}, 120);
   EXPECT_EQ(late.exit_code, 0) << describe(late);
   EXPECT_FALSE(contains(late, "timed out")) << describe(late);
-  EXPECT_TRUE(contains(late, "FSDP_COLLECTIVE_TIMEOUT_MS=60000 in the environment sets the collective timeout; "
-                             "fsdp_config.collective_timeout_s (2 s) is not used"))
+  EXPECT_TRUE(contains(late,
+                       "FSDP_COLLECTIVE_TIMEOUT_MS=60000 in the environment sets the collective timeout; "
+                       "fsdp_config.collective_timeout_s (2 s) is not used"))
       << describe(late);
 }
 

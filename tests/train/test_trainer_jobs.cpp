@@ -76,8 +76,8 @@ TEST(TrainerJobs, ResumeAutoUnderAnotherSeedOrModelIsRefusedNamingWhatDiffers) {
   EXPECT_EQ(data.exit_code, 2) << describe(data);
   EXPECT_TRUE(contains(data, "with data.data_seed 1234, this config has data.data_seed 7")) << describe(data);
 
-  RunResult anyway =
-      trainer.run(with(base_args(dir.path(), 8), {"--training.seed=2", "--training.allow_resume_mismatch=true"}), {}, 120);
+  RunResult anyway = trainer.run(
+      with(base_args(dir.path(), 8), {"--training.seed=2", "--training.allow_resume_mismatch=true"}), {}, 120);
   ASSERT_EQ(anyway.exit_code, 0) << describe(anyway);
   EXPECT_TRUE(contains(anyway, "resumed from " + dir / "ckpt/step_5 at step 5")) << describe(anyway);
 }

@@ -30,12 +30,12 @@ struct StrategyRun {
 // With model_parallel > 1 the world / model_parallel data-parallel ranks share the batch.
 std::map<int64_t, StepMetrics> train(const std::string& dir, int world, std::vector<std::string> args,
                                      int accumulation = 1, int steps = kSteps, int model_parallel = 1) {
-  args = with(base_args(dir, steps),
-              with({"--training.micro_batch_size=" + std::to_string(kGlobalBatch * model_parallel / (world * accumulation)),
-                    "--fsdp_config.model_parallel_size=" + std::to_string(model_parallel),
-                    "--training.gradient_accumulation_steps=" + std::to_string(accumulation),
-                    "--fsdp_config.checkpoint_interval=4"},
-                   args));
+  args = with(base_args(dir, steps), with({"--training.micro_batch_size=" +
+                                               std::to_string(kGlobalBatch * model_parallel / (world * accumulation)),
+                                           "--fsdp_config.model_parallel_size=" + std::to_string(model_parallel),
+                                           "--training.gradient_accumulation_steps=" + std::to_string(accumulation),
+                                           "--fsdp_config.checkpoint_interval=4"},
+                                          args));
   RunResult r = fsdprun.run(under_fsdprun(world, args), {}, 240);
   EXPECT_EQ(r.exit_code, 0) << dir << ": " << describe(r);
   return read_metrics(dir + "/m0.jsonl");
@@ -70,8 +70,10 @@ TEST(TrainerStrategies, EachStrategyTrainsLikeOneProcessOnTheGlobalBatch) {
       // The reduce-scatter runs every micro-batch, the all-reduce only after the last.
       {{"HYBRID_SHARD 2x2, 2 micro-batches", 4, {hybrid, "--fsdp_config.replicate_degree=2"}}, 2},
       {{"HYBRID_SHARD 4x1", 4, {hybrid, "--fsdp_config.replicate_degree=4"}}, 1},
-      {{"HYBRID_SHARD_ZERO2 2x1", 2,
-        {"--fsdp_config.sharding_strategy=HYBRID_SHARD_ZERO2", "--fsdp_config.replicate_degree=2"}}, 1},
+      {{"HYBRID_SHARD_ZERO2 2x1",
+        2,
+        {"--fsdp_config.sharding_strategy=HYBRID_SHARD_ZERO2", "--fsdp_config.replicate_degree=2"}},
+       1},
   };
   TempDir dir;
   int i = 0;
@@ -84,8 +86,9 @@ TEST(TrainerStrategies, EachStrategyTrainsLikeOneProcessOnTheGlobalBatch) {
 
 TEST(TrainerStrategies, StartLineNamesTheDataParallelLayout) {
   TempDir dir;
-  const auto args = with(base_args(dir.path(), 1), {"--fsdp_config.sharding_strategy=HYBRID_SHARD",
-                                                    "--fsdp_config.replicate_degree=2", "--training.micro_batch_size=2"});
+  const auto args =
+      with(base_args(dir.path(), 1), {"--fsdp_config.sharding_strategy=HYBRID_SHARD",
+                                      "--fsdp_config.replicate_degree=2", "--training.micro_batch_size=2"});
   RunResult r = fsdprun.run(under_fsdprun(4, args), {}, 120);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_NE(r.out.find("sharded over 2 rank(s) in each of 2 replicas, HYBRID_SHARD"), std::string::npos) << r.out;
@@ -104,13 +107,14 @@ TEST(TrainerStrategies, ShardedStrategiesNeverHoldTheWholeModelWhileBuildingIt) 
   const double full_mib = 4 * fsdp::train::transformer_parameters(sizes) / (1024.0 * 1024.0);
   auto build_peaks = [&](const std::string& strategy) {
     TempDir dir;
-    const auto args = with(base_args(dir.path(), 1),
-                           {"--model.n_layers=16", "--fsdp_config.sharding_strategy=" + strategy,
-                            "--fsdp_config.checkpoint_interval=0", "--training.micro_batch_size=1",
-                            "--logging.summary_json=" + dir / "summary.json"});
+    const auto args =
+        with(base_args(dir.path(), 1), {"--model.n_layers=16", "--fsdp_config.sharding_strategy=" + strategy,
+                                        "--fsdp_config.checkpoint_interval=0", "--training.micro_batch_size=1",
+                                        "--logging.summary_json=" + dir / "summary.json"});
     RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
     EXPECT_EQ(r.exit_code, 0) << describe(r);
-    return nlohmann::json::parse(read_file(dir / "summary.json")).at("build_peak_tensor_mib_per_rank")
+    return nlohmann::json::parse(read_file(dir / "summary.json"))
+        .at("build_peak_tensor_mib_per_rank")
         .get<std::vector<double>>();
   };
   const std::vector<double> sharded = build_peaks("FULL_SHARD");
@@ -137,8 +141,8 @@ TEST(TrainerStrategies, OneCheckpointCarriesARunAcrossStrategiesAndWorldSizes) {
   expect_losses_near(second, want, 5, "HYBRID_SHARD 2x2 W=4 from FULL_SHARD W=2");
   ASSERT_TRUE(std::filesystem::exists(hybrid + "/ckpt/step_8/metadata.json"));
 
-  const auto third = train(replicated, 1,
-                           {"--fsdp_config.sharding_strategy=NO_SHARD", "--training.resume=" + hybrid + "/ckpt/step_8"});
+  const auto third = train(
+      replicated, 1, {"--fsdp_config.sharding_strategy=NO_SHARD", "--training.resume=" + hybrid + "/ckpt/step_8"});
   expect_losses_near(third, want, 9, "NO_SHARD W=1 from HYBRID_SHARD W=4");
 
   // And from a replicated run into a sharded one: NO_SHARD at W=2 saves step 4, FULL_SHARD at
@@ -207,10 +211,14 @@ TEST(TrainerStrategies, TensorParallelTrainsLikeOneProcessAndResumesWithoutIt) {
 TEST(TrainerStrategies, Seed002RunsTensorParallelAndResumesWithoutIt) {
   TempDir dir;
   auto seed002 = [&](int world, const std::string& sub, std::vector<std::string> more) {
-    std::vector<std::string> args = {configs_dir() + "/seed002.yaml", "--fsdp_config.world_size=" + std::to_string(world),
-                                     "--training.steps=4", "--fsdp_config.checkpoint_interval=2",
-                                     "--fsdp_config.checkpoint_dir=" + dir / sub, "--logging.progress=off",
-                                     "--training.export=none", "--logging.jsonl=" + dir / (sub + "_m{rank}.jsonl")};
+    std::vector<std::string> args = {configs_dir() + "/seed002.yaml",
+                                     "--fsdp_config.world_size=" + std::to_string(world),
+                                     "--training.steps=4",
+                                     "--fsdp_config.checkpoint_interval=2",
+                                     "--fsdp_config.checkpoint_dir=" + dir / sub,
+                                     "--logging.progress=off",
+                                     "--training.export=none",
+                                     "--logging.jsonl=" + dir / (sub + "_m{rank}.jsonl")};
     return fsdprun.run(under_fsdprun(world, with(args, more)), {}, 240);
   };
   RunResult r = seed002(4, "ckpt", {});
@@ -230,15 +238,16 @@ TEST(TrainerStrategies, Seed002RunsTensorParallelAndResumesWithoutIt) {
 // embedding. tests/interop compares the frozen run's numbers with PyTorch's FSDP2.
 TEST(TrainerStrategies, FreezeNamesParametersAndAMisspelledNameStopsTheRun) {
   TempDir tmp;
-  RunResult typo = fsdprun.run(under_fsdprun(2, with(base_args(tmp / "typo", 2), {"--model.freeze=[tok_embedding]"})),
-                               {}, 120);
+  RunResult typo =
+      fsdprun.run(under_fsdprun(2, with(base_args(tmp / "typo", 2), {"--model.freeze=[tok_embedding]"})), {}, 120);
   EXPECT_NE(typo.exit_code, 0) << describe(typo);
   EXPECT_TRUE(contains(typo, "model.freeze: 'tok_embedding' names no parameter of the model")) << describe(typo);
   for (const char* strategy : {"NO_SHARD", "FULL_SHARD"}) {
     SCOPED_TRACE(strategy);
-    const std::map<int64_t, StepMetrics> frozen =
-        train(tmp / strategy, 2, {"--model.freeze=[tok_embeddings, layers.0.attention]",
-                                  std::string("--fsdp_config.sharding_strategy=") + strategy}, 1, 3);
+    const std::map<int64_t, StepMetrics> frozen = train(tmp / strategy, 2,
+                                                        {"--model.freeze=[tok_embeddings, layers.0.attention]",
+                                                         std::string("--fsdp_config.sharding_strategy=") + strategy},
+                                                        1, 3);
     EXPECT_EQ(frozen.size(), 3u);
   }
 }

@@ -31,8 +31,8 @@ ShardedStateDict with_prefix_removed(const ShardedStateDict& sd, const std::stri
 
 }  // namespace
 
-ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                  const DeviceMesh& mesh, const TrainerCounters& counters) {
+ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const DeviceMesh& mesh,
+                                  const TrainerCounters& counters) {
   ShardedStateDict sd;
   for (const auto& item : sharded_state_dict(model)) sd.insert(kModelPrefix + item.key(), item.value());
   for (const auto& item : sharded_optimizer_state_dict(model, optimizer))

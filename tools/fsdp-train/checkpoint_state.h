@@ -35,8 +35,8 @@ struct TrainerCounters {
 
 // The state to save: model and optimizer shards (sharing storage with the live ones), the
 // counters and the RNG state.
-ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                  const DeviceMesh& mesh, const TrainerCounters& counters);
+ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const DeviceMesh& mesh,
+                                  const TrainerCounters& counters);
 
 // Loads the checkpoint in `dir` into model, optimizer and the default CPU generator, in place,
 // and returns its counters. Collective: every rank calls it.

@@ -113,8 +113,7 @@ std::string one_of(const YAML::Node& n, const std::vector<std::string>& choices)
 
 int to_int32(const YAML::Node& n) {
   int64_t v = to_int(n);
-  require(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(),
-          "value out of range");
+  require(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(), "value out of range");
   return static_cast<int>(v);
 }
 double to_beta(const YAML::Node& n) {
@@ -224,8 +223,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"fsdp_config", "backend", choice(f.backend, {"auto", "gloo", "mpi"})},
       {"fsdp_config", "sharding_strategy",
        [&f](const YAML::Node& n) {
-         std::string v =
-             one_of(n, {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"});
+         std::string v = one_of(n, {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"});
          for (auto s : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD,
                         ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2})
            if (v == to_string(s)) f.sharding_strategy = s;
@@ -359,17 +357,14 @@ class Loader {
   std::vector<std::string> keys_of(const std::string& section, const std::string& where) const {
     std::vector<std::string> sections, keys;
     for (const auto& f : fields_) {
-      if (std::find(sections.begin(), sections.end(), f.section) == sections.end())
-        sections.push_back(f.section);
+      if (std::find(sections.begin(), sections.end(), f.section) == sections.end()) sections.push_back(f.section);
       if (f.section == section) keys.push_back(f.key);
     }
-    if (keys.empty())
-      throw ConfigError(where + ": unknown section '" + section + "'" + suggest(section, sections));
+    if (keys.empty()) throw ConfigError(where + ": unknown section '" + section + "'" + suggest(section, sections));
     return keys;
   }
 
-  void set(const std::string& section, const std::string& key, const YAML::Node& value,
-           const std::string& where) {
+  void set(const std::string& section, const std::string& key, const YAML::Node& value, const std::string& where) {
     const auto keys = keys_of(section, where);
     for (const auto& f : fields_) {
       if (f.section != section || f.key != key) continue;
@@ -407,9 +402,7 @@ class Loader {
   std::map<std::string, std::string>* origins_;
 };
 
-std::string at(const std::string& file, const YAML::Node& n) {
-  return file + ":" + std::to_string(n.Mark().line + 1);
-}
+std::string at(const std::string& file, const YAML::Node& n) { return file + ":" + std::to_string(n.Mark().line + 1); }
 
 // A config is a few kilobytes; the cap stops `fsdp-train /dev/zero` or a wrong path to a data
 // file from reading until memory runs out.
@@ -453,7 +446,7 @@ class QuoteScanner {
   static bool ends_token(const std::string& line, size_t i) { return i + 1 >= line.size() || blank(line[i + 1]); }
 
   bool line_leaves_quote_open(const std::string& line) {
-    const size_t indent = line.find_first_not_of(" \t\r");  // npos: a blank line
+    const size_t indent = line.find_first_not_of(" \t\r");                                   // npos: a blank line
     if (in_block_ && (indent == std::string::npos || indent > block_indent_)) return false;  // block text
     in_block_ = false;
     bool at_value_start = true;
@@ -489,7 +482,7 @@ class QuoteScanner {
   static size_t closing_quote(const std::string& line, size_t open) {
     const char q = line[open];
     for (size_t i = open + 1; i < line.size(); ++i) {
-      if (q == '"' && line[i] == '\\') ++i;                   // an escape: skip the next character
+      if (q == '"' && line[i] == '\\') ++i;  // an escape: skip the next character
       else if (q == '\'' && line[i] == q && i + 1 < line.size() && line[i + 1] == q) ++i;  // ''
       else if (line[i] == q) return i;
     }
@@ -552,7 +545,8 @@ void load_file(Loader& loader, const std::string& path) {
   // An empty file (or only comments) is more often a wrong or truncated file than a wish for
   // the defaults, which running without a config file gives.
   if (root.IsNull())
-    throw ConfigError(path + ": the config file is empty (no sections); is it the file you meant? To train on the "
+    throw ConfigError(path +
+                      ": the config file is empty (no sections); is it the file you meant? To train on the "
                       "built-in defaults, give no config file (fsdp-train --section.key=value ...)");
   if (!root.IsMap()) throw ConfigError(path + ": expected a mapping of sections at the top level");
   SeenNames seen;
@@ -617,9 +611,10 @@ namespace {
 std::vector<std::string> fp16_compute_problems(const FsdpConfig& f) {
   std::vector<std::string> bad;
   if (f.fp16)
-    bad.push_back("fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet in fsdp-train; "
-                  "use fsdp_config.mixed_precision: true (bf16 parameters, fp32 reductions), or "
-                  "fsdp_config.param_dtype: float16 without a scaler");
+    bad.push_back(
+        "fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet in fsdp-train; "
+        "use fsdp_config.mixed_precision: true (bf16 parameters, fp32 reductions), or "
+        "fsdp_config.param_dtype: float16 without a scaler");
   return bad;
 }
 
@@ -633,14 +628,16 @@ void check_supported(const TrainConfig& cfg) {
   };
   no(!f.shard_optimizer_state, "fsdp_config.shard_optimizer_state: false (FSDP2 always shards it)");
   if (f.activation_checkpointing && !f.use_reentrant) {
-    bad.push_back("fsdp_config.use_reentrant: false with fsdp_config.activation_checkpointing: true is not "
-                  "supported: non-reentrant checkpointing needs saved-tensor hooks, which LibTorch's C++ API does "
-                  "not have; set fsdp_config.use_reentrant: true");
+    bad.push_back(
+        "fsdp_config.use_reentrant: false with fsdp_config.activation_checkpointing: true is not "
+        "supported: non-reentrant checkpointing needs saved-tensor hooks, which LibTorch's C++ API does "
+        "not have; set fsdp_config.use_reentrant: true");
   }
   if (f.output_head_group && f.sharding_strategy == ShardingStrategy::NO_SHARD) {
-    bad.push_back("fsdp_config.output_head_group: true with fsdp_config.sharding_strategy: NO_SHARD is not "
-                  "supported: NO_SHARD replicates the whole model (fsdp::replicate) and has no FSDP groups; "
-                  "use a sharded strategy or output_head_group: false");
+    bad.push_back(
+        "fsdp_config.output_head_group: true with fsdp_config.sharding_strategy: NO_SHARD is not "
+        "supported: NO_SHARD replicates the whole model (fsdp::replicate) and has no FSDP groups; "
+        "use a sharded strategy or output_head_group: false");
   }
   if (f.output_head_group && f.model_parallel_size > 1) {
     bad.push_back("fsdp_config.output_head_group: true with fsdp_config.model_parallel_size: " +
@@ -649,7 +646,8 @@ void check_supported(const TrainConfig& cfg) {
                   "set output_head_group: false or model_parallel_size: 1");
   }
   if (f.offload_optimizer_state != f.offload_params) {
-    bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") + (f.offload_optimizer_state ? "true" : "false") +
+    bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") +
+                  (f.offload_optimizer_state ? "true" : "false") +
                   " differs from fsdp_config.offload_params: " + (f.offload_params ? "true" : "false") +
                   "; FSDP keeps the optimizer state next to the sharded parameters (CPUOffloadPolicy moves both), "
                   "so set both keys to the same value");
@@ -671,12 +669,14 @@ void check_supported(const TrainConfig& cfg) {
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) {
     // fsdp::replicate keeps whole fp32 parameters on the device and has no policies.
     if (f.mixed_precision || f.param_dtype || f.reduce_dtype)
-      bad.push_back("fsdp_config.mixed_precision / param_dtype / reduce_dtype with fsdp_config.sharding_strategy: "
-                    "NO_SHARD is not supported yet (replicate has no mixed-precision policy); use FULL_SHARD or "
-                    "HYBRID_SHARD for mixed precision, or train NO_SHARD in fp32");
+      bad.push_back(
+          "fsdp_config.mixed_precision / param_dtype / reduce_dtype with fsdp_config.sharding_strategy: "
+          "NO_SHARD is not supported yet (replicate has no mixed-precision policy); use FULL_SHARD or "
+          "HYBRID_SHARD for mixed precision, or train NO_SHARD in fp32");
     if (f.offload_params)
-      bad.push_back("fsdp_config.offload_params: true with fsdp_config.sharding_strategy: NO_SHARD is not "
-                    "supported (replicate keeps whole parameters on the device); use FULL_SHARD or HYBRID_SHARD");
+      bad.push_back(
+          "fsdp_config.offload_params: true with fsdp_config.sharding_strategy: NO_SHARD is not "
+          "supported (replicate keeps whole parameters on the device); use FULL_SHARD or HYBRID_SHARD");
   }
   if (bad.empty()) return;
   std::string msg = "unsupported configuration:";
@@ -687,13 +687,11 @@ void check_supported(const TrainConfig& cfg) {
 void check_against_launcher(const TrainConfig& cfg, int env_world_size, int env_local_rank) {
   const auto& f = cfg.fsdp_config;
   if (f.world_size > 0 && f.world_size != env_world_size)
-    throw ConfigError("fsdp_config.world_size is " + std::to_string(f.world_size) +
-                      " but the launcher started " + std::to_string(env_world_size) +
-                      " processes (WORLD_SIZE)");
+    throw ConfigError("fsdp_config.world_size is " + std::to_string(f.world_size) + " but the launcher started " +
+                      std::to_string(env_world_size) + " processes (WORLD_SIZE)");
   if (f.local_rank > 0 && f.local_rank != env_local_rank)
     throw ConfigError("fsdp_config.local_rank is " + std::to_string(f.local_rank) +
-                      " but the launcher gave this process LOCAL_RANK " +
-                      std::to_string(env_local_rank));
+                      " but the launcher gave this process LOCAL_RANK " + std::to_string(env_local_rank));
 }
 
 bool reshard_after_forward(const TrainConfig& cfg) {
@@ -713,17 +711,18 @@ void check_model_parallel(const TrainConfig& cfg, int world, int64_t n_heads, in
   if (k == 1) return;
   const std::string key = "fsdp_config.model_parallel_size: " + std::to_string(k);
   if (world % k != 0)
-    throw ConfigError(key + " does not divide the world of " + std::to_string(world) + " rank(s); the ranks form a "
+    throw ConfigError(key + " does not divide the world of " + std::to_string(world) +
+                      " rank(s); the ranks form a "
                       "(world / model_parallel_size, model_parallel_size) mesh");
   if (n_heads % k != 0)
     throw ConfigError(key + " does not divide model.n_heads: " + std::to_string(n_heads) +
                       "; each tensor-parallel rank computes whole heads");
-  if (dim % k != 0)
-    throw ConfigError(key + " does not divide model.dim: " + std::to_string(dim));
+  if (dim % k != 0) throw ConfigError(key + " does not divide model.dim: " + std::to_string(dim));
   if (cfg.fsdp_config.vocab_parallel && vocab_size % k != 0)
     throw ConfigError(key + " with fsdp_config.vocab_parallel: true (the default) does not divide model.vocab_size: " +
                       std::to_string(vocab_size) + "; each tensor-parallel rank holds vocab_size / " +
-                      std::to_string(k) + " rows of the embedding and the output head, so choose a vocab_size it "
+                      std::to_string(k) +
+                      " rows of the embedding and the output head, so choose a vocab_size it "
                       "divides or set fsdp_config.vocab_parallel: false");
 }
 
@@ -748,13 +747,15 @@ DataParallelShape data_parallel_shape(const TrainConfig& cfg, int world, int loc
     case ShardingStrategy::FULL_SHARD:
     case ShardingStrategy::SHARD_GRAD_OP:
       if (degree && *degree != 1)
-        throw wrong("these strategies shard over every rank, so it must be 1 (or unset); use HYBRID_SHARD to "
-                    "replicate");
+        throw wrong(
+            "these strategies shard over every rank, so it must be 1 (or unset); use HYBRID_SHARD to "
+            "replicate");
       return {1, world, false};
     case ShardingStrategy::NO_SHARD:
       if (degree && *degree != world)
-        throw wrong("NO_SHARD replicates the model on every rank, so it must equal the world size (or be unset); "
-                    "use HYBRID_SHARD to shard within replicas");
+        throw wrong(
+            "NO_SHARD replicates the model on every rank, so it must equal the world size (or be unset); "
+            "use HYBRID_SHARD to shard within replicas");
       return {world, 1, false};
     case ShardingStrategy::HYBRID_SHARD:
     case ShardingStrategy::HYBRID_SHARD_ZERO2: {

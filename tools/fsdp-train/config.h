@@ -30,10 +30,10 @@ struct ConfigError : std::runtime_error {
 };
 
 enum class ShardingStrategy {
-  FULL_SHARD,     // params, grads and optimizer state sharded; reshard after forward (ZeRO-3)
-  SHARD_GRAD_OP,  // as FULL_SHARD but params stay gathered between forward and backward (ZeRO-2)
-  NO_SHARD,       // replicate everything: data parallelism (fsdp::replicate, DDP's bucketed all-reduce)
-  HYBRID_SHARD,   // FULL_SHARD within each replica group, gradients all-reduced across them (HSDP)
+  FULL_SHARD,          // params, grads and optimizer state sharded; reshard after forward (ZeRO-3)
+  SHARD_GRAD_OP,       // as FULL_SHARD but params stay gathered between forward and backward (ZeRO-2)
+  NO_SHARD,            // replicate everything: data parallelism (fsdp::replicate, DDP's bucketed all-reduce)
+  HYBRID_SHARD,        // FULL_SHARD within each replica group, gradients all-reduced across them (HSDP)
   HYBRID_SHARD_ZERO2,  // HYBRID_SHARD keeping the parameters gathered from forward to backward
 };
 const char* to_string(ShardingStrategy s);
@@ -82,7 +82,7 @@ struct FsdpConfig {
   // gradients are freed right after the head's backward, before the blocks' backward. Not with
   // NO_SHARD (fsdp::replicate has no groups).
   bool output_head_group = false;
-  std::string device = "cpu";             // cpu | cuda (cuda not supported by this CPU build)
+  std::string device = "cpu";  // cpu | cuda (cuda not supported by this CPU build)
   // CPU offload (fsdp::CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
   // in host memory, the optimizer stepping there. On device cpu they live there already: the
   // offload path runs with identity copies (rank 0 says so once). FSDP2 keeps the optimizer
@@ -199,7 +199,7 @@ struct TrainingConfig {
   // before the optimizer steps (PyTorch's clip_grad_norm_(error_if_nonfinite=True)): exit 3,
   // naming the step; nothing of that step is applied or saved.
   double max_grad_norm = 1.0;
-  int64_t seed = 0;                         // model initialisation (same on every rank)
+  int64_t seed = 0;  // model initialisation (same on every rank)
   // auto: the checkpoint `latest` names under fsdp_config.checkpoint_dir; when that is missing
   // or incomplete, the newest complete step_<N> (saying so); when checkpoints exist but none is
   // complete, the run stops with an error instead of starting over. never: start from step 0.
@@ -208,28 +208,28 @@ struct TrainingConfig {
   // With resume: auto, a checkpoint whose recorded model shape, seed or data (run_identity.h)
   // differ from this configuration's stops the run naming the differences; true resumes anyway.
   bool allow_resume_mismatch = false;
-  int64_t keep_checkpoints = 2;             // >= 0; newest checkpoints kept (0 = all)
+  int64_t keep_checkpoints = 2;  // >= 0; newest checkpoints kept (0 = all)
   // The trained model as one file: auto = <checkpoint_dir>/model.pt (PyTorch format), none, or a
   // path (ending in .safetensors: a safetensors directory of that name; else PyTorch format).
-  std::string export_path = "auto";         // key: training.export
+  std::string export_path = "auto";  // key: training.export
 };
 
 struct LoggingConfig {
-  int64_t log_interval = 1;    // > 0, rank 0 prints every N steps
-  std::string jsonl;           // per-rank JSONL metrics path; empty = none
-  bool trace = false;          // write a Chrome/Perfetto trace per rank
-  std::string progress = "auto";  // auto (when stdout is a terminal) | on | off
+  int64_t log_interval = 1;           // > 0, rank 0 prints every N steps
+  std::string jsonl;                  // per-rank JSONL metrics path; empty = none
+  bool trace = false;                 // write a Chrome/Perfetto trace per rank
+  std::string progress = "auto";      // auto (when stdout is a terminal) | on | off
   std::string trace_dir = "./trace";  // with trace: trace_rank<r>.json per rank
-  std::string summary_json;    // rank 0 writes the run's summary here (one JSON object); empty = none
-  int64_t summary_warmup = 2;  // >= 0; leading steps left out of the summary's medians
+  std::string summary_json;           // rank 0 writes the run's summary here (one JSON object); empty = none
+  int64_t summary_warmup = 2;         // >= 0; leading steps left out of the summary's medians
 };
 
 // After training, rank 0 generates a sample with the trained model (length 0 = none).
 struct SampleConfig {
-  int64_t length = 0;          // >= 0, tokens to generate
-  std::string prompt;          // text (byte-level data) to start from; empty = a newline
-  double temperature = 0.8;    // > 0; softmax temperature (tiny = nearly greedy)
-  int64_t seed = 0;            // sampling RNG
+  int64_t length = 0;        // >= 0, tokens to generate
+  std::string prompt;        // text (byte-level data) to start from; empty = a newline
+  double temperature = 0.8;  // > 0; softmax temperature (tiny = nearly greedy)
+  int64_t seed = 0;          // sampling RNG
 };
 
 struct TrainConfig {

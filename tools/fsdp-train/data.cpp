@@ -126,14 +126,15 @@ TokenFileHeader checked_header(const std::string& path, const std::string& bytes
   h.token_bytes = get<uint32_t>(p + 12);
   h.vocab_size = get<uint64_t>(p + 16);
   h.num_tokens = get<uint64_t>(p + 24);
-  if (h.version != 1) throw std::runtime_error(path + ": token file version " + std::to_string(h.version) + " (this build reads 1)");
+  if (h.version != 1)
+    throw std::runtime_error(path + ": token file version " + std::to_string(h.version) + " (this build reads 1)");
   if (h.token_bytes != 2 && h.token_bytes != 4)
     throw std::runtime_error(path + ": " + std::to_string(h.token_bytes) + " bytes per token (expected 2 or 4)");
   const uint64_t max_vocab = uint64_t{1} << (8 * h.token_bytes);  // ids are token_bytes wide
   if (h.vocab_size == 0 || h.vocab_size > max_vocab)
     throw std::runtime_error(path + ": the header's vocabulary size (offset 16) is " + std::to_string(h.vocab_size) +
-                             "; expected 1 to " + std::to_string(max_vocab) + " for " +
-                             std::to_string(h.token_bytes) + "-byte ids (a damaged header?)");
+                             "; expected 1 to " + std::to_string(max_vocab) + " for " + std::to_string(h.token_bytes) +
+                             "-byte ids (a damaged header?)");
   const uint64_t payload = bytes.size() - kHeaderBytes;
   if (h.num_tokens > payload / h.token_bytes || h.num_tokens * h.token_bytes != payload)
     throw std::runtime_error(path + ": the header's token count (offset 24) is " + std::to_string(h.num_tokens) +

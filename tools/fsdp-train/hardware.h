@@ -33,8 +33,7 @@ MatmulRates measure_matmul_rates(double seconds_per_dtype = 0.025);
 
 // The line rank 0 prints: with native flags, which ones; without, the measured rates, and when
 // bf16 is the slower one a warning of how much slower (and what to do about it).
-std::string bf16_support_line(const std::vector<std::string>& native_flags,
-                              const std::optional<MatmulRates>& measured);
+std::string bf16_support_line(const std::vector<std::string>& native_flags, const std::optional<MatmulRates>& measured);
 
 // The start-up check of a run whose parameters compute in bf16: the flags, and the probe only
 // when they show no native support. Returns bf16_support_line's text.

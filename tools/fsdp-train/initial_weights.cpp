@@ -54,7 +54,8 @@ TensorStateDict init_state_dict(const std::string& path, std::vector<std::string
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) throw ConfigError("model.init_from: " + path + " does not exist");
   if (std::filesystem::is_directory(path, ec))
-    throw ConfigError("model.init_from: " + path + " is a directory without model.safetensors.index.json or "
+    throw ConfigError("model.init_from: " + path +
+                      " is a directory without model.safetensors.index.json or "
                       "model.safetensors; expected a file written by torch.save, or a safetensors directory");
   TensorStateDict sd;
   try {
@@ -99,8 +100,10 @@ void load_initial_weights(const TrainConfig& cfg, models::Transformer& model,
   if (!ignored.empty()) {
     std::string list;
     for (const auto& entry : ignored) list += (list.empty() ? "" : ", ") + entry;
-    note(terminal_safe("fsdp-train: note: model.init_from " + path + " is a bundle: only its model state dict is "
-                       "loaded; these entries are ignored (nothing of them runs): " + list));
+    note(terminal_safe("fsdp-train: note: model.init_from " + path +
+                       " is a bundle: only its model state dict is "
+                       "loaded; these entries are ignored (nothing of them runs): " +
+                       list));
   }
   try {
     load_full_state_dict(*model, sd);

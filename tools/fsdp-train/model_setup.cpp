@@ -82,7 +82,8 @@ void freeze_parameters(const ModelConfig& cfg, models::Transformer& model) {
       found = true;
     }
     if (!found)
-      throw ConfigError("model.freeze: '" + terminal_safe(entry) + "' names no parameter of the model (names are "
+      throw ConfigError("model.freeze: '" + terminal_safe(entry) +
+                        "' names no parameter of the model (names are "
                         "like tok_embeddings, layers.0.attention.wq.weight)");
   }
 }
@@ -194,8 +195,12 @@ int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a) {
 void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t seq, const RendezvousInfo& env) {
   const ModelSizes m{a.n_layers, a.vocab_size, a.max_seq_len, a.dim, a.n_heads};
   const DataParallelShape shape = data_parallel_shape(cfg, env.world_size, env.local_world_size);
-  const StepSizes s{env.world_size, env.local_world_size, cfg.training.micro_batch_size,
-                    cfg.training.gradient_accumulation_steps, seq, shape.shard};
+  const StepSizes s{env.world_size,
+                    env.local_world_size,
+                    cfg.training.micro_batch_size,
+                    cfg.training.gradient_accumulation_steps,
+                    seq,
+                    shape.shard};
   check_fits_in_memory(m, s, machine_memory_bytes());
 }
 

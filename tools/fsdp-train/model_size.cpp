@@ -31,12 +31,14 @@ std::vector<Part> parts_of(const ModelSizes& m, const StepSizes& s) {
   return {
       {per_param * 2 * V * D, {{"model.vocab_size", V}, {"model.dim", D}}, "the embeddings and the output layer"},
       {per_param * S * D, {{"model.max_seq_len", S}, {"model.dim", D}}, "the position embeddings"},
-      {per_param * (L * (12 * D * D + 9 * D) + 2 * D), {{"model.n_layers", L}, {"model.dim", D}},
+      {per_param * (L * (12 * D * D + 9 * D) + 2 * D),
+       {{"model.n_layers", L}, {"model.dim", D}},
        "the Transformer blocks"},
       {8 * W * k * B * (T + 1),
        {{"training.micro_batch_size", B}, {"training.gradient_accumulation_steps", k}, {"training.seq_len", T}},
        "the step's global batch of tokens (drawn whole on every rank)"},
-      {2 * 4 * B * T * V, {{"training.micro_batch_size", B}, {"training.seq_len", T}, {"model.vocab_size", V}},
+      {2 * 4 * B * T * V,
+       {{"training.micro_batch_size", B}, {"training.seq_len", T}, {"model.vocab_size", V}},
        "a micro-batch's logits and their gradient"},
       {4 * L * B * H * T * T,
        {{"model.n_layers", L}, {"training.micro_batch_size", B}, {"model.n_heads", H}, {"training.seq_len", T}},
@@ -63,10 +65,10 @@ std::string number(double v) {
 
 // The part that makes up most of the estimate, and in it the key with the largest value.
 std::pair<const Part*, std::string> largest(const std::vector<Part>& parts) {
-  const Part* p = &*std::max_element(parts.begin(), parts.end(),
-                                     [](const Part& a, const Part& b) { return a.bytes < b.bytes; });
+  const Part* p =
+      &*std::max_element(parts.begin(), parts.end(), [](const Part& a, const Part& b) { return a.bytes < b.bytes; });
   const auto key = std::max_element(p->keys.begin(), p->keys.end(),
-                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+                                    [](const auto& a, const auto& b) { return a.second < b.second; });
   return {p, key->first};
 }
 
@@ -102,7 +104,8 @@ void check_fits_in_memory(const ModelSizes& m, const StepSizes& s, double mem_to
       << (mem_total_bytes > 0 ? human_bytes(mem_total_bytes) + ", MemTotal in /proc/meminfo" : "unknown; 2^63 bytes")
       << "). Most of it is " << part->what << ": " << factors(*part) << " = " << human_bytes(part->bytes)
       << ". The model has " << number(transformer_parameters(m)) << " parameters at 16 bytes each (parameter, "
-      << "gradient, AdamW's two moments) sharded over " << shard_ranks(s) << " rank(s). Rule: the estimate per rank times the ranks "
+      << "gradient, AdamW's two moments) sharded over " << shard_ranks(s)
+      << " rank(s). Rule: the estimate per rank times the ranks "
       << "on this machine (LOCAL_WORLD_SIZE) must not exceed MemTotal. Lower " << key << ".";
   throw ConfigError(msg.str());
 }

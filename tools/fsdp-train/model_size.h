@@ -27,12 +27,12 @@ struct ModelSizes {
 
 // The sizes of one optimizer step.
 struct StepSizes {
-  int64_t world = 1;           // ranks in the job
-  int64_t local_world = 1;     // ranks on this machine
-  int64_t micro_batch = 1;     // training.micro_batch_size
-  int64_t accumulation = 1;    // training.gradient_accumulation_steps
-  int64_t seq = 1;             // the training sequence length
-  int64_t shard_world = 0;     // ranks each parameter is sharded over (1: NO_SHARD); 0 = world
+  int64_t world = 1;         // ranks in the job
+  int64_t local_world = 1;   // ranks on this machine
+  int64_t micro_batch = 1;   // training.micro_batch_size
+  int64_t accumulation = 1;  // training.gradient_accumulation_steps
+  int64_t seq = 1;           // the training sequence length
+  int64_t shard_world = 0;   // ranks each parameter is sharded over (1: NO_SHARD); 0 = world
 };
 
 // The Transformer's parameter count, in double so that no configured size overflows it:

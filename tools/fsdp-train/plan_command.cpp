@@ -54,12 +54,12 @@ double parse_size(const std::string& s) {
   }
   const std::string unit = s.substr(used);
   const std::vector<std::pair<std::string, double>> units = {
-      {"", 1}, {"B", 1}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
-      {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+      {"", 1},     {"B", 1},    {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9},     {"TB", 1e12}};
   for (const auto& [name, factor] : units)
     if (unit == name && v > 0) return v * factor;
-  throw ConfigError("command line: --memory-per-rank: expected a positive size such as 4GiB, 512MiB or 1e9, got '" +
-                    s + "'");
+  throw ConfigError("command line: --memory-per-rank: expected a positive size such as 4GiB, 512MiB or 1e9, got '" + s +
+                    "'");
 }
 
 int positive_int(const std::string& flag, const std::string& v) {
@@ -91,7 +91,8 @@ PlanArgs parse(int argc, char** argv) {
     else if (arg == "-h" || arg == "--help") throw std::logic_error("help");
     else if (arg.rfind("--", 0) == 0 && arg.find('.') != std::string::npos) a.overrides.push_back(arg);
     else if (!arg.empty() && arg[0] == '-')
-      throw ConfigError("command line: unknown option '" + arg + "' (fsdp-train plan takes --world, --local-world, "
+      throw ConfigError("command line: unknown option '" + arg +
+                        "' (fsdp-train plan takes --world, --local-world, "
                         "--memory-per-rank, --constants, --json and --section.key=value)");
     else if (a.config.empty()) a.config = arg;
     else throw ConfigError("command line: a second config file '" + arg + "' (only one is read)");
@@ -117,8 +118,8 @@ struct Question {
   plan::PlanOptions options;
   std::string strategy;
   DataParallelShape mesh;
-  std::string backend;  // and why: "gloo", "mpi (FSDP_BACKEND)", ...
-  std::string threads;  // how the ranks' threads are set, for the step time
+  std::string backend;             // and why: "gloo", "mpi (FSDP_BACKEND)", ...
+  std::string threads;             // how the ranks' threads are set, for the step time
   double resident_data_bytes = 0;  // a token file, held whole by every rank for the whole run
 };
 
@@ -128,7 +129,8 @@ double token_file_tensor_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   unsigned char header[32] = {};
   if (!f || !f.read(reinterpret_cast<char*>(header), sizeof header) || std::memcmp(header, "FSDPTOK", 8) != 0)
-    throw ConfigError("data.path: " + path + " is not a readable token file (the plan counts its tokens, which "
+    throw ConfigError("data.path: " + path +
+                      " is not a readable token file (the plan counts its tokens, which "
                       "every rank keeps in memory); make one with `fsdp-train tokenize`");
   uint64_t tokens = 0;
   for (int i = 0; i < 8; ++i) tokens |= static_cast<uint64_t>(header[24 + i]) << (8 * i);
@@ -181,9 +183,9 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   Question q;
   const models::ModelArgs preset = models::ModelArgs::preset(cfg.model.preset);
   const auto& m = cfg.model;
-  q.shape = {m.n_layers.value_or(preset.n_layers), m.vocab_size.value_or(preset.vocab_size),
-             m.max_seq_len.value_or(preset.max_seq_len), m.dim.value_or(preset.dim), m.n_heads.value_or(preset.n_heads),
-             m.dropout_p.value_or(preset.dropout_p)};
+  q.shape = {m.n_layers.value_or(preset.n_layers),       m.vocab_size.value_or(preset.vocab_size),
+             m.max_seq_len.value_or(preset.max_seq_len), m.dim.value_or(preset.dim),
+             m.n_heads.value_or(preset.n_heads),         m.dropout_p.value_or(preset.dropout_p)};
   const auto& t = cfg.training;
   const int local = a.local_world > 0 ? a.local_world : a.world;
   check_model_parallel(cfg, a.world, q.shape.n_heads, q.shape.dim, q.shape.vocab_size);
@@ -194,11 +196,13 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   q.strategy = to_string(f.sharding_strategy);
   // The planner counts every parameter as trained and every block as resharding fully.
   if (f.reshard_after_forward)
-    throw ConfigError("fsdp-train plan does not model fsdp_config.reshard_after_forward (a group size) yet; unset "
-                      "it to plan the strategy's full resharding");
+    throw ConfigError(
+        "fsdp-train plan does not model fsdp_config.reshard_after_forward (a group size) yet; unset "
+        "it to plan the strategy's full resharding");
   if (!cfg.model.freeze.empty())
-    throw ConfigError("fsdp-train plan does not model model.freeze yet (frozen parameters have no gradient or "
-                      "optimizer state); leave it out to plan with every parameter trained, an upper bound");
+    throw ConfigError(
+        "fsdp-train plan does not model model.freeze yet (frozen parameters have no gradient or "
+        "optimizer state); leave it out to plan with every parameter trained, an upper bound");
   const Precision precision = precision_of(f);
   q.activations.micro_batch = t.micro_batch_size;
   q.activations.seq = t.seq_len > 0 ? t.seq_len : q.shape.max_seq_len;
@@ -210,16 +214,23 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   q.activations.global_rows =
       static_cast<int64_t>(a.world / f.model_parallel_size) * t.gradient_accumulation_steps * t.micro_batch_size;
   const bool no_shard = f.sharding_strategy == ShardingStrategy::NO_SHARD;
-  q.options.world(a.world).local_world(local).replicate(no_shard ? 1 : q.mesh.replicate).no_shard(no_shard)
+  q.options.world(a.world)
+      .local_world(local)
+      .replicate(no_shard ? 1 : q.mesh.replicate)
+      .no_shard(no_shard)
       .reshard_after_forward(no_shard || reshard_after_forward(cfg))
-      .param_dtype(dtype_of(precision.param)).reduce_dtype(dtype_of(precision.reduce))
-      .offload(f.offload_params).optimizer(cfg.optimizer.fused ? plan::Optimizer::kFusedAdamW : plan::Optimizer::kAdamW)
-      .micro_batches(t.gradient_accumulation_steps).backend(backend_of(f, q.backend)).threads(threads_of(local, q.threads))
+      .param_dtype(dtype_of(precision.param))
+      .reduce_dtype(dtype_of(precision.reduce))
+      .offload(f.offload_params)
+      .optimizer(cfg.optimizer.fused ? plan::Optimizer::kFusedAdamW : plan::Optimizer::kAdamW)
+      .micro_batches(t.gradient_accumulation_steps)
+      .backend(backend_of(f, q.backend))
+      .threads(threads_of(local, q.threads))
       // train() saves in the background every checkpoint_interval steps before the last.
       .background_checkpoints(f.checkpoint_interval > 0 && f.checkpoint_interval < t.steps);
   if (!a.constants.empty()) {
     const std::string text = read_file(a.constants, {a.constants + " is a directory", "cannot open " + a.constants,
-                                                      "reading " + a.constants + " failed"});
+                                                     "reading " + a.constants + " failed"});
     try {
       q.options.constants(plan::constants_from_json(text));
     } catch (const std::invalid_argument& e) {
@@ -296,17 +307,17 @@ std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& 
   const auto& act = q.activations;
   s << "fsdp-train plan: " << (a.config.empty() ? "defaults" : a.config) << " at W=" << a.world << ": "
     << parameter_count(q.shape) << " parameters (" << q.shape.n_layers << " layers, dim " << q.shape.dim << ", "
-    << q.shape.n_heads << " heads, vocab " << q.shape.vocab_size << "), " << q.strategy << " ("
-    << q.mesh.replicate << " x " << q.mesh.shard << ")"
-    << (q.sharding.tensor_parallel > 1 ? " x tensor-parallel " + std::to_string(q.sharding.tensor_parallel) +
-                                             (q.sharding.vocab_parallel ? " (vocabulary split too)" : " (embedding and head whole)")
-                                       : "")
-    << ", " << precision_of(cfg.fsdp_config).describe()
-    << ", micro-batch " << act.micro_batch << " x " << act.seq << ", " << q.options.micro_batches_
-    << " micro-batch(es) per step, checkpointing "
-    << (act.checkpoint_every == 0 ? std::string("none")
-                                  : act.checkpoint_every == 1 ? std::string("every block")
-                                                              : "every " + std::to_string(act.checkpoint_every) + "th block")
+    << q.shape.n_heads << " heads, vocab " << q.shape.vocab_size << "), " << q.strategy << " (" << q.mesh.replicate
+    << " x " << q.mesh.shard << ")"
+    << (q.sharding.tensor_parallel > 1
+            ? " x tensor-parallel " + std::to_string(q.sharding.tensor_parallel) +
+                  (q.sharding.vocab_parallel ? " (vocabulary split too)" : " (embedding and head whole)")
+            : "")
+    << ", " << precision_of(cfg.fsdp_config).describe() << ", micro-batch " << act.micro_batch << " x " << act.seq
+    << ", " << q.options.micro_batches_ << " micro-batch(es) per step, checkpointing "
+    << (act.checkpoint_every == 0   ? std::string("none")
+        : act.checkpoint_every == 1 ? std::string("every block")
+                                    : "every " + std::to_string(act.checkpoint_every) + "th block")
     << ", loss in " << act.loss_chunks << " piece(s)" << (cfg.optimizer.fused ? ", FusedAdamW" : ", AdamW")
     << (cfg.fsdp_config.offload_params ? ", offload (identity copies on cpu)" : "")
     << (q.sharding.output_head_group ? ", output head group" : "") << ", collectives on " << q.backend;
@@ -380,14 +391,19 @@ void print_json(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
   j["threads"] = q.threads;
   j["backend"] = q.backend;
   for (const auto& r : p.ranks) {
-    nlohmann::json rj = {{"rank", r.rank}, {"params", dtype_json(r.params)}, {"grads", dtype_json(r.grads)},
-                         {"optimizer_state", dtype_json(r.optimizer_state)}, {"activation_bytes", r.activation_bytes},
-                         {"peak_tensor_bytes", r.peak_tensor_bytes}, {"peak_at", r.peak_at},
+    nlohmann::json rj = {{"rank", r.rank},
+                         {"params", dtype_json(r.params)},
+                         {"grads", dtype_json(r.grads)},
+                         {"optimizer_state", dtype_json(r.optimizer_state)},
+                         {"activation_bytes", r.activation_bytes},
+                         {"peak_tensor_bytes", r.peak_tensor_bytes},
+                         {"peak_at", r.peak_at},
                          {"checkpoint_staging_bytes", r.checkpoint_staging_bytes},
                          {"peak_tensor_bytes_after_save", r.peak_tensor_bytes_after_save},
                          {"peak_rss_bytes", r.peak_rss_bytes}};
     rj["at_peak"] = nlohmann::json::array();
-    for (const auto& b : r.at_peak) rj["at_peak"].push_back({{"module", b.module}, {"what", b.what}, {"bytes", b.bytes}});
+    for (const auto& b : r.at_peak)
+      rj["at_peak"].push_back({{"module", b.module}, {"what", b.what}, {"bytes", b.bytes}});
     rj["collectives"] = nlohmann::json::array();
     for (const auto& c : r.collectives)
       rj["collectives"].push_back(

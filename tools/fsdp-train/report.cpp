@@ -37,7 +37,9 @@ std::string duration(double s) {
   if (!(s >= 0) || !std::isfinite(s)) return "?";
   const int64_t t = static_cast<int64_t>(s + 0.5);
   char buf[32];
-  if (t >= 3600) std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(t / 3600), (long long)(t / 60 % 60), (long long)(t % 60));
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(t / 3600), (long long)(t / 60 % 60),
+                  (long long)(t % 60));
   else std::snprintf(buf, sizeof buf, "%lld:%02lld", (long long)(t / 60), (long long)(t % 60));
   return buf;
 }
@@ -45,9 +47,9 @@ std::string duration(double s) {
 // {dim name: {kind: {calls_per_rank, bytes_per_rank, s_per_rank, wait_s_per_rank}}}.
 nlohmann::json comm_by_mesh_dim(const std::vector<std::string>& dim_names, const std::vector<RankTotals>& ranks) {
   const std::pair<const char*, double KindTotals::*> fields[] = {{"calls_per_rank", &KindTotals::calls},
-                                                                  {"bytes_per_rank", &KindTotals::bytes},
-                                                                  {"s_per_rank", &KindTotals::s},
-                                                                  {"wait_s_per_rank", &KindTotals::wait_s}};
+                                                                 {"bytes_per_rank", &KindTotals::bytes},
+                                                                 {"s_per_rank", &KindTotals::s},
+                                                                 {"wait_s_per_rank", &KindTotals::wait_s}};
   nlohmann::json by_dim = nlohmann::json::object();
   for (size_t d = 0; d < dim_names.size(); ++d) {
     nlohmann::json by_kind = nlohmann::json::object();
@@ -55,7 +57,8 @@ nlohmann::json comm_by_mesh_dim(const std::vector<std::string>& dim_names, const
       nlohmann::json kind = nlohmann::json::object();
       for (const auto& [name, field] : fields) {
         std::vector<double> values;
-        for (const RankTotals& r : ranks) values.push_back(d < r.by_mesh_dim.size() ? r.by_mesh_dim[d].by_kind[k].*field : 0.0);
+        for (const RankTotals& r : ranks)
+          values.push_back(d < r.by_mesh_dim.size() ? r.by_mesh_dim[d].by_kind[k].*field : 0.0);
         kind[name] = values;
       }
       by_kind[kCollectiveKindNames[k]] = kind;
@@ -85,21 +88,20 @@ std::string format_step_line(const StepReport& r) {
   return s.str();
 }
 
-const char* const kCollectiveKindNames[kCollectiveKinds] = {"all_gather", "reduce_scatter", "all_reduce",
-                                                             "broadcast", "barrier"};
+const char* const kCollectiveKindNames[kCollectiveKinds] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
+                                                            "barrier"};
 
 namespace {
 constexpr size_t kScalarFields = 13;  // RankTotals' numbers before by_mesh_dim
 constexpr size_t kKindFields = 4;     // KindTotals' numbers
 }  // namespace
 
-size_t RankTotals::field_count(size_t mesh_dims) {
-  return kScalarFields + mesh_dims * kCollectiveKinds * kKindFields;
-}
+size_t RankTotals::field_count(size_t mesh_dims) { return kScalarFields + mesh_dims * kCollectiveKinds * kKindFields; }
 
 std::vector<double> RankTotals::to_vector() const {
-  std::vector<double> v = {peak_rss_mib, peak_tensor_mib, median_step_s, ag_s, ag_wait_s, rs_s, rs_wait_s, ar_s,
-                           ar_wait_s, ag_bytes, rs_bytes, ar_bytes, build_peak_tensor_mib};
+  std::vector<double> v = {
+      peak_rss_mib, peak_tensor_mib, median_step_s,        ag_s, ag_wait_s, rs_s, rs_wait_s, ar_s, ar_wait_s, ag_bytes,
+      rs_bytes,     ar_bytes,        build_peak_tensor_mib};
   for (const MeshDimTotals& dim : by_mesh_dim) {
     for (const KindTotals& k : dim.by_kind) v.insert(v.end(), {k.calls, k.bytes, k.s, k.wait_s});
   }
@@ -157,22 +159,36 @@ std::string format_summary(const RunSummary& sum) {
 }
 
 void write_summary_json(const std::string& path, const RunShape& shape, const RunSummary& s) {
-  nlohmann::json j = {{"world", shape.world}, {"preset", shape.preset}, {"params", shape.params},
-                      {"batch", shape.batch}, {"gradient_accumulation_steps", shape.gradient_accumulation_steps},
-                      {"seq", shape.seq}, {"steps", s.steps_run}, {"warmup", s.warmup},
-                      {"median_step_s", s.median_step_s}, {"tokens_per_s", s.tokens_per_s}, {"losses", s.losses},
-                      {"step_s_rank0", s.step_s}, {"torch_threads", shape.torch_threads},
-                      {"param_dtype", shape.param_dtype}, {"reduce_dtype", shape.reduce_dtype}};
-  j["model_args"] = {{"n_layers", shape.n_layers}, {"vocab_size", shape.vocab_size},
-                     {"max_seq_len", shape.max_seq_len}, {"dim", shape.dim},
-                     {"n_heads", shape.n_heads}, {"dropout_p", shape.dropout_p}};
+  nlohmann::json j = {{"world", shape.world},
+                      {"preset", shape.preset},
+                      {"params", shape.params},
+                      {"batch", shape.batch},
+                      {"gradient_accumulation_steps", shape.gradient_accumulation_steps},
+                      {"seq", shape.seq},
+                      {"steps", s.steps_run},
+                      {"warmup", s.warmup},
+                      {"median_step_s", s.median_step_s},
+                      {"tokens_per_s", s.tokens_per_s},
+                      {"losses", s.losses},
+                      {"step_s_rank0", s.step_s},
+                      {"torch_threads", shape.torch_threads},
+                      {"param_dtype", shape.param_dtype},
+                      {"reduce_dtype", shape.reduce_dtype}};
+  j["model_args"] = {{"n_layers", shape.n_layers}, {"vocab_size", shape.vocab_size}, {"max_seq_len", shape.max_seq_len},
+                     {"dim", shape.dim},           {"n_heads", shape.n_heads},       {"dropout_p", shape.dropout_p}};
   const std::pair<const char*, double RankTotals::*> per_rank_fields[] = {
-      {"median_step_s_per_rank", &RankTotals::median_step_s}, {"peak_rss_mib_per_rank", &RankTotals::peak_rss_mib},
-      {"peak_tensor_mib_per_rank", &RankTotals::peak_tensor_mib}, {"all_gather_s_per_rank", &RankTotals::ag_s},
-      {"all_gather_wait_s_per_rank", &RankTotals::ag_wait_s}, {"reduce_scatter_s_per_rank", &RankTotals::rs_s},
-      {"reduce_scatter_wait_s_per_rank", &RankTotals::rs_wait_s}, {"all_reduce_s_per_rank", &RankTotals::ar_s},
-      {"all_reduce_wait_s_per_rank", &RankTotals::ar_wait_s}, {"all_gather_bytes_per_rank", &RankTotals::ag_bytes},
-      {"reduce_scatter_bytes_per_rank", &RankTotals::rs_bytes}, {"all_reduce_bytes_per_rank", &RankTotals::ar_bytes},
+      {"median_step_s_per_rank", &RankTotals::median_step_s},
+      {"peak_rss_mib_per_rank", &RankTotals::peak_rss_mib},
+      {"peak_tensor_mib_per_rank", &RankTotals::peak_tensor_mib},
+      {"all_gather_s_per_rank", &RankTotals::ag_s},
+      {"all_gather_wait_s_per_rank", &RankTotals::ag_wait_s},
+      {"reduce_scatter_s_per_rank", &RankTotals::rs_s},
+      {"reduce_scatter_wait_s_per_rank", &RankTotals::rs_wait_s},
+      {"all_reduce_s_per_rank", &RankTotals::ar_s},
+      {"all_reduce_wait_s_per_rank", &RankTotals::ar_wait_s},
+      {"all_gather_bytes_per_rank", &RankTotals::ag_bytes},
+      {"reduce_scatter_bytes_per_rank", &RankTotals::rs_bytes},
+      {"all_reduce_bytes_per_rank", &RankTotals::ar_bytes},
       {"build_peak_tensor_mib_per_rank", &RankTotals::build_peak_tensor_mib}};
   for (const auto& [name, field] : per_rank_fields) {
     std::vector<double> values;
@@ -252,15 +268,24 @@ void JsonlWriter::open(const std::string& path, bool append) {
 }
 
 void JsonlWriter::write(const StepReport& r, int rank) {
-  nlohmann::json j = {{"step", r.step},           {"rank", rank},
-                      {"loss", r.loss},           {"local_loss", r.ranks.at(rank).local_loss},
-                      {"lr", r.lr},               {"step_s", r.step_s},
-                      {"forward_s", r.forward_s}, {"backward_s", r.backward_s},
-                      {"optimizer_s", r.optimizer_s}, {"tokens_per_s", r.tokens_per_s},
-                      {"tokens_seen", r.tokens_seen}, {"live_mib", r.ranks.at(rank).live_mib},
-                      {"peak_mib", r.ranks.at(rank).peak_mib}, {"rss_mib", r.ranks.at(rank).rss_mib},
-                      {"all_gather_s", r.ag_busy_s}, {"all_gather_wait_s", r.ag_wait_s},
-                      {"reduce_scatter_s", r.rs_busy_s}, {"reduce_scatter_wait_s", r.rs_wait_s},
+  nlohmann::json j = {{"step", r.step},
+                      {"rank", rank},
+                      {"loss", r.loss},
+                      {"local_loss", r.ranks.at(rank).local_loss},
+                      {"lr", r.lr},
+                      {"step_s", r.step_s},
+                      {"forward_s", r.forward_s},
+                      {"backward_s", r.backward_s},
+                      {"optimizer_s", r.optimizer_s},
+                      {"tokens_per_s", r.tokens_per_s},
+                      {"tokens_seen", r.tokens_seen},
+                      {"live_mib", r.ranks.at(rank).live_mib},
+                      {"peak_mib", r.ranks.at(rank).peak_mib},
+                      {"rss_mib", r.ranks.at(rank).rss_mib},
+                      {"all_gather_s", r.ag_busy_s},
+                      {"all_gather_wait_s", r.ag_wait_s},
+                      {"reduce_scatter_s", r.rs_busy_s},
+                      {"reduce_scatter_wait_s", r.rs_wait_s},
                       {"grad_norm", r.grad_norm}};
   write_raw(j.dump());
 }

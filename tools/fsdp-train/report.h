@@ -14,24 +14,24 @@ namespace train {
 
 // One rank's numbers of one optimizer step.
 struct RankStep {
-  double local_loss = 0;       // this rank's mean loss over its micro-batches
-  double live_mib = 0;         // tensor bytes allocated at the end of the step
-  double peak_mib = 0;         // the step's peak of tensor bytes
-  double rss_mib = 0;          // resident set now
+  double local_loss = 0;  // this rank's mean loss over its micro-batches
+  double live_mib = 0;    // tensor bytes allocated at the end of the step
+  double peak_mib = 0;    // the step's peak of tensor bytes
+  double rss_mib = 0;     // resident set now
 };
 
 // One optimizer step, as every rank knows it after the metrics all-gather.
 struct StepReport {
-  int64_t step = 0;            // 1-based
-  int64_t steps = 0;           // of the run
-  double loss = 0;             // global-batch mean
-  double grad_norm = 0;        // global, before clipping (computed every step)
+  int64_t step = 0;      // 1-based
+  int64_t steps = 0;     // of the run
+  double loss = 0;       // global-batch mean
+  double grad_norm = 0;  // global, before clipping (computed every step)
   double lr = 0;
-  double step_s = 0;           // forward + backward + optimizer on this rank
+  double step_s = 0;  // forward + backward + optimizer on this rank
   double forward_s = 0, backward_s = 0, optimizer_s = 0;
-  double tokens_per_s = 0;     // global tokens of the step / this rank's step_s
-  int64_t tokens_seen = 0;     // global tokens trained on so far
-  std::string precision;       // the run's dtypes: "fp32" or e.g. "param bf16, reduce fp32"
+  double tokens_per_s = 0;  // global tokens of the step / this rank's step_s
+  int64_t tokens_seen = 0;  // global tokens trained on so far
+  std::string precision;    // the run's dtypes: "fp32" or e.g. "param bf16, reduce fp32"
   std::vector<RankStep> ranks;
   // This rank's collectives of the step: all-gather / reduce-scatter time on the comm thread,
   // and the part the training thread waited for (exposed).
@@ -61,7 +61,7 @@ struct RankTotals {
   double peak_tensor_mib = 0;  // peak of tensor bytes
   double median_step_s = 0;
   double ag_s = 0, ag_wait_s = 0, rs_s = 0, rs_wait_s = 0;  // all-gather / reduce-scatter: busy, waited for
-  double ar_s = 0, ar_wait_s = 0;                            // all-reduce (HSDP, NO_SHARD): busy, waited for
+  double ar_s = 0, ar_wait_s = 0;                           // all-reduce (HSDP, NO_SHARD): busy, waited for
   // Payload bytes this rank sent over the run, per kind of collective, over every group of the
   // data-parallel mesh.
   double ag_bytes = 0, rs_bytes = 0, ar_bytes = 0;
@@ -101,8 +101,8 @@ std::string format_summary(const RunSummary& s);
 struct RunShape {
   int world = 1;
   std::string preset;
-  int64_t params = 0;                       // of the whole (unsharded) model
-  int64_t batch = 0;                        // training.micro_batch_size
+  int64_t params = 0;  // of the whole (unsharded) model
+  int64_t batch = 0;   // training.micro_batch_size
   int64_t gradient_accumulation_steps = 1;
   int64_t seq = 0;
   int torch_threads = 1;
@@ -111,7 +111,8 @@ struct RunShape {
   int64_t n_layers = 0, vocab_size = 0, max_seq_len = 0, dim = 0, n_heads = 0;
   double dropout_p = 0;
   int64_t model_parallel_size = 1;
-  bool vocab_parallel = false;  // the embedding and head split by vocabulary over tp (only with model_parallel_size > 1)
+  bool vocab_parallel =
+      false;  // the embedding and head split by vocabulary over tp (only with model_parallel_size > 1)
   // The mesh the collectives ran on: a name per dim (those of RankTotals::by_mesh_dim) and its sizes.
   std::vector<std::string> mesh_dim_names;
   std::vector<int64_t> mesh_shape;

@@ -35,7 +35,8 @@ ResumeChoice explicit_checkpoint(const std::string& dir) {
     if (!is_complete_dcp(dir, &why)) throw ConfigError("training.resume: not a complete DCP checkpoint: " + why);
     return {dir, {}};
   }
-  if (!CheckpointManager::is_complete(dir, &why)) throw ConfigError("training.resume: not a complete checkpoint: " + why);
+  if (!CheckpointManager::is_complete(dir, &why))
+    throw ConfigError("training.resume: not a complete checkpoint: " + why);
   return {dir, {}};
 }
 

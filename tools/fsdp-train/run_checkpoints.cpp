@@ -73,8 +73,8 @@ std::string RunCheckpoints::agreed_resume_dir() {
   std::string mine;
   if (rank_ == 0) {
     try {
-      const ResumeChoice c = resume_choice(cfg_.training.resume, *manager_, cfg_.fsdp_config.checkpoint_dir,
-                                           identity_, cfg_.training.allow_resume_mismatch);
+      const ResumeChoice c = resume_choice(cfg_.training.resume, *manager_, cfg_.fsdp_config.checkpoint_dir, identity_,
+                                           cfg_.training.allow_resume_mismatch);
       for (const auto& note : c.notes) print_(terminal_safe(note));
       mine = "D" + c.dir;
     } catch (const ConfigError& e) {
@@ -127,15 +127,16 @@ std::string RunCheckpoints::older_checkpoint_hint(const std::string& dir) const 
   const std::string root = std::filesystem::path(dir).parent_path().string();
   const std::optional<std::string> older = older_complete_checkpoint(root, dir);
   if (!older) return ". No older complete checkpoint is left under " + root;
-  const std::string again = cfg_.training.resume == "auto" ? " (training.resume: auto would choose " + dir + " again)" : "";
+  const std::string again =
+      cfg_.training.resume == "auto" ? " (training.resume: auto would choose " + dir + " again)" : "";
   return ". The older complete checkpoint " + *older + " may load: run again with training.resume: " + *older +
          " to continue from it" + again;
 }
 
 std::string RunCheckpoints::save(int64_t step, const TrainingState& state, const TrainerCounters& counters) {
-  const std::string dir = dcp_format()
-                              ? save_dcp(step, state, counters.steps_done)
-                              : manager_->save(step, checkpoint_state(state.model, state.optimizer, state.mesh, counters));
+  const std::string dir =
+      dcp_format() ? save_dcp(step, state, counters.steps_done)
+                   : manager_->save(step, checkpoint_state(state.model, state.optimizer, state.mesh, counters));
   last_saved_step_ = step;
   last_saved_dir_ = dir;
   return dir;

@@ -42,7 +42,7 @@ struct RunRecord {
   int64_t seq = 0;
   int64_t tokens_per_step = 0;
   std::vector<double> losses, step_times;
-  CollectiveStats comm_before;                   // when training started
+  CollectiveStats comm_before;  // when training started
   std::vector<CollectiveStats> comm_before_by_dim;
 };
 

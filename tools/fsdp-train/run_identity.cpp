@@ -36,10 +36,14 @@ std::string shown(const std::string& v) {
 
 std::map<std::string, std::string> run_identity(const TrainConfig& cfg, const models::ModelArgs& a) {
   std::map<std::string, std::string> id = {
-      {"model.n_layers", std::to_string(a.n_layers)},   {"model.vocab_size", std::to_string(a.vocab_size)},
-      {"model.max_seq_len", std::to_string(a.max_seq_len)}, {"model.dim", std::to_string(a.dim)},
-      {"model.n_heads", std::to_string(a.n_heads)},     {"training.seed", std::to_string(cfg.training.seed)},
-      {"data.source", cfg.data.source},                 {"data.data_seed", std::to_string(cfg.data.data_seed)},
+      {"model.n_layers", std::to_string(a.n_layers)},
+      {"model.vocab_size", std::to_string(a.vocab_size)},
+      {"model.max_seq_len", std::to_string(a.max_seq_len)},
+      {"model.dim", std::to_string(a.dim)},
+      {"model.n_heads", std::to_string(a.n_heads)},
+      {"training.seed", std::to_string(cfg.training.seed)},
+      {"data.source", cfg.data.source},
+      {"data.data_seed", std::to_string(cfg.data.data_seed)},
   };
   if (cfg.data.source == "tokens") id["data.path"] = absolute_path(cfg.data.path);
   std::map<std::string, std::string> out;

@@ -35,8 +35,8 @@ std::vector<int64_t> prompt_ids(const std::string& prompt_text, bool byte_level)
 }
 
 // The next token after `ids`, drawn from the model's distribution at the last position.
-int64_t next_token(models::Transformer& model, const std::vector<int64_t>& ids, int64_t max_seq_len,
-                   double temperature, at::Generator& gen) {
+int64_t next_token(models::Transformer& model, const std::vector<int64_t>& ids, int64_t max_seq_len, double temperature,
+                   at::Generator& gen) {
   at::NoGradGuard no_grad;
   const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), max_seq_len);
   at::Tensor context = at::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), at::kLong).unsqueeze(0);

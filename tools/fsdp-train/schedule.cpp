@@ -19,8 +19,8 @@ LrSchedule lr_schedule(const TrainConfig& cfg) {
 double lr_at(const LrSchedule& s, int64_t step) {
   const int64_t warmup = s.warmup_steps;
   if (step <= warmup) return s.lr * static_cast<double>(step) / static_cast<double>(warmup);
-  const double t = std::min(1.0, static_cast<double>(step - warmup - 1) /
-                                     static_cast<double>(std::max<int64_t>(s.decay_steps, 1)));
+  const double t =
+      std::min(1.0, static_cast<double>(step - warmup - 1) / static_cast<double>(std::max<int64_t>(s.decay_steps, 1)));
   return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1.0 + std::cos(M_PI * t));
 }
 

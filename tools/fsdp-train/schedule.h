@@ -11,10 +11,10 @@ namespace train {
 
 // The schedule's numbers, resolved from a TrainConfig.
 struct LrSchedule {
-  double lr = 0;              // the peak: optimizer.lr
-  double min_lr = 0;          // schedule.min_lr, reached at the end of the decay
-  int64_t warmup_steps = 0;   // schedule.warmup_steps
-  int64_t decay_steps = 0;    // schedule.decay_steps, or when that is 0 training.steps - warmup_steps
+  double lr = 0;             // the peak: optimizer.lr
+  double min_lr = 0;         // schedule.min_lr, reached at the end of the decay
+  int64_t warmup_steps = 0;  // schedule.warmup_steps
+  int64_t decay_steps = 0;   // schedule.decay_steps, or when that is 0 training.steps - warmup_steps
 };
 
 LrSchedule lr_schedule(const TrainConfig& cfg);

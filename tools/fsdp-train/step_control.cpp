@@ -68,8 +68,9 @@ std::string shown(double v) {
 std::string non_finite_stop_message(int64_t step, const StepVotes& votes, double max_grad_norm,
                                     const std::string& good_checkpoint) {
   std::ostringstream msg;
-  msg << "fsdp-train: stopping at step " << step << ": the loss is " << shown(votes.loss) << " and the gradient norm is "
-      << shown(votes.grad_norm) << " (non-finite); this step was not applied (no optimizer step) and nothing of it is "
+  msg << "fsdp-train: stopping at step " << step << ": the loss is " << shown(votes.loss)
+      << " and the gradient norm is " << shown(votes.grad_norm)
+      << " (non-finite); this step was not applied (no optimizer step) and nothing of it is "
       << "saved. The last good checkpoint is " << good_checkpoint << ". Lower optimizer.lr";
   if (max_grad_norm > 0) msg << " (clipping at training.max_grad_norm cannot help a non-finite norm)";
   else msg << " or set training.max_grad_norm (clipping is off)";
@@ -82,9 +83,9 @@ std::string failed_save_line(int64_t step, const StepVotes& votes, int64_t savin
   std::string ranks;
   for (int q : votes.save_failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
   const std::string saved = "the checkpoint of step " + std::to_string(saving_step);
-  std::string line = !own_error.empty()
-                         ? "saving " + saved + " failed: " + own_error
-                         : "stopping at step " + std::to_string(step) + ": rank(s) " + ranks + " failed saving " + saved;
+  std::string line = !own_error.empty() ? "saving " + saved + " failed: " + own_error
+                                        : "stopping at step " + std::to_string(step) + ": rank(s) " + ranks +
+                                              " failed saving " + saved;
   if (is_rank0)
     line += "; stopped at step " + std::to_string(step) + " (not applied); the last complete checkpoint is " +
             good_checkpoint + ": fix the cause and run again with training.resume: auto";

@@ -14,8 +14,8 @@ namespace train {
 
 // One rank's numbers of a step, sent to every rank before the optimizer steps.
 struct StepBallot {
-  double loss = 0;            // this rank's mean over its micro-batches
-  double grad_norm = 0;       // the global norm (all ranks computed the same all-reduced value)
+  double loss = 0;              // this rank's mean over its micro-batches
+  double grad_norm = 0;         // the global norm (all ranks computed the same all-reduced value)
   bool stop_requested = false;  // this rank received SIGTERM/SIGINT
   bool save_failed = false;     // this rank's background save failed
 };
@@ -41,10 +41,10 @@ StepVotes tally_votes(const std::vector<double>& gathered, int world);
 // What happens to a counted step. A non-finite step is never applied, and it wins over a
 // failed save; a signal stops the run after the step is applied and saved.
 enum class StepVerdict : uint8_t {
-  kApply,              // apply, then go on
-  kApplyThenStop,      // apply, save, stop: a rank was asked to stop
-  kStopNonFinite,      // stop before applying: exit kExitNonFinite
-  kStopFailedSave,     // stop before applying: exit kExitError
+  kApply,           // apply, then go on
+  kApplyThenStop,   // apply, save, stop: a rank was asked to stop
+  kStopNonFinite,   // stop before applying: exit kExitNonFinite
+  kStopFailedSave,  // stop before applying: exit kExitError
 };
 StepVerdict verdict_of(const StepVotes& votes);
 

@@ -72,7 +72,8 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
 }
 
 std::unique_ptr<torch::optim::AdamW> optimizer_of(const OptimizerConfig& o, torch::nn::Module& model) {
-  const auto options = torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
+  const auto options =
+      torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
   // FusedAdamW is an AdamW (same state and checkpoints), so the rest of the trainer needs no branch.
   if (o.fused) return std::make_unique<optim::FusedAdamW>(model.parameters(), options);
   return std::make_unique<torch::optim::AdamW>(model.parameters(), options);
@@ -150,15 +151,18 @@ void Run::set_up() {
 void Run::join_job(const RendezvousInfo& env) {
   const InitOptions options = init_options(cfg_.fsdp_config);
   if (cfg_.fsdp_config.backend == "mpi" && !mpi_available()) {
-    throw ConfigError("fsdp_config.backend: mpi, but this build has no MPI backend (CMake found no MPI): install "
-                      "libopenmpi-dev (scripts/install-deps.sh) and rebuild, or use gloo");
+    throw ConfigError(
+        "fsdp_config.backend: mpi, but this build has no MPI backend (CMake found no MPI): install "
+        "libopenmpi-dev (scripts/install-deps.sh) and rebuild, or use gloo");
   }
   init_process_group(env, options);
   rank_ = get_rank();
   world_ = get_world_size();
   if (cfg_.fsdp_config.backend != "auto" && backend() != cfg_.fsdp_config.backend) {
-    print("fsdp-train: note: FSDP_BACKEND=" + backend() + " in the environment selects the process-group backend; "
-          "fsdp_config.backend (" + cfg_.fsdp_config.backend + ") is not used");
+    print("fsdp-train: note: FSDP_BACKEND=" + backend() +
+          " in the environment selects the process-group backend; "
+          "fsdp_config.backend (" +
+          cfg_.fsdp_config.backend + ") is not used");
   }
   const std::chrono::milliseconds in_force = world()->timeout();
   if (!cfg_.fsdp_config.collective_timeout_s || in_force == options.timeout()) return;
@@ -185,8 +189,9 @@ void Run::start_logging() {
   // all-gather and wait there the ~50 ms it takes.
   if (rank_ == 0 && precision_.param == Dtype::kBFloat16) print(check_bf16_support());
   if (rank_ == 0 && cfg_.fsdp_config.offload_params && cfg_.fsdp_config.device == "cpu") {
-    print("fsdp-train: offload_params: on device cpu the sharded parameters, gradients and optimizer state "
-          "already live in host memory; the offload path runs with identity copies");
+    print(
+        "fsdp-train: offload_params: on device cpu the sharded parameters, gradients and optimizer state "
+        "already live in host memory; the offload path runs with identity copies");
   }
 }
 
@@ -376,9 +381,10 @@ int Run::stop(int64_t step, StepVerdict verdict, const StepVotes& votes) {
   } else if (verdict == StepVerdict::kStopFailedSave) {
     const std::string good = checkpoints_->last_good();
     std::cerr << "fsdp-train: rank " << rank_ << ": "
-              << failed_save_line(step, votes, checkpoints_->background_step(), checkpoints_->save_error(),
-                                  rank_ == 0, good)
-              << "\n" << std::flush;
+              << failed_save_line(step, votes, checkpoints_->background_step(), checkpoints_->save_error(), rank_ == 0,
+                                  good)
+              << "\n"
+              << std::flush;
   } else {
     const std::string dir = checkpoints_->save(step, state(), counters());
     const int sig = stop_signal() ? stop_signal() : SIGTERM;  // another rank's signal

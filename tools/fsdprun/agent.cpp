@@ -20,8 +20,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kBarrierPollMs = 50;       // store polling while waiting for other agents
-constexpr double kExitBarrierS = 30.0;   // node 0 keeps the store up this long at most
+constexpr int kBarrierPollMs = 50;      // store polling while waiting for other agents
+constexpr double kExitBarrierS = 30.0;  // node 0 keeps the store up this long at most
 // After a failure, how much longer than a monitor interval plus the stop grace period an agent
 // waits for the other nodes' flight-recorder dumps.
 constexpr double kFlightGatherMarginS = 5.0;
@@ -85,8 +85,8 @@ std::optional<int> Agent::conclude(int k, Outcome o) {
     }
   }
   if (o == Outcome::Failed && k < opt_.max_restarts) {
-    say("restarting the worker group: restart " + std::to_string(k + 1) + " of " +
-        std::to_string(opt_.max_restarts) + " (TORCHELASTIC_RESTART_COUNT=" + std::to_string(k + 1) + ")");
+    say("restarting the worker group: restart " + std::to_string(k + 1) + " of " + std::to_string(opt_.max_restarts) +
+        " (TORCHELASTIC_RESTART_COUNT=" + std::to_string(k + 1) + ")");
     return std::nullopt;
   }
   if (o == Outcome::Failed && opt_.max_restarts == 0) say("the worker group failed; exiting with code 1");
@@ -118,11 +118,11 @@ std::optional<Agent::Outcome> Agent::wait_for_agents(int k) {
       return Outcome::Fatal;
     }
     if (Clock::now() >= deadline) {
-      fatal_reason_ = "the fsdprun of node " + std::to_string(opt_.node_rank) +
-                      " timed out waiting for the other nodes";
+      fatal_reason_ =
+          "the fsdprun of node " + std::to_string(opt_.node_rank) + " timed out waiting for the other nodes";
       say("error: timed out after " + format_seconds(opt_.join_timeout_s) + " waiting for the fsdprun of all " +
-          std::to_string(opt_.nnodes) + " nodes to join attempt " + std::to_string(k) + " (" +
-          std::to_string(joined) + " joined; see --join-timeout)");
+          std::to_string(opt_.nnodes) + " nodes to join attempt " + std::to_string(k) + " (" + std::to_string(joined) +
+          " joined; see --join-timeout)");
       return Outcome::Fatal;
     }
     nap(kBarrierPollMs);
@@ -348,7 +348,8 @@ void Agent::report_flight_recorder(const WorkerGroup& group, int k) {
 
 void Agent::gather_flight_dumps(int k, const std::string& dir) {
   std::vector<int> local_ranks;
-  for (int local = 0; local < opt_.nproc_per_node; ++local) local_ranks.push_back(opt_.node_rank * opt_.nproc_per_node + local);
+  for (int local = 0; local < opt_.nproc_per_node; ++local)
+    local_ranks.push_back(opt_.node_rank * opt_.nproc_per_node + local);
   try {
     store_->share_flight_dumps(k, opt_.node_rank, pack_node_dumps(dir, local_ranks, flight_status_));
   } catch (const std::exception& e) {

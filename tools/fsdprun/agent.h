@@ -67,15 +67,15 @@ class Agent {
   void gather_flight_dumps(int k, const std::string& dir);
   void serve_dump_request(WorkerGroup& group, int k);
 
-  std::string flight_dir_;     // base folder of the dumps (flight_recorder_base_dir)
+  std::string flight_dir_;  // base folder of the dumps (flight_recorder_base_dir)
   std::map<int, RankStatus> flight_status_;
   bool dump_requested_ = false;  // SIGUSR1 arrived
 
   Options opt_;
   std::unique_ptr<AgentStore> store_;
-  int stop_signal_ = 0;   // the first stop signal received, 0 if none
-  int stop_signals_ = 0;  // how many stop signals were received
-  int handled_signals_ = 0;  // how many of them the worker group has been told of
+  int stop_signal_ = 0;       // the first stop signal received, 0 if none
+  int stop_signals_ = 0;      // how many stop signals were received
+  int handled_signals_ = 0;   // how many of them the worker group has been told of
   std::string fatal_reason_;  // told to the other agents when this one stops for good
 };
 

@@ -26,9 +26,7 @@ using Ms = std::chrono::milliseconds;
 const char* const kLostStore = "lost the agent store (hosted by the fsdprun of node 0)";
 constexpr Ms kProbeTimeout{1000};  // one connection probe; signals are checked in between
 
-std::string key(int attempt, const char* name) {
-  return "/fsdprun/attempt_" + std::to_string(attempt) + "/" + name;
-}
+std::string key(int attempt, const char* name) { return "/fsdprun/attempt_" + std::to_string(attempt) + "/" + name; }
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
@@ -147,8 +145,8 @@ void AgentStore::connect(const Options& opt, const std::function<bool()>& keep_w
   for (;;) {
     if (accepts_connections(opt.master_addr, port_)) {
       try {
-        store_ = c10::make_intrusive<c10d::TCPStore>(
-            opt.master_addr, client_options(port_, seconds(opt.join_timeout_s)));
+        store_ =
+            c10::make_intrusive<c10d::TCPStore>(opt.master_addr, client_options(port_, seconds(opt.join_timeout_s)));
         return;
       } catch (const std::exception& e) {
         last_error = ": " + message_of(e);
@@ -192,9 +190,7 @@ void AgentStore::mark_shutdown(const std::string& why) {
 std::optional<std::string> AgentStore::shutdown() { return get_if_set("/fsdprun/shutdown"); }
 
 namespace {
-std::string flight_key(int attempt, int node) {
-  return key(attempt, "flight_dumps/node_") + std::to_string(node);
-}
+std::string flight_key(int attempt, int node) { return key(attempt, "flight_dumps/node_") + std::to_string(node); }
 }  // namespace
 
 void AgentStore::share_flight_dumps(int attempt, int node, const std::string& document) {

@@ -88,8 +88,8 @@ bool is_stopped(int rank, const std::map<int, RankStatus>& status) {
 // Collective #s of `group`, which some member has not completed: who entered it, who got
 // through it, who never reached it. nullopt when nobody is inside it.
 std::optional<Stuck> stuck_at(const std::string& group, int64_t s, const std::vector<int>& members,
-                              std::map<int, RankView>& views, const std::map<int, RankStatus>& status,
-                              int64_t ref_us, bool report_anyway) {
+                              std::map<int, RankView>& views, const std::map<int, RankStatus>& status, int64_t ref_us,
+                              bool report_anyway) {
   std::vector<int> entered, completed, never, no_dump, stopped_inside;
   std::set<std::string> ops;
   const FlightEntry* sample = nullptr;
@@ -115,7 +115,8 @@ std::optional<Stuck> stuck_at(const std::string& group, int64_t s, const std::ve
   }
   if (sample == nullptr) return std::nullopt;
   // A rank that died inside an op its peers completed is not what they wait for.
-  if (never.empty() && no_dump.empty() && ops.size() == 1 && stopped_inside.empty() && !report_anyway) return std::nullopt;
+  if (never.empty() && no_dump.empty() && ops.size() == 1 && stopped_inside.empty() && !report_anyway)
+    return std::nullopt;
   std::ostringstream out;
   out << sample->op << " #" << s << " of group '" << group << "'";
   const std::string ctx = where(sample->phase, sample->module);
@@ -170,7 +171,8 @@ std::vector<Stuck> stuck_in(const std::string& group, const std::vector<int>& me
     if (auto st = stuck_at(group, s, members, views, status, ref_us, false)) out.push_back(std::move(*st));
   }
   if (out.empty() && !first_pending.empty()) {
-    if (auto st = stuck_at(group, *first_pending.begin(), members, views, status, ref_us, true)) out.push_back(std::move(*st));
+    if (auto st = stuck_at(group, *first_pending.begin(), members, views, status, ref_us, true))
+      out.push_back(std::move(*st));
   }
   return out;
 }
@@ -190,7 +192,8 @@ FlightDump parse_flight_dump(const std::string& json_text) {
       d.last_phase = j["last_seen"].value("phase", "");
       d.last_module = j["last_seen"].value("module", "");
     }
-    for (const auto& g : j.value("groups", json::array())) d.groups[g.at("name").get<std::string>()] = g.at("ranks").get<std::vector<int>>();
+    for (const auto& g : j.value("groups", json::array()))
+      d.groups[g.at("name").get<std::string>()] = g.at("ranks").get<std::vector<int>>();
     for (const auto& e : j.at("entries")) {
       FlightEntry f;
       f.group = e.at("group").get<std::string>();
@@ -297,7 +300,8 @@ std::string diagnose(const std::vector<FlightDump>& dumps, const std::map<int, R
     lines.push_back(s.text);
     named.insert(s.absent.begin(), s.absent.end());
   }
-  if (stuck.empty()) lines.push_back("no rank that dumped was inside a collective: every recorded collective completed");
+  if (stuck.empty())
+    lines.push_back("no rank that dumped was inside a collective: every recorded collective completed");
   // What is known of each rank that did not arrive, and of every rank fsdprun saw stopped.
   // Small jobs: every rank's line (the one that failed first is not always the one missing).
   for (const auto& [rank, st] : status)

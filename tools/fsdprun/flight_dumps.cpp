@@ -83,9 +83,7 @@ std::string diagnose_dir(const std::string& dir, const std::map<int, RankStatus>
 
 namespace {
 
-std::string rank_dump_path(const std::string& dir, int rank) {
-  return dir + "/rank_" + std::to_string(rank) + ".json";
-}
+std::string rank_dump_path(const std::string& dir, int rank) { return dir + "/rank_" + std::to_string(rank) + ".json"; }
 
 std::optional<std::string> read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

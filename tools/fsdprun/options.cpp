@@ -42,21 +42,16 @@ void add_options(CLI::App& app, Options& o) {
                  "Number of worker processes on this node (at most " + std::to_string(kMaxNprocPerNode) + ")")
       ->capture_default_str();
   app.add_option("--nnodes", o.nnodes, "Number of nodes")->capture_default_str();
-  app.add_option("--node-rank,--node_rank", o.node_rank, "Rank of this node")
+  app.add_option("--node-rank,--node_rank", o.node_rank, "Rank of this node")->capture_default_str();
+  app.add_option("--master-addr,--master_addr", o.master_addr, "Address of node 0 (hosts the store)")
       ->capture_default_str();
-  app.add_option("--master-addr,--master_addr", o.master_addr,
-                 "Address of node 0 (hosts the store)")->capture_default_str();
-  app.add_option("--master-port,--master_port", o.master_port,
-                 "Port of the store on node 0")->capture_default_str();
-  app.add_flag("--standalone", o.standalone,
-               "Single node: store on 127.0.0.1 (loopback only) on a free port");
-  app.add_option("--max-restarts,--max_restarts", o.max_restarts,
-                 "Restarts of the worker group after a failure")->capture_default_str();
-  app.add_option("--log-dir,--log_dir", o.log_dir,
-                 "Write worker output to DIR/attempt_K/rank_N/{stdout,stderr}.log");
+  app.add_option("--master-port,--master_port", o.master_port, "Port of the store on node 0")->capture_default_str();
+  app.add_flag("--standalone", o.standalone, "Single node: store on 127.0.0.1 (loopback only) on a free port");
+  app.add_option("--max-restarts,--max_restarts", o.max_restarts, "Restarts of the worker group after a failure")
+      ->capture_default_str();
+  app.add_option("--log-dir,--log_dir", o.log_dir, "Write worker output to DIR/attempt_K/rank_N/{stdout,stderr}.log");
   app.add_flag("--tee", o.tee, "With --log-dir: also show worker output on the console");
-  app.add_flag("--no-prefix,--no_prefix", o.no_prefix,
-               "Do not prefix console lines with [rankN]:");
+  app.add_flag("--no-prefix,--no_prefix", o.no_prefix, "Do not prefix console lines with [rankN]:");
   app.add_option("--monitor-interval,--monitor_interval", o.monitor_interval_s,
                  "Seconds between polls of the store for failures on other nodes")
       ->capture_default_str();
@@ -66,8 +61,7 @@ void add_options(CLI::App& app, Options& o) {
   app.add_option("--join-timeout,--join_timeout", o.join_timeout_s,
                  "Seconds to wait for the agents of all nodes before each attempt")
       ->capture_default_str();
-  app.add_option("--run-id,--run_id", o.run_id, "TORCHELASTIC_RUN_ID for the workers")
-      ->capture_default_str();
+  app.add_option("--run-id,--run_id", o.run_id, "TORCHELASTIC_RUN_ID for the workers")->capture_default_str();
   app.add_option("--flight-recorder-dir,--flight_recorder_dir", o.flight_recorder_dir,
                  "Where workers write flight-recorder dumps, DIR/attempt_K/rank_N.json (default: "
                  "LOG_DIR/flight_recorder with --log-dir, else $TMPDIR/fsdprun-flight-PID)");
@@ -94,17 +88,16 @@ void validate_sizes(const Options& o) {
   require(o.nnodes >= 1, got("--nnodes must be at least 1", o.nnodes));
   const long long world = static_cast<long long>(o.nnodes) * o.nproc_per_node;
   require(world <= kMaxWorldSize, "the world size (--nnodes x --nproc-per-node) must be at most " +
-                                      std::to_string(kMaxWorldSize) + " (got " + std::to_string(o.nnodes) +
-                                      " x " + std::to_string(o.nproc_per_node) + " = " + std::to_string(world) + ")");
+                                      std::to_string(kMaxWorldSize) + " (got " + std::to_string(o.nnodes) + " x " +
+                                      std::to_string(o.nproc_per_node) + " = " + std::to_string(world) + ")");
 }
 
 void validate(const Options& o) {
   validate_sizes(o);
-  require(o.node_rank >= 0 && o.node_rank < o.nnodes,
-          "--node-rank must be in [0, --nnodes) (got node rank " + std::to_string(o.node_rank) +
-              " with " + std::to_string(o.nnodes) + " nodes)");
-  require(o.master_port >= 1 && o.master_port <= 65535,
-          got("--master-port must be in 1..65535", o.master_port));
+  require(o.node_rank >= 0 && o.node_rank < o.nnodes, "--node-rank must be in [0, --nnodes) (got node rank " +
+                                                          std::to_string(o.node_rank) + " with " +
+                                                          std::to_string(o.nnodes) + " nodes)");
+  require(o.master_port >= 1 && o.master_port <= 65535, got("--master-port must be in 1..65535", o.master_port));
   require(!o.master_addr.empty(), "--master-addr must not be empty");
   require(!(o.standalone && o.nnodes > 1), "--standalone is single-node: it cannot be used with --nnodes > 1");
   require(o.max_restarts >= 0, got("--max-restarts must be at least 0", o.max_restarts));

@@ -14,9 +14,9 @@ struct Options {
   int master_port = 29500;
   bool standalone = false;
   int max_restarts = 0;
-  std::string log_dir;          // empty: worker output goes to the console only
-  bool tee = false;             // with log_dir: also echo to the console
-  bool no_prefix = false;       // console lines without the "[rankN]:" prefix
+  std::string log_dir;              // empty: worker output goes to the console only
+  bool tee = false;                 // with log_dir: also echo to the console
+  bool no_prefix = false;           // console lines without the "[rankN]:" prefix
   double monitor_interval_s = 0.5;  // how often the agent polls the store for peer failures
   double stop_grace_s = 3.0;        // SIGTERM -> SIGKILL delay when stopping workers
   double join_timeout_s = 600.0;    // how long agents wait for each other before an attempt
@@ -24,7 +24,7 @@ struct Options {
   // Where workers write flight-recorder dumps (FSDP_FLIGHT_RECORDER_DIR, one folder per
   // attempt); empty: see flight_recorder_base_dir().
   std::string flight_recorder_dir;
-  int dump_pid = 0;  // --dump PID: ask that running fsdprun for dumps instead of running a job
+  int dump_pid = 0;                  // --dump PID: ask that running fsdprun for dumps instead of running a job
   std::vector<std::string> command;  // PROGRAM followed by its arguments
 
   int world_size() const { return nnodes * nproc_per_node; }

@@ -42,10 +42,8 @@ void write_all(int fd, const char* data, std::size_t size) {
   }
 }
 
-std::string log_file_path(const std::string& log_dir, int attempt, int rank,
-                          const std::string& stream) {
-  return log_dir + "/attempt_" + std::to_string(attempt) + "/rank_" + std::to_string(rank) + "/" +
-         stream + ".log";
+std::string log_file_path(const std::string& log_dir, int attempt, int rank, const std::string& stream) {
+  return log_dir + "/attempt_" + std::to_string(attempt) + "/rank_" + std::to_string(rank) + "/" + stream + ".log";
 }
 
 StreamSink::StreamSink(std::string prefix, int console_fd, const std::string& log_path)

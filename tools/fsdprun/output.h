@@ -29,8 +29,7 @@ class StreamSink {
 };
 
 // DIR/attempt_K/rank_R/<stream>.log, where stream is "stdout" or "stderr".
-std::string log_file_path(const std::string& log_dir, int attempt, int rank,
-                          const std::string& stream);
+std::string log_file_path(const std::string& log_dir, int attempt, int rank, const std::string& stream);
 
 // Writes everything, retrying on EINTR/short writes; errors (closed console) are ignored.
 void write_all(int fd, const char* data, std::size_t size);

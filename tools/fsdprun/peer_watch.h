@@ -54,8 +54,8 @@ class PeerWatch {
   std::mutex mu_;
   std::condition_variable wake_;
   bool quit_ = false;
-  std::string report_;             // a failure to publish, empty if none
-  bool done_ = false;      // this node reported, or news arrived: no more polling
+  std::string report_;            // a failure to publish, empty if none
+  bool done_ = false;             // this node reported, or news arrived: no more polling
   std::optional<PeerNews> news_;  // not taken yet
   std::thread thread_;
 };

@@ -29,8 +29,7 @@ void set_handler(int signo) {
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART | (signo == SIGCHLD ? SA_NOCLDSTOP : 0);
-  if (sigaction(signo, &sa, nullptr) != 0)
-    throw std::runtime_error(std::string("sigaction: ") + std::strerror(errno));
+  if (sigaction(signo, &sa, nullptr) != 0) throw std::runtime_error(std::string("sigaction: ") + std::strerror(errno));
 }
 
 }  // namespace

@@ -90,8 +90,8 @@ int open_max() {
 
 }  // namespace
 
-pid_t spawn_process(const std::vector<std::string>& command, const std::vector<std::string>& env,
-                    int out_fd, int err_fd) {
+pid_t spawn_process(const std::vector<std::string>& command, const std::vector<std::string>& env, int out_fd,
+                    int err_fd) {
   int status[2];
   if (pipe2(status, O_CLOEXEC) != 0) throw SpawnError(std::string("pipe2: ") + std::strerror(errno));
   ExecPlan plan;

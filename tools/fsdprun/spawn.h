@@ -18,7 +18,7 @@ struct SpawnError : std::runtime_error {
 // (pgid == pid) so that it and its children can be signalled together and a Ctrl-C
 // in the terminal reaches only fsdprun, which forwards it once. Returns after the
 // exec succeeded; throws SpawnError with the exec error otherwise.
-pid_t spawn_process(const std::vector<std::string>& command, const std::vector<std::string>& env,
-                    int out_fd, int err_fd);
+pid_t spawn_process(const std::vector<std::string>& command, const std::vector<std::string>& env, int out_fd,
+                    int err_fd);
 
 }  // namespace fsdprun

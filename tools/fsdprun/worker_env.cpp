@@ -24,8 +24,7 @@ bool sets_omp_num_threads(const Options& opt) {
   return opt.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
 }
 
-std::vector<std::string> worker_environment(const Options& opt, int local_rank, int attempt,
-                                            int master_port) {
+std::vector<std::string> worker_environment(const Options& opt, int local_rank, int attempt, int master_port) {
   auto env = current_environment();
   const int rank = opt.node_rank * opt.nproc_per_node + local_rank;
   env["RANK"] = std::to_string(rank);

@@ -100,9 +100,8 @@ bool WorkerGroup::start(const std::function<bool()>& keep_going) {
     for (int s = 0; s < 2; ++s) {
       w->fds[s] = pipes[s].read;
       const std::string prefix = spec_.prefix ? "[rank" + std::to_string(ws.rank) + "]:" : "";
-      const std::string log = spec_.log_dir.empty()
-                                  ? ""
-                                  : log_file_path(spec_.log_dir, spec_.attempt, ws.rank, kStreams[s]);
+      const std::string log =
+          spec_.log_dir.empty() ? "" : log_file_path(spec_.log_dir, spec_.attempt, ws.rank, kStreams[s]);
       w->sinks[s] = std::make_unique<StreamSink>(prefix, spec_.console ? s + 1 : -1, log);
     }
     try {
@@ -137,7 +136,7 @@ void WorkerGroup::pump(int timeout_ms, const std::vector<int>& wake_fds) {
       owners.push_back(w.get());
     }
   }
-  for (int fd : wake_fds) fds.push_back({fd, POLLIN, 0});  // poll() skips negative fds
+  for (int fd : wake_fds) fds.push_back({fd, POLLIN, 0});     // poll() skips negative fds
   if (poll(fds.data(), fds.size(), timeout_ms) <= 0) return;  // timeout or EINTR
   for (std::size_t i = 0; i < owners.size(); ++i) {
     if (fds[i].revents != 0) drain(*owners[i]);
@@ -181,8 +180,7 @@ void WorkerGroup::stop(int signo, double grace_s) {
   const auto grace = std::chrono::duration<double>(grace_s);
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(grace);
-  if (kill_deadline_ == std::chrono::steady_clock::time_point{} || deadline < kill_deadline_)
-    kill_deadline_ = deadline;
+  if (kill_deadline_ == std::chrono::steady_clock::time_point{} || deadline < kill_deadline_) kill_deadline_ = deadline;
 }
 
 void WorkerGroup::kill_now() {

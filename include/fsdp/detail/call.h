@@ -94,7 +94,7 @@ struct ArgSubstituter {
       // Never AnyValue(std::forward<T>(arg)) for an lvalue: its converting constructor would
       // wrap the AnyValue in another one.
       if constexpr (std::is_rvalue_reference<T&&>::value) {
-        return substitute_any_value(std::move(arg), replacements, next);
+        return substitute_any_value(std::forward<T>(arg), replacements, next);  // an rvalue here
       } else {
         return substitute_any_value(torch::nn::AnyValue(static_cast<const torch::nn::AnyValue&>(arg)), replacements,
                                     next);

@@ -62,7 +62,8 @@ void parallelize(TransformerImpl& model, const tp::TensorParallelMesh& tp,
 void parallelize_block(TransformerBlockImpl& block, const ModelArgs& args, const tp::TensorParallelMesh& tp);
 void parallelize_vocab(TransformerImpl& model, const tp::TensorParallelMesh& tp);
 template <typename Holder>
-void parallelize(Holder& model, const tp::TensorParallelMesh& tp, const ParallelizeOptions& options = ParallelizeOptions()) {
+void parallelize(Holder& model, const tp::TensorParallelMesh& tp,
+                 const ParallelizeOptions& options = ParallelizeOptions()) {
   parallelize(*model, tp, options);
 }
 
