@@ -113,7 +113,13 @@ class Ledger {
 
 std::string label(const std::string& module) { return module.empty() ? "(root)" : module; }
 
-// One rank's replay of one step.
+// One rank's replay of one step: the tensors the runtime allocates and frees, in the order it
+// does (src/fsdp/param_group.cpp: the all-gather output at unshard, freed at reshard, the
+// reduce-scatter's input and the gradient shards in post-backward; src/fsdp/state.cpp: the
+// root's pre-forward and the end of backward; src/ddp/reducer.cpp: the buckets). The planner
+// includes no torch, so it restates that order instead of calling the runtime; the plan tests
+// of fsdp-train (tests/train/test_plan_cli.cpp) hold the two together by comparing its peaks
+// with what the trainer measures, and fail when either moves alone.
 class StepReplay {
  public:
   StepReplay(const ModelSpec& m, const PlanOptions& o, int rank) : m_(m), o_(o) {

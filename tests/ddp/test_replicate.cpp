@@ -2,6 +2,7 @@
 // the buckets and their all-reduces, overlap with backward, accumulation without sync, unused
 // parameters, the errors, and checkpoints exchanged with fully_shard at other world sizes.
 #include "harness/multiprocess.h"
+#include "parity_training.h"
 
 #include "src/ddp/reducer.h"
 
@@ -77,8 +78,9 @@ fsdp::models::Transformer make_transformer(uint64_t seed) {
 double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
 
 // Trains `model` replicated (rank r made with seed r: replicate() must broadcast rank 0's weights)
-// on this rank's rows and a reference made with seed 0 on the whole global batch, with Adam;
-// checks the loss every step, the all-reduce count per backward and the parameters at the end.
+// on this rank's rows and a reference made with seed 0 on the whole global batch, with Adam
+// (parity_training.h); checks the loss every step, the all-reduce count and the averaged
+// gradients per backward, and the parameters at the end.
 struct ParityCase {
   std::string name;
   std::function<std::shared_ptr<torch::nn::Module>(uint64_t seed)> make;
@@ -91,47 +93,37 @@ struct ParityCase {
 };
 
 void expect_parity(const ParityCase& c) {
-  const int W = fsdp::get_world_size(), r = fsdp::get_rank();
+  const int r = fsdp::get_rank();
   auto reference = c.make(0);
   auto model = c.make(static_cast<uint64_t>(r));
   fsdp::ReplicatedModule ddp = fsdp::replicate(model, c.options);
   const int64_t buckets = static_cast<int64_t>(ddp.buckets().size());
-  torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
   auto group = ddp.mesh().get_group(0);
-  for (int step = 0; step < c.steps; ++step) {
-    at::Tensor global = c.batch(step, c.rows_per_rank * W);
-    at::Tensor local = global.slice(0, r * c.rows_per_rank, (r + 1) * c.rows_per_rank);
-    ref_opt.zero_grad();
-    at::Tensor ref_loss = c.loss(c.forward(*reference, global), global);
-    ref_loss.backward();
-    ref_opt.step();
-
-    opt.zero_grad();
+  fsdp::testing::ParityOptions o;
+  o.steps = c.steps;
+  o.rows_per_rank = c.rows_per_rank;
+  o.batch = c.batch;
+  o.loss = c.loss;
+  o.every_parameter_gets_a_gradient = false;  // the per-step checks below compare every gradient
+  o.before_step = [&](int, const at::Tensor&) {
     group->reset_stats();
-    at::Tensor loss = c.loss(c.forward(*model, local), local);
-    loss.backward();
+    return true;
+  };
+  o.after_backward = [&](torch::nn::Module& m, torch::nn::Module& ref, int step) {
     EXPECT_EQ(group->stats()[CollectiveKind::kAllReduce].calls, buckets) << c.name << " step " << step;
     EXPECT_EQ(group->stats()[CollectiveKind::kAllGather].calls, 0) << c.name;
     EXPECT_EQ(group->stats()[CollectiveKind::kReduceScatter].calls, 0) << c.name;
     // The averaged gradients themselves (Adam alone would hide a missing division by W).
-    auto ref_now = reference->named_parameters();
-    for (const auto& item : model->named_parameters()) {
+    auto ref_now = ref.named_parameters();
+    for (const auto& item : m.named_parameters()) {
       EXPECT_LT(max_diff(item.value().grad(), ref_now[item.key()].grad()), 1e-5) << c.name << ": " << item.key();
     }
-    opt.step();
-
-    at::Tensor mean = loss.detach().clone().reshape({1});
-    group->all_reduce(mean, fsdp::ReduceOp::kAvg)->wait();
-    EXPECT_NEAR(mean.item<double>(), ref_loss.item<double>(), 1e-5) << c.name << " step " << step;
-  }
-  auto ref_params = reference->named_parameters();
-  for (const auto& item : model->named_parameters()) {
-    EXPECT_FALSE(fsdp::is_sharded_parameter(item.value())) << item.key();
-    EXPECT_TRUE(fsdp::is_replicated_parameter(item.value())) << item.key();
-    ASSERT_EQ(item.value().sizes(), ref_params[item.key()].sizes()) << item.key();
-    EXPECT_LT(max_diff(item.value(), ref_params[item.key()]), 1e-5) << c.name << ": " << item.key();
-  }
+  };
+  o.check_parameter = [](const std::string& name, const at::Tensor& p) {
+    EXPECT_FALSE(fsdp::is_sharded_parameter(p)) << name;
+    EXPECT_TRUE(fsdp::is_replicated_parameter(p)) << name;
+  };
+  fsdp::testing::expect_training_parity(reference, model, c.forward, c.name, o);
 }
 
 ParityCase mlp_case(const std::string& name, fsdp::ReplicateOptions options, bool direct_forward = false) {

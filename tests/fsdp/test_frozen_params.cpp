@@ -4,6 +4,7 @@
 // (a module never called, an output the loss does not use). Each is trained beside a
 // single-process reference on the global batch.
 #include "harness/multiprocess.h"
+#include "parity_training.h"
 
 #include <fsdp/call.h>
 #include <fsdp/checkpoint.h>
@@ -85,19 +86,17 @@ at::Tensor local_batch(int64_t step) {
   return global_batch(step, W).slice(0, r * kRowsPerRank, (r + 1) * kRowsPerRank);
 }
 
-at::Tensor loss_of(Net& model, const at::Tensor& x) {
-  return (std::get<0>(fsdp::call(model, x)) - x.sum(1, true)).pow(2).mean();
+// head's output: what the loss uses (parity_training.h's parity_loss).
+at::Tensor net_output(torch::nn::Module& m, const at::Tensor& x) {
+  auto net = std::dynamic_pointer_cast<NetImpl>(m.shared_from_this());
+  return std::get<0>(fsdp::call(net, x));
 }
+
+at::Tensor loss_of(Net& model, const at::Tensor& x) { return fsdp::testing::parity_loss(net_output(*model, x), x); }
 
 // The whole value of a parameter of the FSDP model: gathered if sharded, as it is if not.
 at::Tensor full_of(const at::Tensor& p) {
   return fsdp::is_sharded_parameter(p) ? fsdp::as_dtensor(p).full_tensor() : p.detach();
-}
-
-double max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
-
-torch::optim::AdamW adamw(torch::nn::Module& m) {
-  return torch::optim::AdamW(m.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
 }
 
 // What a step does besides forward and backward: freezing (on the FSDP model through its
@@ -112,39 +111,28 @@ struct StepHooks {
 };
 
 // Trains `model` (sharded) on this rank's rows and `ref` on the global batch for `steps` steps of
-// AdamW; the mean loss matches at every step and every parameter at the end.
+// AdamW (parity_training.h); the mean loss matches at every step and every parameter at the end.
 void train_in_parity(Net& model, Net& ref, int64_t steps, const StepHooks& hooks) {
-  const int64_t W = fsdp::get_world_size();
-  auto opt = adamw(*model);
-  auto ref_opt = adamw(*ref);
-  for (int64_t step = 0; step < steps; ++step) {
-    hooks.before_step(*model, step);
-    hooks.before_step(*ref, step);
+  fsdp::testing::ParityOptions o;
+  o.steps = static_cast<int>(steps);
+  o.rows_per_rank = kRowsPerRank;
+  o.batch = [](int64_t step, int64_t rows) { return global_batch(step, rows / kRowsPerRank); };
+  o.optimizer = [](torch::nn::Module& m) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::AdamW>(m.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  };
+  o.before_both = [&](torch::nn::Module& m, bool is_reference, int step) {
+    hooks.before_step(m, step);
     if (hooks.no_grad_forward_before(step)) {
       at::NoGradGuard no_grad;
-      fsdp::call(model, local_batch(step));
-      fsdp::call(ref, global_batch(step, W));
+      net_output(m, is_reference ? global_batch(step, fsdp::get_world_size()) : local_batch(step));
     }
-    ref_opt.zero_grad();
-    at::Tensor ref_loss = loss_of(ref, global_batch(step, W));
-    ref_loss.backward();
-    ref_opt.step();
-
-    opt.zero_grad();
-    at::Tensor loss = loss_of(model, local_batch(step));
-    loss.backward();
+  };
+  o.every_parameter_gets_a_gradient = false;  // frozen and unused parameters get none
+  o.after_backward = [&](torch::nn::Module&, torch::nn::Module&, int step) {
     hooks.after_backward(model);
     hooks.check_step(model, step);
-    opt.step();
-
-    at::Tensor mean = loss.detach().reshape({1}).clone();
-    fsdp::world()->all_reduce(mean, fsdp::ReduceOp::kAvg)->wait();
-    EXPECT_NEAR(mean.item<double>(), ref_loss.item<double>(), 1e-5) << "step " << step;
-  }
-  auto ref_params = ref->named_parameters();
-  for (const auto& item : model->named_parameters()) {
-    EXPECT_LT(max_diff(full_of(item.value()), ref_params[item.key()]), 1e-5) << item.key();
-  }
+  };
+  fsdp::testing::expect_training_parity(ref.ptr(), model.ptr(), net_output, "frozen", o);
 }
 
 // The sharded parameter (or ignored plain one) registered under `name`.

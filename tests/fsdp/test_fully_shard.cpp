@@ -1,6 +1,7 @@
 // fully_shard across real processes: parity with single-process training on the global batch,
 // collective counts, memory, clip_grad_norm_, and the end-of-backward reduction.
 #include "harness/multiprocess.h"
+#include "parity_training.h"
 
 #include <fsdp/call.h>
 #include <fsdp/clip_grad.h>
@@ -73,44 +74,26 @@ at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& tokens) {
 }
 
 // Trains `c` under FSDP on this rank's rows and, alongside, an unsharded replica on the whole
-// global batch; checks the loss at every step and the full parameters at the end.
+// global batch (parity_training.h); every parameter is a Shard(0) DTensor.
 void expect_parity(const Case& c) {
-  const int W = fsdp::get_world_size(), r = fsdp::get_rank();
   auto reference = c.make();
   auto model = c.make();
-  c.shard(model, W);
-  torch::optim::Adam ref_opt(reference->parameters(), torch::optim::AdamOptions(1e-2));
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-  auto world = fsdp::world();
-  for (int step = 0; step < c.steps; ++step) {
-    at::Tensor global = c.batch(step, c.rows_per_rank * W);
-    at::Tensor local = global.slice(0, r * c.rows_per_rank, (r + 1) * c.rows_per_rank);
-
-    ref_opt.zero_grad();
-    at::Tensor ref_loss = c.loss(c.forward(*reference, global), global);
-    ref_loss.backward();
-    ref_opt.step();
-
-    opt.zero_grad();
+  c.shard(model, fsdp::get_world_size());
+  fsdp::testing::ParityOptions o;
+  o.steps = c.steps;
+  o.rows_per_rank = c.rows_per_rank;
+  o.batch = c.batch;
+  o.loss = c.loss;
+  o.every_parameter_gets_a_gradient = false;  // not every case uses every parameter
+  o.before_step = [&](int, const at::Tensor&) {
     c.before_forward(*model);
-    at::Tensor loss = c.loss(c.forward(*model, local), local);
-    loss.backward();
-    opt.step();
-
-    at::Tensor mean = loss.detach().clone().reshape({1});
-    world->all_reduce(mean, fsdp::ReduceOp::kAvg)->wait();
-    EXPECT_NEAR(mean.item<double>(), ref_loss.item<double>(), 1e-5) << c.name << " step " << step;
-  }
-  auto ref_params = reference->named_parameters();
-  for (const auto& item : model->named_parameters()) {
-    ASSERT_TRUE(fsdp::is_sharded_parameter(item.value())) << item.key();
-    fsdp::DTensor d = fsdp::as_dtensor(item.value());
-    ASSERT_EQ(d.placements()[0], fsdp::Shard(0));
-    at::Tensor full = d.full_tensor();
-    at::Tensor expect = ref_params[item.key()];
-    ASSERT_EQ(full.sizes(), expect.sizes()) << item.key();
-    EXPECT_LT((full - expect).abs().max().item<double>(), 1e-5) << c.name << ": " << item.key();
-  }
+    return true;
+  };
+  o.check_parameter = [](const std::string& name, const at::Tensor& p) {
+    ASSERT_TRUE(fsdp::is_sharded_parameter(p)) << name;
+    EXPECT_EQ(fsdp::as_dtensor(p).placements()[0], fsdp::Shard(0)) << name;
+  };
+  fsdp::testing::expect_training_parity(reference, model, c.forward, c.name, o);
 }
 
 std::shared_ptr<torch::nn::Module> make_mlp(bool reuse) {
