@@ -70,7 +70,9 @@ bool mpi_available();
 // Collective over all ranks; blocks until all have arrived or the timeout expires.
 // Throws c10::Error if already initialised or the environment is malformed, and
 // CollectiveError if the store cannot be reached or hosted, or not every rank arrives (or
-// connects its transport) within the timeout.
+// connects its transport) within the timeout. Sets SIGPIPE to ignored when the program left it
+// at its default (as Python does for PyTorch), so that a peer that has left makes a collective
+// throw CollectiveError instead of killing this process; a handler of the program's is kept.
 void init_process_group(InitOptions options = InitOptions());
 // The same from an explicit description (used by tests and by programs with their own launch).
 void init_process_group(const RendezvousInfo& info, InitOptions options = InitOptions());

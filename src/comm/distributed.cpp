@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -282,11 +283,24 @@ RendezvousInfo rendezvous_info_from_env() {
   return info;
 }
 
+// A rank that writes to the socket of a peer that has left gets EPIPE, and the collective fails
+// with an error naming the group and the ranks (fail()); under the default disposition SIGPIPE
+// would kill the process first, with no message. Python ignores SIGPIPE at start-up, so PyTorch's
+// ranks see the error; a C++ program does not, so joining the job does it here, unless the
+// program already chose its own disposition.
+static void ignore_sigpipe_unless_handled() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) != 0) return;
+  const bool is_default = !(current.sa_flags & SA_SIGINFO) && current.sa_handler == SIG_DFL;
+  if (is_default) signal(SIGPIPE, SIG_IGN);
+}
+
 void init_process_group(InitOptions options) { init_process_group(rendezvous_info_from_env(), std::move(options)); }
 
 void init_process_group(const RendezvousInfo& info, InitOptions options) {
   std::lock_guard<std::mutex> lock(g_mu);
   TORCH_CHECK(!g_runtime, "fsdp: init_process_group() was already called; call destroy_process_group() first");
+  ignore_sigpipe_unless_handled();
   if (const char* ms = env("FSDP_COLLECTIVE_TIMEOUT_MS")) {
     options.timeout(std::chrono::milliseconds(env_int("FSDP_COLLECTIVE_TIMEOUT_MS", 0)));
     TORCH_CHECK(options.timeout().count() > 0, "FSDP_COLLECTIVE_TIMEOUT_MS='", ms, "' must be positive");

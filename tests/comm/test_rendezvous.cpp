@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -151,4 +152,27 @@ TEST(Rendezvous, SingleProcessNeedsNoStoreOrPort) {
   fsdp::destroy_process_group();
   EXPECT_FALSE(fsdp::is_initialized());
   EXPECT_THROW(fsdp::world(), c10::Error);
+}
+
+// SIGPIPE's disposition after joining: a program's own handler is kept; the default becomes
+// "ignored" (as Python's start-up makes it), so that writing to a peer that left fails the
+// collective with an error naming the ranks instead of killing this process.
+static void own_sigpipe_handler(int) {}
+
+TEST(Rendezvous, JoiningIgnoresSigpipeUnlessTheProgramChoseItsOwn) {
+  ScopedEnv env({});
+  auto disposition = [] {
+    struct sigaction now {};
+    sigaction(SIGPIPE, nullptr, &now);
+    return now.sa_handler;
+  };
+  signal(SIGPIPE, own_sigpipe_handler);
+  fsdp::init_process_group();
+  EXPECT_EQ(disposition(), &own_sigpipe_handler);
+  fsdp::destroy_process_group();
+
+  signal(SIGPIPE, SIG_DFL);
+  fsdp::init_process_group();
+  EXPECT_EQ(disposition(), SIG_IGN);
+  fsdp::destroy_process_group();
 }
