@@ -24,9 +24,6 @@ set(FSDP_LAYER_VIEWS_DIR "${PROJECT_BINARY_DIR}/layers" CACHE INTERNAL "the laye
 add_library(fsdp_layer_flags INTERFACE)
 target_link_libraries(fsdp_layer_flags INTERFACE fsdp_torch Threads::Threads nlohmann_json::nlohmann_json ZLIB::ZLIB)
 target_compile_features(fsdp_layer_flags INTERFACE cxx_std_20)
-if(FSDP_USE_CUDA)
-  target_compile_definitions(fsdp_layer_flags INTERFACE FSDP_WITH_CUDA=1)
-endif()
 
 # The layer each public header declares on its first line.
 function(_fsdp_public_header_layers out_headers)

@@ -1,0 +1,96 @@
+// The CUDA implementation of the device layer (device_ops.h), built with -DFSDP_USE_CUDA=ON.
+//
+// Streams are c10's CUDA streams: the side streams come from c10's pool, as torch.cuda.Stream()
+// does, with high priority for FSDP's communication streams. Events are ATen's CUDAEvent without
+// timing. Storage resizes allocate through the storage's own allocator (the caching allocator),
+// on the stream current at that moment, which is the stream whose pool gets the block back when
+// it is freed: FSDP resizes unsharded parameters only on the compute stream.
+#include "src/device/device_ops.h"
+
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+namespace fsdp {
+namespace device {
+namespace {
+
+c10::DeviceIndex index_of(c10::Device device) {
+  return device.has_index() ? device.index() : c10::cuda::current_device();
+}
+
+at::cuda::CUDAEvent& cuda_event(const Event& event) { return *static_cast<at::cuda::CUDAEvent*>(event.impl()); }
+
+class CudaOps final : public DeviceOps {
+ public:
+  c10::DeviceType type() const override { return c10::DeviceType::CUDA; }
+  c10::Device current_device() override { return c10::Device(c10::DeviceType::CUDA, c10::cuda::current_device()); }
+  void set_current_device(c10::Device device) override { c10::cuda::set_device(index_of(device)); }
+
+  c10::Stream current_stream(c10::Device device) override {
+    return c10::cuda::getCurrentCUDAStream(index_of(device)).unwrap();
+  }
+  c10::Stream side_stream(c10::Device device, bool high_priority) override {
+    return c10::cuda::getStreamFromPool(high_priority, index_of(device)).unwrap();
+  }
+  c10::Stream exchange_stream(c10::Stream stream) override {
+    const c10::Stream previous = c10::cuda::getCurrentCUDAStream(stream.device_index()).unwrap();
+    c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(stream));
+    return previous;
+  }
+  Event record(c10::Stream stream) override {
+    auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
+    event->record(c10::cuda::CUDAStream(stream));
+    return Event(std::move(event));
+  }
+  void wait(c10::Stream waiter, const Event& event) override {
+    if (!event.empty()) cuda_event(event).block(c10::cuda::CUDAStream(waiter));
+  }
+  void synchronize(const Event& event) override {
+    if (!event.empty()) cuda_event(event).synchronize();
+  }
+
+  void copy_bytes(void* dst, const void* src, size_t nbytes) override {
+    if (nbytes == 0) return;
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, c10::cuda::getCurrentCUDAStream()));
+  }
+  void zero_bytes(void* dst, size_t nbytes) override {
+    if (nbytes == 0) return;
+    C10_CUDA_CHECK(cudaMemsetAsync(dst, 0, nbytes, c10::cuda::getCurrentCUDAStream()));
+  }
+  void resize_storage(c10::StorageImpl& storage, size_t nbytes) override {
+    if (nbytes == storage.nbytes()) return;
+    c10::cuda::CUDAGuard guard(storage.device());
+    c10::Allocator* allocator = storage.allocator() ? storage.allocator() : c10::cuda::CUDACachingAllocator::get();
+    storage.set_data_ptr_noswap(nbytes > 0 ? allocator->allocate(nbytes) : c10::DataPtr(nullptr, storage.device()));
+    storage.set_nbytes(nbytes);
+  }
+  bool can_pin_host_memory() const override { return true; }
+
+  int device_count() const override { return c10::cuda::device_count(); }
+  DeviceMemoryStats memory_stats(c10::Device device) override {
+    // Index 0 is StatType::AGGREGATE (all pools), whose namespace moved between releases.
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index_of(device));
+    const auto& allocated = stats.allocated_bytes[0];
+    const auto& reserved = stats.reserved_bytes[0];
+    return DeviceMemoryStats{allocated.current, allocated.peak, reserved.current, reserved.peak};
+  }
+  void reset_peak_memory(c10::Device device) override {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(index_of(device));
+  }
+};
+
+// Registered when the library is loaded.
+const bool registered = [] {
+  register_ops(std::make_unique<CudaOps>());
+  return true;
+}();
+
+}  // namespace
+}  // namespace device
+}  // namespace fsdp
