@@ -15,6 +15,7 @@
 #include <fsdp/process_group.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <memory>
@@ -32,6 +33,8 @@ class DeviceMesh {
 
   bool valid() const { return impl_ != nullptr; }
   const std::string& device_type() const;
+  // This rank's device: the CPU, or for a "cuda" mesh the GPU init_device_mesh chose.
+  c10::Device device() const;
   int64_t ndim() const;
   std::vector<int64_t> shape() const;
   const std::vector<std::string>& dim_names() const;
@@ -70,8 +73,12 @@ class DeviceMesh {
 // Builds a mesh over all ranks of the world. Collective: every rank calls it with the same
 // arguments, in the same order as its other mesh and group creations. Creates one process group
 // per mesh dim that contains this rank (blocks until their members have connected).
-// `device_type` is "cpu" (a CPU build has no other; "cuda" fails saying so). The product of
-// `shape` must equal the world size. `dim_names` is empty or one distinct name per dim.
+// `device_type` is "cpu" or "cuda". A "cuda" mesh puts each rank on GPU local_rank % (GPUs
+// seen), makes it the current device, and runs its groups on NCCL; FSDP_CUDA_BACKEND=gloo runs
+// them on Gloo instead, with the tensors staged through pinned host memory (several ranks on one
+// GPU, which NCCL refuses). "cuda" throws, saying why, in a build without the CUDA path or on a
+// machine without a GPU. The product of `shape` must equal the world size. `dim_names` is empty
+// or one distinct name per dim.
 // Throws c10::Error on arguments that break these rules, before any communication, and
 // CollectiveError when the members of a group do not all connect within the timeout.
 DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& shape,

@@ -97,5 +97,11 @@ RendezvousInfo rendezvous_info();
 // does not contain this rank, and CollectiveError if the members do not all connect within
 // the timeout.
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+// The same on a chosen backend: "" is the world's; "nccl" runs the group on NCCL over this
+// rank's current CUDA device (a "cuda" DeviceMesh makes its groups so). The world group itself
+// stays on a CPU backend: it coordinates the host side (checkpoints, the trainer's votes).
+// Throws c10::Error for an unknown backend, and for "nccl" in a build without the CUDA path
+// (-DFSDP_USE_CUDA=ON) or in a job whose world runs on MPI (NCCL needs the rendezvous store).
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& backend);
 
 }  // namespace fsdp

@@ -4,9 +4,9 @@
 //
 // FSDP code talks only to this interface, never to c10d, so c10d's version differences and
 // its Gloo gaps (a reduce-scatter that is an all-reduce and a copy, no uneven all-gather into
-// one tensor) stay out of it. The CPU implementation runs its own algorithms on the
-// point-to-point send and recv of c10d's ProcessGroupGloo; a CUDA build can add an NCCL
-// implementation of the same interface.
+// one tensor) stay out of it. The CPU implementations run their own algorithms on the
+// point-to-point send and recv of c10d's ProcessGroupGloo (or on MPI); the CUDA build adds one on
+// c10d's ProcessGroupNCCL (backend "nccl").
 //
 // Example (every rank of the group runs the same lines, in the same order):
 //
@@ -20,23 +20,35 @@
 // Collective contract, true of every collective method below:
 //  - It is collective: every member of the group must call it, with matching sizes and dtype,
 //    in the same order relative to the group's other collectives.
-//  - It does not block: it queues the operation on the group's communication thread and
-//    returns a Work. The caller must not touch the output (or modify the input) until
-//    wait() returns. The Work keeps the tensors alive until the operation is done.
-//  - Tensors must be contiguous CPU tensors (for this CPU backend). Outputs are written in
-//    place through their data pointers, so autograd version counters are not bumped.
-//  - Each operation is bounded by the group's timeout. When it expires the Work fails with a
-//    CollectiveError naming the op, its sequence number, the group and the ranks that did not
-//    arrive; the group is then unusable (every later operation fails at once).
+//  - It does not block: it queues the operation on the group's communication thread (Gloo,
+//    MPI) or on the device's communication stream (NCCL) and returns a Work. The caller must
+//    not touch the output (or modify the input) until wait() returns. The Work keeps the
+//    tensors alive until the operation is done.
+//  - Tensors must be contiguous, all on one device. The CPU backends (gloo, mpi) take CPU
+//    tensors, and CUDA tensors too, staged through pinned host memory: the input is copied to
+//    the host when the operation is issued, and the output back on the stream that calls
+//    wait() (so that W ranks can share one GPU, which NCCL refuses). The NCCL backend takes CUDA
+//    tensors of its device. Outputs are written in place, so autograd version counters are not
+//    bumped.
+//  - On a CPU backend wait() blocks the host until the data has arrived. On NCCL it blocks
+//    nothing: it makes the caller's current CUDA stream wait for the collective, as c10d's
+//    Work::wait() does, so work queued on that stream afterwards sees the result.
+//  - Each operation is bounded by the group's timeout. On a CPU backend, when it expires the
+//    Work fails with a CollectiveError naming the op, its sequence number, the group and the
+//    ranks that did not arrive; the group is then unusable (every later operation fails at
+//    once). NCCL groups defer to c10d's watchdog, which aborts the communicator after the same
+//    timeout and records the collectives in c10d's own flight recorder.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
 
 #include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -81,7 +93,18 @@ class CollectiveError : public std::runtime_error {
 
 namespace detail {
 struct StatsCell;  // a group's counters, shared with its Works (process_group.cpp)
-}
+
+// How a Work completes when its collective runs on a device stream (NCCL) instead of the
+// group's communication thread.
+class DeviceCompletion {
+ public:
+  virtual ~DeviceCompletion() = default;
+  // Makes the calling thread's current stream wait for the collective; the host does not block.
+  virtual void wait_on_current_stream() = 0;
+  // Whether the collective has finished on the device. Never blocks.
+  virtual bool is_completed() = 0;
+};
+}  // namespace detail
 
 // Handle of one queued collective, shared by the caller and the group's communication thread.
 // Thread-safe. Only a ProcessGroup creates and completes one; callers wait on it.
@@ -92,7 +115,9 @@ class Work {
 
   // Blocks until the operation finished. Rethrows its error (a CollectiveError) if it failed.
   // Calling it again after completion returns (or rethrows) at once. Time spent blocked here
-  // is added to the group's blocked_ns counter.
+  // is added to the group's blocked_ns counter. A collective on a device stream (NCCL) blocks
+  // the caller's current stream instead of the host; CUDA tensors staged through the host are
+  // copied back on that stream.
   void wait();
   // True once the operation finished, successfully or not. Never blocks.
   bool is_completed() const;
@@ -108,6 +133,8 @@ class Work {
       : kind_(kind), seq_(seq), stats_(std::move(stats)) {}
   // Records the outcome, drops the kept tensors and wakes the waiters. Called once.
   void finish(std::exception_ptr error);
+  void wait_on_device();
+  void run_after_host_wait();
 
   const CollectiveKind kind_;
   const int64_t seq_;
@@ -116,7 +143,9 @@ class Work {
   std::condition_variable cv_;
   bool done_ = false;
   std::exception_ptr error_;
-  std::vector<at::Tensor> tensors_;  // kept alive until finish()
+  std::vector<at::Tensor> tensors_;                   // kept alive until finish()
+  std::shared_ptr<detail::DeviceCompletion> device_;  // set when the collective runs on a stream
+  std::function<void()> after_host_wait_;             // staged CUDA outputs: the copy back, once
 };
 using WorkHandle = std::shared_ptr<Work>;
 
@@ -137,6 +166,10 @@ class ProcessGroup {
   // A name unique among the groups of this program, used in errors and store keys.
   const std::string& name() const { return name_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // The backend's name ("gloo", "mpi", "nccl") and the device type of the tensors it moves
+  // directly (CPU backends take CUDA tensors too, staged through the host).
+  virtual const char* backend_name() const = 0;
+  virtual c10::DeviceType device_type() const { return c10::DeviceType::CPU; }
 
   // output[i * n : (i + 1) * n] = input of group rank i, n = input.numel().
   // Requires output.numel() == size() * input.numel(). Writes straight into `output`.
@@ -185,6 +218,9 @@ class ProcessGroup {
   // A new Work for the next enqueued operation: takes its sequence number, bumps the call
   // counter. `keep_alive` holds tensors the operation uses until the Work is finished.
   WorkHandle make_work(CollectiveKind kind, std::vector<at::Tensor> keep_alive = {});
+  // A Work whose collective completes on a device stream (NCCL): `completion` waits for it.
+  WorkHandle make_device_work(CollectiveKind kind, std::vector<at::Tensor> keep_alive,
+                              std::shared_ptr<detail::DeviceCompletion> completion);
   // Completes `work`: records its outcome (null = success), releases the tensors it kept alive
   // and wakes its waiters. Implementations call it exactly once per Work, from any thread.
   static void finish_work(Work& work, std::exception_ptr error = nullptr);
@@ -194,6 +230,11 @@ class ProcessGroup {
   const std::vector<int> global_ranks_;
   const std::string name_;
   const std::chrono::milliseconds timeout_;
+  // Checks the tensors' device against device_type() and stages CUDA tensors of a CPU backend
+  // through pinned host memory around enqueue().
+  WorkHandle submit(Op op);
+  void check_device(const at::Tensor& t, const char* what) const;
+
   const std::shared_ptr<detail::StatsCell> stats_;
   int64_t next_seq_ = 0;  // guarded by the StatsCell's mutex
 };

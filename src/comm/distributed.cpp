@@ -5,8 +5,10 @@
 #include <fsdp/flight_recorder.h>
 
 #include "src/comm/gloo_backend.h"
+#include "src/comm/nccl_backend.h"
 #include "src/comm/progress_board.h"
 #include "src/comm/store_server.h"
+#include "src/device/device_ops.h"
 #ifdef FSDP_WITH_MPI
 #include "src/comm/mpi_backend.h"
 #endif
@@ -131,6 +133,26 @@ std::string group_name(const std::vector<int>& ranks, int instance) {
   return s.str();
 }
 
+// A group on NCCL over this rank's current CUDA device (nccl_backend.h).
+std::shared_ptr<ProcessGroup> make_nccl_group(Runtime& rt, const std::vector<int>& ranks, std::string name) {
+  device::has_ops_for(c10::DeviceType::CUDA);  // loads the CUDA path, which sets the factory
+  comm::NcclGroupFactory factory = comm::nccl_group_factory();
+  TORCH_CHECK(factory != nullptr, "fsdp: backend 'nccl' asked for group ", name,
+              ", but this build of fsdp-cpp has no CUDA path; rebuild it with -DFSDP_USE_CUDA=ON against a CUDA "
+              "LibTorch, or use a \"cpu\" mesh");
+  TORCH_CHECK(rt.store,
+              "fsdp: NCCL groups exchange their ids through the rendezvous store, which this rank does not "
+              "hold (the world runs on MPI); start the job with fsdprun or torchrun (FSDP_BACKEND=gloo)");
+  comm::NcclGroupConfig cfg;
+  cfg.rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rt.info.rank) - ranks.begin());
+  cfg.global_ranks = ranks;
+  cfg.timeout = rt.options.timeout();
+  cfg.store = c10::make_intrusive<c10d::PrefixStore>("nccl/" + name, rt.store);
+  cfg.name = std::move(name);
+  cfg.device = device::ops_for(c10::DeviceType::CUDA).current_device();
+  return factory(std::move(cfg));
+}
+
 std::shared_ptr<ProcessGroup> make_group(Runtime& rt, const std::vector<int>& ranks, std::string name,
                                          int instance = 0) {
 #ifdef FSDP_WITH_MPI
@@ -199,6 +221,9 @@ std::string choose_backend(const RendezvousInfo& info, const InitOptions& option
     const bool mpi_launcher = info.source == "openmpi" || info.source == "slurm";
     return mpi_launcher && mpi_available() ? "mpi" : "gloo";
   }
+  TORCH_CHECK(name != "nccl", "fsdp: ", from,
+              "='nccl': the world group stays on a CPU backend (gloo or mpi), which coordinates the host side; "
+              "a \"cuda\" DeviceMesh (fsdp::init_device_mesh(\"cuda\", ...)) runs its groups on NCCL");
   TORCH_CHECK(name == "gloo" || name == "mpi", "fsdp: ", from, "='", name,
               "' is not a process-group backend; use gloo, mpi or auto");
   TORCH_CHECK(name == "gloo" || mpi_available(), "fsdp: ", from,
@@ -228,6 +253,11 @@ void join_mpi_job(Runtime& rt) {
 #endif
 
 }  // namespace
+
+comm::NcclGroupFactory& comm::nccl_group_factory() {
+  static NcclGroupFactory factory = nullptr;
+  return factory;
+}
 
 bool mpi_available() {
 #ifdef FSDP_WITH_MPI
@@ -383,7 +413,11 @@ RendezvousInfo rendezvous_info() {
   return runtime().info;
 }
 
-std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) {
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) { return new_group(ranks, ""); }
+
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& backend) {
+  TORCH_CHECK(backend.empty() || backend == "nccl", "fsdp::new_group: backend '", backend,
+              "' is not one a group can choose; use \"\" (the world's backend) or \"nccl\"");
   std::lock_guard<std::mutex> lock(g_mu);
   Runtime& rt = runtime();
   TORCH_CHECK(!ranks.empty(), "fsdp::new_group: the rank list is empty");
@@ -395,6 +429,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) {
   TORCH_CHECK(std::find(ranks.begin(), ranks.end(), rt.info.rank) != ranks.end(), "fsdp::new_group: rank ",
               rt.info.rank, " is not a member of the requested group; only members call new_group");
   const int instance = rt.groups_made[ranks]++;
+  if (backend == "nccl") return make_nccl_group(rt, ranks, group_name(ranks, instance));
   return make_group(rt, ranks, group_name(ranks, instance), instance);
 }
 

@@ -5,6 +5,7 @@
 
 #include <fsdp/flight_recorder.h>
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <numeric>
@@ -49,6 +50,10 @@ struct StatsCell {
 // ------------------------------------------------------------------------------ Work
 
 void Work::wait() {
+  if (device_) {
+    wait_on_device();
+    return;
+  }
   std::exception_ptr error;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -64,10 +69,45 @@ void Work::wait() {
     error = error_;
   }
   if (error) std::rethrow_exception(error);
+  run_after_host_wait();
+}
+
+// The copy back of a staged CUDA output, once, on the stream of the first caller of wait().
+void Work::run_after_host_wait() {
+  std::function<void()> after;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    after.swap(after_host_wait_);
+  }
+  if (after) after();
+}
+
+// A collective on a device stream: the caller's stream waits for it, the host does not. c10d's
+// watchdog owns its timeout; an error it already saw is reported here, naming the group.
+void Work::wait_on_device() {
+  std::exception_ptr error;
+  try {
+    device_->wait_on_current_stream();
+  } catch (const std::exception& e) {
+    error = std::make_exception_ptr(
+        CollectiveError(c10::str("fsdp: the ", to_string(kind_), " #", seq_, " on group '",
+                                 stats_ ? stats_->group : std::string("?"), "' failed on the device: ", e.what())));
+  }
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = !done_;
+  }
+  if (first) {
+    if (stats_) FlightRecorder::global().finished(stats_->group, seq_, error == nullptr);
+    finish(error);
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 bool Work::is_completed() const {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!done_ && device_) return device_->is_completed();
   return done_;
 }
 
@@ -98,8 +138,6 @@ namespace {
 
 void check_tensor(const at::Tensor& t, const char* what, const std::string& group) {
   TORCH_CHECK(t.defined(), "fsdp collective on group '", group, "': ", what, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "fsdp collective on group '", group, "': ", what, " is on ", t.device(),
-              " but this process group's backend (gloo) handles CPU tensors only");
   TORCH_CHECK(t.is_contiguous(), "fsdp collective on group '", group, "': ", what,
               " must be contiguous; call .contiguous() first");
 }
@@ -149,7 +187,7 @@ WorkHandle ProcessGroup::all_gather_v(const at::Tensor& output, const at::Tensor
   op.output = output;
   op.input = input;
   op.counts = counts;
-  return enqueue(std::move(op));
+  return submit(std::move(op));
 }
 
 WorkHandle ProcessGroup::reduce_scatter_into(const at::Tensor& output, const at::Tensor& input, ReduceOp reduce) {
@@ -179,7 +217,7 @@ WorkHandle ProcessGroup::reduce_scatter_v(const at::Tensor& output, const at::Te
   op.output = output;
   op.input = input;
   op.counts = counts;
-  return enqueue(std::move(op));
+  return submit(std::move(op));
 }
 
 WorkHandle ProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp reduce) {
@@ -189,7 +227,7 @@ WorkHandle ProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp reduce) {
   op.kind = CollectiveKind::kAllReduce;
   op.reduce = reduce;
   op.input = tensor;
-  return enqueue(std::move(op));
+  return submit(std::move(op));
 }
 
 WorkHandle ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
@@ -200,13 +238,60 @@ WorkHandle ProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   op.kind = CollectiveKind::kBroadcast;
   op.input = tensor;
   op.root = root;
-  return enqueue(std::move(op));
+  return submit(std::move(op));
 }
 
 WorkHandle ProcessGroup::barrier() {
   Op op;
   op.kind = CollectiveKind::kBarrier;
-  return enqueue(std::move(op));
+  return submit(std::move(op));
+}
+
+void ProcessGroup::check_device(const at::Tensor& t, const char* what) const {
+  const c10::DeviceType type = t.device().type();
+  const bool direct = type == device_type();
+  const bool staged = device_type() == c10::DeviceType::CPU && type == c10::DeviceType::CUDA;
+  TORCH_CHECK(direct || staged, "fsdp collective on group '", name_, "': ", what, " is on ", t.device(),
+              " but this group's backend (", backend_name(), ") moves ", c10::DeviceTypeName(device_type()), " tensors",
+              device_type() == c10::DeviceType::CPU ? " (and CUDA tensors, staged through the host)" : "",
+              "; build the group for that device (init_device_mesh(\"", c10::DeviceTypeName(type, true), "\", ...))");
+}
+
+namespace {
+
+// A host copy of a device tensor, in pinned memory, holding its data now (the copy is done on
+// the current stream and waited for: the host collective reads it next).
+at::Tensor stage_to_host(const at::Tensor& t, bool copy_data) {
+  at::Tensor host = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
+  if (copy_data) host.copy_(t, /*non_blocking=*/false);
+  return host;
+}
+
+}  // namespace
+
+// CUDA tensors on a CPU backend travel through pinned host memory: inputs are copied to the host
+// before the operation is queued; the output comes back on the stream of the thread that calls
+// wait(), after the host operation finished. The copies cost two transfers over PCIe per
+// collective: this exists for several ranks sharing one GPU, where NCCL cannot run.
+WorkHandle ProcessGroup::submit(Op op) {
+  const at::Tensor& any = op.input.defined() ? op.input : op.output;
+  if (op.output.defined()) check_device(op.output, "output");
+  if (op.input.defined()) check_device(op.input, "input");
+  if (!any.defined() || any.device().type() == device_type()) return enqueue(std::move(op));
+  TORCH_CHECK(!op.output.defined() || op.output.device() == op.input.device(), "fsdp collective on group '", name_,
+              "': input on ", op.input.device(), " but output on ", op.output.device());
+  const bool in_place = !op.output.defined();  // all-reduce, broadcast
+  at::Tensor device_result = in_place ? op.input : op.output;
+  at::Tensor host_input = stage_to_host(op.input, true);
+  at::Tensor host_result = in_place ? host_input : stage_to_host(op.output, false);
+  op.input = host_input;
+  if (!in_place) op.output = host_result;
+  WorkHandle work = enqueue(std::move(op));
+  std::lock_guard<std::mutex> lock(work->mu_);
+  work->after_host_wait_ = [device_result, host_result]() mutable {
+    device_result.copy_(host_result, /*non_blocking=*/true);  // the pinned block stays ours until it ran
+  };
+  return work;
 }
 
 CollectiveStats ProcessGroup::stats() const {
@@ -248,6 +333,13 @@ WorkHandle ProcessGroup::make_work(CollectiveKind kind, std::vector<at::Tensor> 
   FlightRecorder::global().enqueued(name_, to_string(kind), seq, bytes, dtype);
   WorkHandle work(new Work(kind, seq, stats_));  // Work's constructor is private: no make_shared
   work->tensors_ = std::move(keep_alive);
+  return work;
+}
+
+WorkHandle ProcessGroup::make_device_work(CollectiveKind kind, std::vector<at::Tensor> keep_alive,
+                                          std::shared_ptr<detail::DeviceCompletion> completion) {
+  WorkHandle work = make_work(kind, std::move(keep_alive));
+  work->device_ = std::move(completion);
   return work;
 }
 

@@ -22,6 +22,7 @@ namespace comm {
 class QueuedProcessGroup : public ProcessGroup {
  public:
   ~QueuedProcessGroup() override;
+  const char* backend_name() const override { return backend_.c_str(); }
 
  protected:
   // `backend` names the backend in trace events ("gloo", "mpi").

@@ -3,11 +3,15 @@
 
 #include "src/tensor/default_mesh.h"
 
+#include <fsdp/device.h>
 #include <fsdp/distributed.h>
+
+#include "src/device/device_ops.h"
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -21,6 +25,7 @@ struct DeviceMesh::Impl {
   std::vector<int64_t> ranks;                         // world ranks, row-major over `shape`
   std::vector<int64_t> coordinate;                    // this rank's
   std::vector<std::shared_ptr<ProcessGroup>> groups;  // one per dim
+  c10::Device device{c10::DeviceType::CPU};           // this rank's device
 };
 
 const DeviceMesh::Impl& DeviceMesh::checked_impl() const {
@@ -31,17 +36,31 @@ const DeviceMesh::Impl& DeviceMesh::checked_impl() const {
 namespace {
 
 void check_device_type(const std::string& device_type) {
-#ifdef FSDP_WITH_CUDA
   TORCH_CHECK(device_type == "cpu" || device_type == "cuda", "fsdp::init_device_mesh: device type '", device_type,
               "' is not supported; use \"cpu\" or \"cuda\"");
-  TORCH_CHECK(device_type != "cuda",
-              "fsdp::init_device_mesh: the \"cuda\" mesh (NCCL backend) is not "
-              "implemented yet in fsdp-cpp; use \"cpu\"");
-#else
-  TORCH_CHECK(device_type == "cpu", "fsdp::init_device_mesh: device type '", device_type,
-              "' is not available in this CPU-only build of fsdp-cpp; use \"cpu\" (or rebuild with "
-              "-DFSDP_USE_CUDA=ON against a CUDA LibTorch)");
-#endif
+  if (device_type == "cuda") {
+    TORCH_CHECK(cuda_available(), "fsdp::init_device_mesh(\"cuda\", ...): ", cuda_unavailable_reason(),
+                "; use \"cpu\"");
+  }
+}
+
+// The backend of a "cuda" mesh's groups: NCCL, or Gloo with the tensors staged through the host
+// when FSDP_CUDA_BACKEND=gloo (several ranks sharing one GPU, which NCCL refuses).
+std::string cuda_mesh_backend() {
+  const char* v = std::getenv("FSDP_CUDA_BACKEND");
+  const std::string name = v ? v : "nccl";
+  TORCH_CHECK(name == "nccl" || name == "gloo", "FSDP_CUDA_BACKEND='", name,
+              "' is not a backend for a \"cuda\" mesh; use nccl (the default) or gloo (staged through host memory)");
+  return name == "nccl" ? "nccl" : "";
+}
+
+// This rank's GPU: its local rank modulo the GPUs it sees, as PyTorch's init_device_mesh picks
+// it; made the current device, so that NCCL and FSDP's allocations use it.
+c10::Device select_cuda_device() {
+  const int count = cuda_device_count();
+  const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(rendezvous_info().local_rank % count));
+  device::ops_for(device).set_current_device(device);
+  return device;
 }
 
 void check_dim(int64_t dim, int64_t ndim) {
@@ -69,6 +88,8 @@ DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<in
 
   auto impl = std::make_shared<DeviceMesh::Impl>();
   impl->device_type = device_type;
+  impl->device = device_type == "cuda" ? select_cuda_device() : c10::Device(c10::DeviceType::CPU);
+  const std::string backend = device_type == "cuda" ? cuda_mesh_backend() : "";
   impl->shape = shape;
   impl->dim_names = dim_names;
   impl->ranks.resize(total);
@@ -86,12 +107,13 @@ DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<in
     const int64_t base = me - impl->coordinate[d] * stride[d];
     std::vector<int> members;
     for (int64_t i = 0; i < shape[d]; ++i) members.push_back(static_cast<int>(base + i * stride[d]));
-    impl->groups.push_back(new_group(members));
+    impl->groups.push_back(new_group(members, backend));
   }
   return DeviceMesh(std::move(impl));
 }
 
 const std::string& DeviceMesh::device_type() const { return checked_impl().device_type; }
+c10::Device DeviceMesh::device() const { return checked_impl().device; }
 int64_t DeviceMesh::ndim() const { return static_cast<int64_t>(checked_impl().shape.size()); }
 std::vector<int64_t> DeviceMesh::shape() const { return checked_impl().shape; }
 const std::vector<std::string>& DeviceMesh::dim_names() const { return checked_impl().dim_names; }
@@ -141,6 +163,7 @@ DeviceMesh DeviceMesh::operator[](const std::string& dim_name) const {
   if (m.shape.size() == 1) return *this;
   auto sub = std::make_shared<Impl>();
   sub->device_type = m.device_type;
+  sub->device = m.device;
   sub->shape = {m.shape[d]};
   sub->dim_names = {dim_name};
   for (int r : m.groups[d]->global_ranks()) sub->ranks.push_back(r);

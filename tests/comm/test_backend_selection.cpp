@@ -35,10 +35,13 @@ TEST(Backend, GlooIsTheDefaultUnderATorchrunStyleLaunch) {
 TEST(Backend, AnUnknownNameIsRefusedNamingTheOptionOrTheVariable) {
   fsdp::testing::run_distributed(1, [] {
     fsdp::destroy_process_group();  // this test initialises by itself
-    const std::string by_option = init_error(fsdp::InitOptions().backend("nccl"));
-    EXPECT_NE(by_option.find("fsdp::InitOptions().backend='nccl' is not a process-group backend; use gloo, mpi"),
+    const std::string by_option = init_error(fsdp::InitOptions().backend("ucc"));
+    EXPECT_NE(by_option.find("fsdp::InitOptions().backend='ucc' is not a process-group backend; use gloo, mpi"),
               std::string::npos)
         << by_option;
+    // nccl is a backend, but for a "cuda" mesh's groups, not for the world.
+    const std::string nccl = init_error(fsdp::InitOptions().backend("nccl"));
+    EXPECT_NE(nccl.find("the world group stays on a CPU backend"), std::string::npos) << nccl;
     ::setenv("FSDP_BACKEND", "tcp", 1);
     const std::string by_env = init_error(fsdp::InitOptions().backend("gloo"));  // the variable wins
     ::unsetenv("FSDP_BACKEND");
