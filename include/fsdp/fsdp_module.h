@@ -168,21 +168,23 @@ class FSDPModule {
   // ---- PyTorch FSDP2's controls of CUDA streams and NCCL memory. A CPU mesh has no streams,
   // events or symmetric memory: the optimizer step already precedes the next all-gather in
   // program order, and every all-gather is issued on its group's communication thread and
-  // waited for right before the module runs. So these calls exist to fail loudly where code
-  // written for FSDP2 expects an effect, never to be ignored; CUDA meshes are not supported
-  // by this build.
+  // waited for right before the module runs. So these calls fail loudly where code written
+  // for FSDP2 expects an effect, never to be ignored.
 
   // PyTorch: the root's next all-gathers wait for `event` (recorded after the optimizer step)
-  // instead of the whole current stream. Always refused here, with an error saying why: there
-  // is no all-gather stream to order.
+  // instead of the whole current stream. Refused, with an error saying why: on a CPU mesh there
+  // is no all-gather stream to order, and on a CUDA mesh each all-gather's copy-in already waits
+  // for the whole current stream.
   void set_post_optim_event(const c10::Event& event);
-  // PyTorch: all-gather staging buffers from NCCL symmetric memory. Always refused here: the
-  // Gloo and MPI backends have no symmetric memory (`backend` is named in the error).
+  // PyTorch: all-gather staging buffers from NCCL symmetric memory. Always refused here
+  // (`backend` is named in the error).
   void set_symm_mem_for_comm(const std::string& backend = "NCCL");
-  // PyTorch (`_set_unshard_async_op`): whether pre-forward and pre-backward all-gathers run
-  // with async_op = true, which on CUDA allocates their buffers on the default stream. false,
-  // the default, does nothing; true is refused, since on a CPU mesh both run the same way
-  // (issued on the communication thread, waited for before the module runs).
+  // PyTorch (`_set_unshard_async_op`), on this module and every FSDP module below it: whether
+  // pre-forward and pre-backward all-gathers run on the current CUDA stream (true: their buffers
+  // come from the compute stream's pool, and overlap needs explicit prefetch) instead of FSDP's
+  // all-gather streams (false, the default). Not collective. true on a CPU mesh is refused,
+  // since there both run the same way (issued on the communication thread, waited for before
+  // the module runs).
   void set_unshard_async_op(bool async_op);
 
   // ---- Recovery.

@@ -174,7 +174,8 @@ bool split_along_rows_only(const std::vector<int64_t>& offsets, const std::vecto
 at::Tensor read_piece(const fs::path& dir, const std::string& key, const detail::EntryRecord& entry,
                       const DTensor& target) {
   const auto want = target.local_bounds();
-  at::Tensor local = at::empty(target.to_local().sizes(), target.to_local().options());
+  // Read into host memory; the caller moves the piece to the target's device.
+  at::Tensor local = at::empty(target.to_local().sizes(), target.to_local().options().device(at::kCPU));
   if (local.numel() == 0) return local;
   if (local.dim() == 0) {  // a scalar: its one chunk holds it
     copy_rows(dir, key, entry.chunks.at(0), 0, 0, 1, 0, local.element_size(), local);
@@ -253,8 +254,8 @@ std::string pack_pieces(const ShardedStateDict& state_dict, int rank, json* chun
   std::string data;
   for (const auto& item : state_dict) {
     const DTensor& d = item.value();
-    at::Tensor local = d.to_local().contiguous();
-    if (!detail::writes_piece(d) || local.numel() == 0) continue;  // each piece is written once
+    if (!detail::writes_piece(d) || d.to_local().numel() == 0) continue;  // each piece is written once
+    const at::Tensor local = d.to_local().to(at::kCPU).contiguous();      // a device's piece: its host copy
     json c = {{"offsets", json::array()}, {"sizes", json::array()}, {"crc32", json::array()}};
     for (const auto& b : d.local_bounds()) {
       c["offsets"].push_back(b.offset);
@@ -411,7 +412,8 @@ ShardedStateDict load_checkpoint(const std::string& dir_name, const ShardedState
     ShardedStateDict out;
     for (const auto& item : like) {
       const DTensor& target = item.value();
-      at::Tensor local = read_piece(dir_name, item.key(), meta.entries.at(item.key()), target);
+      at::Tensor local =
+          read_piece(dir_name, item.key(), meta.entries.at(item.key()), target).to(target.to_local().device());
       out.insert(item.key(), DTensor::from_local(local, target.device_mesh(), target.placements(), target.sizes()));
     }
     return out;

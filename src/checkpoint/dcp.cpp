@@ -192,7 +192,7 @@ class DataFile {
       c["offsets"].push_back(b.offset);
       c["sizes"].push_back(b.length);
     }
-    add(c, tensor_archive(local.contiguous()));
+    add(c, tensor_archive(local.to(at::kCPU).contiguous()));  // a device's piece: its host copy
   }
   // A whole 0-dim tensor (rank 0 writes it).
   void scalar(const std::string& key, const at::Tensor& t) {
@@ -352,11 +352,12 @@ class Reader {
     TORCH_CHECK(e.shape == like.sizes(), kLoad, "key '", key, "' has shape ", c10::IntArrayRef(e.shape), " in '",
                 meta_.path, "' but ", c10::IntArrayRef(like.sizes()), " here");
     const auto want = like.local_bounds();
-    at::Tensor local = at::empty(like.to_local().sizes(), like.to_local().options());
+    // Read into host memory, then moved to the device of `like`.
+    at::Tensor local = at::empty(like.to_local().sizes(), like.to_local().options().device(at::kCPU));
     if (local.numel() > 0) {
       for (const auto& c : e.chunks) copy_overlap(key, e, c, want, local);
     }
-    return DTensor::from_local(local, like.device_mesh(), like.placements(), like.sizes());
+    return DTensor::from_local(local.to(like.to_local().device()), like.device_mesh(), like.placements(), like.sizes());
   }
 
   // A 0-dim tensor's value, or a BYTE_IO value that is a number or bool. Read once per key:

@@ -302,7 +302,8 @@ std::vector<char> torch_save_bytes(const c10::IValue& value) {
 void save_pytorch_state_dict(const TensorStateDict& state_dict, const std::string& path) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& item : state_dict) {
-    at::Tensor t = item.value().detach();
+    // Host tensors: the file is the same whichever device trained, and loads anywhere.
+    at::Tensor t = item.value().detach().cpu();
     // The pickler writes a tensor's whole storage: give views a storage of their own.
     if (!t.is_contiguous() || t.storage_offset() != 0 ||
         t.storage().nbytes() != static_cast<size_t>(t.numel()) * t.element_size()) {

@@ -1,8 +1,10 @@
 // collectives.cpp — the copy-ins and copy-outs of FSDP's buffers and the calls that issue its
-// collectives (layouts drawn in collectives.h). Byte copies go through memcpy on the tensors'
-// data pointers: the unsharded tensors are written in place under autograd's saved views.
+// collectives (layouts drawn in collectives.h). Byte copies go through the device layer on the
+// tensors' data pointers (memcpy on the CPU, asynchronous copies on the current CUDA stream): the
+// unsharded tensors are written in place under autograd's saved views.
 #include "src/fsdp/collectives.h"
 
+#include "src/device/device_ops.h"
 #include "src/util/tensor_bytes.h"
 
 #include <ATen/ATen.h>
@@ -32,28 +34,31 @@ RankMajorLayout layout_of(int64_t parts, std::vector<int64_t> piece_numel, std::
 
 // Writes elements [begin, begin + length) of `src` (clamped to its `numel` real elements),
 // then zeros up to `length`, to `dst`. `src` may be null: all zeros.
-void copy_padded(char* dst, const char* src, int64_t numel, int64_t begin, int64_t length, size_t element_size) {
+void copy_padded(device::DeviceOps& ops, char* dst, const char* src, int64_t numel, int64_t begin, int64_t length,
+                 size_t element_size) {
   const int64_t real = src ? std::max<int64_t>(0, std::min(length, numel - begin)) : 0;
-  if (real > 0) std::memcpy(dst, src + begin * element_size, real * element_size);
-  std::memset(dst + real * element_size, 0, (length - real) * element_size);
+  if (real > 0) ops.copy_bytes(dst, src + begin * element_size, real * element_size);
+  ops.zero_bytes(dst + real * element_size, (length - real) * element_size);
 }
 
 // Piece `q` of parameter `i` of `layout`, gathered from the unsharded tensor `src` (`numel` real
 // elements; null: zeros) into the contiguous `dst`, zero padding after the real elements.
-void copy_piece_from_unsharded(char* dst, const char* src, int64_t numel, const RankMajorLayout& layout, size_t i,
-                               int64_t q, size_t es) {
+void copy_piece_from_unsharded(device::DeviceOps& ops, char* dst, const char* src, int64_t numel,
+                               const RankMajorLayout& layout, size_t i, int64_t q, size_t es) {
   const int64_t runs = layout.runs[i];
   const int64_t run = layout.piece_numel[i] / runs;
-  for (int64_t o = 0; o < runs; ++o) copy_padded(dst + o * run * es, src, numel, (o * layout.parts + q) * run, run, es);
+  for (int64_t o = 0; o < runs; ++o) {
+    copy_padded(ops, dst + o * run * es, src, numel, (o * layout.parts + q) * run, run, es);
+  }
 }
 
 // The reverse: the contiguous piece `q` of parameter `i` from `src` into its place in the
 // unsharded storage `dst` (allocated for every piece, padding included).
-void copy_piece_to_unsharded(char* dst, const char* src, const RankMajorLayout& layout, size_t i, int64_t q,
-                             size_t es) {
+void copy_piece_to_unsharded(device::DeviceOps& ops, char* dst, const char* src, const RankMajorLayout& layout,
+                             size_t i, int64_t q, size_t es) {
   const int64_t runs = layout.runs[i];
   const size_t run = static_cast<size_t>(layout.piece_numel[i] / runs) * es;
-  for (int64_t o = 0; o < runs; ++o) std::memcpy(dst + (o * layout.parts + q) * run, src + o * run, run);
+  for (int64_t o = 0; o < runs; ++o) ops.copy_bytes(dst + (o * layout.parts + q) * run, src + o * run, run);
 }
 
 std::vector<int64_t> runs_of(const FSDPParams& params, const std::vector<size_t>& indices) {
@@ -103,18 +108,26 @@ RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k) {
   return layout_of(k, std::move(pieces), std::vector<int64_t>(params.size(), 1));
 }
 
-at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout) {
+at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout, const GroupDevices& devices) {
   TORCH_CHECK(!params.empty(), "internal: a flat shard needs at least one parameter");
-  at::Tensor flat = at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->orig_dtype()));
+  const c10::Device device = params.front()->unsharded().device();
+  at::Tensor flat =
+      at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->orig_dtype()).device(device));
+  device::DeviceOps& ops = device::ops_for(device);
   const size_t es = flat.element_size();
   for (size_t i = 0; i < params.size(); ++i) {
     const FSDPParam& p = *params[i];
     const auto* src = static_cast<const char*>(p.unsharded().data_ptr());
-    copy_piece_from_unsharded(bytes_of(flat) + layout.offset[i] * es, src, p.unsharded_numel(), layout, i,
+    copy_piece_from_unsharded(ops, bytes_of(flat) + layout.offset[i] * es, src, p.unsharded_numel(), layout, i,
                               p.shard_rank(), es);
-    // Only this rank's real rows are visible through the leaf; the padding stays zero.
-    params[i]->init_sharded(flat, layout.offset[i]);
   }
+  // CPU offload from a device: the shards live in host memory, pinned when the policy says so.
+  if (flat.device() != devices.shard) {
+    flat = flat.to(devices.shard);
+    if (devices.non_blocking) flat = flat.pin_memory();
+  }
+  // Only this rank's real rows are visible through the leaves; the padding stays zero.
+  for (size_t i = 0; i < params.size(); ++i) params[i]->init_sharded(flat, layout.offset[i]);
   return flat;
 }
 
@@ -124,43 +137,59 @@ at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, 
   return flat_shard.to(devices.compute, dtype, devices.non_blocking);  // no copy when neither changes
 }
 
+// Issues `collective` from `issue_stream` (after it waited for the current stream), or from the
+// current stream when there is none (the CPU).
+template <class Collective>
+WorkHandle issue_on(const std::optional<c10::Stream>& issue_stream, Collective collective) {
+  if (!issue_stream) return collective();
+  device::DeviceOps& ops = device::ops_for(issue_stream->device_type());
+  ops.wait(*issue_stream, ops.record(ops.current_stream(issue_stream->device())));
+  device::StreamScope scope(*issue_stream);
+  return collective();
+}
+
 AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group,
-                                   AllGather* custom) {
+                                   AllGather* custom, const std::optional<c10::Stream>& issue_stream) {
   TORCH_CHECK(layout.parts == group.size() && input.numel() == layout.row_numel, "internal: all-gather of ",
               input.numel(), " elements as one of ", layout.parts, " rows of ", layout.row_numel, " over a group of ",
               group.size());
-  if (group.size() == 1) return AllGatherResult{nullptr, input, layout};
+  if (group.size() == 1) return AllGatherResult{nullptr, input, layout, std::nullopt, std::nullopt};
   if (!custom) {
     at::Tensor output = at::empty({layout.numel()}, input.options());
-    WorkHandle work = group.all_gather_into(output, input);
-    return AllGatherResult{std::move(work), std::move(output), layout};
+    WorkHandle work = issue_on(issue_stream, [&] { return group.all_gather_into(output, input); });
+    return AllGatherResult{std::move(work), std::move(output), layout, std::nullopt, std::nullopt};
   }
   at::Tensor staged = allocate_comm_buffer(*custom, layout.row_numel, input.options(), "all-gather");
-  std::memcpy(bytes_of(staged), static_cast<const char*>(input.data_ptr()), input.numel() * input.element_size());
+  device::ops_for(input.device())
+      .copy_bytes(bytes_of(staged), static_cast<const char*>(input.data_ptr()), input.numel() * input.element_size());
   at::Tensor output = allocate_comm_buffer(*custom, layout.numel(), input.options(), "all-gather");
-  WorkHandle work = (*custom)(output, staged, group);
-  return AllGatherResult{std::move(work), std::move(output), layout};
+  WorkHandle work = issue_on(issue_stream, [&] { return (*custom)(output, staged, group); });
+  return AllGatherResult{std::move(work), std::move(output), layout, std::nullopt, std::nullopt};
 }
 
 void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams& params) {
   const RankMajorLayout& layout = result.layout;
+  device::DeviceOps& ops = device::ops_for(result.output.device());
   const size_t es = result.output.element_size();
   const char* src = bytes_of(result.output);
   for (size_t i = 0; i < params.size(); ++i) {
     char* dst = params[i]->unsharded_bytes();
     for (int64_t q = 0; q < layout.parts; ++q) {
-      copy_piece_to_unsharded(dst, src + (q * layout.row_numel + layout.offset[i]) * es, layout, i, q, es);
+      copy_piece_to_unsharded(ops, dst, src + (q * layout.row_numel + layout.offset[i]) * es, layout, i, q, es);
     }
   }
 }
 
 at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayout& layout, int64_t index) {
   TORCH_CHECK(index >= 0 && index < layout.parts, "internal: post-forward piece ", index, " of ", layout.parts);
-  at::Tensor shard = at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->unsharded_dtype()));
+  const c10::Device device = params.front()->unsharded().device();
+  at::Tensor shard =
+      at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->unsharded_dtype()).device(device));
+  device::DeviceOps& ops = device::ops_for(device);
   const size_t es = shard.element_size();
   for (size_t i = 0; i < params.size(); ++i) {
     const size_t piece = static_cast<size_t>(layout.piece_numel[i]) * es;
-    std::memcpy(bytes_of(shard) + layout.offset[i] * es, params[i]->unsharded_bytes() + index * piece, piece);
+    ops.copy_bytes(bytes_of(shard) + layout.offset[i] * es, params[i]->unsharded_bytes() + index * piece, piece);
   }
   return shard;
 }
@@ -232,9 +261,11 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams&
   TORCH_CHECK(layout.piece_numel.size() == reduced.size(), "internal: a reduce-scatter layout of ",
               layout.piece_numel.size(), " pieces for ", reduced.size(), " reduced parameters");
   at::NoGradGuard no_grad;
-  const auto options = at::TensorOptions().dtype(reduce_dtype);
+  const c10::Device device = params.at(reduced.empty() ? 0 : reduced.front())->unsharded().device();
+  const auto options = at::TensorOptions().dtype(reduce_dtype).device(device);
   at::Tensor input = allocator ? allocate_comm_buffer(*allocator, layout.numel(), options, "reduce-scatter")
                                : at::empty({layout.numel()}, options);
+  device::DeviceOps& ops = device::ops_for(device);
   const size_t es = input.element_size();
   for (size_t k = 0; k < reduced.size(); ++k) {
     FSDPParam& p = *params.at(reduced[k]);
@@ -248,7 +279,7 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams&
       const int64_t at = q * layout.row_numel + layout.offset[k];
       if (!g.defined() || g.scalar_type() == reduce_dtype) {  // a byte copy; zeros without a gradient
         const char* src = g.defined() ? static_cast<const char*>(g.data_ptr()) : nullptr;
-        copy_piece_from_unsharded(bytes_of(input) + at * es, src, p.unsharded_numel(), layout, k, q, es);
+        copy_piece_from_unsharded(ops, bytes_of(input) + at * es, src, p.unsharded_numel(), layout, k, q, es);
       } else if (runs == 1) {
         copy_padded_cast(input.narrow(0, at, piece), g, p.unsharded_numel(), q * piece);
       } else {  // sharded along a dim > 0: even, no padding; one strided converting copy
@@ -280,21 +311,34 @@ void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& red
   }
 }
 
-ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
-                                   at::ScalarType reduce_dtype, const GradientDivision& division,
-                                   ReduceScatter* custom) {
-  RankMajorLayout layout = reduce_scatter_layout(params, reduced, group.size());
+ReduceScatterInput foreach_reduce_prepare(const FSDPParams& params, const ReducedParams& reduced, int64_t world,
+                                          at::ScalarType reduce_dtype, ReduceScatter* custom) {
+  RankMajorLayout layout = reduce_scatter_layout(params, reduced, world);
   // One rank communicates nothing, so a custom reduce-scatter is not asked for buffers either.
-  at::Tensor input = foreach_reduce_copy_in(params, reduced, layout, reduce_dtype, group.size() > 1 ? custom : nullptr);
+  at::Tensor input = foreach_reduce_copy_in(params, reduced, layout, reduce_dtype, world > 1 ? custom : nullptr);
+  return ReduceScatterInput{std::move(layout), std::move(input)};
+}
+
+ReduceScatterResult foreach_reduce_issue(ReduceScatterInput prepared, const ReducedParams& reduced, ProcessGroup& group,
+                                         const GradientDivision& division, ReduceScatter* custom) {
+  at::Tensor& input = prepared.input;
+  RankMajorLayout& layout = prepared.layout;
   if (division.pre_divide != 1.0) input.div_(division.pre_divide);
   if (division.premul != 1.0) input.mul_(division.premul);
   // One rank: its one row is the reduction of itself (SUM or AVG over one).
-  if (group.size() == 1) return ReduceScatterResult{nullptr, std::move(input), division, reduced, std::move(layout)};
+  if (group.size() == 1) return ReduceScatterResult{nullptr, input, input, division, reduced, std::move(layout)};
   at::Tensor output = custom ? allocate_comm_buffer(*custom, layout.row_numel, input.options(), "reduce-scatter")
                              : at::empty({layout.row_numel}, input.options());
   WorkHandle work = custom ? (*custom)(output, input, group, division.reduce_scatter_op)
                            : group.reduce_scatter_into(output, input, division.reduce_scatter_op);
-  return ReduceScatterResult{std::move(work), std::move(output), division, reduced, std::move(layout)};
+  return ReduceScatterResult{std::move(work), input, std::move(output), division, reduced, std::move(layout)};
+}
+
+ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
+                                   at::ScalarType reduce_dtype, const GradientDivision& division,
+                                   ReduceScatter* custom) {
+  return foreach_reduce_issue(foreach_reduce_prepare(params, reduced, group.size(), reduce_dtype, custom), reduced,
+                              group, division, custom);
 }
 
 WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group) {
@@ -305,7 +349,11 @@ void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams
                              const GroupDevices& devices) {
   at::NoGradGuard no_grad;
   if (result.division.post_divide != 1.0) result.output.div_(result.division.post_divide);
-  const at::Tensor reduced = result.output.to(devices.shard, orig_dtype, devices.non_blocking);
+  // A copy to pinned host memory may run on while the host goes on, unless a gradient there is
+  // about to be added to (the host would read it before it arrived).
+  bool accumulates = false;
+  for (size_t i : result.params) accumulates = accumulates || params.at(i)->sharded().grad().defined();
+  const at::Tensor reduced = result.output.to(devices.shard, orig_dtype, devices.non_blocking && !accumulates);
   for (size_t k = 0; k < result.params.size(); ++k) {
     FSDPParam& p = *params.at(result.params[k]);
     // Shares the reduce-scatter output's storage, padding left out. Not an autograd view:

@@ -39,6 +39,7 @@
 #include <fsdp/process_group.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <optional>
@@ -70,13 +71,21 @@ RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k);
 
 // Allocates this rank's flat shard (one row of `layout`), copies this rank's rows of every
 // unsharded parameter into it (zero padding after them), and makes each sharded leaf a view
-// of its piece. Needs the unsharded data present. Not collective.
-at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout);
+// of its piece. Needs the unsharded data present. Not collective. The flat shard is made on the
+// parameters' device and moved to `devices.shard` (host memory under CPU offload, pinned when
+// `devices.non_blocking`).
+at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout,
+                           const GroupDevices& devices = GroupDevices{c10::Device(c10::DeviceType::CPU),
+                                                                      c10::Device(c10::DeviceType::CPU), false});
 
 struct AllGatherResult {
   WorkHandle work;         // null when nothing is in flight (a group of one rank)
   at::Tensor output;       // rank-major, `layout.numel()` elements; undefined: no all-gather
   RankMajorLayout layout;  // of `output`
+  // On a device: the stream the buffers were allocated on (the copy-in stream) and the one the
+  // collective was issued from, whose event the compute stream waits for. Unset on the CPU.
+  std::optional<c10::Stream> alloc_stream;
+  std::optional<c10::Stream> issue_stream;
 };
 
 // The all-gather input of a flat shard: the shard itself, or its copy on the compute device
@@ -86,8 +95,11 @@ at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, 
 // new output buffer. Collective over `group`; returns at once. On one rank nothing is issued and
 // the output is the input. With `custom` (FSDPModule::set_custom_all_gather), the input is
 // copied into a buffer of its allocate(), the output is another, and it runs the collective.
+// Buffers are allocated on the current stream; with `issue_stream` (a device's all-gather
+// stream) the collective is issued from that stream, after it waited for the current one.
 AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group,
-                                   AllGather* custom = nullptr);
+                                   AllGather* custom = nullptr,
+                                   const std::optional<c10::Stream>& issue_stream = std::nullopt);
 // After the all-gather finished: copies each parameter's pieces, in row order, into its
 // unsharded storage (which must be allocated, padded_full_numel elements).
 void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams& params);
@@ -136,6 +148,7 @@ GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t shard_si
 
 struct ReduceScatterResult {
   WorkHandle work;            // null when nothing was issued (a shard group of one rank)
+  at::Tensor input;           // kept until the compute stream waited for the collective (a device)
   at::Tensor output;          // this rank's reduced padded shards of `params`, one row of `layout` (reduce dtype)
   GradientDivision division;  // what was applied, and what the output still needs (post_divide)
   ReducedParams params;       // which of the group's parameters the output holds
@@ -154,6 +167,17 @@ struct ReduceScatterResult {
 ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams& reduced, ProcessGroup& group,
                                    at::ScalarType reduce_dtype, const GradientDivision& division,
                                    ReduceScatter* custom = nullptr);
+// foreach_reduce in its two halves, for a device, where they run on different streams: the
+// copy-in (on the compute stream, which made the gradients and frees them), then the division
+// and the collective (on the reduce-scatter stream).
+struct ReduceScatterInput {
+  RankMajorLayout layout;
+  at::Tensor input;
+};
+ReduceScatterInput foreach_reduce_prepare(const FSDPParams& params, const ReducedParams& reduced, int64_t world,
+                                          at::ScalarType reduce_dtype, ReduceScatter* custom);
+ReduceScatterResult foreach_reduce_issue(ReduceScatterInput prepared, const ReducedParams& reduced, ProcessGroup& group,
+                                         const GradientDivision& division, ReduceScatter* custom);
 // On a shard group of one rank with nothing else to do (no all-reduce, no division, no hook):
 // each unsharded gradient of the `reduced` parameters has the shard's shape already, so it is
 // cast (through the reduce dtype, as a reduction would) and handed to the sharded leaf at once,

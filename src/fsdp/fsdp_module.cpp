@@ -192,13 +192,11 @@ void FSDPModule::set_allocate_memory_from_process_group_for_comm(bool enable) {
 }
 
 void FSDPModule::set_post_optim_event(const c10::Event& event) {
-  TORCH_CHECK(false,
-              "fsdp::FSDPModule::set_post_optim_event: not supported on this build's CPU meshes (got an event "
-              "of device type ",
+  TORCH_CHECK(false, "fsdp::FSDPModule::set_post_optim_event: not supported yet (got an event of device type ",
               c10::DeviceTypeName(event.device_type()),
-              "). It orders the all-gather stream after "
-              "an event instead of the whole current stream, and a CPU mesh has no streams: the next all-gather "
-              "already runs after the optimizer step in program order. Remove the call; nothing needs to replace it.");
+              "). It lets the root's all-gathers wait for that event instead of the whole current stream. Here "
+              "each all-gather's copy-in waits for the whole current stream, which already includes the optimizer "
+              "step: remove the call; the order it asks for holds without it.");
 }
 
 void FSDPModule::set_symm_mem_for_comm(const std::string& backend) {
@@ -211,12 +209,15 @@ void FSDPModule::set_symm_mem_for_comm(const std::string& backend) {
 
 void FSDPModule::set_unshard_async_op(bool async_op) {
   TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
-  if (!async_op) return;  // the default: how every pre-forward and pre-backward all-gather runs here
-  TORCH_CHECK(false,
-              "fsdp::FSDPModule::set_unshard_async_op(true) is not supported on a CPU mesh: it moves the "
-              "all-gather's allocation onto the default CUDA stream, and a CPU mesh has no streams. Its all-gathers "
-              "already run on the group's communication thread and are waited for right before the module runs; "
-              "for overlap, prefetch explicitly (unshard(true) or set_modules_to_forward_prefetch).");
+  for (FSDPState* st : states(/*recurse=*/true)) {
+    if (!st->group()) continue;
+    TORCH_CHECK(!async_op || !st->group()->devices().compute.is_cpu(),
+                "fsdp::FSDPModule::set_unshard_async_op(true) is not supported on a CPU mesh: it moves the "
+                "all-gather's allocation onto the current stream, and a CPU mesh has no streams. Its all-gathers "
+                "already run on the group's communication thread and are waited for right before the module runs; "
+                "for overlap, prefetch explicitly (unshard(true) or set_modules_to_forward_prefetch).");
+    st->group()->set_unshard_async_op(async_op);
+  }
 }
 
 void FSDPModule::reset_iter_state() {

@@ -1,9 +1,11 @@
 #include "src/fsdp/fsdp_param.h"
 
+#include "src/device/device_ops.h"
+
+#include <fsdp/device.h>
 #include <fsdp/placement.h>
 
 #include <ATen/ATen.h>
-#include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 
 namespace fsdp {
@@ -23,8 +25,8 @@ FSDPParam::FSDPParam(std::string fqn, at::Tensor unsharded, int64_t world, int64
               "initialisation is not supported yet (LibTorch's C++ modules have no to_empty(), and allocate and "
               "initialise their parameters in their constructors). Build the model on the CPU, sharding each "
               "block as soon as it is built (models::sharded_transformer shows how).");
-  TORCH_CHECK(u.device().is_cpu(), "fully_shard: parameter '", fqn_, "' is on ", u.device(),
-              "; this build of fsdp-cpp shards CPU parameters only");
+  TORCH_CHECK(device::has_ops_for(u.device().type()), "fully_shard: parameter '", fqn_, "' is on ", u.device(),
+              "; this build of fsdp-cpp shards parameters on the CPU", built_with_cuda() ? " and CUDA" : "", " only");
   TORCH_CHECK(u.is_contiguous() && u.storage_offset() == 0 &&
                   u.storage().nbytes() == static_cast<size_t>(u.numel()) * u.element_size(),
               "fully_shard: parameter '", fqn_,
@@ -92,13 +94,14 @@ bool FSDPParam::is_unsharded_allocated() const { return aliases_shard_ || unshar
 
 void FSDPParam::alloc_unsharded() {
   if (aliases_shard_) return;
-  at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(),
-                               static_cast<size_t>(padded_full_numel()) * unsharded_.element_size());
+  device::ops_for(unsharded_.device())
+      .resize_storage(*unsharded_.storage().unsafeGetStorageImpl(),
+                      static_cast<size_t>(padded_full_numel()) * unsharded_.element_size());
 }
 
 void FSDPParam::free_unsharded() {
   if (aliases_shard_) return;
-  at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(), 0);
+  device::ops_for(unsharded_.device()).resize_storage(*unsharded_.storage().unsafeGetStorageImpl(), 0);
 }
 
 char* FSDPParam::unsharded_bytes() const { return static_cast<char*>(unsharded_.storage().mutable_data()); }

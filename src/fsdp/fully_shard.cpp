@@ -140,6 +140,22 @@ FSDPParams collect_params(const std::vector<std::shared_ptr<torch::nn::Module>>&
   return params;
 }
 
+// FSDP2 moves the managed modules' parameters and buffers to the mesh's device before sharding
+// (the ignored parameters stay where they are). In place (set_data), as Module::to() does, so
+// the modules and the optimizer keep the same tensors.
+void move_states_to_device(const std::vector<std::shared_ptr<torch::nn::Module>>& managed, c10::Device device,
+                           const TensorSet& ignored) {
+  at::NoGradGuard no_grad;
+  for (const auto& m : managed) {
+    for (auto& t : m->parameters(/*recurse=*/false)) {
+      if (t.defined() && t.device() != device && !ignored.count(t.unsafeGetTensorImpl())) t.set_data(t.to(device));
+    }
+    for (auto& t : m->buffers(/*recurse=*/false)) {
+      if (t.defined() && t.device() != device) t.set_data(t.to(device));
+    }
+  }
+}
+
 // Each parameter's shard dim, as the user's shard_placement_fn chooses (the records check it).
 // Runs before the group lays out its shard.
 void apply_shard_placements(const FSDPParams& params, const ShardPlacementFn& placement_fn) {
@@ -246,14 +262,15 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   const detail::MeshInfo mesh_info = detail::checked_mesh(options);
   const DeviceMesh& mesh = mesh_info.mesh;
   detail::check_mp_policy(options.mp_policy(), mesh);
-  detail::check_offload_policy(options.offload_policy());
+  detail::check_offload_policy(options.offload_policy(), mesh);
   std::vector<std::shared_ptr<torch::nn::Module>> managed;
   std::set<const torch::nn::Module*> seen;
   for (const auto& m : modules) detail::collect_managed(m, true, managed, seen);
   const auto prefix = detail::module_prefixes(modules);
 
-  detail::FSDPParams params =
-      detail::collect_params(managed, prefix, mesh_info, detail::ignored_set(options.ignored_params()));
+  const detail::TensorSet ignored = detail::ignored_set(options.ignored_params());
+  if (!mesh.device().is_cpu()) detail::move_states_to_device(managed, mesh.device(), ignored);
+  detail::FSDPParams params = detail::collect_params(managed, prefix, mesh_info, ignored);
   detail::attach_model_layouts(params, mesh_info);
   detail::apply_shard_placements(params, options.shard_placement_fn());
   std::unique_ptr<detail::FSDPParamGroup> group;

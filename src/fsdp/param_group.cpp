@@ -51,6 +51,24 @@ void wait_for(const WorkHandle& work, const char* kind, const std::string& modul
 
 }  // namespace
 
+void CommContext::init_streams(c10::Device device) {
+  if (streams || device.is_cpu()) return;
+  device::DeviceOps& ops = device::ops_for(device);
+  streams = CommStreams{ops.side_stream(device, true), ops.side_stream(device, true), ops.side_stream(device, true),
+                        ops.side_stream(device, false)};
+}
+
+void CommContext::wait_for_gradients() {
+  if (!streams) return;
+  const c10::Device device = streams->reduce_scatter.device();
+  device::DeviceOps& ops = device::ops_for(device);
+  const c10::Stream current = ops.current_stream(device);
+  for (const device::Event& e : reduction_events) ops.wait(current, e);
+  for (const device::Event& e : host_copy_events) ops.synchronize(e);
+  reduction_events.clear();
+  host_copy_events.clear();
+}
+
 void CommContext::finish_reductions(bool wait_all) {
   start_all_reduces(wait_all);
   write_reduced_gradients(wait_all);
@@ -58,7 +76,11 @@ void CommContext::finish_reductions(bool wait_all) {
 
 // Waits for `r`'s reduce-scatter and starts what follows it. A failed collective leaves the
 // process group unusable: every pending reduction is dropped, so none is waited for again.
+// On a device, the wait and what follows (an HSDP partial sum, the start of the all-reduce) run
+// on the reduce-scatter stream, beside the compute stream.
 void CommContext::complete_reduce_scatter(PendingReduction& r) {
+  std::optional<device::StreamScope> scope;
+  if (streams) scope.emplace(streams->reduce_scatter);
   try {
     if (r.reduce_scatter.work) wait_for(r.reduce_scatter.work, "reduce_scatter", r.group->module_fqn());
   } catch (...) {
@@ -67,6 +89,27 @@ void CommContext::complete_reduce_scatter(PendingReduction& r) {
   }
   r.reduce_scattered = true;
   r.group->after_reduce_scatter(r);
+}
+
+// On a device: the copy-out runs on the stream of the reduction's last collective, and the
+// compute stream, which allocated the reduce-scatter input, waits for that stream before the
+// input is dropped (the next allocation on the compute stream may take its block).
+void CommContext::write_gradients_of(PendingReduction& r) {
+  if (!streams) {
+    if (r.next != PendingReduction::Next::kKeepPartial) r.group->finish_reduction(r);
+    return;
+  }
+  const c10::Stream last = r.all_reduce ? streams->all_reduce : streams->reduce_scatter;
+  device::DeviceOps& ops = device::ops_for(last.device_type());
+  {
+    device::StreamScope scope(last);
+    if (r.next != PendingReduction::Next::kKeepPartial) r.group->finish_reduction(r);
+  }
+  const device::Event done = ops.record(last);
+  ops.wait(ops.current_stream(last.device()), done);
+  reduction_events.push_back(done);
+  const GroupDevices& devices = r.group->devices();
+  if (devices.non_blocking && devices.shard != devices.compute) host_copy_events.push_back(done);
 }
 
 // In issue order (the same on every rank, so the replicate group sees the same sequence of
@@ -92,6 +135,8 @@ void CommContext::write_reduced_gradients(bool wait_all) {
     if (!wait_all && r.group->has_all_reduce_hook()) return;
     if (r.all_reduce) {
       if (!wait_all && !r.all_reduce->is_completed()) return;
+      std::optional<device::StreamScope> scope;
+      if (streams) scope.emplace(streams->all_reduce);
       try {
         wait_for(r.all_reduce, "all_reduce", r.group->module_fqn());
       } catch (...) {
@@ -101,7 +146,7 @@ void CommContext::write_reduced_gradients(bool wait_all) {
     }
     PendingReduction done = std::move(r);
     reductions.pop_front();
-    if (done.next != PendingReduction::Next::kKeepPartial) done.group->finish_reduction(done);
+    write_gradients_of(done);
   }
 }
 
@@ -156,13 +201,18 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::strin
   TORCH_CHECK(!params_.empty(), "FSDPParamGroup needs at least one parameter");
   const at::ScalarType dtype = params_.front()->orig_dtype();
   for (const auto& p : params_) {
+    TORCH_CHECK(p->unsharded().device() == devices_.compute, "fully_shard: parameter '", p->fqn(), "' is on ",
+                p->unsharded().device(), " but the mesh computes on ", devices_.compute,
+                "; build the mesh for that device (init_device_mesh(\"",
+                c10::DeviceTypeName(p->unsharded().device().type(), true), "\", ...)) or move the module to ",
+                devices_.compute, " first");
     TORCH_CHECK(p->orig_dtype() == dtype, "fully_shard: parameters of one group must share a dtype, but '",
                 params_.front()->fqn(), "' is ", dtype, " and '", p->fqn(), "' is ", p->orig_dtype(),
                 "; convert the module (module->to(dtype)) before fully_shard, or shard them in separate calls");
   }
   dtypes_ = resolve_group_dtypes(mp_policy, dtype);
   shard_layout_ = shard_layout(params_, shard_group_->size());
-  flat_shard_ = init_flat_shard(params_, shard_layout_);
+  flat_shard_ = init_flat_shard(params_, shard_layout_, devices_);
   if (dtypes_.unsharded != dtypes_.orig) {
     // The unsharded faces compute in the policy's dtype; each unshard casts into the all-gather.
     for (auto& p : params_) p->set_unsharded_dtype(dtypes_.unsharded);
@@ -209,33 +259,94 @@ void FSDPParamGroup::check_shards_intact() const {
               "with fsdp::load_sharded_state_dict.");
 }
 
+// FSDP2's rule: the all-gathers of forward and backward, and their prefetches, run on the side
+// streams, so that they overlap the compute stream; one the user asks for between iterations
+// (FSDPModule::unshard), or every one under set_unshard_async_op(true), runs on the current stream.
+bool FSDPParamGroup::unshards_on_side_streams() const {
+  return comm_ && comm_->streams && !unshard_async_op_ &&
+         (prefetching_ || training_state_ == TrainingState::kForward || training_state_ == TrainingState::kPreBackward);
+}
+
 void FSDPParamGroup::unshard() {
   check_shards_intact();  // also where nothing is gathered (one rank), so every unshard refuses alike
   if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
+  const bool on_device = !devices_.compute.is_cpu();
+  std::optional<c10::Stream> copy_in, gather;
+  if (on_device) {
+    device::DeviceOps& ops = device::ops_for(devices_.compute);
+    const c10::Stream current = ops.current_stream(devices_.compute);
+    const bool side = unshards_on_side_streams();
+    copy_in = side ? comm_->streams->all_gather_copy_in : current;
+    gather = side ? comm_->streams->all_gather : current;
+    // The shards were last written on the compute stream (the optimizer step, the post-forward
+    // shard): the copy-in reads them after that.
+    if (side) ops.wait(*copy_in, ops.record(current));
+  }
+  std::optional<device::StreamScope> scope;
+  if (copy_in) scope.emplace(*copy_in);
   if (sharded_state_ == ShardedState::kShardedPostForward) {
     pending_all_gather_ =
         foreach_all_gather(post_forward_shard_, post_forward_layout(params_, post_forward_group_->size()),
-                           *post_forward_group_, custom_all_gather_.get());
+                           *post_forward_group_, custom_all_gather_.get(), gather);
   } else {
     pending_all_gather_ = foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded, devices_), shard_layout_,
-                                             *shard_group_, custom_all_gather_.get());
+                                             *shard_group_, custom_all_gather_.get(), gather);
   }
+  pending_all_gather_.alloc_stream = copy_in;
+  pending_all_gather_.issue_stream = gather;
+}
+
+// On a device: the all-gather stream waits for the collective (a staged one's copy back runs on
+// it), and the compute stream for both all-gather streams (on one rank nothing is issued, and
+// the copy-in stream holds the only work: the cast into the all-gather input).
+void FSDPParamGroup::wait_for_all_gather_on_device() {
+  const c10::Stream gather = *pending_all_gather_.issue_stream;
+  device::DeviceOps& ops = device::ops_for(gather.device_type());
+  if (pending_all_gather_.work) {
+    device::StreamScope scope(gather);
+    wait_for(pending_all_gather_.work, "all_gather", module_fqn_);
+  }
+  const c10::Stream current = ops.current_stream(gather.device());
+  ops.wait(current, ops.record(*pending_all_gather_.alloc_stream));
+  ops.wait(current, ops.record(gather));
 }
 
 void FSDPParamGroup::wait_for_unshard() {
   if (!has_pending_unshard()) return;
-  if (pending_all_gather_.work) wait_for(pending_all_gather_.work, "all_gather", module_fqn_);
+  if (pending_all_gather_.issue_stream) {
+    wait_for_all_gather_on_device();
+  } else if (pending_all_gather_.work) {
+    wait_for(pending_all_gather_.work, "all_gather", module_fqn_);
+  }
   for (auto& p : params_) p->alloc_unsharded();
   foreach_all_gather_copy_out(pending_all_gather_, params_);
+  if (pending_all_gather_.alloc_stream) {
+    // The buffers were allocated on the copy-in stream and read on this one: their stream waits
+    // for the copy-out before they are dropped, so their blocks are reused only after it.
+    device::DeviceOps& ops = device::ops_for(devices_.compute);
+    const device::Event copied = ops.record(ops.current_stream(devices_.compute));
+    ops.wait(*pending_all_gather_.alloc_stream, copied);
+    ops.wait(*pending_all_gather_.issue_stream, copied);
+  }
   pending_all_gather_ = AllGatherResult{};
   post_forward_shard_ = at::Tensor();
   sharded_state_ = ShardedState::kUnsharded;
 }
 
-// An all-gather nobody will use: let it land, then drop it.
+// An all-gather nobody will use: let it land, then drop it (on a device, once the stream that
+// allocated its buffers waited for the collective).
 void FSDPParamGroup::drop_pending_all_gather() {
   AllGatherResult dropped = std::move(pending_all_gather_);
   pending_all_gather_ = AllGatherResult{};
+  if (dropped.issue_stream) {
+    device::DeviceOps& ops = device::ops_for(devices_.compute);
+    if (dropped.work) {
+      device::StreamScope scope(*dropped.issue_stream);
+      wait_for(dropped.work, "all_gather", module_fqn_);
+    }
+    ops.wait(*dropped.alloc_stream, ops.record(*dropped.issue_stream));
+    return;
+  }
   if (dropped.work) wait_for(dropped.work, "all_gather", module_fqn_);
 }
 
@@ -273,7 +384,14 @@ void FSDPParamGroup::reshard_post_forward() {
 
 void FSDPParamGroup::prefetch_in_forward() {
   if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
-  unshard();
+  prefetching_ = true;
+  try {
+    unshard();
+  } catch (...) {
+    prefetching_ = false;
+    throw;
+  }
+  prefetching_ = false;
   prefetched_in_forward_ = true;
 }
 
@@ -321,7 +439,15 @@ void FSDPParamGroup::pre_backward() {
 }
 
 void FSDPParamGroup::prefetch_in_backward() {
-  if (unshard_in_backward_) unshard();
+  if (!unshard_in_backward_) return;
+  prefetching_ = true;
+  try {
+    unshard();
+  } catch (...) {
+    prefetching_ = false;
+    throw;
+  }
+  prefetching_ = false;
 }
 
 int64_t FSDPParamGroup::pop_post_forward_index() {
@@ -424,10 +550,21 @@ void FSDPParamGroup::post_backward_ahead() {
   post_backward();
 }
 
+// On a device, as in FSDP2: the copy-in on the compute stream, which made the unsharded gradients
+// and frees them; the division and the collective on the reduce-scatter stream.
 void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const GradientDivision& division) {
   comm_->make_room_for_reduction(max_reductions_in_flight_);
+  ProcessGroup& group = *reduce_scatter_group();
+  ReduceScatterInput prepared =
+      foreach_reduce_prepare(params_, reduced, group.size(), dtypes_.reduce, custom_reduce_scatter_.get());
+  std::optional<device::StreamScope> scope;
+  if (comm_->streams) {
+    device::DeviceOps& ops = device::ops_for(devices_.compute);
+    ops.wait(comm_->streams->reduce_scatter, ops.record(ops.current_stream(devices_.compute)));
+    scope.emplace(comm_->streams->reduce_scatter);
+  }
   ReduceScatterResult result =
-      foreach_reduce(params_, reduced, *reduce_scatter_group(), dtypes_.reduce, division, custom_reduce_scatter_.get());
+      foreach_reduce_issue(std::move(prepared), reduced, group, division, custom_reduce_scatter_.get());
   comm_->reductions.push_back(PendingReduction{this, std::move(result), next_after_reduce_scatter(), false, nullptr});
 }
 
@@ -443,6 +580,14 @@ void FSDPParamGroup::after_reduce_scatter(PendingReduction& r) {
     case PendingReduction::Next::kKeepPartial: keep_partial_reduce_output(r.reduce_scatter.output); return;
     case PendingReduction::Next::kAllReduce:
       add_partial_reduce_output(r.reduce_scatter.output);
+      if (comm_ && comm_->streams) {
+        // The all-reduce stream reads what the reduce-scatter stream (current here) wrote.
+        device::DeviceOps& ops = device::ops_for(devices_.compute);
+        ops.wait(comm_->streams->all_reduce, ops.record(ops.current_stream(devices_.compute)));
+        device::StreamScope scope(comm_->streams->all_reduce);
+        r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
+        return;
+      }
       r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
       return;
   }

@@ -17,6 +17,7 @@
 //                    before finish_reduction() writes the sharded gradients.
 #pragma once
 
+#include "src/device/device_ops.h"
 #include "src/fsdp/collectives.h"
 #include "src/fsdp/common.h"
 #include "src/fsdp/fsdp_param.h"
@@ -55,9 +56,32 @@ struct PendingReduction {
   WorkHandle all_reduce;          // Next::kAllReduce: issued once the reduce-scatter finished
 };
 
+// FSDP2's communication streams, made at the root's lazy init when its mesh is on a device
+// (none on the CPU, where everything runs in program order). A tensor made on one stream and used
+// on another is kept referenced until its maker waited for an event recorded after the use, so
+// that memory is reused deterministically, without record_stream.
+struct CommStreams {
+  c10::Stream all_gather_copy_in;  // the all-gather input (cast, host-to-device copy) and buffers
+  c10::Stream all_gather;          // issues the all-gather; the compute stream waits for its event
+  c10::Stream reduce_scatter;      // pre-division, the reduce-scatter, and (FSDP) the gradients' copy-out
+  c10::Stream all_reduce;          // HSDP: the all-reduce, then the gradients' copy-out
+};
+
 // Shared by every group under one root (created by the root's lazy init), and by several roots
 // after fsdp::share_comm_ctx.
 struct CommContext {
+  std::optional<CommStreams> streams;  // on a device only
+  // Events after the gradients' copy-out, which the compute stream waits for at the end of
+  // backward; and those after copies to pinned host memory (CPU offload), which the host waits for.
+  std::vector<device::Event> reduction_events;
+  std::vector<device::Event> host_copy_events;
+
+  // Makes the streams on `device` (a no-op on the CPU, or when they exist).
+  void init_streams(c10::Device device);
+  // The end of the last backward: the compute stream waits for every gradient written, and the
+  // host for every gradient copied to host memory. A no-op on the CPU.
+  void wait_for_gradients();
+
   // Groups in the order their post-forward ran this iteration (with repeats): backward prefetch
   // walks it in reverse.
   std::vector<FSDPParamGroup*> post_forward_order;
@@ -79,6 +103,7 @@ struct CommContext {
 
  private:
   void complete_reduce_scatter(PendingReduction& r);
+  void write_gradients_of(PendingReduction& r);
   void start_all_reduces(bool wait_all);
   void write_reduced_gradients(bool wait_all);
 };
@@ -138,6 +163,9 @@ class FSDPParamGroup {
   // Whether trainable parameters without a gradient join the reduce-scatter with zeros.
   void set_reduce_scatter_unused_params(bool enable) { reduce_scatter_unused_params_ = enable; }
   bool reduces_unused_params() const { return reduce_scatter_unused_params_; }
+  // FSDPModule::set_unshard_async_op: forward and backward all-gathers on the current stream
+  // instead of the side streams (a device mesh only; the CPU has one program order).
+  void set_unshard_async_op(bool async_op) { unshard_async_op_ = async_op; }
   // Whether pre-backward (and backward prefetch) all-gathers this group.
   void set_unshard_in_backward(bool unshard) { unshard_in_backward_ = unshard; }
   // The group reduce-scatters run on: null = the shard group.
@@ -199,6 +227,8 @@ class FSDPParamGroup {
 
  private:
   ReducedParams params_to_reduce() const;
+  bool unshards_on_side_streams() const;
+  void wait_for_all_gather_on_device();
   void issue_reduce_scatter(const ReducedParams& reduced, const GradientDivision& division);
   void keep_unsynced_grads();
   GradientDivision current_gradient_division() const;
@@ -242,6 +272,8 @@ class FSDPParamGroup {
   at::Tensor partial_reduce_output_;
   bool reshard_after_backward_ = true;
   bool prefetched_in_forward_ = false;  // issued by a forward prefetch, not yet consumed
+  bool prefetching_ = false;            // inside prefetch_in_forward/backward: FSDP2 uses the side streams
+  bool unshard_async_op_ = false;       // set_unshard_async_op
   bool reduce_scatter_unused_params_ = false;
   bool unshard_in_backward_ = true;
   std::shared_ptr<ProcessGroup> separate_reduce_scatter_group_;  // null: the shard group

@@ -2,6 +2,8 @@
 // to for a group, and the casts at module boundaries; the CPU offload policy's checks and devices.
 #include "src/fsdp/policies.h"
 
+#include "src/device/device_ops.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -80,14 +82,15 @@ GroupDtypes resolve_group_dtypes(const MixedPrecisionPolicy& policy, at::ScalarT
   return d;
 }
 
-void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy) {
-  TORCH_CHECK(!policy || !policy->pin_memory(), "fully_shard: ", policy->str(),
-              " needs pinned host memory, which "
-              "needs CUDA, and this build of fsdp-cpp has none; pass fsdp::CPUOffloadPolicy().pin_memory(false)");
+void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy, const DeviceMesh& mesh) {
+  TORCH_CHECK(!policy || !policy->pin_memory() || device::ops_for(mesh.device()).can_pin_host_memory(),
+              "fully_shard: ", policy->str(),
+              " needs pinned host memory, which pins host memory for a device's copies, and the mesh ", "is on ",
+              mesh.device().str(), "; pass fsdp::CPUOffloadPolicy().pin_memory(false) on a \"cpu\" mesh");
 }
 
 GroupDevices resolve_group_devices(const DeviceMesh& mesh, const std::optional<CPUOffloadPolicy>& policy) {
-  const c10::Device compute(mesh.device_type());
+  const c10::Device compute = mesh.device();
   const c10::Device shard = policy ? c10::Device(c10::kCPU) : compute;
   return GroupDevices{compute, shard, policy && policy->pin_memory()};
 }

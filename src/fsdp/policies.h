@@ -28,7 +28,7 @@ void check_mp_policy(const MixedPrecisionPolicy& policy, const DeviceMesh& mesh)
 GroupDtypes resolve_group_dtypes(const MixedPrecisionPolicy& policy, at::ScalarType orig);
 
 // Throws when `policy` asks for what this build cannot do (pinned memory without CUDA).
-void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy);
+void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy, const DeviceMesh& mesh);
 
 // The devices of a group on `mesh`: the shards on the host under CPU offload, else on the mesh's
 // device, which computes either way.

@@ -120,6 +120,7 @@ void FSDPState::lazy_init() {
     if (st->group_) {
       st->group_->set_module_fqn(module_label(item.key()));
       st->group_->set_comm_context(ctx_->comm.get());
+      ctx_->comm->init_streams(st->group_->devices().compute);
     }
     ctx_->all_states.push_back(st.get());
   }
@@ -506,6 +507,7 @@ void FSDPState::post_backward_of_unreached_groups(StateContext& ctx) {
 // consumed dropped, the backward prefetch order cleared.
 void FSDPState::finalize_backward(StateContext& ctx) {
   ctx.comm->finish_reductions(/*wait_all=*/true);
+  ctx.comm->wait_for_gradients();
   for (FSDPState* st : ctx.all_states) {
     if (st->group_) st->group_->finalize_backward();
   }

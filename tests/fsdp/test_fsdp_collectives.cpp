@@ -105,7 +105,8 @@ TEST(FsdpCollectives, AllGatherCopyOutRestoresEveryParameter) {
     p->free_unsharded();
     p->alloc_unsharded();
   }
-  fsdp::detail::foreach_all_gather_copy_out(AllGatherResult{nullptr, output, layout}, params);
+  fsdp::detail::foreach_all_gather_copy_out(AllGatherResult{nullptr, output, layout, std::nullopt, std::nullopt},
+                                            params);
   EXPECT_TRUE(params[0]->unsharded().equal(m.weight));
   EXPECT_TRUE(params[1]->unsharded().equal(m.bias));
 }
@@ -133,7 +134,8 @@ TEST(FsdpCollectives, PostForwardShardsGatherBackToTheParameters) {
     p->alloc_unsharded();
   }
   const RankMajorLayout half = fsdp::detail::post_forward_layout(params, k);
-  fsdp::detail::foreach_all_gather_copy_out(AllGatherResult{nullptr, at::cat(rows), half}, params);
+  fsdp::detail::foreach_all_gather_copy_out(AllGatherResult{nullptr, at::cat(rows), half, std::nullopt, std::nullopt},
+                                            params);
   EXPECT_TRUE(params[0]->unsharded().equal(m.weight));
   EXPECT_TRUE(params[1]->unsharded().equal(m.bias));
 }

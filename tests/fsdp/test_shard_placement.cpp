@@ -298,7 +298,8 @@ TEST(ShardPlacement, LayoutsCutAndRebuildAlongTheShardDim) {
     p->free_unsharded();
     p->alloc_unsharded();
   }
-  fsdp::detail::foreach_all_gather_copy_out(fsdp::detail::AllGatherResult{nullptr, at::cat(rows), layout}, mine);
+  fsdp::detail::foreach_all_gather_copy_out(
+      fsdp::detail::AllGatherResult{nullptr, at::cat(rows), layout, std::nullopt, std::nullopt}, mine);
   EXPECT_TRUE(mine[0]->unsharded().equal(weight));
   EXPECT_TRUE(mine[1]->unsharded().equal(cube));
   // An empty dim before the shard dim: nothing in any piece.
