@@ -12,7 +12,7 @@
 //
 // What happens (PyTorch's torch.utils.checkpoint with use_reentrant=True):
 //  - Forward runs fn(args...) under no-grad, inside a custom autograd function whose inputs are
-//    the tensor arguments: only those are saved (and the CPU generator's state, see
+//    the tensor arguments: only those are saved (and the generators' states, see
 //    preserve_rng_state), so the memory of fn's intermediates is freed as soon as fn returns.
 //  - Backward, when the gradient of the outputs arrives, calls fn again with grad enabled on
 //    detached copies of the saved inputs, backpropagates through that recomputation (a nested
@@ -72,8 +72,9 @@ struct CheckpointOptions {
   // (at::SavedTensorDefaultHooks holds Python callables, and only Python's autograd engine
   // consults them), so checkpoint() with use_reentrant(false) throws a c10::Error saying so.
   TORCH_ARG(bool, use_reentrant) = true;
-  // Save the default CPU generator's state when the forward starts and restore it for the
-  // recomputation, so random ops (dropout) draw what the forward drew; the generator is put back
+  // Save the default generators' states when the forward starts (the CPU's, and the default
+  // generator of every GPU a tensor argument lives on, as torch.utils.checkpoint does) and restore
+  // them for the recomputation, so random ops (dropout) draw what the forward drew; they are put back
   // afterwards, so the rest of the program sees the same random sequence as without
   // checkpointing. false saves nothing: random ops in the recomputation draw new values (a
   // dropout mask unlike the forward's) and advance the generator.
@@ -125,8 +126,8 @@ using is_checkpoint_options = std::is_same<std::decay_t<T>, CheckpointOptions>;
 
 // Runs fn(args...) without keeping its activations; backward recomputes them (see the top of
 // this file). Returns what fn returns, its tensors attached to the graph. Does not block beyond
-// what fn does; allocates a copy of fn, of the non-tensor arguments and of the CPU generator's
-// state (about 5 KiB), kept until the graph is freed.
+// what fn does; allocates a copy of fn, of the non-tensor arguments and of the generators'
+// states (about 5 KiB for the CPU's, a few bytes per GPU's), kept until the graph is freed.
 template <typename Fn, typename... Args>
 auto checkpoint(const CheckpointOptions& options, Fn&& fn, Args&&... args)
     -> std::decay_t<std::invoke_result_t<std::decay_t<Fn>&, std::decay_t<Args>&...>> {

@@ -94,8 +94,10 @@ class GradScaler {
   // non-contiguous one through a temporary copy), and records whether any rank found an inf or
   // nan in them. Collective over the process group: every rank calls it for the same optimizers
   // in the same order, and it blocks for one all-reduce even when this rank has no gradient.
-  // Gradients must be dense CPU floating-point tensors; one that is not is refused (c10::Error)
-  // before any gradient is changed. Throws when unscale_ or step already ran for this optimizer
+  // Gradients must be dense floating-point tensors; one that is not is refused (c10::Error)
+  // before any gradient is changed. CPU gradients are checked and scaled in one pass of the
+  // scaler's own loop; gradients on a GPU by ATen's fused kernel (torch.amp's), one launch per
+  // device and dtype, and the verdict is reduced on the group's device (NCCL: the current GPU). Throws when unscale_ or step already ran for this optimizer
   // in this iteration, or when scale() was never called.
   void unscale_(torch::optim::Optimizer& optimizer);
 

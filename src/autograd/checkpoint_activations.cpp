@@ -1,6 +1,6 @@
 // checkpoint_activations.cpp — the autograd function behind fsdp::checkpoint
 // (fsdp/checkpoint_activations.h): its forward runs the function under no-grad and keeps only
-// the inputs and the CPU generator's state; its backward recomputes with grad enabled and
+// the inputs and the generators' states (the CPU's and those of the inputs' GPUs); its backward recomputes with grad enabled and
 // backpropagates through the recomputation. FSDP modules inside the function see the
 // recomputation through the RecomputationScope it opens (recomputation.h); nothing here talks to FSDP
 // or to a process group otherwise.
@@ -9,13 +9,16 @@
 #include "src/autograd/recomputation.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
 #include <mutex>
+#include <vector>
 
 namespace fsdp {
 namespace detail {
@@ -24,13 +27,20 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// One default generator's state: the CPU's, or a GPU's (reached through ATen's context, so this
+// file needs no CUDA library: a build without the CUDA path never sees a GPU tensor).
+struct GeneratorState {
+  c10::Device device;
+  at::Tensor state;
+};
+
 // What the backward needs besides the saved inputs. Held by the autograd context (as a capsule)
 // until the graph is freed.
 struct Recomputation : torch::CustomClassHolder {
   CheckpointedFunction function;
   bool preserve_rng_state = true;
-  at::Tensor forward_rng_state;           // the default CPU generator's, when the forward began
-  std::vector<size_t> defined_positions;  // of the function's tensor arguments that are defined
+  std::vector<GeneratorState> forward_rng_states;  // when the forward began (rng_states_for)
+  std::vector<size_t> defined_positions;           // of the function's tensor arguments that are defined
   size_t num_arguments = 0;
   size_t num_outputs = 0;
 
@@ -42,35 +52,56 @@ struct Recomputation : torch::CustomClassHolder {
   }
 };
 
-at::Tensor cpu_rng_state() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
+at::Generator default_generator(c10::Device device) {
+  return device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device);
+}
+
+at::Tensor rng_state(c10::Device device) {
+  at::Generator gen = default_generator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   return gen.get_state();
 }
 
-void set_cpu_rng_state(const at::Tensor& state) {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
+void set_rng_state(const GeneratorState& saved) {
+  at::Generator gen = default_generator(saved.device);
   std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
+  gen.set_state(saved.state);
 }
 
-// For the recomputation's lifetime the generator is where it was when the forward began; then
-// it is put back, so the program's random sequence is the one it would be without checkpointing.
+// The generators a checkpointed function may draw from, as torch.utils.checkpoint saves them:
+// the CPU's, and the default generator of every GPU an input lives on (dropout on a GPU draws
+// from that GPU's generator).
+std::vector<GeneratorState> rng_states_for(at::TensorList inputs) {
+  const c10::Device cpu(c10::kCPU);
+  std::vector<GeneratorState> states{{cpu, rng_state(cpu)}};
+  for (const auto& t : inputs) {
+    if (!t.defined() || t.device().is_cpu()) continue;
+    auto same = [&](const GeneratorState& g) { return g.device == t.device(); };
+    if (std::none_of(states.begin(), states.end(), same)) states.push_back({t.device(), rng_state(t.device())});
+  }
+  return states;
+}
+
+// For the recomputation's lifetime the generators are where they were when the forward began;
+// then they are put back, so the program's random sequence is the one it would be without
+// checkpointing.
 class ForwardRngState {
  public:
   explicit ForwardRngState(const Recomputation& r) {
     if (!r.preserve_rng_state) return;
-    current_ = cpu_rng_state();
-    set_cpu_rng_state(r.forward_rng_state);
+    for (const auto& saved : r.forward_rng_states) {
+      current_.push_back({saved.device, rng_state(saved.device)});
+      set_rng_state(saved);
+    }
   }
   ~ForwardRngState() {
-    if (current_.defined()) set_cpu_rng_state(current_);
+    for (const auto& state : current_) set_rng_state(state);
   }
   ForwardRngState(const ForwardRngState&) = delete;
   ForwardRngState& operator=(const ForwardRngState&) = delete;
 
  private:
-  at::Tensor current_;
+  std::vector<GeneratorState> current_;
 };
 
 // Detached copies of the saved inputs, leaves that require grad where the inputs did: the
@@ -108,7 +139,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static variable_list forward(AutogradContext* ctx, at::TensorList inputs,
                                const c10::intrusive_ptr<Recomputation>& recomputation) {
     Recomputation& r = *recomputation;
-    if (r.preserve_rng_state) r.forward_rng_state = cpu_rng_state();
+    if (r.preserve_rng_state) r.forward_rng_states = rng_states_for(inputs);
     variable_list outputs = r.function(r.arguments(inputs.vec()));  // grad mode is off here
     for (size_t i = 0; i < outputs.size(); ++i) {
       TORCH_CHECK(outputs[i].defined(), "fsdp::checkpoint: output ", i,

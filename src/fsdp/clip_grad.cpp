@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace fsdp {
@@ -45,6 +46,38 @@ std::optional<DTensor> model_dtensor(const at::Tensor& p) {
     return as_dtensor(p);
   }
   return dtensor_parameter(p);
+}
+
+// This rank's part of the norm: the sum of |g|^p over its pieces (max |g| for the inf-norm), in
+// double. Host gradients are read one at a time; GPU ones are combined on their device and read
+// once, since every read of a GPU value waits for the stream.
+double local_norm_part(const std::vector<at::Tensor>& grads, double norm_type, bool inf) {
+  double local = 0.0;
+  std::vector<at::Tensor> on_device;
+  for (const auto& g : grads) {
+    if (g.numel() == 0) continue;
+    if (!g.device().is_cpu()) {
+      on_device.push_back(inf ? g.abs().max().to(at::kDouble) : at::norm(g, norm_type).to(at::kDouble).pow(norm_type));
+    } else if (inf) {
+      local = std::max(local, g.abs().max().item<double>());
+    } else {
+      local += std::pow(at::norm(g, norm_type).item<double>(), norm_type);
+    }
+  }
+  if (on_device.empty()) return local;
+  std::vector<std::vector<at::Tensor>> per_device;
+  for (auto& v : on_device) {
+    auto same = [&](const std::vector<at::Tensor>& b) { return b.front().device() == v.device(); };
+    auto it = std::find_if(per_device.begin(), per_device.end(), same);
+    if (it == per_device.end()) per_device.push_back({v});
+    else it->push_back(v);
+  }
+  for (const auto& values : per_device) {
+    const at::Tensor stacked = at::stack(values);
+    const double part = (inf ? stacked.max() : stacked.sum()).item<double>();
+    local = inf ? std::max(local, part) : local + part;
+  }
+  return local;
 }
 
 }  // namespace
@@ -84,23 +117,18 @@ double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_nor
               plan.any_plain ? "plain parameters, " : "",
               "whose norms cannot be combined correctly; clip each kind "
               "separately");
-  // This rank's part: sum of |g|^p over its pieces (max |g| for the inf-norm), in double.
-  double local = 0.0;
-  for (const auto& g : counted) {
-    if (g.numel() == 0) continue;
-    if (inf) {
-      local = std::max(local, g.abs().max().item<double>());
-    } else {
-      local += std::pow(at::norm(g, norm_type).item<double>(), norm_type);
-    }
-  }
+  const double local = local_norm_part(counted, norm_type, inf);
   double total = local;
   std::vector<std::shared_ptr<ProcessGroup>> groups;
   if (plan.shard_group) groups.push_back(plan.shard_group);
   for (int64_t d = 0; plan.mesh.valid() && d < plan.mesh.ndim(); ++d) groups.push_back(plan.mesh.get_group(d));
   if (!groups.empty()) {
     at::Tensor t = at::full({1}, local, at::kDouble);
-    for (const auto& group : groups) group->all_reduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum)->wait();
+    for (const auto& group : groups) {
+      // A device backend (NCCL) reduces GPU tensors: the value goes to this rank's current GPU.
+      if (group->device_type() != t.device().type()) t = t.to(at::Device(group->device_type()));
+      group->all_reduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum)->wait();
+    }
     total = t.item<double>();
   }
   if (!inf) total = std::pow(total, 1.0 / norm_type);

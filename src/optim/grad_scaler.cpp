@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <vector>
@@ -84,6 +85,28 @@ bool unscale_gradient(at::Tensor& grad, float inv_scale) {
   return found;
 }
 
+// Gradients on an accelerator go through ATen's fused kernel, the one torch.amp's GradScaler
+// calls: one launch per device and dtype, and one host read of its found-inf flag per launch.
+bool unscale_device_gradients(const std::vector<at::Tensor>& grads, float inv_scale) {
+  std::vector<std::vector<at::Tensor>> batches;  // same device and dtype
+  for (const auto& grad : grads) {
+    auto same = [&](const std::vector<at::Tensor>& b) {
+      return b.front().device() == grad.device() && b.front().scalar_type() == grad.scalar_type();
+    };
+    auto it = std::find_if(batches.begin(), batches.end(), same);
+    if (it == batches.end()) batches.push_back({grad});
+    else it->push_back(grad);
+  }
+  bool found = false;
+  for (const auto& batch : batches) {
+    const auto on_device = at::TensorOptions().dtype(at::kFloat).device(batch.front().device());
+    at::Tensor found_inf = at::zeros({1}, on_device);
+    at::_amp_foreach_non_finite_check_and_unscale_(batch, found_inf, at::full({1}, inv_scale, on_device));
+    found |= found_inf.item<float>() > 0;
+  }
+  return found;
+}
+
 // The defined gradients of the optimizer's parameters, each checked to be one unscale_ handles.
 std::vector<at::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
   std::vector<at::Tensor> grads;
@@ -94,8 +117,6 @@ std::vector<at::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
       TORCH_CHECK(grad.layout() == at::kStrided,
                   "GradScaler::unscale_: sparse gradients are not supported; got one of layout ", grad.layout(),
                   " (use a dense gradient, e.g. an Embedding without sparse=true)");
-      TORCH_CHECK(grad.device().is_cpu(),
-                  "GradScaler::unscale_: gradients must be CPU tensors in this build, got one on ", grad.device());
       TORCH_CHECK(at::isFloatingType(grad.scalar_type()),
                   "GradScaler::unscale_: gradients must be floating point, got one of dtype ", grad.scalar_type());
       grads.push_back(grad);
@@ -167,11 +188,21 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   bool found_inf = false;
   {
     at::NoGradGuard no_grad;
-    for (auto& grad : grads) found_inf |= unscale_gradient(grad, inv_scale);
+    std::vector<at::Tensor> on_device;
+    for (auto& grad : grads) {
+      if (grad.device().is_cpu()) found_inf |= unscale_gradient(grad, inv_scale);
+      else on_device.push_back(grad);
+    }
+    if (!on_device.empty()) found_inf |= unscale_device_gradients(on_device, inv_scale);
   }
   // [found an inf or nan, had a gradient]: max over the ranks answers both for every rank.
   at::Tensor verdict = at::tensor({found_inf ? 1.0f : 0.0f, grads.empty() ? 0.0f : 1.0f});
-  if (auto group = agreement_group(options_)) group->all_reduce(verdict, ReduceOp::kMax)->wait();
+  if (auto group = agreement_group(options_)) {
+    // A device backend (NCCL) reduces device tensors: the verdict goes to this rank's current device.
+    if (group->device_type() != c10::DeviceType::CPU) verdict = verdict.to(at::Device(group->device_type()));
+    group->all_reduce(verdict, ReduceOp::kMax)->wait();
+    verdict = verdict.cpu();
+  }
   record.found_inf = verdict[0].item<float>() > 0;
   record.inf_checked = verdict[1].item<float>() > 0;
   record.stage = Stage::kUnscaled;
