@@ -92,13 +92,13 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   EXPECT_NO_THROW(check_against_launcher(c, 8, 5));  // local_rank 0 = every rank's
   expect_error([&] { check_against_launcher(c, 2, 0); }, {"world_size", "8", "2"});
   // The example's mixed_precision: true runs (bf16); its fp16: true (fp16 with a gradient
-  // scaler) is not wired into fsdp-train yet, so the file has fp16: false, and the example's value
-  // stops the run naming the key.
+  // scaler) runs on device: cuda only, so the file (device: cpu) has fp16: false, and the
+  // example's value stops the run naming the key and the device.
   EXPECT_TRUE(c.fsdp_config.mixed_precision);
   EXPECT_EQ(precision_of(c.fsdp_config).describe(), "param bf16, reduce fp32");
   EXPECT_FALSE(c.fsdp_config.fp16);
   expect_error([] { check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.fp16=true"})); },
-               {"fsdp_config.fp16: true", "not supported yet", "mixed_precision: true"});
+               {"fsdp_config.fp16: true", "not supported on device: cpu", "mixed_precision: true"});
   // offload_params: true as in the example; the optimizer state goes with the parameters.
   EXPECT_TRUE(c.fsdp_config.offload_params);
   EXPECT_TRUE(c.fsdp_config.offload_optimizer_state);
@@ -263,13 +263,20 @@ TEST(TrainConfig, CommandLineErrorsNameKey) {
 TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--fsdp_config.shard_optimizer_state=false", "fsdp_config.shard_optimizer_state"},
-      {"--fsdp_config.device=cuda", "fsdp_config.device"},
   };
   for (const auto& [arg, key] : cases) {
     SCOPED_TRACE(arg);
     TrainConfig c = load_config(kConfigs + "/tiny.yaml", {arg});  // loads: the value is valid
     expect_error([&] { check_supported(c); }, {key, "not supported yet"});
   }
+  // device: cuda is refused where the machine has no GPU, with the reason the program gives.
+  const TrainConfig on_gpu = load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.device=cuda"});
+  expect_error(
+      [&] {
+        check_supported(on_gpu, DeviceSupport{false, "no driver here"});
+      },
+      {"fsdp_config.device: cuda needs a GPU", "no driver here"});
+  EXPECT_NO_THROW(check_supported(on_gpu, DeviceSupport{true, ""}));
   // The two offload keys go together.
   EXPECT_NO_THROW(check_supported(
       load_config("", {"--fsdp_config.offload_params=true", "--fsdp_config.offload_optimizer_state=true"})));
@@ -534,21 +541,35 @@ TEST(TrainConfig, DtypeKeysRejectOtherValuesNamingTheKeyAndTheChoices) {
   }
 }
 
-TEST(TrainConfig, Fp16ParametersRunAndFp16WithAScalerIsRefusedNamingTheKey) {
+TEST(TrainConfig, Fp16ParametersRunAnywhereAndFp16WithAScalerOnCudaOnly) {
   // LibTorch 2.x has fp16 matmuls on CPU: fp16 parameters alone run.
   EXPECT_NO_THROW(check_supported(load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.param_dtype=float16"})));
   // Reductions are additions: fp16 is fine there.
   EXPECT_NO_THROW(check_supported(load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.reduce_dtype=float16"})));
   EXPECT_NO_THROW(check_supported(load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.mixed_precision=true"})));
-  // fp16: true asks for a gradient scaler, which fsdp-train does not wire up yet, on any device.
+  // fp16: true is the GPU recipe: refused on cpu with its reason and the alternatives...
   expect_error([] { check_supported(load_config(kConfigs + "/tiny.yaml", {"--fsdp_config.fp16=true"})); },
-               {"fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet",
-                "fsdp_config.mixed_precision: true", "param_dtype: float16"});
+               {"fsdp_config.fp16: true (fp16 compute with a gradient scaler) is not supported on device: cpu", "bf16",
+                "fsdp_config.mixed_precision: true", "param_dtype: float16", "device: cuda"});
+  // ...and accepted on cuda where there is a GPU, where it is fp16 compute, fp32 reductions and
+  // loss scaling, over mixed_precision's bf16; an explicit dtype key still wins.
+  const DeviceSupport gpu{true, ""};
+  const TrainConfig on_gpu = load_config("", {"--fsdp_config.fp16=true", "--fsdp_config.device=cuda"});
+  EXPECT_NO_THROW(check_supported(on_gpu, gpu));
+  EXPECT_EQ(precision_of(on_gpu.fsdp_config).describe(), "param fp16, reduce fp32 with loss scaling");
+  EXPECT_TRUE(precision_of(on_gpu.fsdp_config).loss_scaling);
+  EXPECT_EQ(precision_of(load_config("", {"--fsdp_config.fp16=true", "--fsdp_config.mixed_precision=true"}).fsdp_config)
+                .describe(),
+            "param fp16, reduce fp32 with loss scaling");
+  EXPECT_EQ(precision_of(load_config("", {"--fsdp_config.fp16=true", "--fsdp_config.reduce_dtype=float16"}).fsdp_config)
+                .describe(),
+            "param fp16, reduce fp16 with loss scaling");
+  // Without a GPU the device is what stops it.
   expect_error(
       [] {
         check_supported(load_config("", {"--fsdp_config.fp16=true", "--fsdp_config.device=cuda"}));
       },
-      {"fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet", "fsdp_config.device: cuda"});
+      {"fsdp_config.device: cuda needs a GPU"});
 }
 
 TEST(TrainConfig, CheckpointFormatIsFsdpOrDcpAndOtherValuesNameTheKeyAndTheLine) {

@@ -46,6 +46,20 @@ TEST(StepControl, OneRanksNonFiniteLossOrNormStopsEveryRankBeforeApplying) {
   }
 }
 
+// Under loss scaling an overflowing gradient is the scaler's to skip; a non-finite loss is not.
+TEST(StepControl, UnderLossScalingOnlyANonFiniteLossStopsTheRun) {
+  const StepVotes overflow = tally_votes(gathered({{1.0, kInf, false, false}, {1.0, kInf, false, false}}), 2);
+  EXPECT_TRUE(overflow.non_finite);
+  EXPECT_FALSE(overflow.loss_non_finite);
+  EXPECT_EQ(verdict_of(overflow, /*loss_scaling=*/true), StepVerdict::kApply);
+  EXPECT_EQ(verdict_of(overflow, /*loss_scaling=*/false), StepVerdict::kStopNonFinite);
+  const StepVotes with_signal = tally_votes(gathered({{1.0, kNaN, true, false}, {1.0, kNaN, false, false}}), 2);
+  EXPECT_EQ(verdict_of(with_signal, /*loss_scaling=*/true), StepVerdict::kApplyThenStop);
+  const StepVotes bad_loss = tally_votes(gathered({{1.0, kInf, false, false}, {kNaN, kInf, false, false}}), 2);
+  EXPECT_TRUE(bad_loss.loss_non_finite);
+  EXPECT_EQ(verdict_of(bad_loss, /*loss_scaling=*/true), StepVerdict::kStopNonFinite);
+}
+
 TEST(StepControl, NonFiniteWinsOverAFailedSaveAndASignal) {
   const StepVotes v = tally_votes(gathered({{kNaN, 1.0, true, true}, {1.0, 1.0, false, false}}), 2);
   EXPECT_EQ(verdict_of(v), StepVerdict::kStopNonFinite);

@@ -20,6 +20,7 @@ const std::string kModelPrefix = "model.";
 const std::string kOptimPrefix = "optim.";
 const std::string kCountersKey = "trainer.counters";
 const std::string kRngKey = "trainer.rng";
+const std::string kScalerPrefix = "trainer.grad_scaler.";
 
 // The entries of `sd` whose key starts with prefix, under the key without it.
 ShardedStateDict with_prefix_removed(const ShardedStateDict& sd, const std::string& prefix) {
@@ -32,7 +33,7 @@ ShardedStateDict with_prefix_removed(const ShardedStateDict& sd, const std::stri
 }  // namespace
 
 ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const DeviceMesh& mesh,
-                                  const TrainerCounters& counters) {
+                                  const TrainerCounters& counters, const GradScaler* scaler) {
   ShardedStateDict sd;
   for (const auto& item : sharded_state_dict(model)) sd.insert(kModelPrefix + item.key(), item.value());
   for (const auto& item : sharded_optimizer_state_dict(model, optimizer))
@@ -43,13 +44,16 @@ ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimi
   const std::vector<int64_t> numbers{counters.steps_done, counters.tokens_seen};
   sd.insert(kCountersKey, replicated(at::tensor(numbers, at::kLong)));
   sd.insert(kRngKey, replicated(at::detail::getDefaultCPUGenerator().get_state()));
+  if (scaler)
+    for (const auto& item : scaler->sharded_state_dict(mesh, kScalerPrefix)) sd.insert(item.key(), item.value());
   return sd;
 }
 
 TrainerCounters load_checkpoint_state(const std::string& dir, torch::nn::Module& model,
-                                      torch::optim::Optimizer& optimizer, const DeviceMesh& mesh) {
+                                      torch::optim::Optimizer& optimizer, const DeviceMesh& mesh, GradScaler* scaler) {
   init_optimizer_state(optimizer);  // so that the state dict lists the state to load into
-  const ShardedStateDict loaded = load_checkpoint(dir, checkpoint_state(model, optimizer, mesh, {}));
+  const ShardedStateDict loaded = load_checkpoint(dir, checkpoint_state(model, optimizer, mesh, {}, scaler));
+  if (scaler) scaler->load_sharded_state_dict(loaded, kScalerPrefix);
   load_sharded_state_dict(model, with_prefix_removed(loaded, kModelPrefix));
   load_sharded_optimizer_state_dict(model, optimizer, with_prefix_removed(loaded, kOptimPrefix));
   at::Generator rng = at::detail::getDefaultCPUGenerator();  // a handle to the same generator

@@ -6,17 +6,20 @@
 //   optim.param_groups.<fqn>.<option>     AdamW's options per parameter
 //   trainer.counters                      int64 [steps done, tokens seen], replicated
 //   trainer.rng                           the default CPU generator's state (dropout), replicated
+//   trainer.grad_scaler.<key>             fp16: true only: the GradScaler's state (scale, growth
+//                                         tracker, factors), replicated
 //
 // The data position needs no key: a step's batch depends only on the step (data.h).
 //
 // With fsdp_config.checkpoint_format: dcp the same state goes into PyTorch's DCP layout instead
 // (fsdp/dcp.h: model.<fqn>, optimizer.state/param_groups, train_state.step), which a Python
 // FSDP2 trainer loads with dcp.load and writes with dcp.save. It holds the steps done; tokens
-// seen follow from them (every step trains the same number of tokens) and the RNG state is not
-// in it.
+// seen follow from them (every step trains the same number of tokens); the RNG state and the
+// gradient scaler's state are not in it (a resumed fp16 run starts again from the initial scale).
 #pragma once
 
 #include <fsdp/device_mesh.h>
+#include <fsdp/grad_scaler.h>
 #include <fsdp/state_dict.h>
 
 #include <torch/optim/optimizer.h>
@@ -34,14 +37,16 @@ struct TrainerCounters {
 };
 
 // The state to save: model and optimizer shards (sharing storage with the live ones), the
-// counters and the RNG state.
+// counters, the RNG state, and the scaler's state when there is a scaler.
 ShardedStateDict checkpoint_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const DeviceMesh& mesh,
-                                  const TrainerCounters& counters);
+                                  const TrainerCounters& counters, const GradScaler* scaler = nullptr);
 
-// Loads the checkpoint in `dir` into model, optimizer and the default CPU generator, in place,
-// and returns its counters. Collective: every rank calls it.
+// Loads the checkpoint in `dir` into model, optimizer, the default CPU generator and `scaler`
+// (when given: the checkpoint must then hold trainer.grad_scaler.*), in place, and returns its
+// counters. Collective: every rank calls it.
 TrainerCounters load_checkpoint_state(const std::string& dir, torch::nn::Module& model,
-                                      torch::optim::Optimizer& optimizer, const DeviceMesh& mesh);
+                                      torch::optim::Optimizer& optimizer, const DeviceMesh& mesh,
+                                      GradScaler* scaler = nullptr);
 
 // Writes model, optimizer and steps done to `dir` in DCP layout; each param group records
 // `base_lr` as initial_lr (what a Python LR scheduler adds to its groups). Collective.

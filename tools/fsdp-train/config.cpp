@@ -51,13 +51,18 @@ const char* short_name(Dtype d) {
 }
 
 std::string Precision::describe() const {
-  if (!is_mixed()) return "fp32";
-  return std::string("param ") + short_name(param) + ", reduce " + short_name(reduce);
+  const std::string scaled = loss_scaling ? " with loss scaling" : "";
+  if (!is_mixed()) return "fp32" + scaled;
+  return std::string("param ") + short_name(param) + ", reduce " + short_name(reduce) + scaled;
 }
 
 Precision precision_of(const FsdpConfig& f) {
   Precision p;
   if (f.mixed_precision) p = Precision{Dtype::kBFloat16, Dtype::kFloat32};
+  // fp16 with loss scaling: fp16 compute, fp32 reductions (what torch.amp's fp16 recipe keeps in
+  // fp32). It wins over mixed_precision's bf16; an explicit dtype key still wins over both.
+  if (f.fp16) p = Precision{Dtype::kFloat16, Dtype::kFloat32};
+  p.loss_scaling = f.fp16;
   if (f.param_dtype) p.param = *f.param_dtype;
   if (f.reduce_dtype) p.reduce = *f.reduce_dtype;
   return p;
@@ -606,21 +611,22 @@ TrainConfig load_config(const std::string& yaml_path, const std::vector<std::str
 namespace {
 
 // Why the run cannot compute in fp16 (empty when it can). fp16 parameters alone
-// (param_dtype: float16) run: LibTorch 2.x has fp16 matmuls on CPU. fp16: true asks for fp16 with
-// a gradient scaler, which fsdp-train does not wire up yet (fsdp::GradScaler exists in the library).
+// (param_dtype: float16) run anywhere: LibTorch 2.x has fp16 matmuls on CPU. fp16: true is the GPU
+// recipe, fp16 compute with a gradient scaler (fsdp::GradScaler), and runs on device: cuda only.
 std::vector<std::string> fp16_compute_problems(const FsdpConfig& f) {
   std::vector<std::string> bad;
-  if (f.fp16)
+  if (f.fp16 && f.device != "cuda")
     bad.push_back(
-        "fsdp_config.fp16: true (fp16 with a gradient scaler) is not supported yet in fsdp-train; "
-        "use fsdp_config.mixed_precision: true (bf16 parameters, fp32 reductions), or "
-        "fsdp_config.param_dtype: float16 without a scaler");
+        "fsdp_config.fp16: true (fp16 compute with a gradient scaler) is not supported on device: " + f.device +
+        ": loss scaling exists for the GPU's fp16 tensor cores, while a CPU computes fp16 no faster than bf16, "
+        "whose fp32 range needs no scaler; use fsdp_config.mixed_precision: true (bf16 parameters, fp32 "
+        "reductions) or fsdp_config.param_dtype: float16 without a scaler, or device: cuda on a GPU");
   return bad;
 }
 
 }  // namespace
 
-void check_supported(const TrainConfig& cfg) {
+void check_supported(const TrainConfig& cfg, const DeviceSupport& devices) {
   const auto& f = cfg.fsdp_config;
   std::vector<std::string> bad = fp16_compute_problems(f);
   auto no = [&](bool unsupported, const std::string& what) {
@@ -658,7 +664,12 @@ void check_supported(const TrainConfig& cfg) {
                   " (> 1) with fsdp_config.sharding_strategy: " + to_string(f.sharding_strategy) +
                   " is not supported yet; tensor parallelism combines with FULL_SHARD or SHARD_GRAD_OP");
   }
-  no(f.device != "cpu", "fsdp_config.device: " + f.device + " (this is a CPU build)");
+  if (f.device == "cuda" && !devices.cuda)
+    bad.push_back("fsdp_config.device: cuda needs a GPU, and " + devices.why_no_cuda + "; use device: cpu");
+  if (f.device == "cuda" && f.sharding_strategy == ShardingStrategy::NO_SHARD)
+    bad.push_back(
+        "fsdp_config.device: cuda with fsdp_config.sharding_strategy: NO_SHARD is not supported yet "
+        "(replicate's buckets are host memory); use FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD on a GPU");
   if (f.reshard_after_forward && f.sharding_strategy != ShardingStrategy::FULL_SHARD &&
       f.sharding_strategy != ShardingStrategy::HYBRID_SHARD) {
     bad.push_back("fsdp_config.reshard_after_forward: " + std::to_string(*f.reshard_after_forward) +

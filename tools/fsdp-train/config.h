@@ -67,8 +67,12 @@ struct FsdpConfig {
   bool mixed_precision = false;
   std::optional<Dtype> param_dtype;
   std::optional<Dtype> reduce_dtype;
-  // fp16 parameters with a gradient scaler (PyTorch's GradScaler). Not supported yet: refused at
-  // configuration time naming the key (fsdp::GradScaler is not wired into the trainer).
+  // fp16 compute with a gradient scaler (fsdp::GradScaler, torch.amp's GradScaler): param_dtype
+  // float16 and reduce_dtype float32 unless those keys are set, the loss scaled before backward,
+  // the gradients unscaled before clipping, and a step whose gradients overflowed skipped (the
+  // scale backs off) instead of stopping the run. Device cuda only: on cpu it is refused at
+  // configuration time with its reason (check_supported). The scaler's state is in every
+  // checkpoint of the run's own format (checkpoint_state.h).
   bool fp16 = false;
   // Activation checkpointing (fsdp::call_checkpointed): the checkpointed blocks keep no
   // activations and recompute their forward in backward. Every activation_checkpointing_every-th
@@ -261,15 +265,23 @@ TrainConfig load_config(const std::string& yaml_path, const std::vector<std::str
 struct Precision {
   Dtype param = Dtype::kFloat32;   // the all-gathered parameters: forward and backward compute
   Dtype reduce = Dtype::kFloat32;  // the gradients' reduce-scatter
+  bool loss_scaling = false;       // fp16: true: a GradScaler scales the loss
   bool is_mixed() const { return param != Dtype::kFloat32 || reduce != Dtype::kFloat32; }
-  // "fp32" when nothing changes, else "param bf16, reduce fp32".
+  // "fp32" when nothing changes, else "param bf16, reduce fp32"; " with loss scaling" appended
+  // under fp16: true.
   std::string describe() const;
 };
 Precision precision_of(const FsdpConfig& f);
 
+// Whether this build and machine can train on a GPU. This library has no torch: the program
+// fills it from fsdp/device.h (cuda_available(), cuda_unavailable_reason()).
+struct DeviceSupport {
+  bool cuda = false;
+  std::string why_no_cuda = "the program did not say whether this machine has a GPU";
+};
 // Throws ConfigError naming every key set to a capability that does not exist yet, or that
-// this machine cannot run (fp16 compute on device cpu).
-void check_supported(const TrainConfig& cfg);
+// this machine cannot run (fp16 compute on device cpu, device cuda without a GPU).
+void check_supported(const TrainConfig& cfg, const DeviceSupport& devices = DeviceSupport());
 
 // Throws ConfigError when fsdp_config.world_size / local_rank are given and differ from the
 // launcher's environment, saying which and both values.

@@ -7,6 +7,7 @@
 #include "config.h"
 #include "data.h"
 #include "errors.h"
+#include "model_setup.h"
 #include "plan_command.h"
 #include "read_file.h"
 #include "stop_signal.h"
@@ -92,7 +93,7 @@ int main(int argc, char** argv) {
       else throw ConfigError("command line: a second config file '" + arg + "' (only one is read)");
     }
     const TrainConfig cfg = load_config(config_path, overrides);
-    check_supported(cfg);
+    check_supported(cfg, device_support_for(cfg));
     install_stop_signal_handlers();
     return run_training(cfg);
   } catch (const ConfigError& e) {

@@ -5,6 +5,7 @@
 #include "model_size.h"
 
 #include <fsdp/checkpoint_activations.h>
+#include <fsdp/device.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
@@ -63,10 +64,11 @@ int64_t full_parameter_count(models::Transformer& model) {
 
 // (dp, tp) with model_parallel_size > 1, (replicate, shard) for HSDP, else one dim. Row-major:
 // each tp group, or each replica's shard group, is consecutive ranks.
-DeviceMesh training_mesh(const DataParallelShape& shape, int world, int tp) {
-  if (tp > 1) return init_device_mesh("cpu", {world / tp, tp}, {"dp", "tp"});
-  if (shape.hybrid) return init_device_mesh("cpu", {shape.replicate, shape.shard}, {"replicate", "shard"});
-  return init_device_mesh("cpu", {world});
+// On fsdp_config.device: "cuda" puts each rank on GPU local_rank (init_device_mesh chooses it).
+DeviceMesh training_mesh(const DataParallelShape& shape, int world, int tp, const std::string& device) {
+  if (tp > 1) return init_device_mesh(device, {world / tp, tp}, {"dp", "tp"});
+  if (shape.hybrid) return init_device_mesh(device, {shape.replicate, shape.shard}, {"replicate", "shard"});
+  return init_device_mesh(device, {world});
 }
 
 // model.freeze: requires_grad = false on every parameter an entry names (the parameter itself,
@@ -141,12 +143,13 @@ void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Pr
   // embeddings, final norm and output head compute in param_dtype too. Its inputs are token
   // ids, which no policy casts; the model returns fp32 logits, and the loss is fp32.
   const MixedPrecisionPolicy policy = mp_policy_of(precision);
-  // A CPU build has no pinned memory; the copies are identities on a cpu device anyway.
+  // Pinned host shards on a GPU, for asynchronous copies; on a cpu device the copies are identities.
   std::optional<CPUOffloadPolicy> offload;
-  if (f.offload_params) offload = CPUOffloadPolicy().pin_memory(false);
+  if (f.offload_params) offload = CPUOffloadPolicy().pin_memory(f.device == "cuda");
   // Same seed on every rank: fully_shard keeps each rank's piece of identical weights.
   torch::manual_seed(cfg.training.seed);
   memory::reset_peak_allocated();
+  reset_tensor_peak(m.mesh);
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) {
     // Whole parameters on every rank, gradients averaged in buckets during backward (DDP). The
     // gradients are views of the buckets: backward accumulates into what is all-reduced, so
@@ -163,7 +166,7 @@ void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Pr
     m.model->set_activation_checkpointing(f.activation_checkpointing_every,
                                           CheckpointOptions().use_reentrant(f.use_reentrant));
   }
-  m.build_peak_tensor_bytes = memory::max_allocated_bytes();
+  m.build_peak_tensor_bytes = static_cast<int64_t>(tensor_memory(m.mesh).peak_mib * kMiBBytes);
 }
 
 }  // namespace
@@ -229,12 +232,30 @@ ParallelModel parallelize_model(const TrainConfig& cfg, const models::ModelArgs&
   m.shape = data_parallel_shape(cfg, world, local_world_size);
   check_reshard_group(cfg, m.shape);
   m.tp = static_cast<int>(cfg.fsdp_config.model_parallel_size);
-  m.mesh = training_mesh(m.shape, world, m.tp);
+  m.mesh = training_mesh(m.shape, world, m.tp, cfg.fsdp_config.device);
   m.dp_world = world / m.tp;
   m.dp_rank = m.tp > 1 ? static_cast<int>(m.mesh.get_local_rank(0)) : get_rank();
   build_model(cfg, args, precision, m);
   m.parameter_count = full_parameter_count(m.model);
   return m;
+}
+
+DeviceSupport device_support_for(const TrainConfig& cfg) {
+  if (cfg.fsdp_config.device != "cuda") return DeviceSupport{};
+  return DeviceSupport{cuda_available(), cuda_unavailable_reason()};
+}
+
+TensorMemory tensor_memory(const DeviceMesh& mesh) {
+  if (mesh.device().is_cpu()) {
+    return TensorMemory{memory::allocated_bytes() / kMiBBytes, memory::max_allocated_bytes() / kMiBBytes};
+  }
+  const DeviceMemoryStats s = device_memory_stats(mesh.device());
+  return TensorMemory{s.allocated_bytes / kMiBBytes, s.max_allocated_bytes / kMiBBytes};
+}
+
+void reset_tensor_peak(const DeviceMesh& mesh) {
+  memory::reset_peak_allocated();
+  reset_peak_device_memory(mesh.device());
 }
 
 }  // namespace train

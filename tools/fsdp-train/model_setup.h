@@ -55,5 +55,20 @@ struct ParallelModel {
 ParallelModel parallelize_model(const TrainConfig& cfg, const models::ModelArgs& args, const Precision& precision,
                                 int local_world_size);
 
+// What check_supported needs to know of this machine. CUDA is probed only when the
+// configuration asks for device cuda, so that a CPU run never initialises it.
+DeviceSupport device_support_for(const TrainConfig& cfg);
+
+// Tensor memory as the step line and the summary report it, in MiB: the GPU's caching allocator
+// on a "cuda" mesh, the counting CPU allocator (fsdp/memory.h) otherwise. Not collective.
+struct TensorMemory {
+  double live_mib = 0;
+  double peak_mib = 0;
+};
+constexpr double kMiBBytes = 1024.0 * 1024.0;
+TensorMemory tensor_memory(const DeviceMesh& mesh);
+// Starts a new peak for tensor_memory (both allocators).
+void reset_tensor_peak(const DeviceMesh& mesh);
+
 }  // namespace train
 }  // namespace fsdp

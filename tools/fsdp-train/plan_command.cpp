@@ -4,6 +4,7 @@
 
 #include "config.h"
 #include "errors.h"
+#include "model_setup.h"
 #include "read_file.h"
 
 #include <fsdp/models/transformer.h>
@@ -175,7 +176,8 @@ plan::Backend backend_of(const FsdpConfig& f, std::string& described) {
 }
 
 Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
-  check_supported(cfg);  // what the trainer refuses (cuda, fp16 on cpu, ...), named
+  // What the trainer refuses (cuda without a GPU, fp16 on cpu, ...), named.
+  check_supported(cfg, device_support_for(cfg));
   const auto& f = cfg.fsdp_config;
   if (f.world_size > 0 && f.world_size != a.world)
     throw ConfigError("fsdp_config.world_size is " + std::to_string(f.world_size) + " but --world is " +

@@ -82,6 +82,8 @@ std::string format_step_line(const StepReport& r) {
   std::snprintf(lr, sizeof lr, "%.2e", r.lr);
   s << "  lr: " << lr << "  tps: " << grouped(r.tokens_per_s) << "  step_time: " << fixed(r.step_s, 3) << "s";
   if (!r.precision.empty()) s << "  precision: " << r.precision;
+  if (r.loss_scale > 0)
+    s << "  loss_scale: " << r.loss_scale << (r.overflow_skipped ? " (overflow: step skipped)" : "");
   s << "  memory (live/peak MiB per rank):";
   for (size_t q = 0; q < r.ranks.size(); ++q)
     s << (q ? " |" : "") << " " << fixed(r.ranks[q].live_mib, 1) << "/" << fixed(r.ranks[q].peak_mib, 1);
@@ -287,6 +289,10 @@ void JsonlWriter::write(const StepReport& r, int rank) {
                       {"reduce_scatter_s", r.rs_busy_s},
                       {"reduce_scatter_wait_s", r.rs_wait_s},
                       {"grad_norm", r.grad_norm}};
+  if (r.loss_scale > 0) {
+    j["loss_scale"] = r.loss_scale;
+    j["overflow_skipped"] = r.overflow_skipped;
+  }
   write_raw(j.dump());
 }
 

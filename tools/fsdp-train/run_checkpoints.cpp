@@ -104,7 +104,7 @@ TrainerCounters RunCheckpoints::load(const std::string& dir, const TrainingState
       counters.steps_done = load_dcp_state(dir, state.model, state.optimizer);
       counters.tokens_seen = counters.steps_done * tokens_per_step;
     } else {
-      counters = load_checkpoint_state(dir, state.model, state.optimizer, state.mesh);
+      counters = load_checkpoint_state(dir, state.model, state.optimizer, state.mesh, state.scaler);
     }
   } catch (const std::exception& e) {
     problem = error_text(e);
@@ -135,8 +135,9 @@ std::string RunCheckpoints::older_checkpoint_hint(const std::string& dir) const 
 
 std::string RunCheckpoints::save(int64_t step, const TrainingState& state, const TrainerCounters& counters) {
   const std::string dir =
-      dcp_format() ? save_dcp(step, state, counters.steps_done)
-                   : manager_->save(step, checkpoint_state(state.model, state.optimizer, state.mesh, counters));
+      dcp_format()
+          ? save_dcp(step, state, counters.steps_done)
+          : manager_->save(step, checkpoint_state(state.model, state.optimizer, state.mesh, counters, state.scaler));
   last_saved_step_ = step;
   last_saved_dir_ = dir;
   return dir;
@@ -147,7 +148,7 @@ void RunCheckpoints::save_in_background(int64_t step, const TrainingState& state
     save(step, state, counters);
     return;
   }
-  manager_->save_async(step, checkpoint_state(state.model, state.optimizer, state.mesh, counters));
+  manager_->save_async(step, checkpoint_state(state.model, state.optimizer, state.mesh, counters, state.scaler));
   background_step_ = step;
   last_saved_step_ = step;
 }

@@ -29,6 +29,7 @@ struct TrainingState {
   torch::nn::Module& model;
   torch::optim::Optimizer& optimizer;
   const DeviceMesh& mesh;
+  GradScaler* scaler = nullptr;  // fp16: true only
 };
 
 class RunCheckpoints {

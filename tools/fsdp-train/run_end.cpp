@@ -59,7 +59,7 @@ RankTotals my_totals(const ParallelModel& pm, const RunRecord& record, size_t wa
   RankTotals mine;
   mine.median_step_s = median_after(record.step_times, warmup);
   mine.peak_rss_mib = memory::peak_rss_bytes() / kMiB;
-  mine.peak_tensor_mib = memory::max_allocated_bytes() / kMiB;
+  mine.peak_tensor_mib = tensor_memory(pm.mesh).peak_mib;
   mine.build_peak_tensor_mib = static_cast<double>(pm.build_peak_tensor_bytes) / kMiB;
   const CommSeconds comm(record.comm_before, mesh_stats(pm.mesh));
   mine.ag_s = comm.all_gather, mine.ag_wait_s = comm.all_gather_wait;

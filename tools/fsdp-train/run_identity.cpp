@@ -44,6 +44,8 @@ std::map<std::string, std::string> run_identity(const TrainConfig& cfg, const mo
       {"training.seed", std::to_string(cfg.training.seed)},
       {"data.source", cfg.data.source},
       {"data.data_seed", std::to_string(cfg.data.data_seed)},
+      // Its checkpoints hold the gradient scaler's state, and only its checkpoints do.
+      {"fsdp_config.fp16", cfg.fsdp_config.fp16 ? "true" : "false"},
   };
   if (cfg.data.source == "tokens") id["data.path"] = absolute_path(cfg.data.path);
   std::map<std::string, std::string> out;

@@ -24,14 +24,15 @@ StepVotes tally_votes(const std::vector<double>& gathered, int world) {
     v.local_losses.push_back(p[0]);
     v.loss += p[0] / world;
     v.non_finite = v.non_finite || !std::isfinite(p[0]) || !std::isfinite(p[1]);
+    v.loss_non_finite = v.loss_non_finite || !std::isfinite(p[0]);
     v.stop_requested = v.stop_requested || p[2] != 0.0;
     if (p[3] != 0.0) v.save_failed.push_back(q);
   }
   return v;
 }
 
-StepVerdict verdict_of(const StepVotes& votes) {
-  if (votes.non_finite) return StepVerdict::kStopNonFinite;
+StepVerdict verdict_of(const StepVotes& votes, bool loss_scaling) {
+  if (loss_scaling ? votes.loss_non_finite : votes.non_finite) return StepVerdict::kStopNonFinite;
   if (!votes.save_failed.empty()) return StepVerdict::kStopFailedSave;
   if (votes.stop_requested) return StepVerdict::kApplyThenStop;
   return StepVerdict::kApply;

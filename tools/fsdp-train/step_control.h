@@ -29,6 +29,7 @@ struct StepVotes {
   double loss = 0;               // the global-batch mean
   double grad_norm = 0;          // rank 0's
   bool non_finite = false;       // any rank's loss or gradient norm is NaN or infinite
+  bool loss_non_finite = false;  // any rank's loss is NaN or infinite
   bool stop_requested = false;   // any rank received SIGTERM/SIGINT
   std::vector<int> save_failed;  // the ranks whose background save failed, ascending
   std::vector<double> local_losses;
@@ -39,14 +40,17 @@ struct StepVotes {
 StepVotes tally_votes(const std::vector<double>& gathered, int world);
 
 // What happens to a counted step. A non-finite step is never applied, and it wins over a
-// failed save; a signal stops the run after the step is applied and saved.
+// failed save; a signal stops the run after the step is applied and saved. Under loss scaling
+// (fp16: true) a non-finite gradient norm with finite losses is the scaler's overflow, not a
+// failure: the step is "applied" through the scaler, which skips the optimizer step and lowers
+// the scale, and the run goes on; a non-finite loss still stops it.
 enum class StepVerdict : uint8_t {
   kApply,           // apply, then go on
   kApplyThenStop,   // apply, save, stop: a rank was asked to stop
   kStopNonFinite,   // stop before applying: exit kExitNonFinite
   kStopFailedSave,  // stop before applying: exit kExitError
 };
-StepVerdict verdict_of(const StepVotes& votes);
+StepVerdict verdict_of(const StepVotes& votes, bool loss_scaling = false);
 
 // How an accumulating step reduces. NO_SHARD all-reduces and FULL_SHARD / SHARD_GRAD_OP
 // reduce-scatter only after the last micro-batch (before it, whole gradients accumulate on

@@ -14,6 +14,9 @@
 // Mixed precision (fsdp_config.mixed_precision, param_dtype, reduce_dtype; config.h) is one
 // MixedPrecisionPolicy given to every fully_shard call; the loss is computed in fp32, and the
 // shards the optimizer and checkpoints hold stay fp32, so a checkpoint resumes under any policy.
+// fp16: true adds a GradScaler: the loss is scaled before backward and the gradients unscaled
+// before clipping (one all-reduce agrees on an overflow); a step whose gradients overflowed is
+// skipped by the scaler, which lowers the scale, and the run goes on.
 #include "trainer.h"
 
 #include "agreement.h"
@@ -34,6 +37,7 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fused_adamw.h>
+#include <fsdp/grad_scaler.h>
 #include <fsdp/memory.h>
 #include <fsdp/trace.h>
 
@@ -93,11 +97,11 @@ class Run {
   double forward_backward(const at::Tensor& batch, int64_t micro, StepReport& r);
   void set_learning_rate(double lr);
   void apply_step(StepReport& r);
-  void optimizer_step();
+  bool optimizer_step();
   void report_step(StepReport& r, const StepVotes& votes);
   int stop(int64_t step, StepVerdict verdict, const StepVotes& votes);
   void finish(int64_t last_step);
-  TrainingState state() { return {*pm_.model, *optimizer_, pm_.mesh}; }
+  TrainingState state() { return {*pm_.model, *optimizer_, pm_.mesh, scaler_.get()}; }
   TrainerCounters counters() const { return {done_steps_, tokens_seen_}; }
   int64_t tokens_per_step() const { return static_cast<int64_t>(pm_.dp_world) * accumulation_ * batch_ * seq_; }
   void print(const std::string& text) {
@@ -115,6 +119,7 @@ class Run {
   std::unique_ptr<DataSource> data_;
   ParallelModel pm_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<GradScaler> scaler_;  // fp16: true only
   std::unique_ptr<RunCheckpoints> checkpoints_;
   std::unique_ptr<Console> console_;
   JsonlWriter jsonl_;
@@ -143,6 +148,8 @@ void Run::set_up() {
   pm_ = parallelize_model(cfg_, args_, precision_, env.local_world_size);
   load_initial_weights(cfg_, pm_.model, [this](const std::string& line) { print(line); });
   optimizer_ = optimizer_of(cfg_.optimizer, *pm_.model);
+  // The world group agrees on overflows: every rank skips a step together.
+  if (precision_.loss_scaling) scaler_ = std::make_unique<GradScaler>();
 }
 
 // The process group, with fsdp_config.collective_timeout_s; the library lets
@@ -227,7 +234,7 @@ int Run::train() {
     checkpoints_->poll();
     const StepBallot ballot{r.loss, r.grad_norm, stop_signal() != 0, !checkpoints_->save_error().empty()};
     const StepVotes votes = tally_votes(all_gather_numbers(ballot_numbers(ballot)), world_);
-    const StepVerdict verdict = verdict_of(votes);
+    const StepVerdict verdict = verdict_of(votes, precision_.loss_scaling);
     if (verdict == StepVerdict::kStopNonFinite || verdict == StepVerdict::kStopFailedSave)
       return stop(step, verdict, votes);
     apply_step(r);
@@ -255,7 +262,7 @@ StepReport Run::compute_step(int64_t step) {
   set_learning_rate(r.lr);
   const at::Tensor batch = data_->global_batch(step - 1, pm_.dp_world * accumulation_ * batch_, seq_);
   const CollectiveStats comm_start = mesh_stats(pm_.mesh);
-  memory::reset_peak_allocated();
+  reset_tensor_peak(pm_.mesh);
 
   trace::Span step_span("compute", "step " + std::to_string(step));
   const double t0 = now_seconds();
@@ -269,6 +276,7 @@ StepReport Run::compute_step(int64_t step) {
     // safe: the gradients of a step the vote stops are never applied, whatever clipping made
     // of them.
     trace::Span span("compute", "grad_norm");
+    if (scaler_) scaler_->unscale_(*optimizer_);  // the true gradients, for the norm and clipping
     const double max_norm = cfg_.training.max_grad_norm;
     r.grad_norm = clip_grad_norm_(pm_.model->parameters(), max_norm > 0 ? max_norm : INFINITY);
   }
@@ -293,7 +301,9 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
     pm_.root.set_requires_gradient_sync(sync.requires_gradient_sync);
     if (pm_.kind() == DataParallelKind::kHybrid) pm_.root.set_requires_all_reduce(sync.requires_all_reduce);
   }
-  auto [inputs, targets] = micro_batch(batch, pm_.dp_rank, accumulation_, micro, batch_);
+  auto [host_inputs, host_targets] = micro_batch(batch, pm_.dp_rank, accumulation_, micro, batch_);
+  const at::Tensor inputs = host_inputs.to(pm_.mesh.device());
+  const at::Tensor targets = host_targets.to(pm_.mesh.device());
   const double f0 = now_seconds();
   at::Tensor loss;
   {
@@ -307,7 +317,7 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
   const double b0 = now_seconds();
   {
     trace::Span span("compute", "backward");
-    loss.backward();
+    (scaler_ ? scaler_->scale(loss) : loss).backward();
   }
   r.forward_s += b0 - f0;
   r.backward_s += now_seconds() - b0;
@@ -317,7 +327,8 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
 // AdamW, timed into r, and the step's token counts.
 void Run::apply_step(StepReport& r) {
   const double o0 = now_seconds();
-  optimizer_step();
+  if (scaler_) r.loss_scale = scaler_->get_scale();
+  r.overflow_skipped = !optimizer_step();
   const double o = now_seconds() - o0;
   r.optimizer_s += o;
   r.step_s += o;
@@ -326,10 +337,17 @@ void Run::apply_step(StepReport& r) {
   r.tokens_per_s = tokens_per_step() / r.step_s;
 }
 
-// AdamW on the gradients compute_step has already clipped.
-void Run::optimizer_step() {
+// AdamW on the gradients compute_step has already clipped; through the scaler under fp16: true,
+// which skips it after an overflow and updates the scale. Returns whether AdamW stepped.
+bool Run::optimizer_step() {
   trace::Span span("compute", "optimizer");
-  optimizer_->step();
+  bool stepped = true;
+  if (scaler_) {
+    stepped = scaler_->step(*optimizer_);
+    scaler_->update();
+  } else {
+    optimizer_->step();
+  }
   // Drop the gradients rather than zeroing them (PyTorch's zero_grad(set_to_none=True)): the
   // next backward's reduce-scatter writes fresh ones, and forward runs without them in memory.
   // NO_SHARD's gradients are views of its all-reduce buckets, which stay allocated anyway:
@@ -345,13 +363,14 @@ void Run::optimizer_step() {
       }
     }
   }
+  return stepped;
 }
 
 // Logs an applied step: the JSONL line of every rank, and rank 0's step line, for which the
 // other ranks' memory numbers are gathered (only on the steps it prints).
 void Run::report_step(StepReport& r, const StepVotes& votes) {
-  const RankStep mine{r.loss, memory::allocated_bytes() / kMiB, memory::max_allocated_bytes() / kMiB,
-                      memory::current_rss_bytes() / kMiB};
+  const TensorMemory tensors = tensor_memory(pm_.mesh);
+  const RankStep mine{r.loss, tensors.live_mib, tensors.peak_mib, memory::current_rss_bytes() / kMiB};
   r.loss = votes.loss;
   // Off the printed steps only this rank's entry is read (its JSONL line).
   r.ranks.assign(world_, RankStep{});
