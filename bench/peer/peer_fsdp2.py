@@ -82,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="load a state_dict saved by torch.save (FQN -> tensor; read with weights_only=True) "
                         "into the model before wrapping")
     p.add_argument("--master-port", type=int, default=None, help="port for the spawn/in-process launcher")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: NCCL, the model and batches on GPU local_rank, and the CUDA caching allocator's "
+                        "peak (torch.cuda.max_memory_allocated) in the JSON; steps timed after a synchronize")
     add_model_cli_args(p)  # --preset, --n-layers, --vocab-size, --max-seq-len, --dim, --n-heads, --dropout-p/--dropout
     args = p.parse_args(argv)
     # benchmark/parity default: dropout 0 unless --dropout-p is given explicitly
@@ -137,7 +140,7 @@ def wrap_model(model, args, world):
     # parameters first), as fsdp-train does. SHARD_GRAD_OP: nothing reshards after forward.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp",))
     reshard = RESHARD_AFTER_FORWARD[args.mode]
     kwargs = {"mesh": mesh}
     if args.mixed_precision == "bf16":
@@ -192,9 +195,13 @@ def worker(rank: int, world: int, args, init_method) -> None:
     threads = args.threads or max(1, args.cores // world)
     torch.set_num_threads(threads)
     distributed = args.mode != "single"
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     if distributed:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=60))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=init_method, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(minutes=60))
     margs = args.model_args
     torch.manual_seed(args.seed)  # identical init on every rank
     model = Transformer(margs)
@@ -205,6 +212,8 @@ def worker(rank: int, world: int, args, init_method) -> None:
         # a plain dict of plain, contiguous CPU tensors (FQN -> tensor), taken before any wrapping
         torch.save({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, args.save_init)
     n_params = count_params(model)
+    if args.device == "cuda" and args.mode in ("single", "ddp"):
+        model.to(device)  # fully_shard moves the fsdp2 modes' parameters itself
     model, info = wrap_model(model, args, world)
     local_numel_total = sum(local_numel(p) for p in model.parameters())
     # Adam with its defaults: on CPU torch picks the single-tensor (for-loop) implementation
@@ -225,7 +234,11 @@ def worker(rank: int, world: int, args, init_method) -> None:
     lo, hi = rank * args.batch, (rank + 1) * args.batch
     for step in range(args.steps):
         tokens = global_batch(step, args, world)[lo:hi]
-        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        inputs, targets = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+            if step == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         logits = forward(inputs)
@@ -234,6 +247,8 @@ def worker(rank: int, world: int, args, init_method) -> None:
         if working_copy is not None:
             working_copy.grads_to_master()
         opt.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         step_s.append(time.perf_counter() - t0)
         losses.append(loss.detach().clone())
         if rank == 0 and os.environ.get("PEER_VERBOSE"):
@@ -242,9 +257,10 @@ def worker(rank: int, world: int, args, init_method) -> None:
     if info:
         info["root_reshards_after_forward"] = _root_reshards_after_forward(model)
     median_s = statistics.median(step_s[args.warmup:])
-    loss_t = torch.stack(losses).double()
+    loss_t = torch.stack(losses).double()  # on the device: NCCL reduces device tensors
     per_rank = {"median_s": median_s, "vmhwm": _mib_vmhwm(), "ru_maxrss": _mib_ru_maxrss(),
-                "local_numel": local_numel_total}
+                "local_numel": local_numel_total,
+                "cuda_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if args.device == "cuda" else None}
     if distributed:
         dist.all_reduce(loss_t)  # mean over ranks of per-rank mean loss == global-batch mean loss
         loss_t /= world
@@ -252,6 +268,7 @@ def worker(rank: int, world: int, args, init_method) -> None:
         dist.all_gather_object(gathered, per_rank)
     else:
         gathered = [per_rank]
+    loss_t = loss_t.cpu()
 
     if rank == 0:
         tokens_per_step = world * args.batch * args.seq
@@ -272,6 +289,8 @@ def worker(rank: int, world: int, args, init_method) -> None:
             "median_step_s_per_rank": [g["median_s"] for g in gathered],
             "tokens_per_s": tokens_per_step / median_s,
             "peak_rss_mib_per_rank": [round(g["vmhwm"], 1) for g in gathered],
+            "device": args.device,
+            "cuda_peak_allocated_mib_per_rank": [g["cuda_peak_mib"] for g in gathered],
             "ru_maxrss_mib_per_rank": [round(g["ru_maxrss"], 1) for g in gathered],
             "losses": [float(x) for x in loss_t],
             "final_loss": float(loss_t[-1]),
@@ -284,7 +303,7 @@ def worker(rank: int, world: int, args, init_method) -> None:
             "optimizer": {"name": "Adam", "lr": args.lr, "betas": list(group["betas"]), "eps": group["eps"],
                           "foreach": group.get("foreach"), "fused": group.get("fused"), "impl": adam_impl},
             "launcher": args.launcher,
-            "backend": "gloo" if distributed else None,
+            "backend": ("nccl" if args.device == "cuda" else "gloo") if distributed else None,
             "mixed_precision": args.mixed_precision,
             "mixed_precision_impl": mp_impl,
             "fsdp": info or None,
