@@ -2,6 +2,10 @@
 # build.sh — configure and build fsdp-cpp (Release) into build/ with Ninja, against the LibTorch
 # that scripts/install-deps.sh installed (or FSDP_LIBTORCH; see scripts/torch-env.sh).
 #   scripts/build.sh [extra cmake -D options]
+#   FSDP_BUILD_DIR=build-cuda scripts/build.sh -DFSDP_USE_CUDA=ON    # the CUDA configuration
+# With ccache installed, compilations go through it (cache in ~/.cache/fsdp-cpp/ccache): every
+# object file but the CUDA path's is the same in both configurations (cmake/FsdpTorch.cmake), so
+# the second configuration compiles only those and links.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/torch-env.sh
@@ -16,6 +20,17 @@ if ! "$test_python" -c "import torch" >/dev/null 2>&1; then
   echo "build.sh: note: '${test_python}' cannot import torch; the Python-side tests will report skipped" >&2
   test_python=""
 fi
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+build_dir="${FSDP_BUILD_DIR:-build}"
+launcher=()
+if command -v ccache >/dev/null 2>&1; then
+  # Paths under the repository are hashed relative to the build folder, so that the two
+  # configurations' folders share entries; the precompiled headers need the sloppiness.
+  export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/fsdp-cpp/ccache}" CCACHE_BASEDIR="$PWD"
+  export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
+  export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-4G}"
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
   -DCMAKE_PREFIX_PATH="$FSDP_TORCH_PREFIX" -DFSDP_PYTHON="$test_python" "$@"
-cmake --build build -j "${FSDP_BUILD_JOBS:-2}"
+cmake --build "$build_dir" -j "${FSDP_BUILD_JOBS:-2}"
+if [[ ${#launcher[@]} -gt 0 ]]; then ccache --show-stats 2>/dev/null | grep -Ei "hits|misses" | head -4 || true; fi

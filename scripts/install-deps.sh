@@ -23,6 +23,7 @@ packages=(
   libopenmpi-dev openmpi-bin        # the MPI backend and mpirun (optional at build time)
   iproute2                          # ss, for the tests that look at listening sockets
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
+  ccache                            # the second build configuration reuses the first's object files
 )
 
 as_root() {

@@ -109,8 +109,8 @@ void check_with_our_reader(const std::string& dir, const std::string& prefix, co
 // `full` as torch.save'd by save_pytorch_state_dict.
 void check_with_python(const std::string& dir, const std::string& prefix, const fsdp::TensorStateDict& full) {
   if (fsdp::get_rank() != 0) return;
-  const std::string script = (fs::path(__FILE__).parent_path() / "read_safetensors.py").string();
-  ASSERT_TRUE(fs::exists(script)) << script << " (located through __FILE__)";
+  const std::string script = std::string(FSDP_TESTS_SOURCE_DIR) + "/checkpoint/read_safetensors.py";
+  ASSERT_TRUE(fs::exists(script)) << script << " (FSDP_TESTS_SOURCE_DIR, set by tests/CMakeLists.txt)";
   const std::string ref = dir + "/reference.pt", log = dir + "/python.log";
   fsdp::save_pytorch_state_dict(full, ref);
   const std::string cmd = fsdp_test::python() + " '" + script + "' '" + dir + "/" + prefix +
