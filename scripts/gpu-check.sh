@@ -83,7 +83,7 @@ if (( dry_run )); then
   log "dry run: the bundle and the configure step worked; a GPU run would now build fsdp_cuda_tests, fsdp-train"
   log "and fsdprun (-j$jobs), run fsdp_cuda_tests, one of them under compute-sanitizer racecheck and"
   log "synccheck, bench/gpu_side_by_side.py --build-dir $build --out $out/side_by_side, and fsdp-train"
-  log "with fp16: true (loss scaling) for 30 steps and a resume to 40"
+  log "with fp16: true (loss scaling) for 30 steps and a resume to 40, and configs/seed002.yaml on 8 ranks"
   exit 0
 fi
 
@@ -102,6 +102,14 @@ fp16_run=("$build/tools/fsdp-train/fsdp-train" configs/tiny.yaml --fsdp_config.d
 step fp16_train 60 "${fp16_run[@]}" --training.steps=30 --training.resume=never
 step fp16_resume 60 "${fp16_run[@]}" --training.steps=40 --training.resume=auto
 tail -8 "$out/fp16_train.txt" "$out/fp16_resume.txt"
+# configs/seed002.yaml with its fsdp_config unmodified (8 ranks on this one GPU, so its groups on
+# Gloo staged through pinned memory: NCCL refuses two ranks on a GPU); only the step count is
+# shortened, and ./checkpoints lands in the results folder.
+mkdir -p "$out/seed002"
+step seed002 120 env -C "$out/seed002" FSDP_CUDA_BACKEND=gloo "$PWD/$build/tools/fsdprun/fsdprun" --standalone --nproc-per-node 8 \
+  "$PWD/$build/tools/fsdp-train/fsdp-train" "$PWD/configs/seed002.yaml" --training.steps=4 --logging.log_interval=1 \
+  --training.export=none
+tail -12 "$out/seed002.txt"
 if command -v compute-sanitizer >/dev/null; then
   for tool in racecheck synccheck; do
     step "sanitizer_$tool" 60 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \

@@ -4,6 +4,7 @@
 #include <fsdp/fused_adamw.h>
 
 #include "src/optim/adamw_kernel.h"
+#include "src/optim/adamw_per_op.h"
 #include "src/util/compat.h"
 
 #include <ATen/ATen.h>
@@ -68,37 +69,11 @@ bool is_fusable(const at::Tensor& param, const AdamWParamState* state) {
   return matches_param_layout(state->exp_avg(), param) && matches_param_layout(state->exp_avg_sq(), param) && max_ok;
 }
 
-// torch::optim::AdamW::step for one parameter, op for op (LibTorch's adamw.cpp).
+// torch::optim::AdamW::step for one parameter, op for op (adamw_per_op.h).
 void step_unfused(at::Tensor& p, const AdamWOptions& options, StateMap& states) {
-  const at::Tensor& grad = p.grad();
-  if (options.weight_decay() != 0) p.mul_(1 - options.lr() * options.weight_decay());
   const auto key = compat::optimizer_state_key(states, p.unsafeGetTensorImpl());
-  if (states.find(key) == states.end()) {
-    auto state = std::make_unique<AdamWParamState>();
-    state->step(0);
-    state->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-    state->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-    if (options.amsgrad()) state->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-    states[key] = std::move(state);
-  }
-  auto& state = static_cast<AdamWParamState&>(*states[key]);
-  if (options.amsgrad() && !state.max_exp_avg_sq().defined()) {
-    state.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-  }
-  state.step(state.step() + 1);
-  const double beta1 = std::get<0>(options.betas());
-  const double beta2 = std::get<1>(options.betas());
-  const double bias_correction1 = 1 - std::pow(beta1, state.step());
-  const double bias_correction2 = 1 - std::pow(beta2, state.step());
-  state.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
-  state.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-  at::Tensor second_moment = state.exp_avg_sq();
-  if (options.amsgrad()) {
-    at::max_out(state.max_exp_avg_sq(), state.exp_avg_sq(), state.max_exp_avg_sq());
-    second_moment = state.max_exp_avg_sq();
-  }
-  const at::Tensor denom = (second_moment.sqrt() / std::sqrt(bias_correction2)).add_(options.eps());
-  p.addcdiv_(state.exp_avg(), denom, -(options.lr() / bias_correction1));
+  if (states.find(key) == states.end()) states[key] = detail::new_adamw_state(p, options);
+  detail::adamw_step_per_op(p, p.grad(), static_cast<AdamWParamState&>(*states[key]), options);
 }
 
 // Creates the state of the run's parameters that have none yet: one flat zero buffer per state

@@ -8,6 +8,7 @@
 #include <fsdp/checkpoint_activations.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/device.h>
+#include <fsdp/device_state_adamw.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/grad_scaler.h>
@@ -310,4 +311,40 @@ TEST(Cuda, CheckpointReplaysTheGpuGeneratorInTheRecomputation) {
   const auto checkpointed = grad_of(true);
   EXPECT_TRUE(plain.first.equal(checkpointed.first));
   EXPECT_TRUE(plain.second.equal(checkpointed.second));
+}
+
+// Parameters and gradients in pinned host memory, AdamW's state on the GPU: the trajectory is
+// full offload's (state in host memory too), and the state stays on the GPU.
+TEST(Cuda, DeviceStateAdamWKeepsTheStateOnTheGpuAndTrainsLikeFullOffload) {
+  SKIP_WITHOUT_GPU();
+  for (int world : {1, 2}) {
+    run_distributed(
+        world,
+        [] {
+          auto mesh = fsdp::init_device_mesh("cuda", {fsdp::get_world_size()});
+          const auto offload = fsdp::FullyShardOptions().offload_policy(fsdp::CPUOffloadPolicy());
+          auto split = sharded(mesh, offload);
+          auto full = sharded(mesh, offload);
+          const auto options = torch::optim::AdamWOptions(1e-2);
+          fsdp::optim::DeviceStateAdamW split_opt(split->parameters(), options, mesh.device());
+          torch::optim::AdamW full_opt(full->parameters(), options);
+          for (int64_t step = 0; step < 3; ++step) {
+            for (auto* opt : std::vector<torch::optim::Optimizer*>{&split_opt, &full_opt}) opt->zero_grad();
+            loss_of(split, step, kGpu).backward();
+            loss_of(full, step, kGpu).backward();
+            split_opt.step();
+            full_opt.step();
+          }
+          auto full_params = full->parameters();
+          size_t i = 0;
+          for (const auto& p : split->parameters()) {
+            EXPECT_TRUE(p.is_cpu() && p.is_pinned());
+            EXPECT_TRUE(at::allclose(p, full_params[i++], 1e-5, 1e-6));
+          }
+          for (const auto& entry : split_opt.state()) {
+            EXPECT_TRUE(static_cast<torch::optim::AdamWParamState&>(*entry.second).exp_avg().is_cuda());
+          }
+        },
+        staged_through_host());
+  }
 }

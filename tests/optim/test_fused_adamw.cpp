@@ -2,13 +2,14 @@
 // fully_shard'ed Transformer (real processes, W = 1, 2 and 3), with weight decay, amsgrad, a
 // parameter without a gradient on some steps and the lr changed between steps; state that one
 // writes (sharded optimizer state dict, checkpoint, torch::save) loads into the other; and the
-// fused runs that a step makes.
+// fused runs that a step makes. DeviceStateAdamW against AdamW on its CPU stand-in.
 #include "harness/multiprocess.h"
 #include "test_models.h"
 
 #include <fsdp/call.h>
 #include <fsdp/checkpoint.h>
 #include "src/util/compat.h"
+#include <fsdp/device_state_adamw.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/fused_adamw.h>
@@ -23,6 +24,7 @@
 #include <torch/serialize.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -123,29 +125,38 @@ std::vector<AdamWOptions> option_sets() {
           AdamWOptions(3e-3).weight_decay(0.0).betas(std::make_tuple(0.8, 0.95)).eps(1e-6)};
 }
 
-// 20 steps of FusedAdamW on `fused` and AdamW on `reference` (equal models), compared after
-// each. Returns the fused optimizer's stats of every step.
+// 20 steps of `opt` on `model` and AdamW on `reference` (equal models), compared after each.
+// `after_step` is called after each of opt's steps.
+template <typename Model>
+void train_against_adamw(
+    torch::optim::Optimizer& opt, Model& model, Model& reference, const AdamWOptions& options, int rank,
+    const std::function<void()>& after_step = [] {}) {
+  AdamW reference_opt(reference->parameters(), options);
+  for (int64_t step = 0; step < 20; ++step) {
+    const at::Tensor toks = tokens_for(step, rank);
+    opt.zero_grad();
+    reference_opt.zero_grad();
+    forward_backward(model, toks);
+    forward_backward(reference, toks);
+    perturb_step(*model, opt, step, options.lr());
+    perturb_step(*reference, reference_opt, step, options.lr());
+    EXPECT_EQ(params_with_grad(*model), params_with_grad(*reference));
+    opt.step();
+    reference_opt.step();
+    after_step();
+    expect_params_near(*model, *reference, "step " + std::to_string(step));
+  }
+  expect_states_near(*model, opt, *reference, reference_opt);
+}
+
+// The same for FusedAdamW; returns its stats of every step.
 template <typename Model>
 std::vector<fsdp::optim::FusedAdamWStepStats> train_side_by_side(Model& fused, Model& reference,
                                                                  const AdamWOptions& options, int rank) {
   FusedAdamW fused_opt(fused->parameters(), options);
-  AdamW reference_opt(reference->parameters(), options);
   std::vector<fsdp::optim::FusedAdamWStepStats> stats;
-  for (int64_t step = 0; step < 20; ++step) {
-    const at::Tensor toks = tokens_for(step, rank);
-    fused_opt.zero_grad();
-    reference_opt.zero_grad();
-    forward_backward(fused, toks);
-    forward_backward(reference, toks);
-    perturb_step(*fused, fused_opt, step, options.lr());
-    perturb_step(*reference, reference_opt, step, options.lr());
-    EXPECT_EQ(params_with_grad(*fused), params_with_grad(*reference));
-    fused_opt.step();
-    reference_opt.step();
-    stats.push_back(fused_opt.last_step_stats());
-    expect_params_near(*fused, *reference, "step " + std::to_string(step));
-  }
-  expect_states_near(*fused, fused_opt, *reference, reference_opt);
+  train_against_adamw(fused_opt, fused, reference, options, rank,
+                      [&] { stats.push_back(fused_opt.last_step_stats()); });
   return stats;
 }
 
@@ -455,4 +466,45 @@ TEST(FusedAdamW, CheckpointWrittenWithOneOptimizerResumesWithTheOther) {
     }
   }
   if (!fsdp::testing::is_child()) fs::remove_all(root);
+}
+
+// DeviceStateAdamW with its state on the CPU, the stand-in for a GPU: every copy is a host copy,
+// so the trajectory must be AdamW's exactly as far as the per-op arithmetic goes.
+TEST(DeviceStateAdamW, OnTheCpuStandInMatchesAdamWOnAShardedTransformer) {
+  for (int world : {1, 2}) {
+    run_distributed(world, [] {
+      for (const AdamWOptions& options : option_sets()) {
+        auto model = fsdp::testing::make_sharded(5);
+        auto reference = fsdp::testing::make_sharded(5);
+        fsdp::optim::DeviceStateAdamW opt(model->parameters(), options, c10::Device(c10::kCPU));
+        train_against_adamw(opt, model, reference, options, fsdp::get_rank());
+        for (const auto& p : model->parameters()) EXPECT_TRUE(state_of(opt, p).exp_avg().is_cpu());
+      }
+    });
+  }
+}
+
+// It is an AdamW: its sharded optimizer state dict loads into AdamW, and AdamW's into it.
+TEST(DeviceStateAdamW, ItsShardedStateDictLoadsIntoAdamWAndBack) {
+  run_distributed(2, [] {
+    const AdamWOptions options = AdamWOptions(1e-2).weight_decay(0.1);
+    auto model = fsdp::testing::make_sharded(5);
+    fsdp::optim::DeviceStateAdamW opt(model->parameters(), options, c10::Device(c10::kCPU));
+    for (int64_t step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      forward_backward(model, tokens_for(step, fsdp::get_rank()));
+      opt.step();
+    }
+    AdamW plain(model->parameters(), options);
+    fsdp::init_optimizer_state(plain);
+    fsdp::load_sharded_optimizer_state_dict(*model, plain, fsdp::sharded_optimizer_state_dict(*model, opt));
+    fsdp::optim::DeviceStateAdamW back(model->parameters(), options, c10::Device(c10::kCPU));
+    fsdp::init_optimizer_state(back);
+    fsdp::load_sharded_optimizer_state_dict(*model, back, fsdp::sharded_optimizer_state_dict(*model, plain));
+    for (const auto& p : model->parameters()) {
+      EXPECT_EQ(state_of(back, p).step(), 3);
+      EXPECT_TRUE(state_of(back, p).exp_avg().equal(state_of(opt, p).exp_avg()));
+      EXPECT_TRUE(state_of(back, p).exp_avg_sq().equal(state_of(opt, p).exp_avg_sq()));
+    }
+  });
 }

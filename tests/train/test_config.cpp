@@ -47,13 +47,18 @@ void expect_cli_error(const std::string& arg, const std::string& key) {
   expect_error([&] { load_config("", {arg}); }, {key, "command line"});
 }
 
+std::vector<std::string> with_args(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
 }  // namespace
 
 TEST(TrainConfig, ShippedConfigsLoadAndAreSupported) {
   for (const char* name : {"tiny", "small", "medium", "seed002"}) {
     SCOPED_TRACE(name);
     TrainConfig c = load_config(kConfigs + "/" + name + ".yaml", {});
-    EXPECT_NO_THROW(check_supported(c));
+    EXPECT_NO_THROW(check_supported(c, DeviceSupport{true, ""}));  // seed002 is written for GPUs
     EXPECT_TRUE(reshard_after_forward(c));
   }
   TrainConfig small = load_config(kConfigs + "/small.yaml", {});
@@ -63,16 +68,41 @@ TEST(TrainConfig, ShippedConfigsLoadAndAreSupported) {
   EXPECT_FALSE(small.model.n_layers.has_value());  // no override: the preset's
 }
 
-TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
-  TrainConfig c = load_config(kConfigs + "/seed002.yaml", {});
-  EXPECT_EQ(c.fsdp_config.world_size, 8);
-  EXPECT_EQ(c.fsdp_config.local_rank, 0);
-  EXPECT_TRUE(c.fsdp_config.shard_optimizer_state);
-  EXPECT_TRUE(c.fsdp_config.use_reentrant);
-  EXPECT_TRUE(c.fsdp_config.activation_checkpointing);
-  EXPECT_EQ(c.fsdp_config.checkpoint_interval, 1000);
-  EXPECT_EQ(c.fsdp_config.model_parallel_size, 2);
+// The example's 13 fsdp_config values, as written.
+TEST(TrainConfig, Seed002HoldsTheExamplesValuesAsWritten) {
+  const TrainConfig c = load_config(kConfigs + "/seed002.yaml", {});
+  const FsdpConfig& f = c.fsdp_config;
+  EXPECT_EQ(f.world_size, 8);
+  EXPECT_EQ(f.local_rank, 0);
+  EXPECT_TRUE(f.shard_optimizer_state);
+  EXPECT_TRUE(f.mixed_precision);
+  EXPECT_TRUE(f.fp16);
+  EXPECT_TRUE(f.activation_checkpointing);
+  EXPECT_EQ(f.device, "cuda");
+  EXPECT_TRUE(f.offload_params);
+  EXPECT_FALSE(f.offload_optimizer_state);
+  EXPECT_TRUE(f.use_reentrant);
+  EXPECT_EQ(f.model_parallel_size, 2);
+  EXPECT_EQ(f.checkpoint_interval, 1000);
+  EXPECT_EQ(f.checkpoint_dir, "./checkpoints");
+  // fp16 wins over mixed_precision's bf16; the optimizer steps on the GPU (the state stays there).
+  EXPECT_EQ(precision_of(f).describe(), "param fp16, reduce fp32 with loss scaling");
+  // As written it runs where there is a GPU; without one the device is named.
+  EXPECT_NO_THROW(check_supported(c, DeviceSupport{true, ""}));
+  expect_error(
+      [&] {
+        check_supported(c, DeviceSupport{false, "no GPU here"});
+      },
+      {"fsdp_config.device: cuda needs a GPU", "no GPU here"});
+}
+
+// On a machine without a GPU the example runs with two overrides: device: cpu, and fp16: false,
+// since fp16 with loss scaling is the GPU recipe (mixed_precision then computes in bf16).
+TEST(TrainConfig, Seed002OnACpuNeedsOnlyTheDeviceAndFp16Overridden) {
+  const std::vector<std::string> on_cpu = {"--fsdp_config.device=cpu", "--fsdp_config.fp16=false"};
+  TrainConfig c = load_config(kConfigs + "/seed002.yaml", on_cpu);
   EXPECT_NO_THROW(check_supported(c));
+  EXPECT_EQ(precision_of(c.fsdp_config).describe(), "param bf16, reduce fp32");
   EXPECT_TRUE(c.fsdp_config.vocab_parallel);
   EXPECT_NO_THROW(check_model_parallel(c, 8, 4, 16, 8));
   expect_error([&] { check_model_parallel(c, 3, 4, 16, 8); }, {"fsdp_config.model_parallel_size: 2", "world of 3"});
@@ -81,30 +111,20 @@ TEST(TrainConfig, Seed002KeepsTheExamplesSupportedValues) {
   expect_error([&] { check_model_parallel(c, 8, 4, 16, 7); },
                {"fsdp_config.model_parallel_size: 2", "fsdp_config.vocab_parallel: true", "model.vocab_size: 7",
                 "vocab_parallel: false"});
-  TrainConfig whole_head = load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.vocab_parallel=false"});
+  TrainConfig whole_head =
+      load_config(kConfigs + "/seed002.yaml", with_args(on_cpu, {"--fsdp_config.vocab_parallel=false"}));
   EXPECT_NO_THROW(check_model_parallel(whole_head, 8, 4, 16, 7));
   expect_error(
-      [] {
-        check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.sharding_strategy=HYBRID_SHARD"}));
+      [&] {
+        check_supported(load_config(kConfigs + "/seed002.yaml",
+                                    with_args(on_cpu, {"--fsdp_config.sharding_strategy=HYBRID_SHARD"})));
       },
       {"fsdp_config.model_parallel_size: 2", "HYBRID_SHARD", "not supported yet"});
-  EXPECT_EQ(c.fsdp_config.checkpoint_dir, "./checkpoints");
   EXPECT_NO_THROW(check_against_launcher(c, 8, 5));  // local_rank 0 = every rank's
   expect_error([&] { check_against_launcher(c, 2, 0); }, {"world_size", "8", "2"});
-  // The example's mixed_precision: true runs (bf16); its fp16: true (fp16 with a gradient
-  // scaler) runs on device: cuda only, so the file (device: cpu) has fp16: false, and the
-  // example's value stops the run naming the key and the device.
-  EXPECT_TRUE(c.fsdp_config.mixed_precision);
-  EXPECT_EQ(precision_of(c.fsdp_config).describe(), "param bf16, reduce fp32");
-  EXPECT_FALSE(c.fsdp_config.fp16);
-  expect_error([] { check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.fp16=true"})); },
+  // fp16 left on: refused on cpu, naming the key and the device.
+  expect_error([] { check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.device=cpu"})); },
                {"fsdp_config.fp16: true", "not supported on device: cpu", "mixed_precision: true"});
-  // offload_params: true as in the example; the optimizer state goes with the parameters.
-  EXPECT_TRUE(c.fsdp_config.offload_params);
-  EXPECT_TRUE(c.fsdp_config.offload_optimizer_state);
-  expect_error(
-      [] { check_supported(load_config(kConfigs + "/seed002.yaml", {"--fsdp_config.offload_optimizer_state=false"})); },
-      {"fsdp_config.offload_optimizer_state: false", "differs from fsdp_config.offload_params: true"});
 }
 
 TEST(TrainConfig, DefaultsWithoutFile) {
@@ -277,14 +297,30 @@ TEST(TrainConfig, CheckSupportedRejectsEachUnsupportedKey) {
       },
       {"fsdp_config.device: cuda needs a GPU", "no driver here"});
   EXPECT_NO_THROW(check_supported(on_gpu, DeviceSupport{true, ""}));
-  // The two offload keys go together.
-  EXPECT_NO_THROW(check_supported(
-      load_config("", {"--fsdp_config.offload_params=true", "--fsdp_config.offload_optimizer_state=true"})));
-  for (const char* arg : {"--fsdp_config.offload_params=true", "--fsdp_config.offload_optimizer_state=true"}) {
-    SCOPED_TRACE(arg);
-    expect_error([&] { check_supported(load_config("", {arg})); },
-                 {"fsdp_config.offload_optimizer_state", "differs from fsdp_config.offload_params"});
+  // Every pair of offload keys on cpu, where they mean the same placement.
+  for (const char* params : {"true", "false"}) {
+    for (const char* state : {"true", "false"}) {
+      EXPECT_NO_THROW(
+          check_supported(load_config("", {std::string("--fsdp_config.offload_params=") + params,
+                                           std::string("--fsdp_config.offload_optimizer_state=") + state})));
+    }
   }
+  // On cuda: parameters alone (the state on the GPU) runs, but not with FusedAdamW's CPU pass; the
+  // state alone is not built.
+  const std::vector<std::string> params_alone = {"--fsdp_config.device=cuda", "--fsdp_config.offload_params=true",
+                                                 "--fsdp_config.offload_optimizer_state=false"};
+  EXPECT_NO_THROW(check_supported(load_config("", params_alone), DeviceSupport{true, ""}));
+  expect_error(
+      [&] {
+        check_supported(load_config("", with_args(params_alone, {"--optimizer.fused=true"})), DeviceSupport{true, ""});
+      },
+      {"optimizer.fused: true", "offload_optimizer_state: false", "DeviceStateAdamW"});
+  expect_error(
+      [] {
+        check_supported(load_config("", {"--fsdp_config.device=cuda", "--fsdp_config.offload_optimizer_state=true"}),
+                        DeviceSupport{true, ""});
+      },
+      {"fsdp_config.offload_optimizer_state: true with fsdp_config.offload_params: false is not supported yet"});
   // Checkpointing is reentrant only.
   EXPECT_NO_THROW(check_supported(load_config("", {"--fsdp_config.activation_checkpointing=true"})));
   expect_error(

@@ -206,12 +206,15 @@ TEST(TrainerStrategies, TensorParallelTrainsLikeOneProcessAndResumesWithoutIt) {
                      "dp2 x tp2 W=4, the embedding and head whole");
 }
 
-// configs/seed002.yaml as it stands (model_parallel_size: 2, bf16, activation checkpointing,
-// offload) runs at W=4 and resumes at W=2 with model_parallel_size: 1.
+// configs/seed002.yaml on a CPU (device: cpu and fp16: false: fp16 with loss scaling is the
+// GPU recipe; model_parallel_size: 2, bf16, activation checkpointing, offload) runs at W=4 and
+// resumes at W=2 with model_parallel_size: 1.
 TEST(TrainerStrategies, Seed002RunsTensorParallelAndResumesWithoutIt) {
   TempDir dir;
   auto seed002 = [&](int world, const std::string& sub, std::vector<std::string> more) {
     std::vector<std::string> args = {configs_dir() + "/seed002.yaml",
+                                     "--fsdp_config.device=cpu",
+                                     "--fsdp_config.fp16=false",
                                      "--fsdp_config.world_size=" + std::to_string(world),
                                      "--training.steps=4",
                                      "--fsdp_config.checkpoint_interval=2",
@@ -229,6 +232,25 @@ TEST(TrainerStrategies, Seed002RunsTensorParallelAndResumesWithoutIt) {
   r = seed002(2, "ckpt", {"--fsdp_config.model_parallel_size=1", "--training.resume=" + dir / "ckpt/step_2"});
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_EQ(read_metrics(dir / "ckpt_m0.jsonl").rbegin()->first, 4);
+}
+
+// configs/seed002.yaml with nothing of its fsdp_config changed but what a CPU needs (device: cpu,
+// fp16: false, as above): 8 ranks, a (4, 2) mesh, offload_params: true beside
+// offload_optimizer_state: false (one placement on cpu, which the run says), checkpoints in
+// ./checkpoints of the run's directory. Only training.steps is shortened.
+TEST(TrainerStrategies, Seed002AsWrittenRunsOnEightCpuRanks) {
+  TempDir dir;
+  const std::vector<std::string> args = {configs_dir() + "/seed002.yaml", "--fsdp_config.device=cpu",
+                                         "--fsdp_config.fp16=false",      "--training.steps=2",
+                                         "--logging.progress=off",        "--training.export=none"};
+  RunResult r = fsdprun.run(under_fsdprun(8, args), {}, 300, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_TRUE(contains(r,
+                       "offload_params: true, offload_optimizer_state: false: on device cpu device memory is "
+                       "host memory"))
+      << describe(r);
+  EXPECT_TRUE(contains(r, "param bf16, reduce fp32")) << describe(r);
+  EXPECT_TRUE(std::filesystem::exists(dir / "checkpoints/step_2/metadata.json"));
 }
 
 }  // namespace

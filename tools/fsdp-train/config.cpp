@@ -651,12 +651,20 @@ void check_supported(const TrainConfig& cfg, const DeviceSupport& devices) {
                   " is not supported yet: the tensor-parallel model shards its head with the root; "
                   "set output_head_group: false or model_parallel_size: 1");
   }
-  if (f.offload_optimizer_state != f.offload_params) {
-    bad.push_back(std::string("fsdp_config.offload_optimizer_state: ") +
-                  (f.offload_optimizer_state ? "true" : "false") +
-                  " differs from fsdp_config.offload_params: " + (f.offload_params ? "true" : "false") +
-                  "; FSDP keeps the optimizer state next to the sharded parameters (CPUOffloadPolicy moves both), "
-                  "so set both keys to the same value");
+  // On cpu device memory is host memory, so every pair of offload keys means the same placement
+  // (the trainer says so once). On cuda, parameters offloaded with the optimizer state kept on
+  // the GPU is DeviceStateAdamW; the optimizer state offloaded without the parameters is not built.
+  if (f.device == "cuda" && f.offload_optimizer_state && !f.offload_params) {
+    bad.push_back(
+        "fsdp_config.offload_optimizer_state: true with fsdp_config.offload_params: false is not supported yet "
+        "on device: cuda: the optimizer steps where the sharded parameters live; offload both, or the "
+        "parameters alone (offload_params: true, offload_optimizer_state: false keeps the state on the GPU)");
+  }
+  if (f.device == "cuda" && f.offload_params && !f.offload_optimizer_state && cfg.optimizer.fused) {
+    bad.push_back(
+        "optimizer.fused: true with fsdp_config.offload_params: true and offload_optimizer_state: false is not "
+        "supported on device: cuda: AdamW steps on the GPU there (DeviceStateAdamW), and FusedAdamW's pass is "
+        "a CPU pass; set optimizer.fused: false, or offload_optimizer_state: true to step on the host");
   }
   if (f.model_parallel_size > 1 && f.sharding_strategy != ShardingStrategy::FULL_SHARD &&
       f.sharding_strategy != ShardingStrategy::SHARD_GRAD_OP) {

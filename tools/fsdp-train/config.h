@@ -87,10 +87,17 @@ struct FsdpConfig {
   // NO_SHARD (fsdp::replicate has no groups).
   bool output_head_group = false;
   std::string device = "cpu";  // cpu | cuda (cuda not supported by this CPU build)
-  // CPU offload (fsdp::CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
-  // in host memory, the optimizer stepping there. On device cpu they live there already: the
-  // offload path runs with identity copies (rank 0 says so once). FSDP2 keeps the optimizer
-  // state with the sharded parameters, so offload_optimizer_state must equal offload_params.
+  // Offload, on device cuda:
+  //   offload_params: true, offload_optimizer_state: true   FSDP2's CPUOffloadPolicy: sharded
+  //     parameters, gradients and AdamW's state in pinned host memory, AdamW stepping on the host;
+  //   offload_params: true, offload_optimizer_state: false  the parameters and gradients as above,
+  //     AdamW's state on the GPU, each shard copied up to step there and back
+  //     (fsdp::optim::DeviceStateAdamW; not with optimizer.fused);
+  //   offload_params: false, offload_optimizer_state: true  not supported yet (refused);
+  //   both false: everything on the GPU.
+  // On device cpu device memory is host memory, so every pair means the same placement: the
+  // offload path runs with identity copies when offload_params is true, and rank 0 says once
+  // that the keys change nothing there.
   bool offload_params = false;
   bool offload_optimizer_state = false;
   // Only meaningful with activation_checkpointing (as in PyTorch), so either value is accepted

@@ -35,6 +35,7 @@
 
 #include <fsdp/call.h>
 #include <fsdp/clip_grad.h>
+#include <fsdp/device_state_adamw.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fused_adamw.h>
 #include <fsdp/grad_scaler.h>
@@ -75,9 +76,16 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
   return d;
 }
 
-std::unique_ptr<torch::optim::AdamW> optimizer_of(const OptimizerConfig& o, torch::nn::Module& model) {
+// AdamW, FusedAdamW, or, with the parameters offloaded and the optimizer state kept on a GPU,
+// DeviceStateAdamW with its state on `device`.
+std::unique_ptr<torch::optim::AdamW> optimizer_of(const TrainConfig& cfg, torch::nn::Module& model,
+                                                  const c10::Device& device) {
+  const OptimizerConfig& o = cfg.optimizer;
   const auto options =
       torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
+  const auto& f = cfg.fsdp_config;
+  if (!device.is_cpu() && f.offload_params && !f.offload_optimizer_state)
+    return std::make_unique<optim::DeviceStateAdamW>(model.parameters(), options, device);
   // FusedAdamW is an AdamW (same state and checkpoints), so the rest of the trainer needs no branch.
   if (o.fused) return std::make_unique<optim::FusedAdamW>(model.parameters(), options);
   return std::make_unique<torch::optim::AdamW>(model.parameters(), options);
@@ -147,7 +155,7 @@ void Run::set_up() {
   checkpoints_->check_dir();
   pm_ = parallelize_model(cfg_, args_, precision_, env.local_world_size);
   load_initial_weights(cfg_, pm_.model, [this](const std::string& line) { print(line); });
-  optimizer_ = optimizer_of(cfg_.optimizer, *pm_.model);
+  optimizer_ = optimizer_of(cfg_, *pm_.model, pm_.mesh.device());
   // The world group agrees on overflows: every rank skips a step together.
   if (precision_.loss_scaling) scaler_ = std::make_unique<GradScaler>();
 }
@@ -195,10 +203,13 @@ void Run::start_logging() {
   // Only rank 0 probes (its line is the one printed); the others go on to the first step's
   // all-gather and wait there the ~50 ms it takes.
   if (rank_ == 0 && precision_.param == Dtype::kBFloat16) print(check_bf16_support());
-  if (rank_ == 0 && cfg_.fsdp_config.offload_params && cfg_.fsdp_config.device == "cpu") {
-    print(
-        "fsdp-train: offload_params: on device cpu the sharded parameters, gradients and optimizer state "
-        "already live in host memory; the offload path runs with identity copies");
+  const auto& f = cfg_.fsdp_config;
+  if (rank_ == 0 && (f.offload_params || f.offload_optimizer_state) && f.device == "cpu") {
+    print(std::string("fsdp-train: offload_params: ") + (f.offload_params ? "true" : "false") +
+          ", offload_optimizer_state: " + (f.offload_optimizer_state ? "true" : "false") +
+          ": on device cpu device memory is host memory, so the sharded parameters, gradients and optimizer "
+          "state live there whatever the keys say" +
+          (f.offload_params ? "; the offload path runs with identity copies" : ""));
   }
 }
 
