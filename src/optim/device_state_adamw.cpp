@@ -100,8 +100,9 @@ AdamWParamState& DeviceStateAdamW::state_for(const at::Tensor& param, const Adam
   const auto key = compat::optimizer_state_key(state_, param.unsafeGetTensorImpl());
   auto it = state_.find(key);
   if (it == state_.end()) {
-    it = state_.emplace(key, detail::new_adamw_state(at::empty_like(param, param.options().device(state_device_)),
-                                                     options))
+    it = state_
+             .emplace(key,
+                      detail::new_adamw_state(at::empty_like(param, param.options().device(state_device_)), options))
              .first;
   }
   auto& state = static_cast<AdamWParamState&>(*it->second);

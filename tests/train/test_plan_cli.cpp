@@ -106,9 +106,9 @@ TEST(PlanCli, RefusesWhatTheTrainerRefusesNamingTheKey) {
   r = trainer.run({"plan", configs_dir() + "/seed002.yaml", "--world", "8"}, {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("does not model fsdp_config.device: cuda yet"), std::string::npos) << r.err;
-  r = trainer.run({"plan", configs_dir() + "/seed002.yaml", "--world", "8", "--fsdp_config.device=cpu",
-                   "--fsdp_config.fp16=false"},
-                  {}, 60);
+  r = trainer.run(
+      {"plan", configs_dir() + "/seed002.yaml", "--world", "8", "--fsdp_config.device=cpu", "--fsdp_config.fp16=false"},
+      {}, 60);
   EXPECT_EQ(r.exit_code, 0) << describe(r);
 }
 
