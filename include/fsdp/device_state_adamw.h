@@ -58,7 +58,10 @@ class DeviceStateAdamW : public torch::optim::AdamW {
 
  private:
   void step_group(torch::optim::OptimizerParamGroup& group);
-  torch::optim::AdamWParamState& state_for(const at::Tensor& param, const torch::optim::AdamWOptions& options);
+  // The state of host `param`, created like `on_device` (its copy on the state's device) at its
+  // first step, and moved to the state's device when found elsewhere.
+  torch::optim::AdamWParamState& state_for(const at::Tensor& param, const at::Tensor& on_device,
+                                           const torch::optim::AdamWOptions& options);
 
   c10::Device state_device_;
 };

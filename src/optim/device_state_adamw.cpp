@@ -96,15 +96,11 @@ torch::Tensor DeviceStateAdamW::step(LossClosure closure) {
   return loss;
 }
 
-AdamWParamState& DeviceStateAdamW::state_for(const at::Tensor& param, const AdamWOptions& options) {
+AdamWParamState& DeviceStateAdamW::state_for(const at::Tensor& param, const at::Tensor& on_device,
+                                             const AdamWOptions& options) {
   const auto key = compat::optimizer_state_key(state_, param.unsafeGetTensorImpl());
   auto it = state_.find(key);
-  if (it == state_.end()) {
-    it = state_
-             .emplace(key,
-                      detail::new_adamw_state(at::empty_like(param, param.options().device(state_device_)), options))
-             .first;
-  }
+  if (it == state_.end()) it = state_.emplace(key, detail::new_adamw_state(on_device, options)).first;
   auto& state = static_cast<AdamWParamState&>(*it->second);
   state.exp_avg(moved_to(state.exp_avg(), state_device_));
   state.exp_avg_sq(moved_to(state.exp_avg_sq(), state_device_));
@@ -129,7 +125,7 @@ void DeviceStateAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
     // Issued before the update below, so that the next parameter's copies overlap it.
     if (i + 1 < params.size()) next = streams.upload(params[i + 1]);
     streams.wait_for(current);
-    detail::adamw_step_per_op(current.param, current.grad, state_for(params[i], options), options);
+    detail::adamw_step_per_op(current.param, current.grad, state_for(params[i], current.param, options), options);
     streams.download(params[i], current.param);
   }
   streams.finish();
