@@ -1,11 +1,14 @@
 // The progress board (progress_board.h): the publishing thread, and the reads a diagnosis makes.
 #include "src/comm/progress_board.h"
 
+#include "src/comm/store_server.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <fstream>
@@ -23,6 +26,8 @@ std::string heartbeat_key(int rank) { return "alive/" + std::to_string(rank); }
 std::string left_key(int rank) { return "left/" + std::to_string(rank); }
 // "<machine> <pid>": which process a rank is, for ranks on the same machine to look at.
 std::string whois_key(int rank) { return "whois/" + std::to_string(rank); }
+
+std::string host_key(int rank) { return "host/" + std::to_string(rank); }
 
 std::string read_first_line(const std::string& path) {
   std::ifstream in(path);
@@ -114,10 +119,37 @@ void ProgressBoard::publish_dirty() {
   }
 }
 
+std::string ProgressBoard::this_host() {
+  char name[256] = {0};
+  gethostname(name, sizeof name - 1);
+  std::string label = name;
+  for (const char* var : {"FSDP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    const char* iface = std::getenv(var);
+    if (iface == nullptr || *iface == '\0') continue;
+    const std::string first = std::string(iface).substr(0, std::string(iface).find(','));
+    try {
+      label += " (" + address_of_interface(first) + ")";
+    } catch (const std::exception&) {
+      // The transport names the interface in its own error; the host name alone names the host.
+    }
+    break;
+  }
+  return label;
+}
+
+std::string ProgressBoard::host_of(int global_rank) {
+  std::lock_guard<std::mutex> lock(store_mu_);
+  if (!store_->check({host_key(global_rank)})) return "";
+  const std::vector<uint8_t> value = store_->get(host_key(global_rank));
+  return std::string(value.begin(), value.end());
+}
+
 void ProgressBoard::introduce() {
   const std::string who = this_machine() + " " + std::to_string(getpid());
+  const std::string host = this_host();
   try {
     std::lock_guard<std::mutex> lock(store_mu_);
+    store_->set(host_key(rank_), std::vector<uint8_t>(host.begin(), host.end()));
     store_->set(whois_key(rank_), std::vector<uint8_t>(who.begin(), who.end()));
   } catch (const std::exception&) {
     // Without it, a diagnosis calls this rank silent rather than stopped or gone.
@@ -208,6 +240,28 @@ std::string format_ranks(const std::vector<int>& ranks) {
   return s.str();
 }
 
+namespace {
+
+// "; on host A: ranks [2, 3]; on host B: ranks [4]" for ranks on other hosts than this one's, so
+// that a host that went away is named with its ranks. Empty when they all share this host.
+std::string hosts_of(ProgressBoard& board, const std::vector<int>& ranks) {
+  const std::string here = ProgressBoard::this_host();
+  std::vector<std::pair<std::string, std::vector<int>>> by_host;
+  for (int r : ranks) {
+    const std::string host = board.host_of(r);
+    if (host.empty() || host == here) continue;
+    auto same = [&](const auto& entry) { return entry.first == host; };
+    auto it = std::find_if(by_host.begin(), by_host.end(), same);
+    if (it == by_host.end()) by_host.push_back({host, {r}});
+    else it->second.push_back(r);
+  }
+  std::ostringstream s;
+  for (const auto& [host, on_it] : by_host) s << "; on host " << host << ": ranks " << format_ranks(on_it);
+  return s.str();
+}
+
+}  // namespace
+
 // Which members never entered collective `seq`, and which stopped making progress (their
 // process no longer runs: SIGSTOP, a debugger, a frozen machine), from the progress board.
 std::string describe_absent_and_stalled(ProgressBoard& board, const std::string& group,
@@ -244,7 +298,7 @@ std::string describe_absent_and_stalled(ProgressBoard& board, const std::string&
     if (!silent.empty()) {
       msg << "; ranks that stopped making progress: " << format_ranks(silent) << " (their process published no "
           << "heartbeat for " << 4 * ProgressBoard::kHeartbeat.count() << " ms: stopped, e.g. by SIGSTOP or a "
-          << "debugger, or frozen)";
+          << "debugger, frozen, or cut off from this rank (a link or host down)" << hosts_of(board, silent) << ")";
     }
     if (!left.empty()) msg << "; ranks whose process has ended: " << format_ranks(left) << " (it exited or was killed)";
     if (absent.empty() && stalled.empty()) {

@@ -63,6 +63,14 @@ class ProgressBoard {
   enum class Fate { kLeft, kGone, kStopped, kSilent };
   Fate fate(int global_rank);
 
+  // How a rank named its host when it joined: the host name, and the address of the interface
+  // the transports use when one is named (FSDP_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME), since
+  // containers and network namespaces may share a host name. "" when the rank left none.
+  // Blocks on the store.
+  std::string host_of(int global_rank);
+  // This rank's own label, as host_of() gives it to the others.
+  static std::string this_host();
+
   static constexpr std::chrono::milliseconds kPeriod{20};
   static constexpr std::chrono::milliseconds kHeartbeat{250};
 

@@ -28,11 +28,14 @@ void wait_traced(const WorkHandle& work, const char* kind, const std::string& mo
 }
 
 // The process group's error names the op, its sequence number, the group and the missing
-// ranks; this adds which FSDP module's collective it was, and for a reduce-scatter the usual
-// cause: ranks whose backward reached different modules.
+// ranks; this adds which FSDP module's collective it was, and for a reduce-scatter among live
+// ranks the usual cause: ranks whose backward reached different modules.
 [[noreturn]] void rethrow_naming_module(const CollectiveError& e, const char* kind, const std::string& module_fqn) {
   std::string msg = std::string(e.what()) + " [the " + kind + " of FSDP module '" + module_label(module_fqn) + "']";
-  if (std::string(kind) == "reduce_scatter") {
+  // Only when every rank is alive: a rank that stopped or ended explains the timeout instead.
+  const bool all_alive = msg.find("stopped making progress") == std::string::npos &&
+                         msg.find("whose process has ended") == std::string::npos;
+  if (std::string(kind) == "reduce_scatter" && all_alive) {
     msg +=
         ". If the ranks' backward passes do not all reach the same FSDP modules (rank-dependent control "
         "flow, unused parameters), call set_reduce_scatter_unused_params(true) on the root FSDPModule on "
