@@ -1,0 +1,135 @@
+"""fsdp-train across hosts with addresses of their own (hosts.py: network namespaces on a bridge),
+one fsdprun agent per host, the store on host 0's address: FULL_SHARD over every rank and
+HYBRID_SHARD with one replica per host train exactly as the same ranks on one host do; and a
+host whose link goes down mid-step stops the other host's ranks within the collective timeout,
+naming the host and its ranks. Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the
+reason, where namespaces cannot be made."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hosts import IFNAME, Hosts, available  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get("FSDP_BUILD_DIR", os.path.join(REPO, "build"))
+FSDPRUN = os.path.join(BUILD, "tools", "fsdprun", "fsdprun")
+TRAINER = os.path.join(BUILD, "tools", "fsdp-train", "fsdp-train")
+NPROC = 2  # ranks per host
+
+why_not = available()
+pytestmark = pytest.mark.skipif(bool(why_not), reason=f"no network namespaces here: {why_not}")
+
+
+def trainer_args(out, steps, more=()):
+    return [TRAINER, os.path.join(REPO, "configs", "tiny.yaml"), "--model.dim=64", "--model.max_seq_len=64",
+            "--model.vocab_size=64", "--training.seq_len=64", f"--training.steps={steps}",
+            "--training.micro_batch_size=4", "--fsdp_config.checkpoint_interval=0",
+            f"--fsdp_config.checkpoint_dir={out}/ckpt", f"--logging.jsonl={out}/m{{rank}}.jsonl",
+            "--logging.progress=off", "--logging.log_interval=1000", "--training.export=none", *more]
+
+
+def losses(out, rank=0):
+    by_step = {}
+    with open(os.path.join(out, f"m{rank}.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            by_step[row["step"]] = row["loss"]
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def port():
+    return 20000 + os.getpid() % 20000
+
+
+def start_agents(hosts, out, steps, more=(), env=None):
+    """One fsdprun per host; returns their Popens (stdout and stderr together, as text)."""
+    agents = []
+    for i in range(hosts.count):
+        argv = [FSDPRUN, "--nnodes", str(hosts.count), "--node-rank", str(i), "--nproc-per-node", str(NPROC),
+                "--master-addr", hosts.address(0), "--master-port", str(port()), "--join-timeout", "60",
+                *trainer_args(out, steps, more)]
+        agents.append(hosts.start(i, argv, env={"FSDP_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", **(env or {})},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return agents
+
+
+def finish(agents, timeout):
+    outputs = []
+    for a in agents:
+        out, _ = a.communicate(timeout=timeout)
+        outputs.append((a.returncode, out))
+    return outputs
+
+
+def one_host(out, steps, more=()):
+    world = 2 * NPROC
+    r = subprocess.run([FSDPRUN, "--standalone", "--nproc-per-node", str(world), *trainer_args(out, steps, more)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return losses(out)
+
+
+@pytest.mark.parametrize("strategy", [
+    pytest.param([], id="full_shard"),
+    # Two shard groups of NPROC ranks, one per host, replicated across the hosts: PyTorch's
+    # default HSDP layout (shard within a node, replicate across nodes).
+    pytest.param(["--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"], id="hsdp"),
+])
+def test_two_hosts_train_as_one_host_does(strategy):
+    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
+        want = one_host(os.path.join(tmp, "one"), 6, strategy)
+        results = finish(start_agents(hosts, os.path.join(tmp, "two"), 6, strategy), timeout=300)
+        for i, (rc, text) in enumerate(results):
+            assert rc == 0, f"host {i}:\n{text}"
+        assert "collectives on gloo" in results[0][1]
+        assert losses(os.path.join(tmp, "two")) == want
+
+
+def first_line_with(agent, text, timeout):
+    """Reads the agent's output until a line holds `text` (or it ends, or timeout passes); returns
+    (the line or None, everything read)."""
+    found, lines = [None], []
+
+    def read():
+        for line in agent.stdout:
+            lines.append(line)
+            if text in line:
+                found[0] = line
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return found[0], "".join(lines)
+
+
+def test_a_host_whose_link_goes_down_is_named_by_the_others_within_the_timeout():
+    timeout_s = 5
+    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
+        out = os.path.join(tmp, "run")
+        agents = start_agents(hosts, out, 100000, [f"--fsdp_config.collective_timeout_s={timeout_s}"])
+        deadline = time.time() + 120
+        while time.time() < deadline and not os.path.exists(os.path.join(out, "m0.jsonl")):
+            time.sleep(0.2)
+        assert os.path.exists(os.path.join(out, "m0.jsonl")), "the run never reached its first step"
+        down_at = time.time()
+        hosts.link_down(1)
+        line, text = first_line_with(agents[0], "timed out after", timeout_s + 30)
+        took = time.time() - down_at
+        assert line is not None, f"no rank of host 0 reported a timeout within {timeout_s + 30} s:\n{text}"
+        # Within the collective timeout, give or take the step the collective started in.
+        assert took < timeout_s + 5, f"host 0's first timeout came {took:.1f} s after the link went down:\n{text}"
+        # Host 1 holds ranks 2 and 3: their heartbeats stopped with the link, so both are named,
+        # whichever of them had entered the collective before it went down.
+        assert "ranks that stopped making progress: [2, 3]" in line, line
+        # ...on host 1, named by its address (every namespace shares the machine's host name).
+        assert f"({hosts.address(1)}): ranks [2, 3]" in line, line
+        # Not blamed on mismatched reduce-scatters: the ranks are gone, not out of step.
+        assert "set_reduce_scatter_unused_params" not in line, line
