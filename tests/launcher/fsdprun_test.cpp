@@ -554,7 +554,8 @@ TEST(TwoNodes, MissingNodeEndsTheRunAtTheJoinTimeout) {
       with_worker({"--nnodes", "2", "--master-port", port_arg(), "--join-timeout", "2"}, {"env", dir.path()}), {}, 60);
   EXPECT_EQ(r.exit_code, 1) << describe(r);
   EXPECT_CONTAINS(r.err,
-                  "error: timed out after 2s waiting for the fsdprun of all 2 nodes to join attempt 0 (1 joined");
+                  "error: timed out after 2s waiting for the fsdprun of all 2 nodes to join attempt 0 (1 joined; "
+                  "never joined: node 1; see --join-timeout)");
   EXPECT_LT(r.seconds, 2 + 5.0) << describe(r);
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }

@@ -1,8 +1,8 @@
 """fsdp-train across hosts with addresses of their own (hosts.py: network namespaces on a bridge),
 one fsdprun agent per host, the store on host 0's address: FULL_SHARD over every rank and
-HYBRID_SHARD with one replica per host train exactly as the same ranks on one host do; and a
-host whose link goes down mid-step stops the other host's ranks within the collective timeout,
-naming the host and its ranks. Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the
+HYBRID_SHARD with one replica per host train exactly as the same ranks on one host do; a host
+whose link goes down mid-step stops the other host's ranks within the collective timeout,
+naming the host and its ranks; and a host that never joins is named at the join timeout. Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the
 reason, where namespaces cannot be made."""
 import json
 import os
@@ -48,12 +48,13 @@ def port():
     return 20000 + os.getpid() % 20000
 
 
-def start_agents(hosts, out, steps, more=(), env=None):
-    """One fsdprun per host; returns their Popens (stdout and stderr together, as text)."""
+def start_agents(hosts, out, steps, more=(), env=None, join_timeout_s=60, on_hosts=None):
+    """One fsdprun on each host of on_hosts (default: every host) for a job of all the hosts;
+    returns their Popens (stdout and stderr together, as text)."""
     agents = []
-    for i in range(hosts.count):
+    for i in (range(hosts.count) if on_hosts is None else on_hosts):
         argv = [FSDPRUN, "--nnodes", str(hosts.count), "--node-rank", str(i), "--nproc-per-node", str(NPROC),
-                "--master-addr", hosts.address(0), "--master-port", str(port()), "--join-timeout", "60",
+                "--master-addr", hosts.address(0), "--master-port", str(port()), "--join-timeout", str(join_timeout_s),
                 *trainer_args(out, steps, more)]
         agents.append(hosts.start(i, argv, env={"FSDP_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", **(env or {})},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -133,3 +134,14 @@ def test_a_host_whose_link_goes_down_is_named_by_the_others_within_the_timeout()
         assert f"({hosts.address(1)}): ranks [2, 3]" in line, line
         # Not blamed on mismatched reduce-scatters: the ranks are gone, not out of step.
         assert "set_reduce_scatter_unused_params" not in line, line
+
+
+def test_a_host_that_never_joins_is_named_at_the_join_timeout():
+    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
+        started = time.time()
+        # Host 1's fsdprun is never started.
+        agent = start_agents(hosts, os.path.join(tmp, "run"), 2, join_timeout_s=3, on_hosts=[0])[0]
+        rc, text = finish([agent], timeout=60)[0]
+        assert rc != 0, text
+        assert time.time() - started < 3 + 10, text
+        assert "nodes to join attempt 0 (1 joined; never joined: node 1; see --join-timeout)" in text, text

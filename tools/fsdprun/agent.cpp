@@ -39,6 +39,14 @@ std::string format_seconds(double s) {
   return out.str();
 }
 
+// "node 1" or "nodes 1, 3".
+std::string node_list(const std::vector<int>& nodes) {
+  std::ostringstream out;
+  out << (nodes.size() == 1 ? "node " : "nodes ");
+  for (size_t i = 0; i < nodes.size(); ++i) out << (i ? ", " : "") << nodes[i];
+  return out.str();
+}
+
 // fsdprun's own messages: one write per line on stderr, never mixed with worker lines.
 void say(const std::string& message) {
   const std::string line = "fsdprun: " + message + "\n";
@@ -108,7 +116,7 @@ Agent::Outcome Agent::attempt(int k) {
 // All agents join attempt k before any starts workers, so that the ranks of every
 // node rendezvous within the same attempt (same TORCHELASTIC_RESTART_COUNT).
 std::optional<Agent::Outcome> Agent::wait_for_agents(int k) {
-  store_->join(k);
+  store_->join(k, opt_.node_rank);
   const auto deadline = Clock::now() + seconds(opt_.join_timeout_s);
   for (;;) {
     const int64_t joined = store_->joined(k);
@@ -122,7 +130,7 @@ std::optional<Agent::Outcome> Agent::wait_for_agents(int k) {
           "the fsdprun of node " + std::to_string(opt_.node_rank) + " timed out waiting for the other nodes";
       say("error: timed out after " + format_seconds(opt_.join_timeout_s) + " waiting for the fsdprun of all " +
           std::to_string(opt_.nnodes) + " nodes to join attempt " + std::to_string(k) + " (" + std::to_string(joined) +
-          " joined; see --join-timeout)");
+          " joined; never joined: " + node_list(store_->not_joined(k)) + "; see --join-timeout)");
       return Outcome::Fatal;
     }
     nap(kBarrierPollMs);

@@ -172,8 +172,20 @@ std::optional<std::string> AgentStore::get_if_set(const std::string& k) {
   });
 }
 
-void AgentStore::join(int attempt) { counter(key(attempt, "joined"), 1); }
+void AgentStore::join(int attempt, int node) {
+  guarded(kLostStore, [&] { store_->set(key(attempt, "joined_node_") + std::to_string(node), bytes("1")); });
+  counter(key(attempt, "joined"), 1);
+}
 int64_t AgentStore::joined(int attempt) { return counter(key(attempt, "joined"), 0); }
+
+std::vector<int> AgentStore::not_joined(int attempt) {
+  std::vector<int> missing;
+  for (int node = 0; node < nnodes_; ++node) {
+    const std::string k = key(attempt, "joined_node_") + std::to_string(node);
+    if (!guarded(kLostStore, [&] { return store_->check({k}); })) missing.push_back(node);
+  }
+  return missing;
+}
 
 void AgentStore::mark_failed(int attempt, const std::string& why) {
   // The first failure is the interesting one: later ones are usually its consequences.

@@ -15,6 +15,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace c10d {
 class TCPStore;
@@ -43,8 +44,10 @@ class AgentStore {
   // Every agent registers once, when it starts; node 0 waits for those at the end.
   void register_agent();
   // Before attempt K, every agent joins; workers start once all nnodes agents joined.
-  void join(int attempt);
+  void join(int attempt, int node);
   int64_t joined(int attempt);  // how many agents joined attempt K so far
+  // The nodes whose agent has not joined attempt K, ascending (for the join timeout's message).
+  std::vector<int> not_joined(int attempt);
   // An agent whose group failed (or who was interrupted) marks the attempt failed;
   // every agent polls this while its workers run, and stops them when it appears.
   void mark_failed(int attempt, const std::string& why);
