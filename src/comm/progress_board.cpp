@@ -27,6 +27,7 @@ std::string left_key(int rank) { return "left/" + std::to_string(rank); }
 // "<machine> <pid>": which process a rank is, for ranks on the same machine to look at.
 std::string whois_key(int rank) { return "whois/" + std::to_string(rank); }
 
+// How a rank named its host (ProgressBoard::this_host), for a timeout to name lost hosts.
 std::string host_key(int rank) { return "host/" + std::to_string(rank); }
 
 std::string read_first_line(const std::string& path) {

@@ -385,8 +385,8 @@ void FSDPParamGroup::reshard_post_forward() {
   }
 }
 
-void FSDPParamGroup::prefetch_in_forward() {
-  if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
+// unshard() as a prefetch: on the side streams whatever set_unshard_async_op says, as FSDP2 does.
+void FSDPParamGroup::unshard_as_prefetch() {
   prefetching_ = true;
   try {
     unshard();
@@ -395,6 +395,11 @@ void FSDPParamGroup::prefetch_in_forward() {
     throw;
   }
   prefetching_ = false;
+}
+
+void FSDPParamGroup::prefetch_in_forward() {
+  if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
+  unshard_as_prefetch();
   prefetched_in_forward_ = true;
 }
 
@@ -443,14 +448,7 @@ void FSDPParamGroup::pre_backward() {
 
 void FSDPParamGroup::prefetch_in_backward() {
   if (!unshard_in_backward_) return;
-  prefetching_ = true;
-  try {
-    unshard();
-  } catch (...) {
-    prefetching_ = false;
-    throw;
-  }
-  prefetching_ = false;
+  unshard_as_prefetch();
 }
 
 int64_t FSDPParamGroup::pop_post_forward_index() {

@@ -228,6 +228,7 @@ class FSDPParamGroup {
  private:
   ReducedParams params_to_reduce() const;
   bool unshards_on_side_streams() const;
+  void unshard_as_prefetch();
   void wait_for_all_gather_on_device();
   void issue_reduce_scatter(const ReducedParams& reduced, const GradientDivision& division);
   void keep_unsynced_grads();
