@@ -247,7 +247,7 @@ void join_mpi_job(Runtime& rt) {
   if (rt.info.world_size > 1) {
     comm::MpiBoardStore stores = comm::mpi_board_store(rt.options.timeout());
     rt.store = stores.server;  // rank 0 hosts the board's store; the others hold none
-    rt.board = std::make_shared<comm::ProgressBoard>(stores.client, rt.info.rank);
+    rt.board = std::make_shared<comm::ProgressBoard>(stores.client, rt.info.rank, "rank 0's progress-board store");
   }
 }
 #endif
@@ -363,7 +363,9 @@ void init_process_group(const RendezvousInfo& info, InitOptions options) {
   rt->store = connect_store(info, options.timeout(), /*may_host=*/true);
   if (info.world_size > 1) {
     store_barrier(*rt->store, info, options.timeout());
-    rt->board = std::make_shared<comm::ProgressBoard>(connect_store(info, options.timeout(), false), info.rank);
+    rt->board = std::make_shared<comm::ProgressBoard>(
+        connect_store(info, options.timeout(), false), info.rank,
+        "the job's store at " + info.master_addr + ":" + std::to_string(info.master_port));
   }
   std::vector<int> all(info.world_size);
   for (int i = 0; i < info.world_size; ++i) all[i] = i;

@@ -68,15 +68,15 @@ int64_t parse_seq(const std::string& key, const std::vector<uint8_t>& value) {
 
 }  // namespace
 
-ProgressBoard::ProgressBoard(c10::intrusive_ptr<c10d::Store> store, int global_rank)
-    : store_(std::move(store)), rank_(global_rank), thread_([this] { publish_loop(); }) {
+ProgressBoard::ProgressBoard(c10::intrusive_ptr<c10d::Store> store, int global_rank, const std::string& where)
+    : store_(store, store->getTimeout(), where), rank_(global_rank), thread_([this] { publish_loop(); }) {
   introduce();
 }
 
 void ProgressBoard::leave() {
   try {
     std::lock_guard<std::mutex> lock(store_mu_);
-    store_->set(left_key(rank_), std::vector<uint8_t>{1});
+    store_.set(left_key(rank_), std::vector<uint8_t>{1});
   } catch (const std::exception&) {
     // The store is gone already (rank 0 left first): nobody is left to diagnose.
   }
@@ -116,7 +116,7 @@ void ProgressBoard::publish_dirty() {
   std::lock_guard<std::mutex> lock(store_mu_);
   for (const auto& item : todo) {
     std::string v = std::to_string(item.second);
-    store_->set(key(item.first, rank_), std::vector<uint8_t>(v.begin(), v.end()));
+    store_.set(key(item.first, rank_), std::vector<uint8_t>(v.begin(), v.end()));
   }
 }
 
@@ -140,8 +140,8 @@ std::string ProgressBoard::this_host() {
 
 std::string ProgressBoard::host_of(int global_rank) {
   std::lock_guard<std::mutex> lock(store_mu_);
-  if (!store_->check({host_key(global_rank)})) return "";
-  const std::vector<uint8_t> value = store_->get(host_key(global_rank));
+  if (!store_.check({host_key(global_rank)})) return "";
+  const std::vector<uint8_t> value = store_.get(host_key(global_rank));
   return std::string(value.begin(), value.end());
 }
 
@@ -150,8 +150,8 @@ void ProgressBoard::introduce() {
   const std::string host = this_host();
   try {
     std::lock_guard<std::mutex> lock(store_mu_);
-    store_->set(host_key(rank_), std::vector<uint8_t>(host.begin(), host.end()));
-    store_->set(whois_key(rank_), std::vector<uint8_t>(who.begin(), who.end()));
+    store_.set(host_key(rank_), std::vector<uint8_t>(host.begin(), host.end()));
+    store_.set(whois_key(rank_), std::vector<uint8_t>(who.begin(), who.end()));
   } catch (const std::exception&) {
     // Without it, a diagnosis calls this rank silent rather than stopped or gone.
   }
@@ -161,9 +161,9 @@ ProgressBoard::Fate ProgressBoard::fate(int global_rank) {
   std::string who;
   {
     std::lock_guard<std::mutex> lock(store_mu_);
-    if (store_->check({left_key(global_rank)})) return Fate::kLeft;
-    if (!store_->check({whois_key(global_rank)})) return Fate::kSilent;
-    const std::vector<uint8_t> value = store_->get(whois_key(global_rank));
+    if (store_.check({left_key(global_rank)})) return Fate::kLeft;
+    if (!store_.check({whois_key(global_rank)})) return Fate::kSilent;
+    const std::vector<uint8_t> value = store_.get(whois_key(global_rank));
     who.assign(value.begin(), value.end());
   }
   const auto space = who.rfind(' ');
@@ -176,7 +176,7 @@ ProgressBoard::Fate ProgressBoard::fate(int global_rank) {
 
 void ProgressBoard::beat() {
   std::lock_guard<std::mutex> lock(store_mu_);
-  store_->add(heartbeat_key(rank_), 1);
+  store_.add(heartbeat_key(rank_), 1);
 }
 
 void ProgressBoard::publish_loop() {
@@ -202,7 +202,7 @@ void ProgressBoard::publish_loop() {
 std::vector<int64_t> ProgressBoard::heartbeats(const std::vector<int>& global_ranks) {
   std::vector<int64_t> counts;
   std::lock_guard<std::mutex> lock(store_mu_);
-  for (int r : global_ranks) counts.push_back(store_->add(heartbeat_key(r), 0));  // adding 0 reads it
+  for (int r : global_ranks) counts.push_back(store_.add(heartbeat_key(r), 0));  // adding 0 reads it
   return counts;
 }
 
@@ -224,11 +224,11 @@ std::vector<int64_t> ProgressBoard::last_entered(const std::string& group, const
   std::lock_guard<std::mutex> lock(store_mu_);
   for (int r : global_ranks) {
     const std::string k = key(group, r);
-    if (!store_->check({k})) {
+    if (!store_.check({k})) {
       result.push_back(-1);
       continue;
     }
-    result.push_back(parse_seq(k, store_->get(k)));
+    result.push_back(parse_seq(k, store_.get(k)));
   }
   return result;
 }

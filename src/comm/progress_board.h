@@ -10,7 +10,13 @@
 // The same thread also bumps a per-rank heartbeat counter every kHeartbeat. A rank that
 // entered the collective and then stopped (SIGSTOP, a debugger, a frozen machine) looks as if
 // it arrived; its heartbeat is what tells it apart from a rank that is merely waiting too.
+//
+// Every store request is bounded (bounded_store.h): on a host cut off from the store's host, the
+// board's requests fail after the store's timeout instead of hanging, so a diagnosis still ends
+// (saying the store is unreachable) and the rank still reports its timeout and exits.
 #pragma once
+
+#include "src/comm/bounded_store.h"
 
 #include <c10/util/intrusive_ptr.h>
 
@@ -33,8 +39,9 @@ namespace comm {
 class ProgressBoard {
  public:
   // `store` should be a connection of its own: the publishing thread must not queue behind a
-  // long blocking wait of another thread on a shared connection.
-  ProgressBoard(c10::intrusive_ptr<c10d::Store> store, int global_rank);
+  // long blocking wait of another thread on a shared connection. Each request gives up after
+  // the store's timeout; `where` names the store in that error.
+  ProgressBoard(c10::intrusive_ptr<c10d::Store> store, int global_rank, const std::string& where = "the job's store");
   ~ProgressBoard();
   ProgressBoard(const ProgressBoard&) = delete;
   ProgressBoard& operator=(const ProgressBoard&) = delete;
@@ -82,7 +89,7 @@ class ProgressBoard {
   std::string key(const std::string& group, int rank) const;
   std::vector<int64_t> heartbeats(const std::vector<int>& global_ranks);
 
-  c10::intrusive_ptr<c10d::Store> store_;
+  BoundedStore store_;
   const int rank_;
   std::mutex mu_;
   std::condition_variable cv_;
