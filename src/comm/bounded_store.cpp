@@ -38,8 +38,7 @@ struct BoundedStore::Worker {
   }
 };
 
-BoundedStore::BoundedStore(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds deadline,
-                           std::string where)
+BoundedStore::BoundedStore(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds deadline, std::string where)
     : store_(std::move(store)), deadline_(deadline), where_(std::move(where)), worker_(std::make_shared<Worker>()) {
   // The thread holds its own reference: it may outlive this object in a stuck request.
   worker_->thread = std::thread([worker = worker_] { Worker::loop(worker); });
@@ -108,9 +107,8 @@ bool BoundedStore::check(const std::vector<std::string>& keys) {
 
 std::vector<uint8_t> BoundedStore::compare_set(const std::string& key, const std::vector<uint8_t>& expected,
                                                const std::vector<uint8_t>& desired) {
-  return run<std::vector<uint8_t>>("compare-set", [store = store_, key, expected, desired] {
-    return store->compareSet(key, expected, desired);
-  });
+  return run<std::vector<uint8_t>>(
+      "compare-set", [store = store_, key, expected, desired] { return store->compareSet(key, expected, desired); });
 }
 
 }  // namespace comm

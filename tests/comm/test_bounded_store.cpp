@@ -107,7 +107,7 @@ TEST(BoundedStore, ARequestThatNeverReturnsFailsAtTheDeadlineAndSoDoEveryLaterOn
     const auto later = Clock::now();
     EXPECT_THROW(bounded.check({"n"}), fsdp::comm::StoreUnreachable);
     EXPECT_LT(Clock::now() - later, milliseconds(100));
-  }  // the destructor returns with the request still stuck
+  }                  // the destructor returns with the request still stuck
   store->release();  // the thread left behind finishes its request and ends
 }
 

@@ -5,16 +5,19 @@ address, for the multi-host tests (test_multihost.py).
         p = hosts.start(0, ["fsdprun", "--nnodes", "2", "--master-addr", hosts.address(0), ...])
         hosts.link_down(1)          # host 1's cable pulled: its namespace stays, its link is down
 
-Each host is a namespace `<tag>h<i>` with one interface, named `IFNAME` in every host (so one
+Each host is a network namespace `<tag>h<i>` with one interface, named `IFNAME` in every host (so one
 FSDP_SOCKET_IFNAME fits all), at 10.<a>.<b>.<10 + i>/24 on the bridge `<tag>br`, where the tag
 and the subnet come from this process's id: concurrent tests do not collide. Everything is
 removed on exit, also when a test fails, and the processes started in the hosts are killed
-first. Needs root (ip netns, ip link) and iproute2; `available()` says why not otherwise.
+first. Each process started in a host also gets a pid namespace of its own, so that hosts do not
+see each other's processes, and a TMPDIR of its host's own, as separate machines do not share
+/tmp (fsdprun's default flight-recorder folder is named by its pid, 1 in every host). Needs root (ip netns, ip link) and iproute2; `available()` says why not otherwise.
 """
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 IFNAME = "fsdp0"
@@ -52,6 +55,7 @@ class Hosts:
         self.subnet = f"10.{100 + pid % 100}.{(pid // 100) % 250}"
         self.bridge = f"{self.tag}br"
         self.processes = []
+        self.tmpdirs = []
 
     def netns(self, i):
         return f"{self.tag}h{i}"
@@ -63,6 +67,7 @@ class Hosts:
         return f"{self.subnet}.{10 + i}"
 
     def __enter__(self):
+        self.tmpdirs = [tempfile.mkdtemp(prefix=f"{self.netns(i)}-") for i in range(self.count)]
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
@@ -87,11 +92,13 @@ class Hosts:
         return False
 
     def start(self, i, argv, env=None, **popen):
-        """Starts argv inside host i, in a process group of its own; returns the Popen."""
+        """Starts argv inside host i, in a process group and a pid namespace of its own (its
+        processes die with it); returns the Popen."""
         full_env = dict(os.environ)
+        full_env["TMPDIR"] = self.tmpdirs[i]
         full_env.update(env or {})
-        p = subprocess.Popen(["ip", "netns", "exec", self.netns(i), *argv], env=full_env,
-                             start_new_session=True, **popen)
+        p = subprocess.Popen(["ip", "netns", "exec", self.netns(i), "unshare", "--pid", "--fork", "--kill-child",
+                              *argv], env=full_env, start_new_session=True, **popen)
         self.processes.append(p)
         return p
 
@@ -102,10 +109,17 @@ class Hosts:
         _ip("link", "set", self._veth(i), "up")
 
     def kill_host(self, i):
-        """Every process of host i, killed at once (SIGKILL to each started process group)."""
+        """Every process of host i, killed at once: each started process group, and whatever else
+        runs inside its namespace (workers in process groups of their own)."""
         for p in self.processes:
             if p.args[3] == self.netns(i) and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+        r = subprocess.run(["ip", "netns", "pids", self.netns(i)], capture_output=True, text=True)
+        for pid in r.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def close(self):
         for p in self.processes:
@@ -132,3 +146,5 @@ class Hosts:
             subprocess.run(["ip", "netns", "del", self.netns(i)], capture_output=True)
             subprocess.run(["ip", "link", "del", self._veth(i)], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        for d in self.tmpdirs:
+            shutil.rmtree(d, ignore_errors=True)

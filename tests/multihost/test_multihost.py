@@ -2,7 +2,10 @@
 one fsdprun agent per host, the store on host 0's address: FULL_SHARD over every rank and
 HYBRID_SHARD with one replica per host train exactly as the same ranks on one host do; a host
 whose link goes down mid-step stops the other host's ranks within the collective timeout,
-naming the host and its ranks; and a host that never joins is named at the join timeout. Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the
+naming the host and its ranks, and the cut-off host's own ranks and agent stop too; a host killed
+whole ends the same way; with --max-restarts, a host that comes back rejoins and the run resumes
+from its last checkpoint with an uninterrupted run's losses; and a host that never joins is named
+at the join timeout. Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the
 reason, where namespaces cannot be made."""
 import json
 import os
@@ -48,14 +51,14 @@ def port():
     return 20000 + os.getpid() % 20000
 
 
-def start_agents(hosts, out, steps, more=(), env=None, join_timeout_s=60, on_hosts=None):
+def start_agents(hosts, out, steps, more=(), env=None, join_timeout_s=60, on_hosts=None, fsdprun_args=()):
     """One fsdprun on each host of on_hosts (default: every host) for a job of all the hosts;
     returns their Popens (stdout and stderr together, as text)."""
     agents = []
     for i in (range(hosts.count) if on_hosts is None else on_hosts):
         argv = [FSDPRUN, "--nnodes", str(hosts.count), "--node-rank", str(i), "--nproc-per-node", str(NPROC),
                 "--master-addr", hosts.address(0), "--master-port", str(port()), "--join-timeout", str(join_timeout_s),
-                *trainer_args(out, steps, more)]
+                *fsdprun_args, *trainer_args(out, steps, more)]
         agents.append(hosts.start(i, argv, env={"FSDP_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1", **(env or {})},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return agents
@@ -134,6 +137,68 @@ def test_a_host_whose_link_goes_down_is_named_by_the_others_within_the_timeout()
         assert f"({hosts.address(1)}): ranks [2, 3]" in line, line
         # Not blamed on mismatched reduce-scatters: the ranks are gone, not out of step.
         assert "set_reduce_scatter_unused_params" not in line, line
+        # The cut-off host stops too: its ranks' and its agent's store requests give up after
+        # their deadlines (the store's timeout, and fsdprun's 15 s) instead of hanging.
+        (rc1, text1), = finish([agents[1]], timeout=90)
+        assert rc1 != 0, text1
+        assert "got no answer within" in text1 and "cut off" in text1, text1
+        # Host 0's fsdprun does not wait its full exit barrier for an agent it cannot hear.
+        (rc0, text0), = finish([agents[0]], timeout=90)
+        assert rc0 != 0, text0
+        assert time.time() - down_at < 60, f"the agents took {time.time() - down_at:.1f} s to stop"
+
+
+def test_a_host_that_comes_back_rejoins_and_the_run_resumes_from_its_last_checkpoint():
+    """With --max-restarts, node 0 restarts the job when a host's link went down; the host, back,
+    runs fsdprun again, which joins the attempt node 0 is in; every rank resumes from the last
+    complete checkpoint, and the losses equal an uninterrupted run's."""
+    steps, timeout_s = 200, 5
+    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
+        want = one_host(os.path.join(tmp, "one"), steps)
+        out = os.path.join(tmp, "two")
+        more = [f"--fsdp_config.collective_timeout_s={timeout_s}", "--fsdp_config.checkpoint_interval=10"]
+        restarts = ["--max-restarts", "1"]
+        agents = start_agents(hosts, out, steps, more, fsdprun_args=restarts)
+        deadline = time.time() + 120
+        ckpt = os.path.join(out, "ckpt")
+        while time.time() < deadline and not (os.path.isdir(ckpt) and os.listdir(ckpt)):
+            time.sleep(0.05)
+        assert os.path.isdir(ckpt) and os.listdir(ckpt), "the run wrote no checkpoint"
+        hosts.link_down(1)
+        (rc1, text1), = finish([agents[1]], timeout=90)
+        assert rc1 != 0 and "cut off" in text1, text1
+        hosts.link_up(1)
+        again = start_agents(hosts, out, steps, more, on_hosts=[1], fsdprun_args=restarts)[0]
+        (rc0, text0), (rc1, text1) = finish([agents[0], again], timeout=240)
+        assert rc0 == 0, f"host 0:\n{text0}"
+        assert rc1 == 0, f"host 1, started again:\n{text1}"
+        assert "restarting the worker group: restart 1 of 1" in text0, text0
+        assert "joining attempt 1" in text1, text1
+        assert losses(out) == want
+
+
+def test_a_host_killed_whole_is_named_by_the_others_within_the_timeout():
+    timeout_s = 5
+    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
+        out = os.path.join(tmp, "run")
+        agents = start_agents(hosts, out, 100000, [f"--fsdp_config.collective_timeout_s={timeout_s}"])
+        deadline = time.time() + 120
+        while time.time() < deadline and not os.path.exists(os.path.join(out, "m0.jsonl")):
+            time.sleep(0.2)
+        assert os.path.exists(os.path.join(out, "m0.jsonl")), "the run never reached its first step"
+        # A machine that loses power sends nothing more: its link goes first, then its processes.
+        killed_at = time.time()
+        hosts.link_down(1)
+        hosts.kill_host(1)
+        line, text = first_line_with(agents[0], "timed out after", timeout_s + 30)
+        assert line is not None, f"no rank of host 0 reported a timeout within {timeout_s + 30} s:\n{text}"
+        assert time.time() - killed_at < timeout_s + 5, text
+        # Its ranks are named, with the host, as for a link down.
+        assert "ranks that stopped making progress: [2, 3]" in line, line
+        assert f"({hosts.address(1)}): ranks [2, 3]" in line, line
+        (rc0, text0), = finish([agents[0]], timeout=90)
+        assert rc0 != 0, text0
+        assert time.time() - killed_at < 45, f"host 0's fsdprun took {time.time() - killed_at:.1f} s to stop"
 
 
 def test_a_host_that_never_joins_is_named_at_the_join_timeout():

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <csignal>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <poll.h>
 #include <sstream>
@@ -22,6 +23,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kBarrierPollMs = 50;      // store polling while waiting for other agents
 constexpr double kExitBarrierS = 30.0;  // node 0 keeps the store up this long at most
+// ... and stops waiting for an agent whose heartbeat has not moved for this long (gone, or cut off).
+constexpr double kSilentAgentS = 5.0;
 // After a failure, how much longer than a monitor interval plus the stop grace period an agent
 // waits for the other nodes' flight-recorder dumps.
 constexpr double kFlightGatherMarginS = 5.0;
@@ -60,8 +63,8 @@ int Agent::run() {
     raise_open_file_limit(opt_);
     flight_dir_ = flight_recorder_base_dir(opt_, getpid());
     store_ = std::make_unique<AgentStore>(opt_, [this] { return !stop_requested(); });
-    if (several_nodes()) store_->register_agent();
-    for (int k = 0;; ++k) {
+    if (several_nodes()) store_->register_agent(opt_.node_rank);
+    for (int k = first_attempt();; ++k) {
       if (auto exit_code = conclude(k, attempt(k))) {
         // A default folder in $TMPDIR is for diagnosing failures only.
         if (*exit_code == 0 && opt_.flight_recorder_dir.empty() && opt_.log_dir.empty()) {
@@ -104,8 +107,27 @@ std::optional<int> Agent::conclude(int k, Outcome o) {
   return o == Outcome::Succeeded ? 0 : 1;
 }
 
+// An agent that starts while the job runs (its host came back, and fsdprun was started on it
+// again) joins the attempt node 0 is in, or the next one if that attempt has failed already,
+// with the restarts that node 0 has left.
+int Agent::first_attempt() {
+  if (!several_nodes() || store_->is_host()) return 0;
+  const int k = store_->current_attempt();
+  if (k == 0) return 0;
+  const int joining = store_->failure(k) ? k + 1 : k;
+  say("the job is past its first attempt: joining attempt " + std::to_string(joining) + " (restart " +
+      std::to_string(joining) + " of " + std::to_string(opt_.max_restarts) + ")");
+  if (joining > opt_.max_restarts) {
+    throw std::runtime_error("this node's --max-restarts (" + std::to_string(opt_.max_restarts) +
+                             ") does not allow attempt " + std::to_string(joining) +
+                             ": give every node the same --max-restarts");
+  }
+  return joining;
+}
+
 Agent::Outcome Agent::attempt(int k) {
   if (!several_nodes()) return run_workers(k);
+  if (store_->is_host()) store_->begin_attempt(k);
   if (auto o = wait_for_agents(k)) return *o;
   const Outcome o = run_workers(k);
   if (o != Outcome::Succeeded) return o;
@@ -295,14 +317,24 @@ void Agent::announce_stop(int k, const std::string& why) {
 }
 
 // Node 0 hosts the store: before leaving it waits (bounded) until every agent has
-// seen the final result, so that none of them loses the store in the middle of a poll.
+// seen the final result, so that none of them loses the store in the middle of a poll. An
+// agent whose heartbeat stopped (its node gone or cut off) is not waited for.
 void Agent::leave_store(bool wait_for_others) {
   if (!several_nodes()) return;
   try {
-    store_->mark_exited();
+    store_->mark_exited(opt_.node_rank);
     if (!store_->is_host() || !wait_for_others) return;
     const auto deadline = Clock::now() + seconds(kExitBarrierS);
-    while (!store_->all_exited() && Clock::now() < deadline) {
+    std::map<int, std::pair<int64_t, Clock::time_point>> last_beat;  // node -> (count, when it moved)
+    while (Clock::now() < deadline) {
+      bool waiting = false;
+      for (int node : store_->not_exited()) {
+        const int64_t beat = store_->heartbeat(node);
+        auto it = last_beat.find(node);
+        if (it == last_beat.end() || it->second.first != beat) last_beat[node] = {beat, Clock::now()};
+        waiting |= Clock::now() - last_beat[node].second < seconds(kSilentAgentS);
+      }
+      if (!waiting) return;
       nap(kBarrierPollMs);
       if (stop_requested()) return;
     }

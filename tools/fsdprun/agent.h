@@ -33,6 +33,8 @@ class Agent {
   // With one node there is nobody to agree with: the agent then never talks to the
   // store, which it hosts for the workers only.
   bool several_nodes() const { return opt_.nnodes > 1; }
+  // The attempt this agent starts with: 0, or the job's current one for an agent started late.
+  int first_attempt();
   Outcome attempt(int k);
   std::optional<int> conclude(int k, Outcome o);
   std::optional<Outcome> wait_for_agents(int k);  // nullopt: all agents joined

@@ -108,9 +108,19 @@ AgentStore::AgentStore(const Options& opt, const std::function<bool()>& keep_wai
   } else {
     connect(opt, keep_waiting);
   }
+  const std::string where = host_ ? std::string("the agent store (hosted here)")
+                                  : "the agent store of node 0 at " + opt.master_addr + ":" + std::to_string(port_);
+  requests_ = std::make_unique<fsdp::comm::BoundedStore>(store_, kRequestDeadline, where);
 }
 
-AgentStore::~AgentStore() = default;
+AgentStore::~AgentStore() {
+  {
+    std::lock_guard<std::mutex> lock(beat_mu_);
+    beat_stop_ = true;
+  }
+  beat_wake_.notify_all();
+  if (beat_thread_.joinable()) beat_thread_.join();
+}
 
 // --standalone: loopback only, on any free port. Otherwise every address of MASTER_PORT, so that
 // the other nodes reach it (as torchrun's). Either way c10d's non-blocking server, which a
@@ -161,19 +171,34 @@ void AgentStore::connect(const Options& opt, const std::function<bool()>& keep_w
 }
 
 int64_t AgentStore::counter(const std::string& k, int64_t delta) {
-  return guarded(kLostStore, [&] { return store_->add(k, delta); });
+  return guarded(kLostStore, [&] { return requests_->add(k, delta); });
 }
 
 std::optional<std::string> AgentStore::get_if_set(const std::string& k) {
   return guarded(kLostStore, [&]() -> std::optional<std::string> {
-    if (!store_->check({k})) return std::nullopt;
-    const auto value = store_->get(k);
+    if (!requests_->check({k})) return std::nullopt;
+    const auto value = requests_->get(k);
     return std::string(value.begin(), value.end());
   });
 }
 
+void AgentStore::begin_attempt(int attempt) {
+  guarded(kLostStore, [&] { requests_->set("/fsdprun/current_attempt", bytes(std::to_string(attempt))); });
+}
+
+int AgentStore::current_attempt() {
+  const auto value = get_if_set("/fsdprun/current_attempt");
+  if (!value) return 0;
+  try {
+    return std::stoi(*value);
+  } catch (const std::exception&) {
+    throw std::runtime_error("the agent store's /fsdprun/current_attempt holds '" + *value +
+                             "', not an attempt number: is another program using --master-port?");
+  }
+}
+
 void AgentStore::join(int attempt, int node) {
-  guarded(kLostStore, [&] { store_->set(key(attempt, "joined_node_") + std::to_string(node), bytes("1")); });
+  guarded(kLostStore, [&] { requests_->set(key(attempt, "joined_node_") + std::to_string(node), bytes("1")); });
   counter(key(attempt, "joined"), 1);
 }
 int64_t AgentStore::joined(int attempt) { return counter(key(attempt, "joined"), 0); }
@@ -182,14 +207,14 @@ std::vector<int> AgentStore::not_joined(int attempt) {
   std::vector<int> missing;
   for (int node = 0; node < nnodes_; ++node) {
     const std::string k = key(attempt, "joined_node_") + std::to_string(node);
-    if (!guarded(kLostStore, [&] { return store_->check({k}); })) missing.push_back(node);
+    if (!guarded(kLostStore, [&] { return requests_->check({k}); })) missing.push_back(node);
   }
   return missing;
 }
 
 void AgentStore::mark_failed(int attempt, const std::string& why) {
   // The first failure is the interesting one: later ones are usually its consequences.
-  guarded(kLostStore, [&] { store_->compareSet(key(attempt, "failed"), {}, bytes(why)); });
+  guarded(kLostStore, [&] { requests_->compare_set(key(attempt, "failed"), {}, bytes(why)); });
 }
 std::optional<std::string> AgentStore::failure(int attempt) { return get_if_set(key(attempt, "failed")); }
 
@@ -197,7 +222,7 @@ void AgentStore::mark_done(int attempt) { counter(key(attempt, "done"), 1); }
 bool AgentStore::all_done(int attempt) { return counter(key(attempt, "done"), 0) >= nnodes_; }
 
 void AgentStore::mark_shutdown(const std::string& why) {
-  guarded(kLostStore, [&] { store_->compareSet("/fsdprun/shutdown", {}, bytes(why)); });
+  guarded(kLostStore, [&] { requests_->compare_set("/fsdprun/shutdown", {}, bytes(why)); });
 }
 std::optional<std::string> AgentStore::shutdown() { return get_if_set("/fsdprun/shutdown"); }
 
@@ -206,14 +231,54 @@ std::string flight_key(int attempt, int node) { return key(attempt, "flight_dump
 }  // namespace
 
 void AgentStore::share_flight_dumps(int attempt, int node, const std::string& document) {
-  guarded(kLostStore, [&] { store_->set(flight_key(attempt, node), bytes(document)); });
+  guarded(kLostStore, [&] { requests_->set(flight_key(attempt, node), bytes(document)); });
 }
 std::optional<std::string> AgentStore::flight_dumps(int attempt, int node) {
   return get_if_set(flight_key(attempt, node));
 }
 
-void AgentStore::register_agent() { counter("/fsdprun/agents", 1); }
-void AgentStore::mark_exited() { counter("/fsdprun/exited", 1); }
-bool AgentStore::all_exited() { return counter("/fsdprun/exited", 0) >= counter("/fsdprun/agents", 0); }
+namespace {
+std::string node_key(const char* what, int node) {
+  return std::string("/fsdprun/") + what + "/node_" + std::to_string(node);
+}
+}  // namespace
+
+void AgentStore::register_agent(int node) {
+  guarded(kLostStore, [&] { requests_->set(node_key("agents", node), bytes("1")); });
+  if (host_) return;
+  beat_thread_ = std::thread([this, node] { beat_until_stopped(node); });
+}
+
+// Stops at the first failed request: an agent whose store is lost learns it from its own
+// requests, and node 0 from the heartbeat that stopped moving.
+void AgentStore::beat_until_stopped(int node) {
+  std::unique_lock<std::mutex> lock(beat_mu_);
+  while (!beat_stop_) {
+    lock.unlock();
+    try {
+      requests_->add(node_key("alive", node), 1);
+    } catch (const std::exception&) {
+      return;
+    }
+    lock.lock();
+    beat_wake_.wait_for(lock, kHeartbeatPeriod, [this] { return beat_stop_; });
+  }
+}
+
+int64_t AgentStore::heartbeat(int node) { return counter(node_key("alive", node), 0); }
+
+void AgentStore::mark_exited(int node) {
+  guarded(kLostStore, [&] { requests_->set(node_key("exited", node), bytes("1")); });
+}
+
+std::vector<int> AgentStore::not_exited() {
+  std::vector<int> running;
+  for (int node = 1; node < nnodes_; ++node) {
+    const bool registered = guarded(kLostStore, [&] { return requests_->check({node_key("agents", node)}); });
+    if (registered && !guarded(kLostStore, [&] { return requests_->check({node_key("exited", node)}); }))
+      running.push_back(node);
+  }
+  return running;
+}
 
 }  // namespace fsdprun

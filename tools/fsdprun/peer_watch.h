@@ -23,8 +23,9 @@ struct PeerNews {
 
 // Watches attempt K on a thread of its own: polls /fsdprun/attempt_K/failed every
 // interval_s, and publishes this node's failure when told to. The caller polls fd() with
-// its other descriptors and then calls take_news(). While a PeerWatch lives, nobody else
-// may use the store (its client serves one request at a time).
+// its other descriptors and then calls take_news(). While a PeerWatch lives, the agent's own
+// thread leaves the store to it: the store serves one request at a time, and the agent's
+// thread must not wait behind one.
 class PeerWatch {
  public:
   PeerWatch(AgentStore& store, int attempt, double interval_s);
