@@ -5,6 +5,9 @@ address, for the multi-host tests (test_multihost.py).
         p = hosts.start(0, ["fsdprun", "--nnodes", "2", "--master-addr", hosts.address(0), ...])
         hosts.link_down(1)          # host 1's cable pulled: its namespace stays, its link is down
 
+    with Hosts(2, impaired={1: Impairment(delay_s=0.02, loss=0.01)}) as hosts:
+        ...                         # host 1's cable holds each frame 20 ms and loses 1 %, each way
+
 Each host is a network namespace `<tag>h<i>` with one interface, named `IFNAME` in every host (so one
 FSDP_SOCKET_IFNAME fits all), at 10.<a>.<b>.<10 + i>/24 on the bridge `<tag>br`, where the tag
 and the subnet come from this process's id: concurrent tests do not collide. Everything is
@@ -13,11 +16,17 @@ first. Each process started in a host also gets a pid namespace of its own, so t
 see each other's processes, and a TMPDIR of its host's own, as separate machines do not share
 /tmp (fsdprun's default flight-recorder folder is named by its pid, 1 in every host). Needs root (ip netns, ip link) and iproute2; `available()` says why not otherwise.
 """
+import fcntl
+import heapq
 import os
+import random
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
+import threading
 import time
 
 IFNAME = "fsdp0"
@@ -45,12 +54,83 @@ def available():
     return ""
 
 
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
+
+
+def _open_tap(name):
+    """A TAP device `name`, created in this namespace, and its descriptor (non-blocking): frames
+    written to the descriptor come out of the device, and frames sent into it are read here. The
+    descriptor stays bound to the device when the device moves to another namespace."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), IFF_TAP | IFF_NO_PI))
+    return fd
+
+
+class Impairment:
+    """What a host's cable does to every frame, each way: holds it `delay_s`, loses it with
+    probability `loss` (in the manner of tc netem's delay and loss, done in user space because
+    these machines' kernels have no netem)."""
+
+    def __init__(self, delay_s=0.02, loss=0.01, seed=0):
+        self.delay_s, self.loss, self.seed = delay_s, loss, seed
+
+
+class _ImpairedCable(threading.Thread):
+    """Carries frames between a host's interface and its port on the bridge (two TAP devices),
+    as an Impairment says."""
+
+    def __init__(self, host_fd, bridge_fd, impairment):
+        super().__init__(daemon=True)
+        self.fds, self.impairment = (host_fd, bridge_fd), impairment
+        self.stopping = threading.Event()
+        self.frames = 0
+        self.lost = 0
+
+    def run(self):
+        rng = random.Random(self.impairment.seed)
+        due = []  # (when, order, descriptor to write, frame)
+        order = 0
+        while not self.stopping.is_set():
+            wait = min(0.05, max(0.0, due[0][0] - time.monotonic())) if due else 0.05
+            readable, _, _ = select.select(self.fds, [], [], wait)
+            now = time.monotonic()
+            for fd in readable:
+                other = self.fds[1] if fd == self.fds[0] else self.fds[0]
+                while True:
+                    try:
+                        frame = os.read(fd, 65536)
+                    except OSError:  # nothing more to read (EAGAIN), or the device is down
+                        break
+                    self.frames += 1
+                    if rng.random() < self.impairment.loss:
+                        self.lost += 1
+                        continue
+                    heapq.heappush(due, (now + self.impairment.delay_s, order, other, frame))
+                    order += 1
+            while due and due[0][0] <= now:
+                _, _, fd, frame = heapq.heappop(due)
+                try:
+                    os.write(fd, frame)
+                except OSError:  # the port is down (link_down): the frame is lost, as on a cable
+                    pass
+
+    def stop(self):
+        self.stopping.set()
+        self.join(timeout=5)
+        for fd in self.fds:
+            os.close(fd)
+
+
 class Hosts:
-    def __init__(self, count):
+    def __init__(self, count, impaired=None):
+        """`impaired`: {host index: Impairment} for hosts whose cable delays and loses frames."""
         if not 1 <= count <= 8:
             raise ValueError(f"Hosts: 1 to 8 hosts, got {count}")
         pid = os.getpid()
         self.count = count
+        self.impaired = dict(impaired or {})
+        self.cables = []
         self.tag = f"fm{pid % 100000}"
         self.subnet = f"10.{100 + pid % 100}.{(pid // 100) % 250}"
         self.bridge = f"{self.tag}br"
@@ -74,7 +154,12 @@ class Hosts:
             for i in range(self.count):
                 ns, veth, inner = self.netns(i), self._veth(i), f"{self.tag}p{i}"
                 _ip("netns", "add", ns)
-                _ip("link", "add", veth, "type", "veth", "peer", "name", inner)
+                if i in self.impaired:  # two TAP devices and a user-space cable between them
+                    cable = _ImpairedCable(_open_tap(inner), _open_tap(veth), self.impaired[i])
+                    self.cables.append(cable)
+                    cable.start()
+                else:
+                    _ip("link", "add", veth, "type", "veth", "peer", "name", inner)
                 _ip("link", "set", inner, "netns", ns)
                 _ip("link", "set", inner, "name", IFNAME, netns=ns)
                 _ip("addr", "add", f"{self.address(i)}/24", "dev", IFNAME, netns=ns)
@@ -122,6 +207,9 @@ class Hosts:
                 pass
 
     def close(self):
+        for cable in self.cables:
+            cable.stop()
+        self.cables = []
         for p in self.processes:
             if p.poll() is None:
                 try:
