@@ -224,6 +224,15 @@ def test_a_host_that_never_joins_is_named_at_the_join_timeout():
         started = time.time()
         # Host 1's fsdprun is never started.
         agent = start_agents(hosts, os.path.join(tmp, "run"), 2, join_timeout_s=3, on_hosts=[0])[0]
+        # Meanwhile its store listens on host 0's address, where the others look for it, and
+        # nowhere else.
+        listening = []
+        while not listening and time.time() - started < 3:
+            ss = subprocess.run(["ip", "netns", "exec", hosts.netns(0), "ss", "-Hltn", f"sport = :{port()}"],
+                                capture_output=True, text=True)
+            listening = [line.split()[3] for line in ss.stdout.splitlines() if line.strip()]
+            time.sleep(0.05)
+        assert listening == [f"{hosts.address(0)}:{port()}"], listening
         rc, text = finish([agent], timeout=60)[0]
         assert rc != 0, text
         assert time.time() - started < 3 + 10, text

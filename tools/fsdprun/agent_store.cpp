@@ -122,18 +122,26 @@ AgentStore::~AgentStore() {
   if (beat_thread_.joinable()) beat_thread_.join();
 }
 
-// --standalone: loopback only, on any free port. Otherwise every address of MASTER_PORT, so that
-// the other nodes reach it (as torchrun's). Either way c10d's non-blocking server, which a
-// stalled or lying client cannot hold up (src/comm/store_server.h).
+// --standalone: loopback only, on any free port. Otherwise --master-addr's address on
+// MASTER_PORT, where the other nodes look for it, and nowhere else; every address of the port
+// (as torchrun's) only when --master-addr is not an address of this host (a name that resolves
+// elsewhere here, say behind a NAT). Either way c10d's non-blocking server, which a stalled or
+// lying client cannot hold up (src/comm/store_server.h).
 void AgentStore::host(const Options& opt) {
   fsdp::comm::StoreServerOptions o;
-  o.bind_address = opt.standalone ? "127.0.0.1" : "";
+  o.bind_address = opt.standalone ? "127.0.0.1" : opt.master_addr;
   o.port = opt.standalone ? 0 : opt.master_port;
   o.timeout = seconds(opt.join_timeout_s);
   const std::string what = opt.standalone ? std::string("cannot host the agent store on loopback")
                                           : "cannot host the agent store on port " + std::to_string(opt.master_port);
   try {
-    store_ = fsdp::comm::host_store(o);
+    try {
+      store_ = fsdp::comm::host_store(o);
+    } catch (const fsdp::comm::StoreBindError& e) {
+      if (opt.standalone || e.address_in_use()) throw;
+      o.bind_address = "";  // --master-addr is not this host's: every address of the port
+      store_ = fsdp::comm::host_store(o);
+    }
   } catch (const fsdp::comm::StoreBindError& e) {
     if (!e.address_in_use() || opt.standalone) throw std::runtime_error(what + ": " + e.what());
     throw std::runtime_error(what +
