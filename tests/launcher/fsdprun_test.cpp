@@ -337,12 +337,28 @@ TEST(AgentStore, StandaloneListensOnLoopbackOnly) {
   EXPECT_EQ(run.wait(30).exit_code, 128 + SIGTERM);
 }
 
-// The control case: without --standalone the store must be reachable from other nodes,
-// and the check above does see a wildcard listener.
-TEST(AgentStore, MultiNodeCapableStoreListensOnAllAddresses) {
+// Without --standalone the store listens where --master-addr says, where the other nodes look
+// for it (the default, 127.0.0.1, is loopback), and nowhere else.
+TEST(AgentStore, StoreListensOnTheMasterAddressOnly) {
   TempDir dir;
   const int port = free_port();
   Process run = fsdprun.start(with_worker({"--master-port", std::to_string(port)}, {"port", dir.path()}));
+  ASSERT_TRUE(wait_for_file(dir / "port"));
+  const auto addresses = listen_addresses(port);
+  ASSERT_FALSE(addresses.empty());
+  for (const auto& a : addresses) EXPECT_TRUE(is_loopback(a)) << "store listens on " << a;
+  kill(run.pid(), SIGTERM);
+  EXPECT_EQ(run.wait(30).exit_code, 128 + SIGTERM);
+}
+
+// The control case: a --master-addr that is not this host's (here a documentation-only address,
+// RFC 5737) cannot be bound, so the store listens on every address of the port, and the check
+// above does see a wildcard listener.
+TEST(AgentStore, AMasterAddressNotOfThisHostListensOnAllAddresses) {
+  TempDir dir;
+  const int port = free_port();
+  Process run = fsdprun.start(
+      with_worker({"--master-addr", "192.0.2.1", "--master-port", std::to_string(port)}, {"port", dir.path()}));
   ASSERT_TRUE(wait_for_file(dir / "port"));
   const auto addresses = listen_addresses(port);
   ASSERT_FALSE(addresses.empty());

@@ -124,12 +124,14 @@ AgentStore::~AgentStore() {
 
 // --standalone: loopback only, on any free port. Otherwise --master-addr's address on
 // MASTER_PORT, where the other nodes look for it, and nowhere else; every address of the port
-// (as torchrun's) only when --master-addr is not an address of this host (a name that resolves
-// elsewhere here, say behind a NAT). Either way c10d's non-blocking server, which a stalled or
-// lying client cannot hold up (src/comm/store_server.h).
+// (as torchrun's) when --master-addr is not an address of this host (a name that resolves
+// elsewhere here, say behind a NAT), or is a loopback one while other nodes must reach it (a
+// host name that /etc/hosts maps to 127.0.1.1, as Debian's does). Either way c10d's
+// non-blocking server, which a stalled or lying client cannot hold up (src/comm/store_server.h).
 void AgentStore::host(const Options& opt) {
   fsdp::comm::StoreServerOptions o;
-  o.bind_address = opt.standalone ? "127.0.0.1" : opt.master_addr;
+  const bool loopback_for_others = opt.nnodes > 1 && fsdp::comm::is_loopback_address(opt.master_addr);
+  o.bind_address = opt.standalone ? "127.0.0.1" : loopback_for_others ? "" : opt.master_addr;
   o.port = opt.standalone ? 0 : opt.master_port;
   o.timeout = seconds(opt.join_timeout_s);
   const std::string what = opt.standalone ? std::string("cannot host the agent store on loopback")
