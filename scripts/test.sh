@@ -13,7 +13,8 @@ bash scripts/build.sh -DFSDP_WERROR=ON
 (cd build && ctest --output-on-failure -j "${FSDP_TEST_JOBS:-2}" --timeout 900)
 # The CUDA configuration. Its object files are the CPU configuration's (ccache) but for the
 # CUDA path's, so it costs the CUDA sources, the links and its suite. The interop label (fsdp-train
-# against Python's FSDP2, the longest part of the suite) runs in the CPU configuration only: the
-# code it drives is the same object code in both.
+# against Python's FSDP2, the longest part of the suite) and the multihost one (network namespaces,
+# fsdprun across hosts) run in the CPU configuration only: the code they drive is the same object
+# code in both.
 FSDP_BUILD_DIR=build-cuda bash scripts/build.sh -DFSDP_WERROR=ON -DFSDP_USE_CUDA=ON
-(cd build-cuda && ctest --output-on-failure -j "${FSDP_TEST_JOBS:-2}" --timeout 900 -LE interop)
+(cd build-cuda && ctest --output-on-failure -j "${FSDP_TEST_JOBS:-2}" --timeout 900 -LE "interop|multihost")
