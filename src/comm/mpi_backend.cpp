@@ -339,6 +339,21 @@ void avoid_a_refused_single_copy() {
 #endif
 }
 
+// The interface the user named for the job's transports (FSDP_SOCKET_IFNAME, else
+// GLOO_SOCKET_IFNAME) is the one OpenMPI's TCP transport uses too, unless the user chose
+// OpenMPI's own (btl_tcp_if_include or _exclude, which mpirun's --mca sets).
+void use_the_named_interface() {
+#ifdef OPEN_MPI
+  if (std::getenv("OMPI_MCA_btl_tcp_if_include") || std::getenv("OMPI_MCA_btl_tcp_if_exclude")) return;
+  for (const char* name : {"FSDP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    const char* iface = std::getenv(name);
+    if (iface == nullptr || *iface == '\0') continue;
+    setenv("OMPI_MCA_btl_tcp_if_include", iface, 0);
+    return;
+  }
+#endif
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------ the job
@@ -352,6 +367,7 @@ MpiJob mpi_job(void (*before_finalize)()) {
       int argc = 0;
       char** argv = nullptr;
       avoid_a_refused_single_copy();
+      use_the_named_interface();
       TORCH_CHECK(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) == MPI_SUCCESS,
                   "fsdp: MPI_Init_thread failed; is this process started by mpirun or srun --mpi=pmix?");
     } else {

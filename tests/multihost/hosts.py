@@ -13,7 +13,7 @@ FSDP_SOCKET_IFNAME fits all), at 10.<a>.<b>.<10 + i>/24 on the bridge `<tag>br`,
 and the subnet come from this process's id: concurrent tests do not collide. Everything is
 removed on exit, also when a test fails, and the processes started in the hosts are killed
 first. Each process started in a host also gets a pid namespace of its own, so that hosts do not
-see each other's processes, and a TMPDIR of its host's own, as separate machines do not share
+see each other's processes, the host's own name (its namespace's), and a TMPDIR of its host's own, as separate machines do not share
 /tmp (fsdprun's default flight-recorder folder is named by its pid, 1 in every host). Needs root (ip netns, ip link) and iproute2; `available()` says why not otherwise.
 """
 import fcntl
@@ -178,14 +178,23 @@ class Hosts:
 
     def start(self, i, argv, env=None, **popen):
         """Starts argv inside host i, in a process group and a pid namespace of its own (its
-        processes die with it); returns the Popen."""
+        processes die with it), with the host's name (`hostname()`); returns the Popen."""
         full_env = dict(os.environ)
         full_env["TMPDIR"] = self.tmpdirs[i]
         full_env.update(env or {})
-        p = subprocess.Popen(["ip", "netns", "exec", self.netns(i), "unshare", "--pid", "--fork", "--kill-child",
-                              *argv], env=full_env, start_new_session=True, **popen)
+        p = subprocess.Popen(["ip", "netns", "exec", self.netns(i), *self.enter(i), *argv], env=full_env,
+                             start_new_session=True, **popen)
         self.processes.append(p)
         return p
+
+    def hostname(self, i):
+        return self.netns(i)
+
+    def enter(self, i):
+        """The command prefix that, run inside host i's network namespace, gives a command the
+        host's own pid and host-name namespaces (the name set to hostname(i))."""
+        return ["unshare", "--pid", "--uts", "--fork", "--kill-child", "sh", "-c", 'hostname "$0" && exec "$@"',
+                self.hostname(i)]
 
     def link_down(self, i):
         _ip("link", "set", self._veth(i), "down")

@@ -5,10 +5,12 @@ whose link goes down mid-step stops the other host's ranks within the collective
 naming the host and its ranks, and the cut-off host's own ranks and agent stop too; a host killed
 whole ends the same way; with --max-restarts, a host that comes back rejoins and the run resumes
 from its last checkpoint with an uninterrupted run's losses; a host behind a slow, lossy link
-trains on at the default timeouts; and a host that never joins is named at the join timeout. Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the
+trains on at the default timeouts; a host that never joins is named at the join timeout; and the MPI
+backend, under mpirun across the hosts, trains as on one host. Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the
 reason, where namespaces cannot be made."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -112,6 +114,43 @@ def test_training_goes_on_over_a_slow_lossy_link():
         print(f"{steps} steps over the impaired link in {time.time() - started:.1f} s; "
               f"{hosts.cables[0].frames} frames, {hosts.cables[0].lost} lost")
         assert hosts.cables[0].lost > 0, "the cable lost no frame: the test did not test loss"
+
+
+MPIRUN_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def mpirun_args(world, hosts=None):
+    """mpirun for `world` ranks: on this machine, or over `hosts` (2 ranks each), launching each
+    host's daemon through netns_launch.sh instead of ssh, with its runtime on the hosts'
+    interface. The ranks are not told which interface to use: the backend takes
+    FSDP_SOCKET_IFNAME."""
+    args = ["mpirun", "-np", str(world), "--oversubscribe", "--bind-to", "none",
+            "--mca", "btl_vader_single_copy_mechanism", "none", "-x", "OMP_NUM_THREADS=1"]
+    if hosts is not None:
+        args += ["--host", ",".join(f"{hosts.hostname(i)}:{NPROC}" for i in range(hosts.count)),
+                 "--mca", "plm_rsh_agent", os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns_launch.sh"),
+                 "--mca", "oob_tcp_if_include", IFNAME, "-x", f"FSDP_SOCKET_IFNAME={IFNAME}"]
+    return args
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (OpenMPI) on this machine")
+def test_the_mpi_backend_across_hosts_trains_as_on_one_host():
+    """mpirun starts 2 ranks on each of two hosts (its daemon on host 1 launched into that host);
+    OpenMPI's transport between the hosts is TCP on the interface FSDP_SOCKET_IFNAME names."""
+    steps, world = 4, 2 * NPROC
+    mpi = ["--fsdp_config.backend=mpi"]
+    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
+        one = os.path.join(tmp, "one")
+        r = subprocess.run([*mpirun_args(world), *trainer_args(one, steps, mpi)], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, **MPIRUN_ENV})
+        assert r.returncode == 0, r.stdout + r.stderr
+        two = os.path.join(tmp, "two")
+        job = hosts.start(0, [*mpirun_args(world, hosts), *trainer_args(two, steps, mpi)], env=MPIRUN_ENV,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        (rc, text), = finish([job], timeout=300)
+        assert rc == 0, text
+        assert "collectives on mpi" in text, text
+        assert losses(two) == losses(one)
 
 
 def first_line_with(agent, text, timeout):
