@@ -1,13 +1,17 @@
 """fsdp-train across hosts with addresses of their own (hosts.py: network namespaces on a bridge),
-one fsdprun agent per host, the store on host 0's address: FULL_SHARD over every rank and
-HYBRID_SHARD with one replica per host train exactly as the same ranks on one host do; a host
-whose link goes down mid-step stops the other host's ranks within the collective timeout,
-naming the host and its ranks, and the cut-off host's own ranks and agent stop too; a host killed
-whole ends the same way; with --max-restarts, a host that comes back rejoins and the run resumes
-from its last checkpoint with an uninterrupted run's losses; a host behind a slow, lossy link
-trains on at the default timeouts; a host that never joins is named at the join timeout; and the MPI
-backend, under mpirun across the hosts, trains as on one host. Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the
-reason, where namespaces cannot be made."""
+one fsdprun agent per host, the store on host 0's address:
+- FULL_SHARD over every rank, and HYBRID_SHARD with one replica per host, over two hosts and over
+  three, train exactly as the same ranks on one host do;
+- a host whose link goes down mid-step stops the other host's ranks within the collective
+  timeout, naming the host and its ranks, and the cut-off host's own ranks and agent stop too;
+  a host killed whole ends the same way;
+- with --max-restarts, a host that comes back rejoins and the run resumes from its last
+  checkpoint with an uninterrupted run's losses;
+- a host behind a slow, lossy link trains on at the default timeouts;
+- a host that never joins is named at the join timeout;
+- the MPI backend, under mpirun across the hosts, trains as on one host.
+Run by ctest (label multihost) with FSDP_BUILD_DIR set; skipped, with the reason, where
+namespaces cannot be made."""
 import json
 import os
 import shutil
@@ -74,23 +78,28 @@ def finish(agents, timeout):
     return outputs
 
 
-def one_host(out, steps, more=()):
-    world = 2 * NPROC
+def one_host(out, steps, more=(), world=2 * NPROC):
     r = subprocess.run([FSDPRUN, "--standalone", "--nproc-per-node", str(world), *trainer_args(out, steps, more)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     return losses(out)
 
 
-@pytest.mark.parametrize("strategy", [
-    pytest.param([], id="full_shard"),
-    # Two shard groups of NPROC ranks, one per host, replicated across the hosts: PyTorch's
-    # default HSDP layout (shard within a node, replicate across nodes).
-    pytest.param(["--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"], id="hsdp"),
+def hsdp_one_replica_per_host(count):
+    # Shard groups of NPROC ranks, one per host, replicated across the hosts: PyTorch's default
+    # HSDP layout (shard within a node, replicate across nodes).
+    return ["--fsdp_config.sharding_strategy=HYBRID_SHARD", f"--fsdp_config.replicate_degree={count}"]
+
+
+@pytest.mark.parametrize("count,strategy", [
+    pytest.param(2, [], id="full_shard"),
+    pytest.param(2, hsdp_one_replica_per_host(2), id="hsdp"),
+    pytest.param(3, [], id="full_shard_3"),
+    pytest.param(3, hsdp_one_replica_per_host(3), id="hsdp_3"),
 ])
-def test_two_hosts_train_as_one_host_does(strategy):
-    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
-        want = one_host(os.path.join(tmp, "one"), 6, strategy)
+def test_hosts_train_as_one_host_does(count, strategy):
+    with tempfile.TemporaryDirectory() as tmp, Hosts(count) as hosts:
+        want = one_host(os.path.join(tmp, "one"), 6, strategy, world=count * NPROC)
         results = finish(start_agents(hosts, os.path.join(tmp, "two"), 6, strategy), timeout=300)
         for i, (rc, text) in enumerate(results):
             assert rc == 0, f"host {i}:\n{text}"
