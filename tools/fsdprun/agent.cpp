@@ -325,21 +325,24 @@ void Agent::leave_store(bool wait_for_others) {
     store_->mark_exited(opt_.node_rank);
     if (!store_->is_host() || !wait_for_others) return;
     const auto deadline = Clock::now() + seconds(kExitBarrierS);
-    std::map<int, std::pair<int64_t, Clock::time_point>> last_beat;  // node -> (count, when it moved)
-    while (Clock::now() < deadline) {
-      bool waiting = false;
-      for (int node : store_->not_exited()) {
-        const int64_t beat = store_->heartbeat(node);
-        auto it = last_beat.find(node);
-        if (it == last_beat.end() || it->second.first != beat) last_beat[node] = {beat, Clock::now()};
-        waiting |= Clock::now() - last_beat[node].second < seconds(kSilentAgentS);
-      }
-      if (!waiting) return;
+    HeartbeatsSeen seen;
+    while (Clock::now() < deadline && live_agents_remain(seen)) {
       nap(kBarrierPollMs);
       if (stop_requested()) return;
     }
   } catch (const std::exception&) {
   }
+}
+
+bool Agent::live_agents_remain(HeartbeatsSeen& seen) {
+  bool live = false;
+  for (int node : store_->not_exited()) {
+    const int64_t beat = store_->heartbeat(node);
+    auto it = seen.find(node);
+    if (it == seen.end() || it->second.first != beat) seen[node] = {beat, Clock::now()};
+    live |= Clock::now() - seen[node].second < seconds(kSilentAgentS);
+  }
+  return live;
 }
 
 bool Agent::stop_requested() {

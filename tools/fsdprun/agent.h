@@ -8,6 +8,8 @@
 #include "peer_watch.h"
 #include "worker_group.h"
 
+#include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -54,6 +56,10 @@ class Agent {
   void report_failures(const std::vector<WorkerFailure>& failures, int k) const;
   void announce_stop(int k, const std::string& why);
   void leave_store(bool wait_for_others);
+  // Node N -> its heartbeat count, and when that count last moved.
+  using HeartbeatsSeen = std::map<int, std::pair<int64_t, std::chrono::steady_clock::time_point>>;
+  // True while some agent that has not exited has beaten recently (updates `seen`).
+  bool live_agents_remain(HeartbeatsSeen& seen);
   // Reads the self-pipe; returns true when a stop signal (SIGINT/TERM/HUP) is pending.
   bool stop_requested();
   // Sleeps up to ms, waking early on a signal.
