@@ -5,6 +5,10 @@
 //   fsdp::plan::ModelSpec model = fsdp::plan::transformer_spec(shape, activations);
 //   fsdp::plan::Plan p = fsdp::plan::plan(model, fsdp::plan::PlanOptions().world(4).micro_batches(2));
 //   std::printf("rank 0 peak %lld bytes\n", static_cast<long long>(p.ranks[0].peak_tensor_bytes));
+//   // On GPUs, shards in pinned host memory, AdamW's state on the GPU: two peaks per rank.
+//   fsdp::plan::Plan g = fsdp::plan::plan(model, fsdp::plan::PlanOptions().world(8).device(fsdp::plan::Device::kCuda)
+//                                                    .offload(true).optimizer(fsdp::plan::Optimizer::kDeviceStateAdamW));
+//   // g.ranks[0].peak_tensor_bytes: the GPU's; g.ranks[0].host_peak_tensor_bytes: the host's
 //
 // The planner replays one optimizer step the way fully_shard runs it (src/fsdp/param_group.cpp,
 // state.cpp): each group's all-gather buffer and unsharded parameters from its pre-forward (or the
@@ -21,6 +25,25 @@
 // parameters (the GroupSpecs give those local shapes), FSDP shards each piece over the world / tp
 // data-parallel ranks, and the stages' tp all-reduces (in forward, in backward, and again in a
 // checkpointed stage's recomputation) run on the tp group.
+//
+// Device cuda (PlanOptions::device): the step computes on a GPU and the host's memory is apart.
+// The replay then keeps two ledgers: the GPU's (all-gather buffers, unsharded parameters and
+// gradients, reduce-scatter buffers, activations, the micro-batch's tokens, and whatever the
+// placement leaves there) and the host's (the step's data, and under offload the pinned sharded
+// parameters and gradients, and the optimizer state where it lives there). The placements are the
+// trainer's three on cuda:
+//   no offload                    everything of the model on the GPU, as on device cpu;
+//   offload, AdamW / FusedAdamW   FSDP2's CPUOffloadPolicy: sharded parameters and gradients
+//                                 pinned on the host, AdamW's state there too, and AdamW steps
+//                                 there; the GPU holds each group's copy of its shard for the
+//                                 all-gather, the all-gather and reduce-scatter buffers until the
+//                                 reduce-scatter's output is copied to the host;
+//   offload, kDeviceStateAdamW    the shards and gradients as above, AdamW's state on the GPU,
+//                                 and at the step each parameter's shard and gradient copied up,
+//                                 two parameters' copies at a time (fsdp/device_state_adamw.h).
+// Collective buffers are NCCL's own there, not tensors: no scratch is counted. This is a model of
+// the GPU allocator's peak (torch.cuda.max_memory_allocated's), restated from the runtime's code;
+// unlike the cpu figures it has not been compared with a measured run.
 //
 // A module of your own: describe its FSDP groups (the parameters of each fully_shard call, the
 // root first) and its stages (what each part of forward keeps for backward), then call plan().
@@ -95,7 +118,10 @@ struct StageSpec {
 struct ModelSpec {
   std::vector<GroupSpec> groups;
   std::vector<StageSpec> stages;
-  double input_bytes = 0;   // what the step's data holds on each rank during the step (tokens)
+  double input_bytes = 0;  // what the step's data holds on each rank during the step (tokens)
+  // Device cuda: what of the data the GPU holds besides (a micro-batch's inputs and targets,
+  // copied there); input_bytes then stays in host memory. Unused on device cpu.
+  double device_input_bytes = 0;
   int tensor_parallel = 1;  // tp ranks per model copy; the groups' shapes are one tp rank's pieces
 };
 
@@ -180,7 +206,13 @@ Constants measured_constants();
 // Parses the JSON of a constants file; throws std::invalid_argument naming a missing key.
 Constants constants_from_json(const std::string& json_text);
 
-enum class Optimizer { kAdamW, kFusedAdamW };
+// kDeviceStateAdamW: fsdp::optim::DeviceStateAdamW (fsdp/device_state_adamw.h), which with
+// offloaded parameters on device cuda keeps AdamW's state on the GPU and steps there; it needs
+// device(Device::kCuda) and offload(true).
+enum class Optimizer { kAdamW, kFusedAdamW, kDeviceStateAdamW };
+// Where the step computes: kCpu, one memory; kCuda, a GPU with the host's memory apart.
+enum class Device { kCpu, kCuda };
+const char* name_of(Device d);  // cpu | cuda
 // kAsLaunched: kOnePerRank when several ranks share a machine, kLibraryDefaults for a rank alone.
 enum class Threads { kAsLaunched, kOnePerRank, kLibraryDefaults };
 
@@ -209,10 +241,17 @@ struct PlanOptions {
     reduce_dtype_ = v;
     return *this;
   }
+  // CPUOffloadPolicy: identity copies on device cpu; on device cuda the sharded parameters and
+  // gradients in pinned host memory (and, unless the optimizer is kDeviceStateAdamW, AdamW's
+  // state, which then steps on the host).
   PlanOptions& offload(bool v) {
     offload_ = v;
     return *this;
-  }  // CPUOffloadPolicy (identity copies on CPU)
+  }
+  PlanOptions& device(Device v) {
+    device_ = v;
+    return *this;
+  }  // kCpu (default): one memory; kCuda: GPU and host apart
   PlanOptions& optimizer(Optimizer v) {
     optimizer_ = v;
     return *this;
@@ -248,6 +287,7 @@ struct PlanOptions {
   int world_ = 1, replicate_ = 1, local_world_ = 0;  // local_world 0: the world
   bool no_shard_ = false, reshard_after_forward_ = true, offload_ = false, background_checkpoints_ = false;
   Backend backend_ = Backend::kGloo;
+  Device device_ = Device::kCpu;
   Threads threads_ = Threads::kAsLaunched;
   Dtype param_dtype_ = Dtype::kFloat32, reduce_dtype_ = Dtype::kFloat32;
   Optimizer optimizer_ = Optimizer::kAdamW;
@@ -273,31 +313,49 @@ struct Collectives {
   int64_t bytes = 0;  // per step: the full (gathered / unreduced) buffers, summed
 };
 
+// Where the sharded state of a rank lives: the compute device's memory (the host's on device
+// cpu), or host memory apart from the GPU (device cuda under offload).
+enum class Memory { kDevice, kHost };
+
 struct RankPlan {
   int rank = 0;
   std::vector<DtypeBytes> params, grads, optimizer_state;  // sharded, by dtype
-  int64_t activation_bytes = 0;                            // saved activations at the end of the last forward
+  Memory params_in = Memory::kDevice, grads_in = Memory::kDevice, optimizer_state_in = Memory::kDevice;
+  int64_t activation_bytes = 0;  // saved activations at the end of the last forward
+  // The compute device's peak: the one memory's on device cpu, the GPU's on device cuda.
   int64_t peak_tensor_bytes = 0;
   std::string peak_at;          // where in the step the peak is
   std::vector<Buffer> at_peak;  // everything alive at the peak
-  // A background checkpoint's staged copy (parameters and optimizer state), and the peak of the
-  // step after a background save, which it is alive through (= peak_tensor_bytes without
-  // background_checkpoints).
+  // Device cuda only: the host's tensors, apart (0 and empty on device cpu).
+  int64_t host_peak_tensor_bytes = 0;
+  std::string host_peak_at;
+  std::vector<Buffer> host_at_peak;
+  // A background checkpoint's staged copy (parameters and optimizer state, each copied where it
+  // lives), and the peaks of the step after a background save, which it is alive through (= the
+  // peaks without background_checkpoints).
   int64_t checkpoint_staging_bytes = 0;
   int64_t peak_tensor_bytes_after_save = 0;
-  int64_t peak_rss_bytes = 0;  // runtime + the larger peak, with the block cache's overhead
+  int64_t host_peak_tensor_bytes_after_save = 0;  // device cuda only
+  // Runtime + the larger peak, with the block cache's overhead. Device cpu only: 0 on cuda, whose
+  // runtime's host memory (the CUDA context, NCCL) has not been measured.
+  int64_t peak_rss_bytes = 0;
   std::vector<Collectives> collectives;
 };
 
 struct Plan {
   std::vector<RankPlan> ranks;
+  // false on device cuda: the rates are CPU and Gloo measurements, so no GPU step time is
+  // predicted and the times below are 0.
+  bool step_time_modeled = true;
   double step_time_s = 0;
   double compute_s = 0, communication_s = 0, optimizer_s = 0, overhead_s = 0;
   std::string constants_source;
 };
 
 // The plan of one optimizer step of `model` (in steady state: the optimizer state exists).
-// Throws std::invalid_argument naming the option for an impossible combination.
+// Throws std::invalid_argument naming the option for an impossible combination (among them
+// kDeviceStateAdamW without device cuda and offload, and no_shard on device cuda, which the
+// trainer does not run).
 Plan plan(const ModelSpec& model, const PlanOptions& options);
 
 }  // namespace plan

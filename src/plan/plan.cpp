@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <utility>
 
@@ -22,6 +23,7 @@ const char* name_of(Dtype d) {
   return "?";
 }
 const char* name_of(Backend b) { return b == Backend::kMpi ? "mpi" : "gloo"; }
+const char* name_of(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 
 int64_t ParamSpec::numel() const {
   int64_t n = 1;
@@ -39,10 +41,11 @@ void require(bool ok, const std::string& what) {
 // parameter's dim 0 in pieces of ceil(rows / shards) rows, the pieces of every parameter one
 // after another in a flat row of row_numel elements per rank.
 struct GroupLayout {
-  int64_t unsharded_numel = 0;  // the parameters whole
-  int64_t row_numel = 0;        // one rank's flat shard, padding included
-  int64_t real_numel = 0;       // this rank's real elements (what the optimizer state covers)
-  int64_t largest_real = 0;     // this rank's largest real piece of one parameter
+  int64_t unsharded_numel = 0;          // the parameters whole
+  int64_t row_numel = 0;                // one rank's flat shard, padding included
+  int64_t real_numel = 0;               // this rank's real elements (what the optimizer state covers)
+  int64_t largest_real = 0;             // this rank's largest real piece of one parameter
+  std::vector<int64_t> real_per_param;  // this rank's real piece of each parameter, in order
 };
 
 GroupLayout layout_of(const GroupSpec& g, int64_t shards, int64_t shard_rank) {
@@ -56,6 +59,7 @@ GroupLayout layout_of(const GroupSpec& g, int64_t shards, int64_t shard_rank) {
     l.row_numel += chunk * rest;
     l.real_numel += real_rows * rest;
     l.largest_real = std::max(l.largest_real, real_rows * rest);
+    l.real_per_param.push_back(real_rows * rest);
   }
   return l;
 }
@@ -93,7 +97,7 @@ class Ledger {
       if (kv.first.compare(0, key_prefix.size(), key_prefix) == 0) n += kv.second.bytes;
     return n;
   }
-  int64_t peak() const { return peak_; }
+  int64_t peak() const { return std::max<int64_t>(peak_, 0); }
   const std::string& peak_at() const { return peak_at_; }
   std::vector<Buffer> at_peak() const {  // merged by (module, what), largest first
     std::map<std::pair<std::string, std::string>, int64_t> merged;
@@ -120,6 +124,10 @@ std::string label(const std::string& module) { return module.empty() ? "(root)" 
 // includes no torch, so it restates that order instead of calling the runtime; the plan tests
 // of fsdp-train (tests/train/test_plan_cli.cpp) hold the two together by comparing its peaks
 // with what the trainer measures, and fail when either moves alone.
+// On device cuda two ledgers run side by side: ledger_ is the GPU's, host_ the host's, and what
+// lives where follows src/fsdp/policies.cpp (the shard device under CPUOffloadPolicy is the
+// host), collectives.cpp (the all-gather input copied to the GPU, the reduce-scatter output
+// copied to the host) and src/optim/device_state_adamw.cpp. On device cpu host_ stays empty.
 class StepReplay {
  public:
   StepReplay(const ModelSpec& m, const PlanOptions& o, int rank) : m_(m), o_(o) {
@@ -129,8 +137,12 @@ class StepReplay {
     for (const GroupSpec& g : m.groups) layouts_.push_back(layout_of(g, shards_, shard_rank));
     pb_ = bytes_of(o.param_dtype_);
     rb_ = bytes_of(o.reduce_dtype_);
-    // One rank with no cast: the unsharded parameters are the shards (no all-gather ever).
-    aliased_ = o.no_shard_ || (shards_ == 1 && o.param_dtype_ == Dtype::kFloat32);
+    cuda_ = o.device_ == Device::kCuda;
+    shards_on_host_ = cuda_ && o.offload_;
+    state_on_host_ = shards_on_host_ && o.optimizer_ != Optimizer::kDeviceStateAdamW;
+    // One rank with no cast or copy to the GPU: the unsharded parameters are the shards (no
+    // all-gather ever).
+    aliased_ = o.no_shard_ || (shards_ == 1 && o.param_dtype_ == Dtype::kFloat32 && !shards_on_host_);
     for (size_t s = 0; s < m.stages.size(); ++s) {
       const int g = m.stages[s].group;
       if (!first_stage_.count(g)) first_stage_[g] = static_cast<int>(s);
@@ -150,6 +162,13 @@ class StepReplay {
     r.peak_tensor_bytes = ledger_.peak();
     r.peak_at = ledger_.peak_at();
     r.at_peak = ledger_.at_peak();
+    if (cuda_) {
+      r.host_peak_tensor_bytes = host_.peak();
+      r.host_peak_at = host_.peak_at();
+      r.host_at_peak = host_.at_peak();
+    }
+    r.params_in = r.grads_in = shards_on_host_ ? Memory::kHost : Memory::kDevice;
+    r.optimizer_state_in = state_on_host_ ? Memory::kHost : Memory::kDevice;
     r.activation_bytes = activation_bytes_;
     int64_t params = 0, states = 0;
     for (const GroupLayout& l : layouts_) {
@@ -159,12 +178,15 @@ class StepReplay {
     r.params = {{Dtype::kFloat32, params}};
     r.optimizer_state = {{Dtype::kFloat32, states}};
     r.grads = {{Dtype::kFloat32, grad_bytes_}};
-    r.checkpoint_staging_bytes = checkpoint_staging_bytes();
-    r.peak_tensor_bytes_after_save =
-        r.peak_tensor_bytes + (o_.background_checkpoints_ ? r.checkpoint_staging_bytes : 0);
+    const Staging staged = checkpoint_staging();
+    r.checkpoint_staging_bytes = staged.device + staged.host;
+    const bool saves = o_.background_checkpoints_;
+    r.peak_tensor_bytes_after_save = r.peak_tensor_bytes + (saves ? staged.device : 0);
+    if (cuda_) r.host_peak_tensor_bytes_after_save = r.host_peak_tensor_bytes + (saves ? staged.host : 0);
     const Constants& c = o_.constants_;
-    r.peak_rss_bytes =
-        static_cast<int64_t>(c.runtime_rss_bytes + c.rss_per_tensor_byte * r.peak_tensor_bytes_after_save);
+    if (!cuda_)
+      r.peak_rss_bytes =
+          static_cast<int64_t>(c.runtime_rss_bytes + c.rss_per_tensor_byte * r.peak_tensor_bytes_after_save);
     return r;
   }
 
@@ -180,12 +202,30 @@ class StepReplay {
   }
 
   // What a background checkpoint stages (CheckpointManager::save_async): a copy of this rank's
-  // real parameter elements and AdamW's two moments, fp32, plus the trainer's counters and the
-  // generator's state (5056 bytes).
-  int64_t checkpoint_staging_bytes() const {
+  // real parameter elements and AdamW's two moments, fp32, each cloned where it lives, plus the
+  // trainer's counters and the generator's state (5056 bytes, host tensors). On device cpu all
+  // of it is `device`.
+  struct Staging {
+    int64_t device = 0, host = 0;
+  };
+  Staging checkpoint_staging() const {
     int64_t real = 0;
     for (const GroupLayout& l : layouts_) real += o_.no_shard_ ? l.unsharded_numel : l.real_numel;
-    return 3 * real * 4 + 16 + 5056;
+    Staging s;
+    (shards_on_host_ ? s.host : s.device) += real * 4;
+    (state_on_host_ ? s.host : s.device) += 2 * real * 4;
+    (cuda_ ? s.host : s.device) += 16 + 5056;
+    return s;
+  }
+
+  // The ledger of the memory a tensor lives in: the host's when it is apart from the GPU.
+  Ledger& in(bool on_host) { return on_host ? host_ : ledger_; }
+  // A point of the step in each memory: `extra` the compute device's transients of this moment,
+  // `host_extra` the host's (device cuda only).
+  void point(const std::string& where, const std::vector<Buffer>& extra = {},
+             const std::vector<Buffer>& host_extra = {}) {
+    ledger_.point(where, extra);
+    if (cuda_) host_.point(where, host_extra);
   }
 
   // This rank's sharded parameters and AdamW's two moments: alive throughout.
@@ -199,12 +239,20 @@ class StepReplay {
         // replicate's gradients are views of its all-reduce buckets, allocated once.
         ledger_.set(key("sgrad", gi), gname(gi), "gradient buckets", l.unsharded_numel * 4.0);
       } else {
-        ledger_.set(key("params", gi), gname(gi), "sharded parameters", l.row_numel * 4.0);
-        ledger_.set(key("state", gi), gname(gi), "optimizer state", 2.0 * l.real_numel * 4);
+        in(shards_on_host_)
+            .set(key("params", gi), gname(gi), shards_on_host_ ? "sharded parameters (pinned)" : "sharded parameters",
+                 l.row_numel * 4.0);
+        in(state_on_host_).set(key("state", gi), gname(gi), "optimizer state", 2.0 * l.real_numel * 4);
       }
     }
-    ledger_.set("data", "", "the step's tokens", m_.input_bytes);
-    ledger_.set("scratch", "", "collective scratch (kept by the process groups)", scratch_bytes());
+    if (!cuda_) {
+      ledger_.set("data", "", "the step's tokens", m_.input_bytes);
+      ledger_.set("scratch", "", "collective scratch (kept by the process groups)", scratch_bytes());
+      return;
+    }
+    // A GPU's collectives run on NCCL, whose buffers are not tensors: no scratch.
+    host_.set("data", "", "the step's tokens", m_.input_bytes);
+    ledger_.set("data", "", "the micro-batch's tokens", m_.device_input_bytes);
   }
 
   // Each process group keeps one scratch tensor, grown to its largest call
@@ -244,10 +292,11 @@ class StepReplay {
 
   double gathered_bytes(int g) const { return static_cast<double>(shards_) * layouts_[g].row_numel * pb_; }
   double unsharded_bytes(int g) const { return static_cast<double>(layouts_[g].unsharded_numel) * pb_; }
-  // The all-gather's input (the shard cast to the compute dtype) and output, from its issue to
-  // the copy-out.
+  // The all-gather's input (the shard cast to the compute dtype, or copied from the host to the
+  // GPU) and output, from its issue to the copy-out.
   double all_gather_buffer_bytes(int g) const {
-    const double cast = o_.param_dtype_ != Dtype::kFloat32 ? layouts_[g].row_numel * static_cast<double>(pb_) : 0;
+    const bool copied = o_.param_dtype_ != Dtype::kFloat32 || shards_on_host_;
+    const double cast = copied ? layouts_[g].row_numel * static_cast<double>(pb_) : 0;
     return (shards_ > 1 ? gathered_bytes(g) : 0) + cast;
   }
 
@@ -259,7 +308,7 @@ class StepReplay {
     if (aliased_ || ledger_.has(key("unsharded", g))) return;
     issue_all_gather(g, "");
     ledger_.set(key("unsharded", g), gname(g), "unsharded parameters", unsharded_bytes(g));
-    ledger_.point(where + ": all-gather copy-out of " + label(gname(g)));
+    point(where + ": all-gather copy-out of " + label(gname(g)));
     ledger_.drop(key("ag", g));
   }
   void reshard(int g) {
@@ -286,10 +335,10 @@ class StepReplay {
       previous_group = st.group;
       const std::string at = when + " of " + label(st.name);
       if (st.checkpointed) {
-        ledger_.point(at, {{st.name, "activations (no-grad forward)", static_cast<int64_t>(st.forward_extra_bytes)}});
+        point(at, {{st.name, "activations (no-grad forward)", static_cast<int64_t>(st.forward_extra_bytes)}});
         ledger_.set("saved:" + std::to_string(s), st.name, "activations (checkpoint output)", st.output_bytes);
       } else {
-        ledger_.point(at, {{st.name, "activations", static_cast<int64_t>(st.saved_bytes + st.forward_extra_bytes)}});
+        point(at, {{st.name, "activations", static_cast<int64_t>(st.saved_bytes + st.forward_extra_bytes)}});
         ledger_.set("saved:" + std::to_string(s), st.name, "activations", st.saved_bytes);
       }
       if (last_stage_[st.group] == static_cast<int>(s) && reshards_after_forward(st.group)) reshard(st.group);
@@ -343,18 +392,18 @@ class StepReplay {
           } else if (piece > 0 || st.pieces == 1) {
             extra.insert(extra.end(), grads.begin(), grads.end());
           }
-          ledger_.point(where, extra);
+          point(where, extra);
         }
       } else {
         std::vector<Buffer> extra = {{st.name, "activation gradients", static_cast<int64_t>(st.backward_extra_bytes)}};
         if (st.grads_before_peak) extra.insert(extra.end(), grads.begin(), grads.end());
-        ledger_.point(at, extra);
+        point(at, extra);
       }
       ledger_.drop(saved);
       for (size_t i = 0; i < grads.size(); ++i)
         ledger_.set("ugrad:" + std::to_string(s) + ":" + std::to_string(i), grads[i].module, grads[i].what,
                     grads[i].bytes);
-      ledger_.point(at + " (done)");
+      point(at + " (done)");
       if (first_stage_[g] == s) post_backward(g, last_micro, when);
     }
     finish_reductions();
@@ -390,17 +439,23 @@ class StepReplay {
     const double row = static_cast<double>(layouts_[g].row_numel);
     if (shards_ == 1 && !hybrid) {  // handed over: the gradient tensors become the shards' own
       const bool cast = o_.param_dtype_ != Dtype::kFloat32 || o_.reduce_dtype_ != Dtype::kFloat32;
-      if (cast)
-        ledger_.point(when + ": gradients of " + label(gname(g)) + " cast to fp32",
-                      {{gname(g), "sharded gradients", static_cast<int64_t>(unsharded * 4)}});
+      if (shards_on_host_) {  // cast to the reduce dtype on the GPU, then copied to the host in fp32
+        if (pb_ != rb_)
+          point(when + ": gradients of " + label(gname(g)) + " cast to the reduce dtype",
+                {{gname(g), "gradients (reduce dtype)", static_cast<int64_t>(unsharded * rb_)}});
+      } else if (cast) {
+        point(when + ": gradients of " + label(gname(g)) + " cast to fp32",
+              {{gname(g), "sharded gradients", static_cast<int64_t>(unsharded * 4)}});
+      }
       drop_unsharded_grads(g);
       ledger_.drop(key("accgrad", g));
       add_sharded_grad(g, unsharded * 4);
+      if (shards_on_host_) point(when + ": gradients of " + label(gname(g)) + " copied to the host");
       return;
     }
     const double input = static_cast<double>(shards_) * row * rb_;
-    ledger_.point(when + ": reduce-scatter copy-in of " + label(gname(g)),
-                  {{gname(g), "reduce-scatter input", static_cast<int64_t>(input)}});
+    point(when + ": reduce-scatter copy-in of " + label(gname(g)),
+          {{gname(g), "reduce-scatter input", static_cast<int64_t>(input)}});
     drop_unsharded_grads(g);
     ledger_.drop(key("accgrad", g));
     ledger_.set(key("rs", g), gname(g), "reduce-scatter input (in flight)", input);
@@ -408,31 +463,79 @@ class StepReplay {
     pending_.push_back(g);
   }
   void add_sharded_grad(int g, double bytes) {
-    if (!ledger_.has(key("sgrad", g))) grad_bytes_ += static_cast<int64_t>(bytes);
-    ledger_.set(key("sgrad", g), gname(g), "sharded gradients", bytes);
+    Ledger& l = in(shards_on_host_);
+    if (!l.has(key("sgrad", g))) grad_bytes_ += static_cast<int64_t>(bytes);
+    l.set(key("sgrad", g), gname(g), shards_on_host_ ? "sharded gradients (pinned)" : "sharded gradients", bytes);
   }
   // Copy-out: the output becomes the sharded gradients (converted to fp32 when reduced in less).
+  // Under offload on a GPU it is copied to the host, converted on the GPU first when reduced in
+  // less than fp32.
   void finish_reductions() {
     for (int g : pending_) {
       const double row = static_cast<double>(layouts_[g].row_numel);
+      const std::string where = "reduce-scatter copy-out of " + label(gname(g));
       ledger_.drop(key("rs", g));
       if (rb_ != 4)
-        ledger_.point("reduce-scatter copy-out of " + label(gname(g)),
-                      {{gname(g), "sharded gradients", static_cast<int64_t>(row * 4)}});
+        point(where, {{gname(g), shards_on_host_ ? "reduce-scatter output in fp32" : "sharded gradients",
+                       static_cast<int64_t>(row * 4)}});
       ledger_.drop(key("rsout", g));
       add_sharded_grad(g, row * 4);
+      if (shards_on_host_) point(where + " to the host");
     }
     pending_.clear();
   }
 
   // AdamW's step: torch::optim::AdamW makes two temporaries of one parameter's size (the square
-  // root and its quotient); FusedAdamW none.
+  // root and its quotient); FusedAdamW's one pass none, on host tensors (a GPU's it steps per op,
+  // as AdamW). Where the state lives, there it steps.
   void optimizer_step() {
+    if (o_.optimizer_ == Optimizer::kDeviceStateAdamW) return device_state_step();
     int64_t largest = 0;
     for (const GroupLayout& l : layouts_)
       largest = std::max(largest, o_.no_shard_ ? l.unsharded_numel : l.largest_real);
-    const double temporaries = o_.optimizer_ == Optimizer::kAdamW ? 2.0 * largest * 4 : 0;
-    ledger_.point("optimizer step", {{"", "optimizer temporaries", static_cast<int64_t>(temporaries)}});
+    const bool fused_pass = o_.optimizer_ == Optimizer::kFusedAdamW && (!cuda_ || state_on_host_);
+    const double temporaries = fused_pass ? 0 : 2.0 * largest * 4;
+    const std::vector<Buffer> t = {{"", "optimizer temporaries", static_cast<int64_t>(temporaries)}};
+    if (state_on_host_) point("optimizer step (on the host)", {}, t);
+    else point("optimizer step", t);
+  }
+
+  // DeviceStateAdamW::step, per parameter in the optimizer's order: its shard and gradient copied
+  // to the GPU, the next parameter's copies issued before its update, the update's two
+  // temporaries (adamw_per_op.cpp: the square root and its quotient), and the copies freed after
+  // the download. The highest moment: 4 bytes x (2 this + 2 next + 2 temporaries of this).
+  void device_state_step() {
+    const std::vector<std::pair<std::string, int64_t>> order = optimizer_order();
+    size_t top = 0;
+    int64_t most = -1;
+    for (size_t i = 0; i < order.size(); ++i) {
+      const int64_t next = i + 1 < order.size() ? order[i + 1].second : 0;
+      const int64_t at_i = 4 * order[i].second + 2 * next;
+      if (at_i > most) {
+        most = at_i;
+        top = i;
+      }
+    }
+    if (order.empty()) return point("optimizer step");
+    const int64_t current = order[top].second, next = top + 1 < order.size() ? order[top + 1].second : 0;
+    point("optimizer step (DeviceStateAdamW, " + order[top].first + ")",
+          {{"", "DeviceStateAdamW copies (shard and gradient, this parameter and the next)", 8 * (current + next)},
+           {"", "optimizer temporaries", 8 * current}});
+  }
+  // The parameters as the optimizer holds them (the model's parameters(), registration order),
+  // taken as the order forward first uses them: each stage's gradients in forward order, then
+  // those no stage names, group by group. Each with this rank's real elements.
+  std::vector<std::pair<std::string, int64_t>> optimizer_order() const {
+    std::vector<std::pair<std::string, int64_t>> out;
+    std::set<std::pair<int, int>> seen;
+    auto add = [&](int g, int i) {
+      if (seen.insert({g, i}).second) out.push_back({group(g).params[i].name, layouts_[g].real_per_param[i]});
+    };
+    for (const StageSpec& st : m_.stages)
+      for (int i : st.grads) add(st.group, i);
+    for (size_t g = 0; g < m_.groups.size(); ++g)
+      for (size_t i = 0; i < m_.groups[g].params.size(); ++i) add(static_cast<int>(g), static_cast<int>(i));
+    return out;
   }
 
   const ModelSpec& m_;
@@ -441,9 +544,11 @@ class StepReplay {
   std::vector<GroupLayout> layouts_;
   int64_t pb_ = 4, rb_ = 4;
   bool aliased_ = false;
+  bool cuda_ = false, shards_on_host_ = false, state_on_host_ = false;
   std::map<int, int> first_stage_, last_stage_;
   std::vector<int> pending_;
-  Ledger ledger_;
+  Ledger ledger_;  // the compute device's memory (the one memory on device cpu)
+  Ledger host_;    // device cuda: the host's, apart
   int64_t activation_bytes_ = 0;
   int64_t grad_bytes_ = 0;
 };
@@ -463,6 +568,11 @@ void check_options(const ModelSpec& m, const PlanOptions& o) {
   require(!o.no_shard_ || (o.param_dtype_ == Dtype::kFloat32 && o.reduce_dtype_ == Dtype::kFloat32),
           "no_shard (fsdp::replicate) has no mixed precision");
   require(!o.no_shard_ || !o.offload_, "no_shard (fsdp::replicate) has no offload");
+  require(o.device_ == Device::kCpu || !o.no_shard_,
+          "no_shard (fsdp::replicate) on device cuda is not modelled (the trainer runs it on cpu only)");
+  require(o.optimizer_ != Optimizer::kDeviceStateAdamW || (o.device_ == Device::kCuda && o.offload_),
+          "optimizer kDeviceStateAdamW keeps AdamW's state on a GPU beside offloaded parameters: it needs "
+          "device(Device::kCuda) and offload(true)");
   for (const StageSpec& s : m.stages) {
     require(s.group >= 0 && s.group < static_cast<int>(m.groups.size()), "stage '" + s.name + "' names no group");
     require(s.pieces >= 1, "stage '" + s.name + "' has pieces < 1");
@@ -609,7 +719,9 @@ Plan plan(const ModelSpec& model, const PlanOptions& options) {
     rp.collectives = coll;
     p.ranks.push_back(std::move(rp));
   }
-  step_time(model, options, coll, p);
+  // The rates are CPU and Gloo measurements: no GPU step time is made of them.
+  if (options.device_ == Device::kCuda) p.step_time_modeled = false;
+  else step_time(model, options, coll, p);
   return p;
 }
 

@@ -145,6 +145,7 @@ ModelSpec transformer_spec(const TransformerShape& t, const ActivationOptions& a
   // The global batch (int64, seq + 1 columns) every rank draws, and its micro-batch's inputs
   // and targets (contiguous copies).
   m.input_bytes = 8.0 * a.global_rows * (T + 1) + 2 * 8.0 * N;
+  m.device_input_bytes = 2 * 8.0 * N;  // on a GPU: the micro-batch's inputs and targets copied there
 
   StageSpec emb;
   emb.name = "tok_embeddings";

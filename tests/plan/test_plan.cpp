@@ -1,12 +1,14 @@
 // fsdp::plan's arithmetic on models small enough to follow by hand: the shard layout and its
 // padding, the step's peak and what makes it up, mixed precision's copies, the collectives per
-// step of each strategy, and the Transformer's description.
+// step of each strategy, the GPU's memory and the host's apart under each offload placement, and
+// the Transformer's description.
 #include <fsdp/plan.h>
 
 #include <gtest/gtest.h>
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -256,6 +258,170 @@ TEST(Plan, RefusesImpossibleOptionsNamingThem) {
     EXPECT_NE(std::string(e.what()).find("replicate (2) must divide the world (3)"), std::string::npos) << e.what();
   }
   EXPECT_THROW(plan(ModelSpec{}, PlanOptions()), std::invalid_argument);
+}
+
+// Device cuda: the GPU's memory and the host's apart, for the trainer's three placements.
+
+PlanOptions on_gpu(int world) { return PlanOptions().world(world).device(Device::kCuda).constants(no_time()); }
+
+// The bytes of the buffers in `alive` whose kind starts with `what` ("sharded parameters" takes
+// in "sharded parameters (pinned)").
+int64_t alive_bytes(const std::vector<Buffer>& alive, const std::string& what) {
+  int64_t n = 0;
+  for (const Buffer& b : alive)
+    if (b.what.compare(0, what.size(), what) == 0) n += b.bytes;
+  return n;
+}
+
+// A model whose sharded state outweighs what one group gathers: a small root and eight blocks
+// of 64 x 16 and 64 elements, with little activation, and the step's data on the host (256
+// bytes) and the GPU (128).
+ModelSpec state_heavy() {
+  ModelSpec m;
+  m.groups.push_back(GroupSpec{"", {{"emb", {8, 16}}}});
+  StageSpec root;
+  root.name = "emb";
+  root.grads = {0};
+  root.saved_bytes = 64;
+  m.stages.push_back(root);
+  for (int i = 0; i < 8; ++i) {
+    const std::string name = "block" + std::to_string(i);
+    m.groups.push_back(GroupSpec{name, {{name + ".w", {64, 16}}, {name + ".b", {64}}}});
+    StageSpec s;
+    s.name = name;
+    s.group = i + 1;
+    s.grads = {0, 1};
+    s.saved_bytes = 64;
+    m.stages.push_back(s);
+  }
+  m.input_bytes = 256;
+  m.device_input_bytes = 128;
+  return m;
+}
+
+TEST(PlanCuda, WithoutOffloadTheGpuRunsTheCpusReplayAndNoStepTimeIsPredicted) {
+  // One rank, no data, no collectives: the GPU holds exactly what the one memory held (3100).
+  const Plan cpu = plan(one_group({100}), PlanOptions().constants(no_time()));
+  const Plan gpu = plan(one_group({100}), on_gpu(1));
+  EXPECT_EQ(gpu.ranks[0].peak_tensor_bytes, cpu.ranks[0].peak_tensor_bytes);
+  EXPECT_EQ(gpu.ranks[0].peak_tensor_bytes, 3100);
+  EXPECT_EQ(gpu.ranks[0].peak_at, cpu.ranks[0].peak_at);
+  EXPECT_EQ(gpu.ranks[0].host_peak_tensor_bytes, 0);
+  EXPECT_EQ(cpu.ranks[0].host_peak_tensor_bytes, 0);  // one memory: nothing apart
+  EXPECT_TRUE(cpu.step_time_modeled);
+  EXPECT_GT(cpu.step_time_s, 0);
+  EXPECT_FALSE(gpu.step_time_modeled);  // CPU rates make no GPU step time
+  EXPECT_EQ(gpu.step_time_s, 0);
+  EXPECT_EQ(gpu.ranks[0].peak_rss_bytes, 0);  // the CUDA runtime's host memory is not planned
+  EXPECT_EQ(gpu.ranks[0].collectives.size(), cpu.ranks[0].collectives.size());
+}
+
+TEST(PlanCuda, OffloadMovesTheShardsToTheHostAndTheGpuPeakFallsAsTheHostsRises) {
+  const ModelSpec m = state_heavy();
+  const RankPlan none = plan(m, on_gpu(2)).ranks[0];
+  const RankPlan params = plan(m, on_gpu(2).offload(true).optimizer(Optimizer::kDeviceStateAdamW)).ranks[0];
+  const RankPlan full = plan(m, on_gpu(2).offload(true)).ranks[0];
+  EXPECT_GT(none.peak_tensor_bytes, params.peak_tensor_bytes);
+  EXPECT_GT(params.peak_tensor_bytes, full.peak_tensor_bytes);
+  EXPECT_LT(none.host_peak_tensor_bytes, params.host_peak_tensor_bytes);
+  EXPECT_LT(params.host_peak_tensor_bytes, full.host_peak_tensor_bytes);
+  // Without offload the host holds the step's data only; the GPU the micro-batch's copy.
+  EXPECT_EQ(none.host_peak_tensor_bytes, 256);
+  EXPECT_EQ(alive_bytes(none.at_peak, "the micro-batch's tokens"), 128);
+  EXPECT_EQ(alive_bytes(none.at_peak, "collective scratch"), 0);  // NCCL's buffers are not tensors
+  EXPECT_EQ(none.params_in, Memory::kDevice);
+  EXPECT_EQ(none.optimizer_state_in, Memory::kDevice);
+  EXPECT_EQ(params.params_in, Memory::kHost);
+  EXPECT_EQ(params.grads_in, Memory::kHost);
+  EXPECT_EQ(params.optimizer_state_in, Memory::kDevice);
+  EXPECT_EQ(full.params_in, Memory::kHost);
+  EXPECT_EQ(full.optimizer_state_in, Memory::kHost);
+  // Under full offload AdamW steps on the host, with every sharded gradient there.
+  EXPECT_NE(full.host_peak_at.find("optimizer step (on the host)"), std::string::npos) << full.host_peak_at;
+  EXPECT_EQ(alive_bytes(full.host_at_peak, "sharded gradients (pinned)"), full.grads[0].bytes);
+  EXPECT_EQ(alive_bytes(full.at_peak, "optimizer state"), 0);
+}
+
+TEST(PlanCuda, TheShardedStateIsTheOneMemorysSplitBetweenGpuAndHost) {
+  const ModelSpec m = state_heavy();
+  const RankPlan cpu = plan(m, PlanOptions().world(2).constants(no_time())).ranks[0];
+  const std::vector<PlanOptions> placements = {
+      on_gpu(2), on_gpu(2).offload(true).optimizer(Optimizer::kDeviceStateAdamW), on_gpu(2).offload(true)};
+  for (const PlanOptions& o : placements) {
+    const RankPlan r = plan(m, o).ranks[0];
+    for (const char* what : {"sharded parameters", "optimizer state"})
+      EXPECT_EQ(alive_bytes(r.at_peak, what) + alive_bytes(r.host_at_peak, what), alive_bytes(cpu.at_peak, what))
+          << what << ", offload " << o.offload_;
+    EXPECT_EQ(r.params[0].bytes, cpu.params[0].bytes);
+    EXPECT_EQ(r.grads[0].bytes, cpu.grads[0].bytes);
+    EXPECT_EQ(r.optimizer_state[0].bytes, cpu.optimizer_state[0].bytes);
+  }
+}
+
+TEST(PlanCuda, FullOffloadCopiesTheShardUpForTheAllGatherAndStepsOnTheHost) {
+  // One rank, fp16 compute, fp32 reduce: the GPU peaks in backward with the fp16 unsharded
+  // parameters (200), the activations (1000 + 500) and the fp16 gradients (200); the host at the
+  // step with the pinned shards (400) and gradients (400), AdamW's state (800) and its two
+  // temporaries (800).
+  const RankPlan r =
+      plan(one_group({100}), on_gpu(1).offload(true).param_dtype(Dtype::kFloat16).reduce_dtype(Dtype::kFloat32))
+          .ranks[0];
+  EXPECT_EQ(r.peak_tensor_bytes, 200 + 1500 + 200);
+  EXPECT_NE(r.peak_at.find("backward of body"), std::string::npos) << r.peak_at;
+  EXPECT_EQ(r.host_peak_tensor_bytes, 400 + 400 + 800 + 800);
+  EXPECT_EQ(alive_bytes(r.host_at_peak, "sharded parameters (pinned)"), 400);
+  EXPECT_EQ(alive_bytes(r.host_at_peak, "optimizer temporaries"), 800);
+  // FusedAdamW's one pass on the host makes no temporaries.
+  const RankPlan fused = plan(one_group({100}), on_gpu(1).offload(true).optimizer(Optimizer::kFusedAdamW)).ranks[0];
+  EXPECT_EQ(alive_bytes(fused.host_at_peak, "optimizer temporaries"), 0);
+  // Two ranks: each group's shard is copied to the GPU (fp16) beside the all-gather's output.
+  const RankPlan two = plan(one_group({100}), on_gpu(2).offload(true).param_dtype(Dtype::kFloat16)).ranks[0];
+  const RankPlan two_cpu =
+      plan(one_group({100}), PlanOptions().world(2).param_dtype(Dtype::kFloat16).constants(no_time())).ranks[0];
+  EXPECT_EQ(alive_bytes(two.at_peak, "sharded parameters"), 0);
+  EXPECT_GT(alive_bytes(two_cpu.at_peak, "sharded parameters"), 0);
+}
+
+TEST(PlanCuda, DeviceStateAdamWHoldsTwoParametersCopiesBesideItsStateOnTheGpu) {
+  // One rank, parameters a (400 elements) then b (100). At a's update the GPU holds AdamW's
+  // state of both (2 x 500 x 4), a's and b's shard and gradient copies (2 x 500 x 4) and a's
+  // update's two temporaries (2 x 400 x 4): above backward's 4000 + 2000 + 2000.
+  ModelSpec m;
+  m.groups.push_back(GroupSpec{"", {{"a", {400}}, {"b", {100}}}});
+  StageSpec s;
+  s.name = "body";
+  s.grads = {0, 1};
+  m.stages.push_back(s);
+  const PlanOptions o = on_gpu(1).offload(true).optimizer(Optimizer::kDeviceStateAdamW);
+  const RankPlan r = plan(m, o).ranks[0];
+  EXPECT_NE(r.peak_at.find("DeviceStateAdamW, a"), std::string::npos) << r.peak_at;
+  EXPECT_EQ(alive_bytes(r.at_peak, "DeviceStateAdamW copies"), 2 * 500 * 4);
+  EXPECT_EQ(alive_bytes(r.at_peak, "optimizer temporaries"), 2 * 400 * 4);
+  EXPECT_EQ(alive_bytes(r.at_peak, "optimizer state"), 2 * 500 * 4);
+  EXPECT_EQ(r.peak_tensor_bytes, 4000 + 4000 + 3200);
+  EXPECT_EQ(r.host_peak_tensor_bytes, 500 * 4 + 500 * 4);  // the pinned shards and gradients
+  // b first: its update has a's copies beside it (4 x (2 x 100 + 2 x 400 + 2 x 100)), a's own
+  // update alone is higher (4 x (2 x 400 + 2 x 400)).
+  m.stages[0].grads = {1, 0};
+  EXPECT_NE(plan(m, o).ranks[0].peak_at.find("DeviceStateAdamW, a"), std::string::npos);
+  EXPECT_EQ(alive_bytes(plan(m, o).ranks[0].at_peak, "DeviceStateAdamW copies"), 2 * 400 * 4);
+  // A background save clones each piece where it lives: the parameters on the host, the state
+  // on the GPU.
+  const RankPlan saving = plan(m, PlanOptions(o).background_checkpoints(true)).ranks[0];
+  EXPECT_EQ(saving.checkpoint_staging_bytes, 3 * 500 * 4 + 16 + 5056);
+  EXPECT_EQ(saving.peak_tensor_bytes_after_save, saving.peak_tensor_bytes + 2 * 500 * 4);
+  EXPECT_EQ(saving.host_peak_tensor_bytes_after_save, saving.host_peak_tensor_bytes + 500 * 4 + 16 + 5056);
+}
+
+TEST(PlanCuda, RefusesPlacementsTheTrainerDoesNotRun) {
+  try {
+    plan(one_group({100}), PlanOptions().offload(true).optimizer(Optimizer::kDeviceStateAdamW));
+    FAIL() << "DeviceStateAdamW on device cpu was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("kDeviceStateAdamW"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(plan(one_group({100}), on_gpu(1).optimizer(Optimizer::kDeviceStateAdamW)), std::invalid_argument);
+  EXPECT_THROW(plan(one_group({100}), on_gpu(2).no_shard(true)), std::invalid_argument);
 }
 
 TEST(PlanTransformer, GroupsHoldEveryParameterOfTheModel) {

@@ -1,5 +1,6 @@
 // `fsdp-train plan` end to end: its predicted peak tensor bytes against what the trainer reports
-// for the same configuration, the keys it refuses, and the largest model that fits.
+// for the same configuration, the keys it refuses, a GPU configuration's two memories, and the
+// largest model that fits.
 #include "process_harness.h"
 #include "trainer_runs.h"
 
@@ -102,14 +103,67 @@ TEST(PlanCli, RefusesWhatTheTrainerRefusesNamingTheKey) {
       {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("data.path: /nonexistent.tokens"), std::string::npos) << r.err;
-  // GPU memory is not modelled yet: said, with the one-memory plan of the same shapes to run.
-  r = trainer.run({"plan", configs_dir() + "/seed002.yaml", "--world", "8"}, {}, 60);
+  // On a GPU: the optimizer state offloaded without the parameters is refused, as the trainer
+  // refuses it; fp16 with loss scaling on cpu too.
+  r = trainer.run({"plan", configs_dir() + "/seed002.yaml", "--fsdp_config.offload_params=false",
+                   "--fsdp_config.offload_optimizer_state=true"},
+                  {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_NE(r.err.find("does not model fsdp_config.device: cuda yet"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("fsdp_config.offload_optimizer_state: true with fsdp_config.offload_params: false"),
+            std::string::npos)
+      << r.err;
+  r = trainer.run({"plan", configs_dir() + "/seed002.yaml", "--fsdp_config.device=cpu"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("fsdp_config.fp16: true"), std::string::npos) << r.err;
+  r = trainer.run({"plan", configs_dir() + "/seed002.yaml", "--world", "4"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("fsdp_config.world_size is 8 but --world is 4"), std::string::npos) << r.err;
+  // The one-memory plan of the same shapes, as before.
   r = trainer.run(
       {"plan", configs_dir() + "/seed002.yaml", "--world", "8", "--fsdp_config.device=cpu", "--fsdp_config.fp16=false"},
       {}, 60);
   EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("peak RSS"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("predicted step time"), std::string::npos) << r.out;
+}
+
+// The example config as written (device cuda, fp16, parameters offloaded, AdamW's state on the
+// GPU, tensor parallel 2 over world_size 8): the GPU's memory and the host's per rank, said to be
+// a model, and no step time.
+TEST(PlanCli, PlansAGpuConfigWithTheGpuAndHostMemoryApart) {
+  RunResult r = trainer.run({"plan", configs_dir() + "/seed002.yaml"}, {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_NE(r.out.find("at W=8"), std::string::npos) << r.out;  // fsdp_config.world_size
+  EXPECT_NE(r.out.find("device cuda"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("DeviceStateAdamW"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("GPU peak tensors"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("host peak tensors"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("optimizer state fp32"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not yet checked against a run on a GPU"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step time: not modelled for GPUs"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("predicted step time"), std::string::npos) << r.out;
+  r = trainer.run({"plan", configs_dir() + "/seed002.yaml", "--json"}, {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["device"], "cuda");
+  EXPECT_FALSE(j["step_time_modeled"].get<bool>());
+  EXPECT_FALSE(j.contains("step_time_s"));
+  ASSERT_EQ(j["ranks"].size(), 8u);
+  const auto& r0 = j["ranks"][0];
+  EXPECT_EQ(r0["params_in"], "host");
+  EXPECT_EQ(r0["grads_in"], "host");
+  EXPECT_EQ(r0["optimizer_state_in"], "GPU");
+  EXPECT_GT(r0["peak_tensor_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(r0["host_peak_tensor_bytes"].get<int64_t>(), 0);
+  // Offloading the optimizer state too (CPUOffloadPolicy) moves it to the host: the GPU's peak
+  // falls and the host's rises.
+  r = trainer.run({"plan", configs_dir() + "/seed002.yaml", "--json", "--fsdp_config.offload_optimizer_state=true"}, {},
+                  60);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const auto full = nlohmann::json::parse(r.out)["ranks"][0];
+  EXPECT_EQ(full["optimizer_state_in"], "host");
+  EXPECT_LT(full["peak_tensor_bytes"].get<int64_t>(), r0["peak_tensor_bytes"].get<int64_t>());
+  EXPECT_GT(full["host_peak_tensor_bytes"].get<int64_t>(), r0["host_peak_tensor_bytes"].get<int64_t>());
 }
 
 TEST(PlanCli, SaysWhichBackendAndThreadsItPlansAndTheStepAfterASave) {

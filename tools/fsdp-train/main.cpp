@@ -27,7 +27,7 @@ namespace {
 const char* kUsage =
     "usage: fsdp-train [CONFIG.yaml] [--section.key=value ...] [--trace]\n"
     "       fsdp-train tokenize INPUT OUTPUT\n"
-    "       fsdp-train plan CONFIG.yaml [--section.key=value ...] --world N [--memory-per-rank SIZE] [--json]\n"
+    "       fsdp-train plan CONFIG.yaml [--section.key=value ...] [--world N] [--memory-per-rank SIZE] [--json]\n"
     "Trains the Transformer as CONFIG.yaml says (see configs/); every key can be overridden on the\n"
     "command line, e.g. --training.steps=20 --optimizer.betas=[0.9,0.95]. --trace is\n"
     "--logging.trace=true. Start it with fsdprun for several ranks.\n"

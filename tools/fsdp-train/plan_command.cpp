@@ -1,5 +1,6 @@
 // plan_command.cpp — `fsdp-train plan`: a TrainConfig turned into fsdp::plan's model and
-// options, the plan printed per rank, and the largest model of the preset's shape that fits.
+// options, the plan printed per rank (on device cuda the GPU's memory and the host's apart, with
+// no step time), and the largest model of the preset's shape that fits.
 #include "plan_command.h"
 
 #include "config.h"
@@ -12,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +23,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp {
@@ -28,13 +31,15 @@ namespace train {
 namespace {
 
 const char* kPlanUsage =
-    "usage: fsdp-train plan CONFIG.yaml [--section.key=value ...] --world N [--local-world N]\n"
+    "usage: fsdp-train plan CONFIG.yaml [--section.key=value ...] [--world N] [--local-world N]\n"
     "                       [--memory-per-rank SIZE] [--constants FILE] [--json]\n"
     "Prints, per rank, what one training step of CONFIG needs: sharded parameters, gradients and\n"
     "optimizer state, the buffers alive at the peak, the activations, the peak tensor bytes and RSS,\n"
-    "the collectives, and a predicted step time. Runs nothing. --memory-per-rank (e.g. 4GiB, 512MiB)\n"
-    "also finds the largest n_layers and dim of the model that fit. --local-world: ranks per machine\n"
-    "(default: the world).\n";
+    "the collectives, and a predicted step time. Runs nothing. With fsdp_config.device: cuda, the GPU's\n"
+    "peak and the host's apart (a model; no step time). --world: the ranks (default: the config's\n"
+    "fsdp_config.world_size when set). --memory-per-rank (e.g. 4GiB, 512MiB) also finds the largest\n"
+    "n_layers and dim of the model that fit (peak RSS; on cuda the GPU's peak tensors). --local-world:\n"
+    "ranks per machine (default: the world).\n";
 
 struct PlanArgs {
   std::string config;
@@ -98,8 +103,21 @@ PlanArgs parse(int argc, char** argv) {
     else if (a.config.empty()) a.config = arg;
     else throw ConfigError("command line: a second config file '" + arg + "' (only one is read)");
   }
-  if (a.world == 0) throw ConfigError("command line: --world N is required (the number of ranks to plan for)");
   return a;
+}
+
+// --world, or the config's fsdp_config.world_size when it names one (the launcher must match it).
+int world_of(const PlanArgs& a, const TrainConfig& cfg) {
+  const int configured = cfg.fsdp_config.world_size;
+  if (a.world == 0 && configured > 0) return configured;
+  if (a.world == 0)
+    throw ConfigError(
+        "command line: --world N is required (the number of ranks to plan for), unless the config sets "
+        "fsdp_config.world_size");
+  if (configured > 0 && configured != a.world)
+    throw ConfigError("fsdp_config.world_size is " + std::to_string(configured) + " but --world is " +
+                      std::to_string(a.world));
+  return a.world;
 }
 
 plan::Dtype dtype_of(Dtype d) {
@@ -175,20 +193,21 @@ plan::Backend backend_of(const FsdpConfig& f, std::string& described) {
   return name == "mpi" ? plan::Backend::kMpi : plan::Backend::kGloo;
 }
 
+// The optimizer the trainer builds (trainer.cpp's optimizer_of): on a GPU with the parameters
+// offloaded and the optimizer state not, DeviceStateAdamW.
+plan::Optimizer optimizer_of(const TrainConfig& cfg) {
+  const auto& f = cfg.fsdp_config;
+  if (f.device == "cuda" && f.offload_params && !f.offload_optimizer_state) return plan::Optimizer::kDeviceStateAdamW;
+  return cfg.optimizer.fused ? plan::Optimizer::kFusedAdamW : plan::Optimizer::kAdamW;
+}
+
 Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   const auto& f = cfg.fsdp_config;
-  // The planner replays a step in one memory: the host's. Splitting it between host and GPU
-  // memory (offload, the optimizer state on the GPU) is not modelled yet.
-  if (f.device == "cuda")
-    throw ConfigError(
-        "fsdp-train plan does not model fsdp_config.device: cuda yet (GPU and host memory apart); plan "
-        "with --fsdp_config.device=cpu --fsdp_config.fp16=false for the one-memory figures of the same "
-        "shapes, or measure on the GPU (the step line reports the GPU allocator's bytes)");
-  // What the trainer refuses (fp16 on cpu, ...), named.
-  check_supported(cfg, device_support_for(cfg));
-  if (f.world_size > 0 && f.world_size != a.world)
-    throw ConfigError("fsdp_config.world_size is " + std::to_string(f.world_size) + " but --world is " +
-                      std::to_string(a.world));
+  // What the trainer refuses (fp16 on cpu, the optimizer state offloaded alone on cuda, ...),
+  // named. A plan for a GPU needs none here: it is checked as if this machine had one.
+  DeviceSupport planned = device_support_for(cfg);
+  if (f.device == "cuda") planned.cuda = true;
+  check_supported(cfg, planned);
   Question q;
   const models::ModelArgs preset = models::ModelArgs::preset(cfg.model.preset);
   const auto& m = cfg.model;
@@ -230,13 +249,17 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
       .reshard_after_forward(no_shard || reshard_after_forward(cfg))
       .param_dtype(dtype_of(precision.param))
       .reduce_dtype(dtype_of(precision.reduce))
+      .device(f.device == "cuda" ? plan::Device::kCuda : plan::Device::kCpu)
       .offload(f.offload_params)
-      .optimizer(cfg.optimizer.fused ? plan::Optimizer::kFusedAdamW : plan::Optimizer::kAdamW)
+      .optimizer(optimizer_of(cfg))
       .micro_batches(t.gradient_accumulation_steps)
       .backend(backend_of(f, q.backend))
       .threads(threads_of(local, q.threads))
       // train() saves in the background every checkpoint_interval steps before the last.
       .background_checkpoints(f.checkpoint_interval > 0 && f.checkpoint_interval < t.steps);
+  // A cuda mesh's groups run on NCCL (src/tensor/device_mesh.cpp), whatever fsdp_config.backend says.
+  if (f.device == "cuda")
+    q.backend = "nccl (a cuda mesh's groups; FSDP_CUDA_BACKEND=gloo would stage them through host memory, not planned)";
   if (!a.constants.empty()) {
     const std::string text = read_file(a.constants, {a.constants + " is a directory", "cannot open " + a.constants,
                                                      "reading " + a.constants + " failed"});
@@ -267,20 +290,24 @@ int64_t parameter_count(const plan::TransformerShape& s) {
   return n;
 }
 
-double peak_rss(const plan::Plan& p) {
+bool on_gpu(const Question& q) { return q.options.device_ == plan::Device::kCuda; }
+
+// What must fit a rank's memory: its peak RSS, or on a GPU the GPU's peak tensors (the step after
+// a background save included).
+double peak_memory(const plan::Plan& p, bool gpu) {
   int64_t most = 0;
-  for (const auto& r : p.ranks) most = std::max(most, r.peak_rss_bytes);
+  for (const auto& r : p.ranks) most = std::max(most, gpu ? r.peak_tensor_bytes_after_save : r.peak_rss_bytes);
   return static_cast<double>(most);
 }
 
-// The largest value of one size (n_layers, or dim in steps of n_heads) whose plan's peak RSS
+// The largest value of one size (n_layers, or dim in steps of n_heads) whose plan's peak memory
 // fits `memory`; 0 when even the smallest does not. Peak memory grows with both.
 int64_t largest_fitting(Question q, bool layers, double memory) {
   const int64_t step = layers ? 1 : q.shape.n_heads;
   auto fits = [&](int64_t k) {
     if (layers) q.shape.n_layers = k;
     else q.shape.dim = k * step;
-    return peak_rss(plan_of(q)) <= memory;
+    return peak_memory(plan_of(q), on_gpu(q)) <= memory;
   };
   if (!fits(1)) return 0;
   int64_t lo = 1, hi = 2;
@@ -300,15 +327,67 @@ std::string mib(double bytes) {
   return buf;
 }
 
-std::string dtype_bytes(const std::vector<plan::DtypeBytes>& v) {
+std::string dtype_bytes(const std::vector<plan::DtypeBytes>& v, std::string (*format)(double) = mib) {
   std::string s;
-  for (const auto& d : v) s += (s.empty() ? "" : ", ") + std::string(plan::name_of(d.dtype)) + " " + mib(d.bytes);
+  for (const auto& d : v) s += (s.empty() ? "" : ", ") + std::string(plan::name_of(d.dtype)) + " " + format(d.bytes);
   return s;
 }
 
 bool same_numbers(const plan::RankPlan& a, const plan::RankPlan& b) {
-  return a.peak_tensor_bytes == b.peak_tensor_bytes && a.optimizer_state[0].bytes == b.optimizer_state[0].bytes &&
-         a.grads[0].bytes == b.grads[0].bytes;
+  return a.peak_tensor_bytes == b.peak_tensor_bytes && a.host_peak_tensor_bytes == b.host_peak_tensor_bytes &&
+         a.optimizer_state[0].bytes == b.optimizer_state[0].bytes && a.grads[0].bytes == b.grads[0].bytes;
+}
+
+const char* memory_name(plan::Memory m) { return m == plan::Memory::kHost ? "host" : "GPU"; }
+
+// The largest kind of buffer alive at a peak, summed over the modules ("activations" taking in
+// "activations (checkpoint output)", ...), with its share of the peak.
+std::string dominated_by(const std::vector<plan::Buffer>& alive, int64_t peak, std::string (*format)(double) = mib) {
+  std::vector<std::pair<std::string, int64_t>> kinds;
+  for (const auto& b : alive) {
+    const std::string kind = b.what.substr(0, b.what.find(" ("));
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == kind; });
+    if (it == kinds.end()) kinds.push_back({kind, b.bytes});
+    else it->second += b.bytes;
+  }
+  if (kinds.empty() || peak <= 0) return "nothing";
+  const auto top =
+      *std::max_element(kinds.begin(), kinds.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
+  char share[32];
+  std::snprintf(share, sizeof share, " (%.0f%%)", 100.0 * static_cast<double>(top.second) / static_cast<double>(peak));
+  return top.first + " " + format(static_cast<double>(top.second)) + share;
+}
+
+void print_alive(std::ostringstream& s, const std::vector<plan::Buffer>& alive, std::string (*format)(double) = mib) {
+  for (const auto& b : alive)
+    s << "    " << (b.module.empty() ? "(root)" : b.module) << ": " << b.what << " " << format(b.bytes) << "\n";
+}
+
+// MiB, or KiB below one MiB (the GPU plans of small presets stay readable).
+std::string kib_or_mib(double bytes) {
+  if (bytes >= 1048576.0) return mib(bytes);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f KiB", bytes / 1024.0);
+  return buf;
+}
+
+const char* optimizer_name(plan::Optimizer o) {
+  switch (o) {
+    case plan::Optimizer::kAdamW: return "AdamW";
+    case plan::Optimizer::kFusedAdamW: return "FusedAdamW";
+    case plan::Optimizer::kDeviceStateAdamW: return "DeviceStateAdamW";
+  }
+  return "?";
+}
+
+std::string offload_described(const Question& q) {
+  if (!q.options.offload_) return "";
+  if (!on_gpu(q)) return ", offload (identity copies on cpu)";
+  return q.options.optimizer_ == plan::Optimizer::kDeviceStateAdamW
+             ? ", parameters offloaded (shards and gradients in pinned host memory, AdamW's state and step on "
+               "the GPU)"
+             : ", parameters and optimizer state offloaded (CPUOffloadPolicy: shards, gradients and AdamW's "
+               "state in host memory, AdamW steps there)";
 }
 
 std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& a) {
@@ -327,33 +406,76 @@ std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& 
     << (act.checkpoint_every == 0   ? std::string("none")
         : act.checkpoint_every == 1 ? std::string("every block")
                                     : "every " + std::to_string(act.checkpoint_every) + "th block")
-    << ", loss in " << act.loss_chunks << " piece(s)" << (cfg.optimizer.fused ? ", FusedAdamW" : ", AdamW")
-    << (cfg.fsdp_config.offload_params ? ", offload (identity copies on cpu)" : "")
+    << ", loss in " << act.loss_chunks << " piece(s)"
+    << ", " << optimizer_name(q.options.optimizer_) << (on_gpu(q) ? ", device cuda" : "") << offload_described(q)
     << (q.sharding.output_head_group ? ", output head group" : "") << ", collectives on " << q.backend;
   return s.str();
 }
 
+// Per rank on a GPU: where the sharded state lives, then the GPU's peak and the host's apart.
+void print_gpu_rank(std::ostringstream& s, const plan::RankPlan& r, const Question& q) {
+  // The offloaded shards are pinned (CPUOffloadPolicy's pin_memory), and so are the gradients the
+  // reduce-scatter's output is copied into; AdamW's state on the host is not.
+  auto in = [](plan::Memory m, bool pinned) {
+    return m == plan::Memory::kHost && pinned ? "pinned host" : memory_name(m);
+  };
+  s << "  sharded parameters " << dtype_bytes(r.params, kib_or_mib) << " (" << in(r.params_in, true) << "); gradients "
+    << dtype_bytes(r.grads, kib_or_mib) << " (" << in(r.grads_in, true) << "); optimizer state "
+    << dtype_bytes(r.optimizer_state, kib_or_mib) << " (" << in(r.optimizer_state_in, false) << ")\n";
+  s << "  activations kept at the end of forward: " << kib_or_mib(r.activation_bytes) << " (GPU)\n";
+  s << "  GPU peak tensors " << kib_or_mib(r.peak_tensor_bytes) << ", at " << r.peak_at << "; mostly "
+    << dominated_by(r.at_peak, r.peak_tensor_bytes, kib_or_mib) << "; alive then:\n";
+  print_alive(s, r.at_peak, kib_or_mib);
+  if (r.host_at_peak.empty()) {
+    s << "  host peak tensors 0.00 MiB (none of the step's tensors live there)\n";
+  } else {
+    s << "  host peak tensors " << kib_or_mib(r.host_peak_tensor_bytes) << ", at " << r.host_peak_at << "; mostly "
+      << dominated_by(r.host_at_peak, r.host_peak_tensor_bytes, kib_or_mib) << "; alive then:\n";
+    print_alive(s, r.host_at_peak, kib_or_mib);
+  }
+  if (q.options.background_checkpoints_)
+    s << "  the step after a background checkpoint save: GPU peak tensors "
+      << kib_or_mib(r.peak_tensor_bytes_after_save) << ", host " << kib_or_mib(r.host_peak_tensor_bytes_after_save)
+      << " (the save's staged copy of the parameters and "
+      << "optimizer state, " << kib_or_mib(r.checkpoint_staging_bytes)
+      << ", cloned where each lives, is alive through it)\n";
+  s << "  host RSS: not planned on a GPU (the CUDA context's and NCCL's host memory are not measured here); the "
+       "host tensors above come on top of them\n";
+}
+
+void print_cpu_rank(std::ostringstream& s, const plan::RankPlan& r, const Question& q) {
+  s << "  sharded parameters " << dtype_bytes(r.params) << "; gradients " << dtype_bytes(r.grads)
+    << "; optimizer state " << dtype_bytes(r.optimizer_state) << "\n";
+  s << "  activations kept at the end of forward: " << mib(r.activation_bytes) << "\n";
+  s << "  peak tensors " << mib(r.peak_tensor_bytes) << ", at " << r.peak_at << "; alive then:\n";
+  print_alive(s, r.at_peak);
+  if (q.options.background_checkpoints_)
+    s << "  the step after a background checkpoint save: peak tensors " << mib(r.peak_tensor_bytes_after_save)
+      << " (the save's staged copy of the parameters and optimizer state, " << mib(r.checkpoint_staging_bytes)
+      << ", is alive through it)\n";
+  s << "  peak RSS " << mib(r.peak_rss_bytes) << " (runtime and block cache included)\n";
+}
+
+const char* kGpuCaveat =
+    "device cuda: GPU and host memory are a model of the runtime's allocations (src/fsdp, "
+    "src/optim/device_state_adamw.cpp), not yet checked against a run on a GPU: the cpu figures are "
+    "measured against the trainer, these are not. Not counted: the CUDA context, cuBLAS's workspace and "
+    "NCCL's buffers, and the caching allocator's rounding and fragmentation (what nvidia-smi shows above "
+    "the peak).";
+
 void print_text(const plan::Plan& p, const Question& q, const TrainConfig& cfg, const PlanArgs& a) {
   std::ostringstream s;
+  const bool gpu = on_gpu(q);
   s << describe(q, cfg, a) << "\n";
-  s << "constants: " << p.constants_source << "\n";
+  if (gpu) s << kGpuCaveat << "\n";
+  else s << "constants: " << p.constants_source << "\n";
   for (size_t i = 0; i < p.ranks.size();) {
     size_t j = i + 1;
     while (j < p.ranks.size() && same_numbers(p.ranks[i], p.ranks[j])) ++j;
-    const plan::RankPlan& r = p.ranks[i];
     s << (j - i == 1 ? "rank " + std::to_string(i) : "ranks " + std::to_string(i) + "-" + std::to_string(j - 1))
       << ":\n";
-    s << "  sharded parameters " << dtype_bytes(r.params) << "; gradients " << dtype_bytes(r.grads)
-      << "; optimizer state " << dtype_bytes(r.optimizer_state) << "\n";
-    s << "  activations kept at the end of forward: " << mib(r.activation_bytes) << "\n";
-    s << "  peak tensors " << mib(r.peak_tensor_bytes) << ", at " << r.peak_at << "; alive then:\n";
-    for (const auto& b : r.at_peak)
-      s << "    " << (b.module.empty() ? "(root)" : b.module) << ": " << b.what << " " << mib(b.bytes) << "\n";
-    if (q.options.background_checkpoints_)
-      s << "  the step after a background checkpoint save: peak tensors " << mib(r.peak_tensor_bytes_after_save)
-        << " (the save's staged copy of the parameters and optimizer state, " << mib(r.checkpoint_staging_bytes)
-        << ", is alive through it)\n";
-    s << "  peak RSS " << mib(r.peak_rss_bytes) << " (runtime and block cache included)\n";
+    if (gpu) print_gpu_rank(s, p.ranks[i], q);
+    else print_cpu_rank(s, p.ranks[i], q);
     i = j;
   }
   const auto& coll = p.ranks.front().collectives;
@@ -362,20 +484,25 @@ void print_text(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
   } else {
     s << "collectives per step (bytes: the whole gathered / reduced buffers):\n";
     for (const auto& c : coll)
-      s << "  " << c.group << ": " << c.kind << " on the " << c.mesh << " mesh x" << c.count << ", " << mib(c.bytes)
-        << "\n";
+      s << "  " << c.group << ": " << c.kind << " on the " << c.mesh << " mesh x" << c.count << ", "
+        << (gpu ? kib_or_mib(c.bytes) : mib(c.bytes)) << "\n";
   }
-  char t[512];
-  std::snprintf(t, sizeof t,
-                "predicted step time %.4f s (compute %.4f, communication %.4f, optimizer %.4f, overhead %.4f; %s)\n",
-                p.step_time_s, p.compute_s, p.communication_s, p.optimizer_s, p.overhead_s, q.threads.c_str());
-  s << t;
+  if (!p.step_time_modeled) {
+    s << "step time: not modelled for GPUs (the planner's rates are CPU and Gloo measurements); measure it with "
+         "fsdp-train on the GPU\n";
+  } else {
+    char t[512];
+    std::snprintf(t, sizeof t,
+                  "predicted step time %.4f s (compute %.4f, communication %.4f, optimizer %.4f, overhead %.4f; %s)\n",
+                  p.step_time_s, p.compute_s, p.communication_s, p.optimizer_s, p.overhead_s, q.threads.c_str());
+    s << t;
+  }
   if (a.memory_per_rank > 0) {
     const int64_t layers = largest_fitting(q, true, a.memory_per_rank);
     const int64_t dim = largest_fitting(q, false, a.memory_per_rank);
-    s << "fits " << mib(a.memory_per_rank) << " per rank (peak RSS): up to n_layers " << layers << " at dim "
-      << q.shape.dim << ", or up to dim " << dim << " at n_layers " << q.shape.n_layers
-      << (layers == 0 ? " (not even 1 layer fits)" : "") << "\n";
+    s << "fits " << mib(a.memory_per_rank) << " per rank (" << (gpu ? "GPU peak tensors" : "peak RSS")
+      << "): up to n_layers " << layers << " at dim " << q.shape.dim << ", or up to dim " << dim << " at n_layers "
+      << q.shape.n_layers << (layers == 0 ? " (not even 1 layer fits)" : "") << "\n";
   }
   std::cout << s.str();
 }
@@ -391,12 +518,17 @@ void print_json(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
   j["description"] = describe(q, cfg, a);
   j["world"] = a.world;
   j["parameters"] = parameter_count(q.shape);
+  j["device"] = plan::name_of(q.options.device_);
   j["constants_source"] = p.constants_source;
-  j["step_time_s"] = p.step_time_s;
-  j["compute_s"] = p.compute_s;
-  j["communication_s"] = p.communication_s;
-  j["optimizer_s"] = p.optimizer_s;
-  j["overhead_s"] = p.overhead_s;
+  j["step_time_modeled"] = p.step_time_modeled;
+  if (p.step_time_modeled) {
+    j["step_time_s"] = p.step_time_s;
+    j["compute_s"] = p.compute_s;
+    j["communication_s"] = p.communication_s;
+    j["optimizer_s"] = p.optimizer_s;
+    j["overhead_s"] = p.overhead_s;
+  }
+  if (on_gpu(q)) j["note"] = kGpuCaveat;
   j["threads"] = q.threads;
   j["backend"] = q.backend;
   for (const auto& r : p.ranks) {
@@ -413,6 +545,17 @@ void print_json(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
     rj["at_peak"] = nlohmann::json::array();
     for (const auto& b : r.at_peak)
       rj["at_peak"].push_back({{"module", b.module}, {"what", b.what}, {"bytes", b.bytes}});
+    if (on_gpu(q)) {  // peak_tensor_bytes and at_peak are the GPU's; the host's apart
+      rj["params_in"] = memory_name(r.params_in);
+      rj["grads_in"] = memory_name(r.grads_in);
+      rj["optimizer_state_in"] = memory_name(r.optimizer_state_in);
+      rj["host_peak_tensor_bytes"] = r.host_peak_tensor_bytes;
+      rj["host_peak_at"] = r.host_peak_at;
+      rj["host_peak_tensor_bytes_after_save"] = r.host_peak_tensor_bytes_after_save;
+      rj["host_at_peak"] = nlohmann::json::array();
+      for (const auto& b : r.host_at_peak)
+        rj["host_at_peak"].push_back({{"module", b.module}, {"what", b.what}, {"bytes", b.bytes}});
+    }
     rj["collectives"] = nlohmann::json::array();
     for (const auto& c : r.collectives)
       rj["collectives"].push_back(
@@ -438,6 +581,7 @@ int plan_command(int argc, char** argv) {
     return kExitOk;
   }
   const TrainConfig cfg = load_config(a.config, a.overrides);
+  a.world = world_of(a, cfg);
   const Question q = question_of(cfg, a);
   const plan::Plan p = plan_of(q);
   if (a.json) print_json(p, q, cfg, a);
