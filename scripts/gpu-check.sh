@@ -83,7 +83,8 @@ if (( dry_run )); then
   log "dry run: the bundle and the configure step worked; a GPU run would now build fsdp_cuda_tests, fsdp-train"
   log "and fsdprun (-j$jobs), run fsdp_cuda_tests, one of them under compute-sanitizer racecheck and"
   log "synccheck, bench/gpu_side_by_side.py --build-dir $build --out $out/side_by_side, and fsdp-train"
-  log "with fp16: true (loss scaling) for 30 steps and a resume to 40, and configs/seed002.yaml on 8 ranks"
+  log "with fp16: true (loss scaling) for 30 steps and a resume to 40, configs/seed002.yaml on 8 ranks, and"
+  log "bench/offload_placements.py (the three offload placements, measured beside fsdp-train plan)"
   exit 0
 fi
 
@@ -110,6 +111,11 @@ step seed002 120 env -C "$out/seed002" FSDP_CUDA_BACKEND=gloo "$PWD/$build/tools
   "$PWD/$build/tools/fsdp-train/fsdp-train" "$PWD/configs/seed002.yaml" --training.steps=4 --logging.log_interval=1 \
   --training.export=none
 tail -12 "$out/seed002.txt"
+# The three placements of the sharded state (no offload; parameters offloaded with AdamW's state on
+# the GPU; full offload): GPU peak and step time measured, beside fsdp-train plan's GPU and host peaks.
+step offload_placements 90 "$python" bench/offload_placements.py --build-dir "$build" --device cuda \
+  --preset small --steps 8 --out "$out/offload_placements"
+tail -8 "$out/offload_placements.txt"
 if command -v compute-sanitizer >/dev/null; then
   for tool in racecheck synccheck; do
     step "sanitizer_$tool" 60 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
