@@ -12,7 +12,8 @@
 // MASTER_ADDR, MASTER_PORT (and TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE when
 // a launcher hosts the store). When RANK is absent, OpenMPI's OMPI_COMM_WORLD_* or Slurm's
 // SLURM_* variables are used instead; MASTER_ADDR / MASTER_PORT still name the store (Slurm:
-// defaults are SLURM_LAUNCH_NODE_IPADDR and a port derived from SLURM_JOB_ID).
+// defaults are the step's first node, by its name in SLURM_STEP_NODELIST, where task 0 runs,
+// and a port derived from SLURM_JOB_ID).
 #pragma once
 
 #include <fsdp/process_group.h>

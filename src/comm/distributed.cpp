@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -56,11 +57,62 @@ bool env_true(const char* name) {
   return s == "1" || s == "True" || s == "true" || s == "TRUE" || s == "yes";
 }
 
-// Slurm's task count per node may look like "2(x3),1"; the first figure is this layout's.
-int slurm_tasks_per_node() {
-  const char* v = env("SLURM_TASKS_PER_NODE");
-  if (!v) v = env("SLURM_NTASKS_PER_NODE");
-  return v ? std::atoi(v) : 1;
+// The tasks on this node: its entry (SLURM_NODEID, its index in the step) of the step's layout,
+// which Slurm writes as counts, a repeated one with "(xN)": "2(x3),1" is 2, 2, 2 and 1 tasks.
+int slurm_tasks_on_this_node() {
+  const char* name = env("SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE" : "SLURM_TASKS_PER_NODE";
+  const char* layout = env(name);
+  if (!layout) return 1;
+  int node = env_int("SLURM_NODEID", 0);
+  const char* p = layout;
+  for (;;) {
+    char* end = nullptr;
+    const long tasks = std::strtol(p, &end, 10);
+    long repeat = 1;
+    if (end != p && std::strncmp(end, "(x", 2) == 0) {
+      p = end + 2;
+      repeat = std::strtol(p, &end, 10);
+      TORCH_CHECK(end != p && *end == ')', "environment variable ", name, "='", layout,
+                  "' is not a Slurm task layout (counts such as 2(x3),1)");
+      ++end;
+    }
+    TORCH_CHECK(end != p && tasks >= 1 && repeat >= 1 && (*end == ',' || *end == '\0'), "environment variable ", name,
+                "='", layout, "' is not a Slurm task layout (counts such as 2(x3),1)");
+    if (node < repeat) return static_cast<int>(tasks);
+    node -= static_cast<int>(repeat);
+    TORCH_CHECK(*end == ',', "environment variable SLURM_NODEID='", env("SLURM_NODEID"), "' names no node of ", name,
+                "='", layout, "'");
+    p = end + 1;
+  }
+}
+
+// The first host of a Slurm host list, where task 0 runs: "node[07-09,12],gpu1" gives node07,
+// and "rack[1-2]-n[3-4]" rack1-n3.
+std::string first_slurm_host(const char* name, const std::string& list) {
+  std::string host;
+  for (size_t i = 0; i < list.size() && list[i] != ','; ++i) {
+    if (list[i] != '[') {
+      host += list[i];
+      continue;
+    }
+    const size_t close = list.find(']', i);
+    TORCH_CHECK(close != std::string::npos, "environment variable ", name, "='", list,
+                "' is not a Slurm host list (an unclosed [)");
+    host += list.substr(i + 1, list.find_first_of("-,]", i + 1) - (i + 1));
+    i = close;
+  }
+  TORCH_CHECK(!host.empty(), "environment variable ", name, "='", list, "' is not a Slurm host list");
+  return host;
+}
+
+// Where task 0, which hosts the store, runs: the step's first node, by its name. Not srun's
+// own address (SLURM_LAUNCH_NODE_IPADDR), which is a login node's when srun runs there.
+std::string slurm_store_host() {
+  for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+    if (const char* list = env(name)) return first_slurm_host(name, list);
+  }
+  const char* launch = env("SLURM_LAUNCH_NODE_IPADDR");
+  return launch ? launch : "127.0.0.1";
 }
 
 // ------------------------------------------------------------------------------ runtime
@@ -291,8 +343,8 @@ RendezvousInfo rendezvous_info_from_env() {
     info.rank = env_int("SLURM_PROCID", 0);
     info.world_size = env_int("SLURM_NTASKS", 1);
     info.local_rank = env_int("SLURM_LOCALID", 0);
-    info.local_world_size = slurm_tasks_per_node();
-    if (const char* addr = env("SLURM_LAUNCH_NODE_IPADDR")) info.master_addr = addr;
+    info.local_world_size = slurm_tasks_on_this_node();
+    info.master_addr = slurm_store_host();
     // A port every task derives alike from the job id, unless MASTER_PORT says otherwise.
     if (env("SLURM_JOB_ID")) info.master_port = 20000 + env_int("SLURM_JOB_ID", 0) % 20000;
   } else {

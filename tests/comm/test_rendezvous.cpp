@@ -31,6 +31,11 @@ class ScopedEnv {
                                  "SLURM_NTASKS",
                                  "SLURM_LOCALID",
                                  "SLURM_TASKS_PER_NODE",
+                                 "SLURM_STEP_TASKS_PER_NODE",
+                                 "SLURM_NODEID",
+                                 "SLURM_STEP_NODELIST",
+                                 "SLURM_JOB_NODELIST",
+                                 "SLURM_NODELIST",
                                  "SLURM_LAUNCH_NODE_IPADDR",
                                  "SLURM_JOB_ID"};
     for (const char* name : kAll) {
@@ -99,20 +104,81 @@ TEST(Rendezvous, OpenMpiVariables) {
   EXPECT_FALSE(info.use_agent_store);
 }
 
+// What srun gives task 2 of `srun -N 2 -n 4` run on a login node (192.0.2.7) outside the job.
 TEST(Rendezvous, SlurmVariables) {
   ScopedEnv env({{"SLURM_PROCID", "2"},
                  {"SLURM_NTASKS", "4"},
                  {"SLURM_LOCALID", "0"},
+                 {"SLURM_NODEID", "1"},
                  {"SLURM_TASKS_PER_NODE", "2(x2)"},
+                 {"SLURM_STEP_TASKS_PER_NODE", "2(x2)"},
+                 {"SLURM_STEP_NODELIST", "node[07-08]"},
+                 {"SLURM_JOB_NODELIST", "node[07-08]"},
                  {"SLURM_LAUNCH_NODE_IPADDR", "192.0.2.7"},
                  {"SLURM_JOB_ID", "12345"}});
   const auto info = fsdp::rendezvous_info_from_env();
   EXPECT_EQ(info.source, "slurm");
   EXPECT_EQ(info.rank, 2);
   EXPECT_EQ(info.world_size, 4);
+  EXPECT_EQ(info.local_rank, 0);
   EXPECT_EQ(info.local_world_size, 2);
-  EXPECT_EQ(info.master_addr, "192.0.2.7");
+  // The store is task 0's, on the step's first node, not on the login node srun ran on.
+  EXPECT_EQ(info.master_addr, "node07");
   EXPECT_EQ(info.master_port, 20000 + 12345 % 20000);
+}
+
+TEST(Rendezvous, SlurmStoreHostIsTheFirstOfTheStepsNodes) {
+  const std::map<std::string, std::string> task0 = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}};
+  auto store_host = [&](std::map<std::string, std::string> more) {
+    more.insert(task0.begin(), task0.end());
+    ScopedEnv env(more);
+    return fsdp::rendezvous_info_from_env().master_addr;
+  };
+  EXPECT_EQ(store_host({{"SLURM_STEP_NODELIST", "node[07-09,12],gpu1"}}), "node07");
+  EXPECT_EQ(store_host({{"SLURM_STEP_NODELIST", "gpu1,node[07-09]"}}), "gpu1");
+  EXPECT_EQ(store_host({{"SLURM_STEP_NODELIST", "rack[1-2]-n[3,5]"}}), "rack1-n3");
+  EXPECT_EQ(store_host({{"SLURM_STEP_NODELIST", "solo"}}), "solo");
+  // The step's nodes, not the job's: a step may run on a part of the allocation.
+  EXPECT_EQ(store_host({{"SLURM_STEP_NODELIST", "n[3-4]"}, {"SLURM_JOB_NODELIST", "n[1-4]"}}), "n3");
+  EXPECT_EQ(store_host({{"SLURM_JOB_NODELIST", "n[1-4]"}}), "n1");
+  EXPECT_EQ(store_host({{"SLURM_LAUNCH_NODE_IPADDR", "192.0.2.7"}}), "192.0.2.7");
+  EXPECT_EQ(store_host({{"SLURM_STEP_NODELIST", "n[3-4]"}, {"MASTER_ADDR", "10.0.0.1"}}), "10.0.0.1");
+  try {
+    store_host({{"SLURM_STEP_NODELIST", "n[3-4"}});
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("SLURM_STEP_NODELIST='n[3-4'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Rendezvous, SlurmLocalWorldSizeIsThisNodesTaskCount) {
+  auto tasks_here = [](const std::string& layout, int node, const char* var = "SLURM_STEP_TASKS_PER_NODE") {
+    ScopedEnv env(
+        {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "16"}, {var, layout}, {"SLURM_NODEID", std::to_string(node)}});
+    return fsdp::rendezvous_info_from_env().local_world_size;
+  };
+  EXPECT_EQ(tasks_here("3,2(x2),1", 0), 3);
+  EXPECT_EQ(tasks_here("3,2(x2),1", 1), 2);
+  EXPECT_EQ(tasks_here("3,2(x2),1", 2), 2);
+  EXPECT_EQ(tasks_here("3,2(x2),1", 3), 1);
+  EXPECT_EQ(tasks_here("8(x2)", 1, "SLURM_TASKS_PER_NODE"), 8);
+  {  // the step's layout wins over the job's, which a step inside sbatch inherits
+    ScopedEnv env({{"SLURM_PROCID", "0"},
+                   {"SLURM_NTASKS", "4"},
+                   {"SLURM_TASKS_PER_NODE", "1(x2)"},
+                   {"SLURM_STEP_TASKS_PER_NODE", "2(x2)"}});
+    EXPECT_EQ(fsdp::rendezvous_info_from_env().local_world_size, 2);
+  }
+  for (const auto& bad : {std::make_pair(std::string("2(x"), 0), std::make_pair(std::string("2,x"), 1),
+                          std::make_pair(std::string("3,2(x2)"), 3)}) {
+    try {
+      tasks_here(bad.first, bad.second);
+      FAIL() << bad.first;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("SLURM_STEP_TASKS_PER_NODE='" + bad.first + "'"), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(Rendezvous, BadValuesNameTheVariable) {
