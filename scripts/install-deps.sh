@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # install-deps.sh — everything fsdp-cpp needs on a fresh Debian 12 machine:
-#  - Debian's packages for the toolchain, the test and benchmark libraries, OpenMPI and OpenBLAS;
+#  - Debian's packages for the toolchain, the test and benchmark libraries, OpenMPI, OpenBLAS and
+#    Slurm (its daemons and munge, for the tests that run a cluster on this machine);
 #  - LibTorch 2.x, as the one pinned PyTorch wheel from PyPI (a CUDA build that also runs without
 #    a GPU; it carries LibTorch's headers, libraries and share/cmake/Torch, and gloo inside
 #    libtorch_cpu), installed with the Python-side test tools into a virtual environment outside
@@ -24,6 +25,8 @@ packages=(
   iproute2                          # ss, for the tests that look at listening sockets
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
+  slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
+                                    # they start their own daemons and leave the system's services alone
 )
 
 as_root() {

@@ -15,6 +15,11 @@ removed on exit, also when a test fails, and the processes started in the hosts 
 first. Each process started in a host also gets a pid namespace of its own, so that hosts do not
 see each other's processes, the host's own name (its namespace's), and a TMPDIR of its host's own, as separate machines do not share
 /tmp (fsdprun's default flight-recorder folder is named by its pid, 1 in every host). Needs root (ip netns, ip link) and iproute2; `available()` says why not otherwise.
+
+Given `names`, host i is also called names[i]: what it starts sees that name as its host name
+(instead of its namespace's), and every host's name resolves to its address inside the hosts
+(an /etc/hosts of their own, /etc/netns/<namespace>/hosts, which `ip netns exec` mounts over
+the machine's; the machine's own /etc/hosts is left alone).
 """
 import fcntl
 import heapq
@@ -123,10 +128,14 @@ class _ImpairedCable(threading.Thread):
 
 
 class Hosts:
-    def __init__(self, count, impaired=None):
-        """`impaired`: {host index: Impairment} for hosts whose cable delays and loses frames."""
+    def __init__(self, count, impaired=None, names=None):
+        """`impaired`: {host index: Impairment} for hosts whose cable delays and loses frames;
+        `names`: the hosts' names (default: their namespaces')."""
         if not 1 <= count <= 8:
             raise ValueError(f"Hosts: 1 to 8 hosts, got {count}")
+        if names is not None and len(names) != count:
+            raise ValueError(f"Hosts: {count} hosts, but {len(names)} names")
+        self.names = names
         pid = os.getpid()
         self.count = count
         self.impaired = dict(impaired or {})
@@ -167,6 +176,8 @@ class Hosts:
                 _ip("link", "set", "lo", "up", netns=ns)
                 _ip("link", "set", veth, "master", self.bridge)
                 _ip("link", "set", veth, "up")
+            if self.names:
+                self._write_etc_hosts()
         except BaseException:
             self.close()
             raise
@@ -175,6 +186,16 @@ class Hosts:
     def __exit__(self, *exc):
         self.close()
         return False
+
+    def _etc(self, i):
+        return os.path.join("/etc/netns", self.netns(i))
+
+    def _write_etc_hosts(self):
+        lines = ["127.0.0.1 localhost"] + [f"{self.address(i)} {n}" for i, n in enumerate(self.names)]
+        for i in range(self.count):
+            os.makedirs(self._etc(i), exist_ok=True)
+            with open(os.path.join(self._etc(i), "hosts"), "w") as f:
+                f.write("\n".join(lines) + "\n")
 
     def start(self, i, argv, env=None, **popen):
         """Starts argv inside host i, in a process group and a pid namespace of its own (its
@@ -188,7 +209,7 @@ class Hosts:
         return p
 
     def hostname(self, i):
-        return self.netns(i)
+        return self.names[i] if self.names else self.netns(i)
 
     def enter(self, i):
         """The command prefix that, run inside host i's network namespace, gives a command the
@@ -242,6 +263,8 @@ class Hosts:
         for i in range(self.count):
             subprocess.run(["ip", "netns", "del", self.netns(i)], capture_output=True)
             subprocess.run(["ip", "link", "del", self._veth(i)], capture_output=True)
+            if self.names:
+                shutil.rmtree(self._etc(i), ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         for d in self.tmpdirs:
             shutil.rmtree(d, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""Runs one test of test_multihost.py for ctest: pytest's exit status, except 77 when the test was
-skipped (no network namespaces here), so that ctest reports it skipped, never passed."""
+"""Runs one test of test_multihost.py or test_slurm.py for ctest: pytest's exit status, except 77
+when the test was skipped (no network namespaces or no Slurm here), so that ctest reports it
+skipped, never passed."""
 import sys
 
 import pytest
