@@ -180,15 +180,21 @@ def first_line_with(agent, text, timeout):
     return found[0], "".join(lines)
 
 
+def start_endless_run(hosts, out, timeout_s):
+    """Agents on every host for a run of more steps than a test lasts, with collectives timing out
+    after timeout_s; returns them once rank 0 has logged its first step."""
+    agents = start_agents(hosts, out, 100000, [f"--fsdp_config.collective_timeout_s={timeout_s}"])
+    deadline = time.time() + 120
+    while time.time() < deadline and not os.path.exists(os.path.join(out, "m0.jsonl")):
+        time.sleep(0.2)
+    assert os.path.exists(os.path.join(out, "m0.jsonl")), "the run never reached its first step"
+    return agents
+
+
 def test_a_host_whose_link_goes_down_is_named_by_the_others_within_the_timeout():
     timeout_s = 5
     with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
-        out = os.path.join(tmp, "run")
-        agents = start_agents(hosts, out, 100000, [f"--fsdp_config.collective_timeout_s={timeout_s}"])
-        deadline = time.time() + 120
-        while time.time() < deadline and not os.path.exists(os.path.join(out, "m0.jsonl")):
-            time.sleep(0.2)
-        assert os.path.exists(os.path.join(out, "m0.jsonl")), "the run never reached its first step"
+        agents = start_endless_run(hosts, os.path.join(tmp, "run"), timeout_s)
         down_at = time.time()
         hosts.link_down(1)
         line, text = first_line_with(agents[0], "timed out after", timeout_s + 30)
@@ -246,12 +252,7 @@ def test_a_host_that_comes_back_rejoins_and_the_run_resumes_from_its_last_checkp
 def test_a_host_killed_whole_is_named_by_the_others_within_the_timeout():
     timeout_s = 5
     with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
-        out = os.path.join(tmp, "run")
-        agents = start_agents(hosts, out, 100000, [f"--fsdp_config.collective_timeout_s={timeout_s}"])
-        deadline = time.time() + 120
-        while time.time() < deadline and not os.path.exists(os.path.join(out, "m0.jsonl")):
-            time.sleep(0.2)
-        assert os.path.exists(os.path.join(out, "m0.jsonl")), "the run never reached its first step"
+        agents = start_endless_run(hosts, os.path.join(tmp, "run"), timeout_s)
         # A machine that loses power sends nothing more: its link goes first, then its processes.
         killed_at = time.time()
         hosts.link_down(1)

@@ -626,6 +626,11 @@ std::vector<std::string> fp16_compute_problems(const FsdpConfig& f) {
 
 }  // namespace
 
+bool steps_with_device_state_adamw(const TrainConfig& cfg) {
+  const FsdpConfig& f = cfg.fsdp_config;
+  return f.device == "cuda" && f.offload_params && !f.offload_optimizer_state;
+}
+
 void check_supported(const TrainConfig& cfg, const DeviceSupport& devices) {
   const auto& f = cfg.fsdp_config;
   std::vector<std::string> bad = fp16_compute_problems(f);
@@ -660,7 +665,7 @@ void check_supported(const TrainConfig& cfg, const DeviceSupport& devices) {
         "on device: cuda: the optimizer steps where the sharded parameters live; offload both, or the "
         "parameters alone (offload_params: true, offload_optimizer_state: false keeps the state on the GPU)");
   }
-  if (f.device == "cuda" && f.offload_params && !f.offload_optimizer_state && cfg.optimizer.fused) {
+  if (steps_with_device_state_adamw(cfg) && cfg.optimizer.fused) {
     bad.push_back(
         "optimizer.fused: true with fsdp_config.offload_params: true and offload_optimizer_state: false is not "
         "supported on device: cuda: AdamW steps on the GPU there (DeviceStateAdamW), and FusedAdamW's pass is "

@@ -286,6 +286,10 @@ struct DeviceSupport {
   bool cuda = false;
   std::string why_no_cuda = "the program did not say whether this machine has a GPU";
 };
+// Parameters offloaded with AdamW's state kept on the GPU (device cuda, offload_params: true,
+// offload_optimizer_state: false): the trainer steps with fsdp::optim::DeviceStateAdamW.
+bool steps_with_device_state_adamw(const TrainConfig& cfg);
+
 // Throws ConfigError naming every key set to a capability that does not exist yet, or that
 // this machine cannot run (fp16 compute on device cpu, device cuda without a GPU).
 void check_supported(const TrainConfig& cfg, const DeviceSupport& devices = DeviceSupport());

@@ -193,11 +193,9 @@ plan::Backend backend_of(const FsdpConfig& f, std::string& described) {
   return name == "mpi" ? plan::Backend::kMpi : plan::Backend::kGloo;
 }
 
-// The optimizer the trainer builds (trainer.cpp's optimizer_of): on a GPU with the parameters
-// offloaded and the optimizer state not, DeviceStateAdamW.
+// The optimizer the trainer builds (trainer.cpp's optimizer_of).
 plan::Optimizer optimizer_of(const TrainConfig& cfg) {
-  const auto& f = cfg.fsdp_config;
-  if (f.device == "cuda" && f.offload_params && !f.offload_optimizer_state) return plan::Optimizer::kDeviceStateAdamW;
+  if (steps_with_device_state_adamw(cfg)) return plan::Optimizer::kDeviceStateAdamW;
   return cfg.optimizer.fused ? plan::Optimizer::kFusedAdamW : plan::Optimizer::kAdamW;
 }
 
