@@ -29,6 +29,10 @@ Data parallelism (--strategy ddp): ours runs sharding_strategy NO_SHARD (fsdp::r
 bucketed gradient all-reduce), the peer runs torch's DistributedDataParallel (--mode ddp); the
 targets are then 0.9x the peer's step time on tiny and small, and 0.8x its peak RSS per rank.
 
+Hybrid sharding (--strategy hsdp, even world sizes): ours runs sharding_strategy HYBRID_SHARD
+with replicate_degree 2 (W/2 ranks shard, 2 replicas all-reduce), the peer runs FSDP2's
+fully_shard on a 2-D (replicate 2, shard W/2) mesh (--mode hsdp); the targets are fsdp's.
+
 Targets (--strategy fsdp, the default; judged at W = 2): ours/peer median step time <= 0.5 on
 tiny, <= 0.6 on small (and <= 0.8 on medium); ours/peer peak RSS per rank <= 0.8; max |Δloss|
 <= 1e-5 in fp32. The peer runs FSDP2's fully_shard on every world size, W = 1 included (a real
@@ -142,6 +146,9 @@ STRATEGIES = {
              "step_target_by_backend": {"mpi": {"tiny": 0.25, "small": 0.35}}},
     "ddp": {"ours": ["--fsdp_config.sharding_strategy=NO_SHARD"], "peer_mode": "ddp", "peer_name": "PyTorch DDP",
             "step_target": {"tiny": 0.9, "small": 0.9}, "rss_target": 0.8},
+    "hsdp": {"ours": ["--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"],
+             "peer_mode": "hsdp", "peer_name": "PyTorch FSDP2 (HSDP)",
+             "step_target": {"tiny": 0.5, "small": 0.6, "medium": 0.8}, "rss_target": 0.8},
 }
 TARGET_LOSS_DIFF = 1e-5  # max |loss_ours - loss_peer| over all steps
 
@@ -693,7 +700,7 @@ def main_row(out: str, cell: dict, pairs: int, sides, ours: str, strategy: dict)
             notes.append(f"torch threads ours {to} ≠ peer {tp}")
     if runs["peer"] and strategy["peer_mode"] != "ddp":
         eff = (runs["peer"][0].get("fsdp") or {}).get("effective_sharding_strategy")
-        if eff and eff != "FULL_SHARD":
+        if eff and eff not in ("FULL_SHARD", "HYBRID_SHARD"):
             notes.append(f"peer effective {eff}")
     judged = w == TARGET_WORLD
     backend = backend_of(ours)
@@ -891,7 +898,8 @@ def parse_args(argv):
                    "backend in each pair, under fsdprun for gloo and under mpirun -np W for mpi")
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="fsdp",
                    help="fsdp (default): ours FULL_SHARD against the peer's FSDP2 fully_shard; ddp: ours "
-                        "sharding_strategy NO_SHARD (fsdp::replicate) against the peer's DDP (fp32 only)")
+                        "sharding_strategy NO_SHARD (fsdp::replicate) against the peer's DDP (fp32 only); hsdp: "
+                        "ours HYBRID_SHARD (2 replicas) against FSDP2 on a 2-D mesh (even world sizes)")
     p.add_argument("--matmul-bin", default=None, help="bench_matmul to measure matmul rates with "
                    "(default <build-dir>/bench/bench_matmul)")
     p.add_argument("--no-matmul", action="store_true", help="skip bench_matmul (no matmul fraction or MFU)")
@@ -931,6 +939,8 @@ def parse_args(argv):
         p.error("--backends is empty")
     if "mpi" in a.backends and not shutil.which(MPIRUN[0]):
         p.error("--backends mpi needs mpirun on PATH (scripts/install-deps.sh installs OpenMPI)")
+    if a.strategy == "hsdp" and any(w % 2 for w in a.worlds):
+        p.error("--strategy hsdp needs even world sizes (2 replicas of W/2 shards)")
     if a.strategy == "ddp" and a.dtypes != ["fp32"]:
         p.error("--strategy ddp runs fp32 only: the peer's DDP has no mixed-precision mode")
     if a.matmul_bin:

@@ -42,11 +42,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from model import Transformer, add_model_cli_args, count_params, model_args_from_cli  # noqa: E402
 
-MODES = ("single", "ddp", "fsdp2", "fsdp2-grad-op")
+MODES = ("single", "ddp", "fsdp2", "fsdp2-grad-op", "hsdp")
 MIXED_PRECISION = ("none", "bf16")
 # fully_shard(reshard_after_forward=...) per mode, and the FSDP1 sharding strategy it corresponds to
-RESHARD_AFTER_FORWARD = {"fsdp2": True, "fsdp2-grad-op": False}
-FSDP_STRATEGY = {"fsdp2": "FULL_SHARD", "fsdp2-grad-op": "SHARD_GRAD_OP"}
+RESHARD_AFTER_FORWARD = {"fsdp2": True, "fsdp2-grad-op": False, "hsdp": True}
+FSDP_STRATEGY = {"fsdp2": "FULL_SHARD", "fsdp2-grad-op": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="single",
                    help="single: one process, no process group; ddp: DistributedDataParallel; "
                         "fsdp2: fully_shard(reshard_after_forward=True) (FULL_SHARD); "
-                        "fsdp2-grad-op: fully_shard(reshard_after_forward=False) (SHARD_GRAD_OP)")
+                        "fsdp2-grad-op: fully_shard(reshard_after_forward=False) (SHARD_GRAD_OP); "
+                        "hsdp: fully_shard on a 2-D (replicate 2, shard world/2) mesh (HYBRID_SHARD)")
     p.add_argument("--world", type=int, default=None,
                    help="number of ranks (default 1; under torchrun, taken from WORLD_SIZE)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (B)")
@@ -140,7 +141,10 @@ def wrap_model(model, args, world):
     # parameters first), as fsdp-train does. SHARD_GRAD_OP: nothing reshards after forward.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp",))
+    if args.mode == "hsdp":
+        mesh = init_device_mesh(args.device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp",))
     reshard = RESHARD_AFTER_FORWARD[args.mode]
     kwargs = {"mesh": mesh}
     if args.mixed_precision == "bf16":

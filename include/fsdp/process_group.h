@@ -186,7 +186,14 @@ class ProcessGroup {
   WorkHandle reduce_scatter_v(const at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& counts,
                               ReduceOp op = ReduceOp::kSum);
   // In place: tensor = op over all ranks of tensor. The result is bitwise identical on all ranks.
-  WorkHandle all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // `after` (optional): a collective of another group, issued earlier on this rank, that writes
+  // `tensor` (e.g. a reduce-scatter's output, all-reduced over a second group as HSDP does). The
+  // all-reduce takes its place in this group's order now, but starts only once `after` finished,
+  // and fails without running if `after` failed. Where the group runs its collectives on its own
+  // communication thread (gloo, mpi, CPU tensors), that thread waits and the call returns at once;
+  // otherwise the call first waits for `after` as Work::wait() does (NCCL: the caller's stream
+  // waits; CUDA tensors staged through the host: the host waits, then the output is copied back).
+  WorkHandle all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum, WorkHandle after = nullptr);
   // In place: tensor = tensor of group rank `root`.
   WorkHandle broadcast(const at::Tensor& tensor, int root = 0);
   // Completes on each rank once every member has called it.
@@ -208,6 +215,9 @@ class ProcessGroup {
     at::Tensor input;             // all-gather, reduce-scatter; the tensor of all-reduce/broadcast
     std::vector<int64_t> counts;  // per-rank element counts (gather/scatter forms)
     int root = 0;                 // broadcast
+    // The operation starts only once this finished (all_reduce's `after`). Set only for a group
+    // of device type CPU given CPU tensors; its implementation waits with wait_for_predecessor().
+    WorkHandle after;
   };
   // Queue `op` for execution in issue order and return its handle.
   virtual WorkHandle enqueue(Op op) = 0;
@@ -224,6 +234,9 @@ class ProcessGroup {
   // Completes `work`: records its outcome (null = success), releases the tensors it kept alive
   // and wakes its waiters. Implementations call it exactly once per Work, from any thread.
   static void finish_work(Work& work, std::exception_ptr error = nullptr);
+  // Blocks until `op.after` (if set) finished, and rethrows its error. For implementations that
+  // run operations on a thread of their own: the time is not counted as a caller's blocked time.
+  static void wait_for_predecessor(const Op& op);
 
  private:
   const int rank_;

@@ -220,13 +220,14 @@ WorkHandle ProcessGroup::reduce_scatter_v(const at::Tensor& output, const at::Te
   return submit(std::move(op));
 }
 
-WorkHandle ProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp reduce) {
+WorkHandle ProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp reduce, WorkHandle after) {
   check_tensor(tensor, "tensor", name_);
   check_reduce_op(reduce, tensor, name_);
   Op op;
   op.kind = CollectiveKind::kAllReduce;
   op.reduce = reduce;
   op.input = tensor;
+  op.after = std::move(after);
   return submit(std::move(op));
 }
 
@@ -277,7 +278,15 @@ WorkHandle ProcessGroup::submit(Op op) {
   const at::Tensor& any = op.input.defined() ? op.input : op.output;
   if (op.output.defined()) check_device(op.output, "output");
   if (op.input.defined()) check_device(op.input, "input");
-  if (!any.defined() || any.device().type() == device_type()) return enqueue(std::move(op));
+  const bool staged = any.defined() && any.device().type() != device_type();
+  // Only a communication thread can wait for `after` in the caller's stead; a device stream waits
+  // through Work::wait(), and a staged input is copied to the host right here, so it must be
+  // complete first.
+  if (op.after && (staged || device_type() != c10::DeviceType::CPU || op.after->device_)) {
+    op.after->wait();
+    op.after.reset();
+  }
+  if (!staged) return enqueue(std::move(op));
   TORCH_CHECK(!op.output.defined() || op.output.device() == op.input.device(), "fsdp collective on group '", name_,
               "': input on ", op.input.device(), " but output on ", op.output.device());
   const bool in_place = !op.output.defined();  // all-reduce, broadcast
@@ -356,6 +365,14 @@ std::string message_of(const std::exception_ptr& error) {
 }
 
 }  // namespace
+
+void ProcessGroup::wait_for_predecessor(const Op& op) {
+  if (!op.after) return;
+  Work& work = *op.after;
+  std::unique_lock<std::mutex> lock(work.mu_);
+  work.cv_.wait(lock, [&] { return work.done_; });
+  if (work.error_) std::rethrow_exception(work.error_);
+}
 
 void ProcessGroup::finish_work(Work& work, std::exception_ptr error) {
   if (work.stats_) {

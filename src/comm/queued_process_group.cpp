@@ -64,10 +64,25 @@ void QueuedProcessGroup::run_loop() {
   }
 }
 
+// An operation that reads another group's output (Op::after) starts once that collective
+// finished: this thread waits for it, not the caller. If it failed, the input was never written,
+// and this group fails too, as the other members will miss this rank's part.
+void QueuedProcessGroup::wait_for_input(Task& task) {
+  if (!broken_.empty() || !task.op.after) return;
+  try {
+    wait_for_predecessor(task.op);
+  } catch (const std::exception& e) {
+    broken_ = std::string(to_string(task.op.kind)) + " #" + std::to_string(task.work->seq()) +
+              " was not run: the collective whose output it reads failed (" + e.what() + ")";
+  }
+  task.op.after.reset();
+}
+
 void QueuedProcessGroup::run(Task& task) {
   std::exception_ptr error;
   const int64_t seq = task.work->seq();
   const char* kind = to_string(task.op.kind);
+  wait_for_input(task);
   if (!broken_.empty()) {
     error = std::make_exception_ptr(
         CollectiveError(std::string("fsdp: ") + kind + " #" + std::to_string(seq) + " on process group '" + name() +

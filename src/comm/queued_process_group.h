@@ -59,6 +59,7 @@ class QueuedProcessGroup : public ProcessGroup {
   };
   void run_loop();
   void run(Task& task);
+  void wait_for_input(Task& task);
 
   const std::string backend_;
   std::mutex queue_mu_;

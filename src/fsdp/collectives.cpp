@@ -1,18 +1,17 @@
 // collectives.cpp — the copy-ins and copy-outs of FSDP's buffers and the calls that issue its
-// collectives (layouts drawn in collectives.h). Byte copies go through the device layer on the
-// tensors' data pointers (memcpy on the CPU, asynchronous copies on the current CUDA stream): the
-// unsharded tensors are written in place under autograd's saved views.
+// collectives (layouts drawn in collectives.h). Copies are ATen ops on views of the buffers, on
+// the current stream, a few per group or per parameter (never one per rank or per run), as
+// FSDP2's split_with_sizes_copy and _chunk_cat; the unsharded tensors are written in place through
+// tensors of their own on the same storage, under autograd's saved views.
 #include "src/fsdp/collectives.h"
 
 #include "src/device/device_ops.h"
-#include "src/util/tensor_bytes.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 namespace fsdp {
 namespace detail {
@@ -32,33 +31,75 @@ RankMajorLayout layout_of(int64_t parts, std::vector<int64_t> piece_numel, std::
   return layout;
 }
 
-// Writes elements [begin, begin + length) of `src` (clamped to its `numel` real elements),
-// then zeros up to `length`, to `dst`. `src` may be null: all zeros.
-void copy_padded(device::DeviceOps& ops, char* dst, const char* src, int64_t numel, int64_t begin, int64_t length,
-                 size_t element_size) {
-  const int64_t real = src ? std::max<int64_t>(0, std::min(length, numel - begin)) : 0;
-  if (real > 0) ops.copy_bytes(dst, src + begin * element_size, real * element_size);
-  ops.zero_bytes(dst + real * element_size, (length - real) * element_size);
+// Parameter `p`'s unsharded storage (allocated for every piece, padding included) as a flat
+// tensor of its own rather than the parameter: writing through it leaves the parameter's version
+// counter alone, so that the views autograd saved of it stay usable.
+at::Tensor unsharded_storage(const FSDPParam& p) {
+  const at::Tensor& u = p.unsharded();
+  at::Tensor flat = at::empty({0}, u.options());
+  flat.set_(u.storage(), 0, {p.padded_full_numel()}, {1});
+  return flat;
 }
 
-// Piece `q` of parameter `i` of `layout`, gathered from the unsharded tensor `src` (`numel` real
-// elements; null: zeros) into the contiguous `dst`, zero padding after the real elements.
-void copy_piece_from_unsharded(device::DeviceOps& ops, char* dst, const char* src, int64_t numel,
-                               const RankMajorLayout& layout, size_t i, int64_t q, size_t es) {
+// Piece `q` of `full` (shaped as parameter `i`'s unsharded tensor, contiguous) into the
+// contiguous `dst`, cast to its dtype, zero padding after the real elements: one copy (strided
+// for a shard dim > 0, whose runs lie `parts` pieces apart) and at most one zero fill.
+void copy_piece_from_full(const at::Tensor& dst, const at::Tensor& full, const RankMajorLayout& layout, size_t i,
+                          int64_t q) {
   const int64_t runs = layout.runs[i];
-  const int64_t run = layout.piece_numel[i] / runs;
-  for (int64_t o = 0; o < runs; ++o) {
-    copy_padded(ops, dst + o * run * es, src, numel, (o * layout.parts + q) * run, run, es);
+  const int64_t piece = layout.piece_numel[i];
+  if (piece == 0) return;
+  if (runs > 1) {  // even, no padding
+    dst.view({runs, piece / runs}).copy_(full.reshape({runs, layout.parts, piece / runs}).select(1, q));
+    return;
   }
+  const at::Tensor flat = full.reshape({-1});
+  const int64_t real = std::max<int64_t>(0, std::min(piece, flat.numel() - q * piece));
+  if (real > 0) dst.narrow(0, 0, real).copy_(flat.narrow(0, q * piece, real));
+  if (real < piece) dst.narrow(0, real, piece - real).zero_();
 }
 
-// The reverse: the contiguous piece `q` of parameter `i` from `src` into its place in the
-// unsharded storage `dst` (allocated for every piece, padding included).
-void copy_piece_to_unsharded(device::DeviceOps& ops, char* dst, const char* src, const RankMajorLayout& layout,
-                             size_t i, int64_t q, size_t es) {
-  const int64_t runs = layout.runs[i];
-  const size_t run = static_cast<size_t>(layout.piece_numel[i] / runs) * es;
-  for (int64_t o = 0; o < runs; ++o) ops.copy_bytes(dst + (o * layout.parts + q) * run, src + o * run, run);
+// Every piece of `full` (shaped as parameter `i`'s unsharded tensor; undefined: zeros) into
+// `rows` ([parts, piece], row q = piece q; a strided view of a rank-major buffer), cast to its
+// dtype: a copy of the whole pieces (one strided copy for a shard dim > 0), one of the last,
+// partial piece, and zero fills for the padding. The number of copies does not grow with the
+// number of ranks or of runs.
+void copy_pieces_from_full(const at::Tensor& rows, const at::Tensor& full, const RankMajorLayout& layout, size_t i) {
+  const int64_t parts = layout.parts, runs = layout.runs[i], piece = layout.piece_numel[i];
+  if (piece == 0) return;
+  if (!full.defined()) {
+    rows.zero_();
+    return;
+  }
+  if (runs > 1) {  // even, no padding
+    const int64_t run = piece / runs;
+    rows.view({parts, runs, run}).copy_(full.reshape({runs, parts, run}).permute({1, 0, 2}));
+    return;
+  }
+  const at::Tensor flat = full.reshape({-1});
+  const int64_t whole = std::min(parts, flat.numel() / piece);
+  if (whole > 0) rows.narrow(0, 0, whole).copy_(flat.narrow(0, 0, whole * piece).view({whole, piece}));
+  if (whole == parts) return;
+  const int64_t rest = flat.numel() - whole * piece;
+  at::Tensor last = rows.select(0, whole);
+  if (rest > 0) last.narrow(0, 0, rest).copy_(flat.narrow(0, whole * piece, rest));
+  last.narrow(0, rest, piece - rest).zero_();
+  if (whole + 1 < parts) rows.narrow(0, whole + 1, parts - whole - 1).zero_();
+}
+
+// The reverse, after an all-gather: `rows` ([parts, piece]) into parameter `i`'s unsharded
+// storage, in one copy (strided for a shard dim > 0). The padding is copied too: it is the
+// storage's own tail.
+void copy_pieces_to_unsharded(const at::Tensor& rows, const FSDPParam& p, const RankMajorLayout& layout, size_t i) {
+  const int64_t parts = layout.parts, runs = layout.runs[i], piece = layout.piece_numel[i];
+  if (piece == 0) return;
+  const at::Tensor unsharded = unsharded_storage(p);
+  if (runs == 1) {
+    unsharded.view({parts, piece}).copy_(rows);
+    return;
+  }
+  const int64_t run = piece / runs;
+  unsharded.view({runs, parts, run}).copy_(rows.view({parts, runs, run}).permute({1, 0, 2}));
 }
 
 std::vector<int64_t> runs_of(const FSDPParams& params, const std::vector<size_t>& indices) {
@@ -110,16 +151,14 @@ RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k) {
 
 at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout, const GroupDevices& devices) {
   TORCH_CHECK(!params.empty(), "internal: a flat shard needs at least one parameter");
+  at::NoGradGuard no_grad;  // the parameters require grad; their copies must not
   const c10::Device device = params.front()->unsharded().device();
   at::Tensor flat =
       at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->orig_dtype()).device(device));
-  device::DeviceOps& ops = device::ops_for(device);
-  const size_t es = flat.element_size();
   for (size_t i = 0; i < params.size(); ++i) {
     const FSDPParam& p = *params[i];
-    const auto* src = static_cast<const char*>(p.unsharded().data_ptr());
-    copy_piece_from_unsharded(ops, bytes_of(flat) + layout.offset[i] * es, src, p.unsharded_numel(), layout, i,
-                              p.shard_rank(), es);
+    copy_piece_from_full(flat.narrow(0, layout.offset[i], layout.piece_numel[i]), p.unsharded(), layout, i,
+                         p.shard_rank());
   }
   // CPU offload from a device: the shards live in host memory, pinned when the policy says so.
   if (flat.device() != devices.shard) {
@@ -160,37 +199,50 @@ AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayou
     return AllGatherResult{std::move(work), std::move(output), layout, std::nullopt, std::nullopt};
   }
   at::Tensor staged = allocate_comm_buffer(*custom, layout.row_numel, input.options(), "all-gather");
-  device::ops_for(input.device())
-      .copy_bytes(bytes_of(staged), static_cast<const char*>(input.data_ptr()), input.numel() * input.element_size());
+  staged.copy_(input);
   at::Tensor output = allocate_comm_buffer(*custom, layout.numel(), input.options(), "all-gather");
   WorkHandle work = issue_on(issue_stream, [&] { return (*custom)(output, staged, group); });
   return AllGatherResult{std::move(work), std::move(output), layout, std::nullopt, std::nullopt};
 }
 
+// FSDP2's copy-out: the pieces of every parameter leave the all-gather output in one ATen op
+// (split_with_sizes_copy, one kernel on CUDA) when every parameter is sharded on dim 0, where
+// each parameter's unsharded storage is [parts, piece] row-major; else in one (strided) copy per
+// parameter.
 void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams& params) {
   const RankMajorLayout& layout = result.layout;
-  device::DeviceOps& ops = device::ops_for(result.output.device());
-  const size_t es = result.output.element_size();
-  const char* src = bytes_of(result.output);
-  for (size_t i = 0; i < params.size(); ++i) {
-    char* dst = params[i]->unsharded_bytes();
-    for (int64_t q = 0; q < layout.parts; ++q) {
-      copy_piece_to_unsharded(ops, dst, src + (q * layout.row_numel + layout.offset[i]) * es, layout, i, q, es);
+  at::NoGradGuard no_grad;
+  const at::Tensor rows = result.output.view({layout.parts, layout.row_numel});
+  const bool all_dim0 = std::all_of(layout.runs.begin(), layout.runs.end(), [](int64_t r) { return r == 1; });
+  if (!all_dim0) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      copy_pieces_to_unsharded(rows.narrow(1, layout.offset[i], layout.piece_numel[i]), *params[i], layout, i);
     }
+    return;
   }
+  std::vector<at::Tensor> outs;
+  outs.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    outs.push_back(unsharded_storage(*params[i]).view({layout.parts, layout.piece_numel[i]}));
+  }
+  at::split_with_sizes_copy_out(outs, rows, layout.piece_numel, 1);
 }
 
+// One ATen op (cat, one kernel on CUDA): piece `index` of each parameter is a slice of its
+// unsharded storage (post-forward pieces are 1/k of it, runs of 1).
 at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayout& layout, int64_t index) {
   TORCH_CHECK(index >= 0 && index < layout.parts, "internal: post-forward piece ", index, " of ", layout.parts);
+  at::NoGradGuard no_grad;
   const c10::Device device = params.front()->unsharded().device();
   at::Tensor shard =
       at::empty({layout.row_numel}, at::TensorOptions().dtype(params.front()->unsharded_dtype()).device(device));
-  device::DeviceOps& ops = device::ops_for(device);
-  const size_t es = shard.element_size();
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    const size_t piece = static_cast<size_t>(layout.piece_numel[i]) * es;
-    ops.copy_bytes(bytes_of(shard) + layout.offset[i] * es, params[i]->unsharded_bytes() + index * piece, piece);
+    const int64_t piece = layout.piece_numel[i];
+    pieces.push_back(unsharded_storage(*params[i]).narrow(0, index * piece, piece));
   }
+  at::cat_out(shard, pieces);
   return shard;
 }
 
@@ -200,13 +252,18 @@ namespace {
 
 at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
 
-// Piece `q` of `grad` (flat, `numel` elements, any dtype) into `dst` (a slice of the
-// reduce-scatter input of another dtype): a converting copy of the real elements, zeros after.
-void copy_padded_cast(const at::Tensor& dst, const at::Tensor& grad, int64_t numel, int64_t begin) {
-  const int64_t length = dst.numel();
-  const int64_t real = grad.defined() ? std::max<int64_t>(0, std::min(length, numel - begin)) : 0;
-  if (real > 0) dst.narrow(0, 0, real).copy_(grad.narrow(0, begin, real));
-  if (real < length) dst.narrow(0, real, length - real).zero_();
+// Whether ATen's _chunk_cat can lay out every gradient in one op (one kernel on CUDA): each is
+// present, contiguous and non-empty, all of one dtype, all sharded on dim 0, whose chunks with
+// padding are exactly the layout's pieces.
+bool chunk_cat_fits(const std::vector<at::Tensor>& grads, const RankMajorLayout& layout) {
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& g = grads[k];
+    if (!g.defined() || !g.is_contiguous() || g.numel() == 0 || g.scalar_type() != grads.front().scalar_type() ||
+        layout.runs[k] != 1) {
+      return false;
+    }
+  }
+  return !grads.empty();
 }
 
 }  // namespace
@@ -256,6 +313,9 @@ GradientDivision gradient_division(at::ScalarType reduce_dtype, int64_t shard_si
   return d;
 }
 
+// FSDP2's copy-in: one _chunk_cat of every gradient into the rank-major input, which casts them
+// to the reduce dtype and pads each piece; where it does not fit (a missing gradient, a shard dim
+// > 0, mixed dtypes), a few copies per parameter, as many for any number of ranks.
 at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced, const RankMajorLayout& layout,
                                   at::ScalarType reduce_dtype, CommBufferAllocator* allocator) {
   TORCH_CHECK(layout.piece_numel.size() == reduced.size(), "internal: a reduce-scatter layout of ",
@@ -265,30 +325,25 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams&
   const auto options = at::TensorOptions().dtype(reduce_dtype).device(device);
   at::Tensor input = allocator ? allocate_comm_buffer(*allocator, layout.numel(), options, "reduce-scatter")
                                : at::empty({layout.numel()}, options);
-  device::DeviceOps& ops = device::ops_for(device);
-  const size_t es = input.element_size();
-  for (size_t k = 0; k < reduced.size(); ++k) {
-    FSDPParam& p = *params.at(reduced[k]);
+  std::vector<at::Tensor> grads;
+  grads.reserve(reduced.size());
+  for (size_t k : reduced) {
+    FSDPParam& p = *params.at(k);
     at::Tensor g = p.unsharded_grad_to_reduce();
     TORCH_CHECK(!g.defined() || at::isFloatingType(g.scalar_type()), "FSDP reduce-scatter: the gradient of '", p.fqn(),
                 "' has dtype ", g.scalar_type(), "; only floating-point gradients can be reduced");
-    if (g.defined()) g = g.contiguous().view(-1);
-    const int64_t piece = layout.piece_numel[k];
-    const int64_t runs = layout.runs[k];
-    for (int64_t q = 0; q < layout.parts; ++q) {
-      const int64_t at = q * layout.row_numel + layout.offset[k];
-      if (!g.defined() || g.scalar_type() == reduce_dtype) {  // a byte copy; zeros without a gradient
-        const char* src = g.defined() ? static_cast<const char*>(g.data_ptr()) : nullptr;
-        copy_piece_from_unsharded(ops, bytes_of(input) + at * es, src, p.unsharded_numel(), layout, k, q, es);
-      } else if (runs == 1) {
-        copy_padded_cast(input.narrow(0, at, piece), g, p.unsharded_numel(), q * piece);
-      } else {  // sharded along a dim > 0: even, no padding; one strided converting copy
-        const int64_t run = piece / runs;
-        input.narrow(0, at, piece).view({runs, run}).copy_(g.view({runs, layout.parts, run}).select(1, q));
-      }
-    }
-    p.clear_unsharded_grad();
+    grads.push_back(g);
   }
+  at::Tensor rows = input.view({layout.parts, layout.row_numel});
+  if (chunk_cat_fits(grads, layout)) {
+    at::_chunk_cat_out(rows, grads, 0, layout.parts);
+  } else {
+    for (size_t k = 0; k < grads.size(); ++k) {
+      const at::Tensor g = grads[k].defined() ? grads[k].contiguous() : grads[k];
+      copy_pieces_from_full(rows.narrow(1, layout.offset[k], layout.piece_numel[k]), g, layout, k);
+    }
+  }
+  for (size_t k : reduced) params.at(k)->clear_unsharded_grad();
   return input;
 }
 
@@ -341,8 +396,8 @@ ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams
                               group, division, custom);
 }
 
-WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group) {
-  return replicate_group.all_reduce(reduced.output, reduced.division.all_reduce_op);
+WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group, WorkHandle after) {
+  return replicate_group.all_reduce(reduced.output, reduced.division.all_reduce_op, std::move(after));
 }
 
 void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params, at::ScalarType orig_dtype,

@@ -191,10 +191,13 @@ void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& red
 // when given (a custom reduce-scatter's).
 at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams& reduced, const RankMajorLayout& layout,
                                   at::ScalarType reduce_dtype, CommBufferAllocator* allocator = nullptr);
-// HSDP: issues the all-reduce of a finished reduce-scatter's output, in place, over the
-// replicate group with `division.all_reduce_op`. Collective over `replicate_group`; returns at
-// once (it runs on that group's own communication thread, beside the shard group's collectives).
-WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group);
+// HSDP: issues the all-reduce of a reduce-scatter's output, in place, over the replicate group
+// with `division.all_reduce_op`. The output must be complete, or be written by `after` (the
+// reduce-scatter itself: the all-reduce then starts once it finished; see
+// ProcessGroup::all_reduce). Collective over `replicate_group`; returns at once (on a CPU
+// backend it runs on that group's own communication thread, beside the shard group's).
+WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group,
+                              WorkHandle after = nullptr);
 // After the reduce-scatter finished: finishes the division, casts the output to `orig_dtype` on
 // the shards' device (host memory under CPU offload) and gives each parameter of
 // `result.params` a gradient that is a view of its piece (padding left out), or adds it to the

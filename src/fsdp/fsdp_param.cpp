@@ -104,8 +104,6 @@ void FSDPParam::free_unsharded() {
   device::ops_for(unsharded_.device()).resize_storage(*unsharded_.storage().unsafeGetStorageImpl(), 0);
 }
 
-char* FSDPParam::unsharded_bytes() const { return static_cast<char*>(unsharded_.storage().mutable_data()); }
-
 void FSDPParam::alias_shard(const at::Tensor& flat_shard, int64_t offset) {
   // Same TensorImpl (the module member keeps pointing at it), new storage: the shard's.
   c10::TensorImpl* impl = unsharded_.unsafeGetTensorImpl();

@@ -80,7 +80,6 @@ class FSDPParam {
   bool is_unsharded_allocated() const;
   void alloc_unsharded();
   void free_unsharded();
-  char* unsharded_bytes() const;
   // World size 1 without a cast: the unsharded tensor aliases the shard (no copies, never freed).
   bool aliases_shard() const { return aliases_shard_; }
   void alias_shard(const at::Tensor& flat_shard, int64_t offset);

@@ -61,6 +61,19 @@ void CommContext::init_streams(c10::Device device) {
                         ops.side_stream(device, false)};
 }
 
+// FSDP2 waits here, once, rather than before each unshard: within the iteration nothing but the
+// optimizer step and the user's own code between iterations writes the shards on the compute
+// stream (a post-forward shard is waited for by an event of its own), so the all-gathers of
+// forward, of backward and their prefetches may run ahead of the compute stream.
+void CommContext::begin_forward() {
+  if (!streams) return;
+  const c10::Device device = streams->all_gather.device();
+  device::DeviceOps& ops = device::ops_for(device);
+  const device::Event now = ops.record(ops.current_stream(device));
+  ops.wait(streams->all_gather_copy_in, now);
+  ops.wait(streams->all_gather, now);
+}
+
 void CommContext::wait_for_gradients() {
   if (!streams) return;
   const c10::Device device = streams->reduce_scatter.device();
@@ -70,18 +83,39 @@ void CommContext::wait_for_gradients() {
   for (const device::Event& e : host_copy_events) ops.synchronize(e);
   reduction_events.clear();
   host_copy_events.clear();
+  reduce_outputs_in_use.clear();  // the compute stream waited for every stream that used them
 }
 
+namespace {
+
+bool collectives_finished(const PendingReduction& r) {
+  const WorkHandle& rs = r.reduce_scatter.work;
+  return (r.reduce_scattered || !rs || rs->is_completed()) && (!r.all_reduce || r.all_reduce->is_completed());
+}
+
+}  // namespace
+
+// Gradients are written in issue order, each once every collective of its reduction finished.
+// A group with an all-reduce hook waits for the end of backward: each rank polls and reaches a
+// finished collective at its own moment, and a hook that runs a blocking collective there could
+// wait for a rank that waits for this one; at the end of backward every rank is at the same point.
 void CommContext::finish_reductions(bool wait_all) {
-  start_all_reduces(wait_all);
-  write_reduced_gradients(wait_all);
+  while (!reductions.empty()) {
+    PendingReduction& r = reductions.front();
+    if (!wait_all && (r.group->has_all_reduce_hook() || !collectives_finished(r))) return;
+    if (!r.reduce_scattered) complete_reduce_scatter(r);
+    wait_for_all_reduce(r);
+    PendingReduction done = std::move(r);
+    reductions.pop_front();
+    write_gradients_of(done);
+  }
 }
 
-// Waits for `r`'s reduce-scatter and starts what follows it. A failed collective leaves the
-// process group unusable: every pending reduction is dropped, so none is waited for again.
-// On a device, the wait and what follows (an HSDP partial sum, the start of the all-reduce) run
-// on the reduce-scatter stream, beside the compute stream.
+// A failed collective leaves the process group unusable: every pending reduction is dropped, so
+// none is waited for again. On a device the wait and what follows (an HSDP partial sum) run on
+// the reduce-scatter stream, beside the compute stream.
 void CommContext::complete_reduce_scatter(PendingReduction& r) {
+  if (r.reduce_scattered) return;
   std::optional<device::StreamScope> scope;
   if (streams) scope.emplace(streams->reduce_scatter);
   try {
@@ -90,18 +124,64 @@ void CommContext::complete_reduce_scatter(PendingReduction& r) {
     reductions.clear();
     throw;
   }
+  if (streams) {
+    device::DeviceOps& ops = device::ops_for(streams->reduce_scatter.device_type());
+    r.reduce_scattered_event = ops.record(streams->reduce_scatter);
+  }
   r.reduce_scattered = true;
   r.group->after_reduce_scatter(r);
 }
 
-// On a device: the copy-out runs on the stream of the reduction's last collective, and the
-// compute stream, which allocated the reduce-scatter input, waits for that stream before the
-// input is dropped (the next allocation on the compute stream may take its block).
+void CommContext::complete_reduce_scatters_of(const FSDPParamGroup* group) {
+  for (PendingReduction& r : reductions) {
+    if (r.group == group) complete_reduce_scatter(r);
+  }
+}
+
+void CommContext::wait_for_all_reduce(PendingReduction& r) {
+  if (!r.all_reduce) return;
+  std::optional<device::StreamScope> scope;
+  if (streams) scope.emplace(streams->all_reduce);
+  try {
+    wait_for(r.all_reduce, "all_reduce", r.group->module_fqn());
+  } catch (...) {
+    reductions.clear();
+    throw;
+  }
+}
+
+// The input was made on the compute stream and read by the reduce-scatter stream: on a device,
+// the compute stream waits for the collective (FSDP2's reduce-scatter event), not for what follows
+// it, before the input is dropped and its memory can be taken by the next allocation there.
+void CommContext::release_reduce_scatter_input(PendingReduction& r) {
+  if (!r.reduce_scatter.input.defined()) return;
+  complete_reduce_scatter(r);
+  if (streams && r.reduce_scattered_event) {
+    device::DeviceOps& ops = device::ops_for(streams->reduce_scatter.device_type());
+    ops.wait(ops.current_stream(streams->reduce_scatter.device()), *r.reduce_scattered_event);
+  }
+  r.reduce_scatter.input = at::Tensor();
+}
+
+// The output is made on the reduce-scatter stream, or, on a shard group of one rank, it is the
+// input, made on the compute stream. Used only by its maker, it may go now; an HSDP all-reduce's
+// buffer, used on the all-reduce stream, and the one-rank output stay referenced until the end of
+// backward, when the compute stream waited for every reduction (FSDP2 keeps its all-reduce state
+// as long).
+void CommContext::keep_reduce_output_in_use(const PendingReduction& r) {
+  const bool made_and_used_on_one_stream = r.reduce_scatter.work && !r.all_reduce;
+  if (!made_and_used_on_one_stream) reduce_outputs_in_use.push_back(r.reduce_scatter.output);
+}
+
+// On a device: the copy-out runs on the stream of the reduction's last collective; the compute
+// stream waits for it only at the end of backward (wait_for_gradients), and the host then for a
+// copy to pinned host memory, so that neither the copy-out nor an offload copy holds up backward.
 void CommContext::write_gradients_of(PendingReduction& r) {
   if (!streams) {
     if (r.next != PendingReduction::Next::kKeepPartial) r.group->finish_reduction(r);
     return;
   }
+  release_reduce_scatter_input(r);
   const c10::Stream last = r.all_reduce ? streams->all_reduce : streams->reduce_scatter;
   device::DeviceOps& ops = device::ops_for(last.device_type());
   {
@@ -109,76 +189,33 @@ void CommContext::write_gradients_of(PendingReduction& r) {
     if (r.next != PendingReduction::Next::kKeepPartial) r.group->finish_reduction(r);
   }
   const device::Event done = ops.record(last);
-  ops.wait(ops.current_stream(last.device()), done);
   reduction_events.push_back(done);
+  keep_reduce_output_in_use(r);
   const GroupDevices& devices = r.group->devices();
   if (devices.non_blocking && devices.shard != devices.compute) host_copy_events.push_back(done);
 }
 
-// In issue order (the same on every rank, so the replicate group sees the same sequence of
-// all-reduces everywhere): each finished reduce-scatter takes its next step at once, so an HSDP
-// all-reduce starts as soon as its input exists instead of after a later reduce-scatter.
-void CommContext::start_all_reduces(bool wait_all) {
-  for (PendingReduction& r : reductions) {
-    if (r.reduce_scattered) continue;
-    const WorkHandle& work = r.reduce_scatter.work;
-    if (work && !wait_all && !work->is_completed()) return;
-    complete_reduce_scatter(r);
-  }
-}
-
-// Gradients are written in issue order, each once every collective of its reduction finished.
-// A group with an all-reduce hook waits for the end of backward: when ranks poll, each reaches a
-// finished collective at its own moment, and a hook that runs a blocking collective there could
-// wait for a rank that waits for this one; at the end of backward every rank is at the same point.
-void CommContext::write_reduced_gradients(bool wait_all) {
-  while (!reductions.empty()) {
-    PendingReduction& r = reductions.front();
-    if (!r.reduce_scattered) return;
-    if (!wait_all && r.group->has_all_reduce_hook()) return;
-    if (r.all_reduce) {
-      if (!wait_all && !r.all_reduce->is_completed()) return;
-      std::optional<device::StreamScope> scope;
-      if (streams) scope.emplace(streams->all_reduce);
-      try {
-        wait_for(r.all_reduce, "all_reduce", r.group->module_fqn());
-      } catch (...) {
-        reductions.clear();
-        throw;
-      }
-    }
-    PendingReduction done = std::move(r);
-    reductions.pop_front();
-    write_gradients_of(done);
-  }
-}
-
 void CommContext::make_room_for_reduction(int64_t max_in_flight) {
-  int64_t unfinished = 0;
-  for (const PendingReduction& r : reductions) unfinished += r.reduce_scattered ? 0 : 1;
+  int64_t holding = 0;
+  for (const PendingReduction& r : reductions) holding += r.reduce_scatter.input.defined() ? 1 : 0;
   for (PendingReduction& r : reductions) {
-    if (unfinished < max_in_flight) break;
-    if (r.reduce_scattered) continue;
-    complete_reduce_scatter(r);
-    --unfinished;
+    if (holding < max_in_flight) break;
+    if (!r.reduce_scatter.input.defined()) continue;
+    release_reduce_scatter_input(r);
+    --holding;
   }
-  write_reduced_gradients(false);
+  finish_reductions(false);
 }
 
-// Every reduction still pending takes its collectives to the end, as on every other rank, and
-// its gradients are then dropped. Whether a rank had started an HSDP all-reduce when the
-// exception came depends on when it last looked at the reduce-scatter, so it is started here
-// where it was not: every member of a replicate group then has issued the same all-reduces.
-// After a failed collective the groups are unusable, and nothing more is issued.
+// Every pending reduction takes its collectives to the end, as on every other rank (each one's
+// all-reduce was issued with its reduce-scatter), and is dropped. On a device the compute stream
+// waits for them and for the copy-outs already queued, so that the dropped buffers' memory is
+// reused only after. After a failed collective the groups are unusable, and nothing more is issued.
 void CommContext::discard_reductions() {
   std::exception_ptr first_error;
   for (PendingReduction& r : reductions) {
     try {
       if (r.reduce_scatter.work) r.reduce_scatter.work->wait();
-      if (!r.reduce_scattered) {
-        r.reduce_scattered = true;
-        r.group->after_reduce_scatter(r);
-      }
       if (r.all_reduce) r.all_reduce->wait();
     } catch (...) {
       first_error = std::current_exception();
@@ -186,6 +223,7 @@ void CommContext::discard_reductions() {
     }
   }
   reductions.clear();
+  wait_for_gradients();
   if (first_error) std::rethrow_exception(first_error);
 }
 
@@ -281,9 +319,9 @@ void FSDPParamGroup::unshard() {
     const bool side = unshards_on_side_streams();
     copy_in = side ? comm_->streams->all_gather_copy_in : current;
     gather = side ? comm_->streams->all_gather : current;
-    // The shards were last written on the compute stream (the optimizer step, the post-forward
-    // shard): the copy-in reads them after that.
-    if (side) ops.wait(*copy_in, ops.record(current));
+    // The side streams waited for the optimizer's writes to the shards at the root's pre-forward
+    // (CommContext::begin_forward); the post-forward shard was made later.
+    if (side && post_forward_shard_event_) ops.wait(*copy_in, *post_forward_shard_event_);
   }
   std::optional<device::StreamScope> scope;
   if (copy_in) scope.emplace(*copy_in);
@@ -333,11 +371,13 @@ void FSDPParamGroup::wait_for_unshard() {
   }
   pending_all_gather_ = AllGatherResult{};
   post_forward_shard_ = at::Tensor();
+  post_forward_shard_event_.reset();
   sharded_state_ = ShardedState::kUnsharded;
 }
 
 // An all-gather nobody will use: let it land, then drop it (on a device, once the stream that
-// allocated its buffers waited for the collective).
+// allocated its buffers waited for the collective). The compute stream waits for it too: the
+// collective may read the flat shard itself, which the optimizer step writes there next.
 void FSDPParamGroup::drop_pending_all_gather() {
   AllGatherResult dropped = std::move(pending_all_gather_);
   pending_all_gather_ = AllGatherResult{};
@@ -347,7 +387,9 @@ void FSDPParamGroup::drop_pending_all_gather() {
       device::StreamScope scope(*dropped.issue_stream);
       wait_for(dropped.work, "all_gather", module_fqn_);
     }
-    ops.wait(*dropped.alloc_stream, ops.record(*dropped.issue_stream));
+    const device::Event landed = ops.record(*dropped.issue_stream);
+    ops.wait(*dropped.alloc_stream, landed);
+    ops.wait(ops.current_stream(devices_.compute), landed);
     return;
   }
   if (dropped.work) wait_for(dropped.work, "all_gather", module_fqn_);
@@ -360,6 +402,7 @@ void FSDPParamGroup::reshard() {
   if (unsharded_aliases_shard_) return;  // the unsharded tensors are the shards
   if (sharded_state_ == ShardedState::kUnsharded) free_unsharded_params();
   post_forward_shard_ = at::Tensor();
+  post_forward_shard_event_.reset();
   sharded_state_ = ShardedState::kSharded;
 }
 
@@ -372,6 +415,10 @@ void FSDPParamGroup::reshard_to_post_forward_shard() {
   if (sharded_state_ != ShardedState::kUnsharded || unsharded_aliases_shard_) return;
   post_forward_shard_ = copy_post_forward_shard(params_, post_forward_layout(params_, post_forward_group_->size()),
                                                 post_forward_group_->rank());
+  if (comm_ && comm_->streams) {
+    device::DeviceOps& ops = device::ops_for(devices_.compute);
+    post_forward_shard_event_ = ops.record(ops.current_stream(devices_.compute));
+  }
   free_unsharded_params();
   sharded_state_ = ShardedState::kShardedPostForward;
 }
@@ -526,6 +573,9 @@ PendingReduction::Next FSDPParamGroup::next_after_reduce_scatter() const {
 void FSDPParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
   reduced_in_this_backward_ = true;
+  // HSDP: an earlier micro-batch's reduce-scatter still in flight belongs in the partial sum,
+  // which decides what this one reduces and is read by its all-reduce.
+  if (replicate_group_ && comm_) comm_->complete_reduce_scatters_of(this);
   const ReducedParams reduced = reduce_grads_ ? params_to_reduce() : ReducedParams{};
   if (reduced.empty()) {
     if (!reduce_grads_) keep_unsynced_grads();
@@ -566,7 +616,39 @@ void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const Gr
   }
   ReduceScatterResult result =
       foreach_reduce_issue(std::move(prepared), reduced, group, division, custom_reduce_scatter_.get());
-  comm_->reductions.push_back(PendingReduction{this, std::move(result), next_after_reduce_scatter(), false, nullptr});
+  comm_->reductions.push_back(
+      PendingReduction{this, std::move(result), next_after_reduce_scatter(), false, nullptr, std::nullopt});
+  if (comm_->reductions.back().next == PendingReduction::Next::kAllReduce) issue_all_reduce(comm_->reductions.back());
+}
+
+// FSDP2's order: the all-reduce is issued right after its reduce-scatter, in program order on
+// every rank, never when this rank happens to notice that the reduce-scatter finished. It reads the
+// reduce-scatter's output (plus the partial sum of earlier micro-batches), so it starts after it:
+// - on a device, the reduce-scatter stream waits for the collective (the host does not, on NCCL),
+//   adds the partial sum, and the all-reduce stream waits for it;
+// - on the CPU, the replicate group's communication thread waits for the reduce-scatter (`after`),
+//   so that the host goes on with backward while both run; a partial sum to add first is added by
+//   the host, after it waited for the reduce-scatter.
+void FSDPParamGroup::issue_all_reduce(PendingReduction& r) {
+  const bool on_streams = comm_->streams.has_value();
+  WorkHandle after = r.reduce_scatter.work;
+  if (on_streams || partial_reduce_output_.defined()) {
+    comm_->complete_reduce_scatter(r);
+    after = nullptr;
+  }
+  if (!on_streams) {
+    add_partial_reduce_output(r.reduce_scatter.output);
+    r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_, std::move(after));
+    return;
+  }
+  device::DeviceOps& ops = device::ops_for(devices_.compute);
+  {
+    device::StreamScope scope(comm_->streams->reduce_scatter);
+    add_partial_reduce_output(r.reduce_scatter.output);
+  }
+  ops.wait(comm_->streams->all_reduce, ops.record(comm_->streams->reduce_scatter));
+  device::StreamScope scope(comm_->streams->all_reduce);
+  r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
 }
 
 void FSDPParamGroup::end_backward() {
@@ -576,22 +658,7 @@ void FSDPParamGroup::end_backward() {
 }
 
 void FSDPParamGroup::after_reduce_scatter(PendingReduction& r) {
-  switch (r.next) {
-    case PendingReduction::Next::kWriteGrads: return;
-    case PendingReduction::Next::kKeepPartial: keep_partial_reduce_output(r.reduce_scatter.output); return;
-    case PendingReduction::Next::kAllReduce:
-      add_partial_reduce_output(r.reduce_scatter.output);
-      if (comm_ && comm_->streams) {
-        // The all-reduce stream reads what the reduce-scatter stream (current here) wrote.
-        device::DeviceOps& ops = device::ops_for(devices_.compute);
-        ops.wait(comm_->streams->all_reduce, ops.record(ops.current_stream(devices_.compute)));
-        device::StreamScope scope(comm_->streams->all_reduce);
-        r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
-        return;
-      }
-      r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
-      return;
-  }
+  if (r.next == PendingReduction::Next::kKeepPartial) keep_partial_reduce_output(r.reduce_scatter.output);
 }
 
 // The first micro-batch's output becomes the partial sum; later ones are added to it.

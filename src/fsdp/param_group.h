@@ -7,14 +7,23 @@
 //                    user's FSDPModule::unshard); wait_for_unshard() waits and copies out.
 //   reduce-scatter:  post_backward() issues it (on reduce_scatter_group(): the shard group, or
 //                    its own group); first, CommContext::make_room_for_reduction() waits for
-//                    the oldest reduce-scatter in flight when the group's limit is reached.
-//                    CommContext::finish_reductions() waits for the rest (the next
-//                    post-backward, for those already done, and the end of the last backward,
-//                    for all) and hands each to after_reduce_scatter().
-//   all-reduce:      HSDP only: after_reduce_scatter() issues it over the replicate group as soon
-//                    as the reduce-scatter finished, so it runs on that group's own thread beside
-//                    the next reduce-scatter and all-gather; finish_reductions() waits for it
-//                    before finish_reduction() writes the sharded gradients.
+//                    the oldest reduce-scatter whose input is still held when the group's limit is
+//                    reached, and drops that input. CommContext::finish_reductions() waits for
+//                    the rest (the next post-backward, for those already done, and the end of the
+//                    last backward, for all) and writes the sharded gradients.
+//   all-reduce:      HSDP only: issue_all_reduce() issues it over the replicate group right after
+//                    its reduce-scatter, as FSDP2 does, so that every rank interleaves the two
+//                    groups' collectives in the same program order (NCCL needs that across
+//                    communicators). It reads the reduce-scatter's output: on a device the
+//                    all-reduce stream waits for the reduce-scatter stream, which waited for the
+//                    collective; on the CPU the replicate group's communication thread waits for
+//                    the reduce-scatter. finish_reductions() waits for it before
+//                    finish_reduction() writes the sharded gradients.
+//
+// Streams (a device only): the compute stream waits once per iteration's forward, at the root's
+// pre-forward (begin_forward()), before the all-gather streams read the shards; within backward
+// it waits only for each reduce-scatter (before its input is dropped), and for the gradients'
+// copy-out at the end of backward (wait_for_gradients()).
 #pragma once
 
 #include "src/device/device_ops.h"
@@ -52,8 +61,13 @@ struct PendingReduction {
   FSDPParamGroup* group;
   ReduceScatterResult reduce_scatter;
   Next next;
-  bool reduce_scattered = false;  // its reduce-scatter was waited for and `next` was started
-  WorkHandle all_reduce;          // Next::kAllReduce: issued once the reduce-scatter finished
+  // Its reduce-scatter was waited for (on a device: by the reduce-scatter stream) and, for
+  // Next::kKeepPartial, its output added to the partial sum.
+  bool reduce_scattered = false;
+  WorkHandle all_reduce;  // Next::kAllReduce: issued right after the reduce-scatter
+  // On a device: recorded on the reduce-scatter stream once it waited for the collective; the
+  // compute stream waits for it before the reduce-scatter input (made there) is dropped.
+  std::optional<device::Event> reduce_scattered_event;
 };
 
 // FSDP2's communication streams, made at the root's lazy init when its mesh is on a device
@@ -75,9 +89,18 @@ struct CommContext {
   // backward; and those after copies to pinned host memory (CPU offload), which the host waits for.
   std::vector<device::Event> reduction_events;
   std::vector<device::Event> host_copy_events;
+  // Reduce outputs a stream other than their maker's used (an HSDP all-reduce's buffer, or the
+  // output of a one-rank shard group, made on the compute stream): kept referenced until the
+  // compute stream waited for reduction_events, so that no stream reuses their memory early.
+  std::vector<at::Tensor> reduce_outputs_in_use;
 
   // Makes the streams on `device` (a no-op on the CPU, or when they exist).
   void init_streams(c10::Device device);
+  // The root's pre-forward, once per iteration's forward (FSDP2's wait in _root_pre_forward):
+  // both all-gather streams wait for the compute stream, whose latest work (the optimizer step,
+  // a state dict loaded) wrote the shards that every all-gather of this iteration reads. A no-op
+  // on the CPU.
+  void begin_forward();
   // The end of the last backward: the compute stream waits for every gradient written, and the
   // host for every gradient copied to host memory. A no-op on the CPU.
   void wait_for_gradients();
@@ -87,25 +110,30 @@ struct CommContext {
   std::vector<FSDPParamGroup*> post_forward_order;
   std::deque<PendingReduction> reductions;  // in issue order
 
-  // Moves every pending reduction on as far as it can, in issue order: a finished reduce-scatter
-  // starts its all-reduce (HSDP), and a reduction whose collectives finished writes its
-  // gradients. With wait_all, waits for everything; otherwise waits for nothing.
+  // Moves pending reductions on, in issue order: each one whose collectives finished writes its
+  // gradients. With wait_all, waits for every one; otherwise waits for nothing.
   void finish_reductions(bool wait_all);
-  // Before a group issues one more reduce-scatter: while `max_in_flight` (>= 1) reduce-scatters
-  // are unfinished, waits for the oldest and starts what follows it (its all-reduce, or the
-  // writing of its gradients), so that at most that many reduce-scatter inputs are alive. An
-  // HSDP all-reduce already issued keeps running.
+  // Before a group issues one more reduce-scatter: while `max_in_flight` (>= 1) reductions still
+  // hold their reduce-scatter input, waits for the oldest one's reduce-scatter and drops its input
+  // (on a device the compute stream waits, the host does not), so that at most that many
+  // reduce-scatter inputs are alive. All-reduces keep running.
   void make_room_for_reduction(int64_t max_in_flight);
-  // FSDPModule::reset_iter_state: takes every pending reduction's collectives to the end (an
-  // HSDP all-reduce not yet started is started, as other ranks may have), then drops them
-  // without writing a gradient. Rethrows the first failure, after dropping them all.
+  // Waits for `r`'s reduce-scatter (on a device: the reduce-scatter stream waits) and, for
+  // Next::kKeepPartial, adds its output to the group's partial sum. Once per reduction.
+  void complete_reduce_scatter(PendingReduction& r);
+  // Completes the reduce-scatters of `group`'s pending reductions, so that its partial sum holds
+  // every earlier micro-batch before it is read.
+  void complete_reduce_scatters_of(const FSDPParamGroup* group);
+  // FSDPModule::reset_iter_state: takes every pending reduction's collectives to the end (all
+  // were issued on every rank alike), then drops them without writing a gradient. Rethrows the
+  // first failure, after dropping them all.
   void discard_reductions();
 
  private:
-  void complete_reduce_scatter(PendingReduction& r);
+  void release_reduce_scatter_input(PendingReduction& r);
+  void wait_for_all_reduce(PendingReduction& r);
   void write_gradients_of(PendingReduction& r);
-  void start_all_reduces(bool wait_all);
-  void write_reduced_gradients(bool wait_all);
+  void keep_reduce_output_in_use(const PendingReduction& r);
 };
 
 class FSDPParamGroup {
@@ -211,8 +239,8 @@ class FSDPParamGroup {
   // Index in CommContext::post_forward_order of this group's latest post-forward, or -1.
   int64_t pop_post_forward_index();
 
-  // After `r`'s reduce-scatter finished: issues its all-reduce, or folds it into the partial
-  // reduce output, as r.next says (CommContext::finish_reductions).
+  // After `r`'s reduce-scatter finished (CommContext::complete_reduce_scatter): a
+  // Next::kKeepPartial output is added to the partial reduce output.
   void after_reduce_scatter(PendingReduction& r);
   // After all of `r`'s collectives finished: the all-reduce hook, then the sharded params' grads.
   void finish_reduction(PendingReduction& r);
@@ -231,6 +259,7 @@ class FSDPParamGroup {
   void unshard_as_prefetch();
   void wait_for_all_gather_on_device();
   void issue_reduce_scatter(const ReducedParams& reduced, const GradientDivision& division);
+  void issue_all_reduce(PendingReduction& r);
   void keep_unsynced_grads();
   GradientDivision current_gradient_division() const;
   bool can_hand_over_gradients(const GradientDivision& division) const;
@@ -262,6 +291,9 @@ class FSDPParamGroup {
 
   std::shared_ptr<ProcessGroup> post_forward_group_;  // see set_post_forward_group
   at::Tensor post_forward_shard_;                     // kShardedPostForward: this rank's 1/k
+  // On a device: recorded on the compute stream after post_forward_shard_ was copied there; the
+  // all-gather copy-in stream waits for it before the backward all-gather reads it.
+  std::optional<device::Event> post_forward_shard_event_;
 
   bool reduce_grads_ = true;
   bool all_reduce_grads_ = true;

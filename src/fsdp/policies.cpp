@@ -101,5 +101,12 @@ void cast_floating_tensors(std::vector<at::Tensor>& tensors, at::ScalarType dtyp
   }
 }
 
+void move_inputs_to_device(std::vector<at::Tensor>& tensors, c10::Device device) {
+  if (device.is_cpu()) return;
+  for (auto& t : tensors) {
+    if (t.defined() && t.device() != device) t = t.to(device);
+  }
+}
+
 }  // namespace detail
 }  // namespace fsdp

@@ -38,5 +38,12 @@ GroupDevices resolve_group_devices(const DeviceMesh& mesh, const std::optional<C
 // op, so gradients flow back in the original dtype). Integer and bool tensors are left alone.
 void cast_floating_tensors(std::vector<at::Tensor>& tensors, at::ScalarType dtype);
 
+// The root's forward inputs on an accelerator mesh, as FSDP2 moves them: every defined tensor
+// of `tensors` not on `device` is replaced by its copy there (an autograd op, so a gradient flows
+// back to the original). The copy blocks the host as FSDP2's .to(device) does, so the caller may
+// refill a pinned input buffer as soon as forward returns. Nothing moves on a CPU `device`, as
+// in FSDP2, whose inputs move only to an accelerator.
+void move_inputs_to_device(std::vector<at::Tensor>& tensors, c10::Device device);
+
 }  // namespace detail
 }  // namespace fsdp

@@ -121,6 +121,7 @@ void FSDPState::lazy_init() {
       st->group_->set_module_fqn(module_label(item.key()));
       st->group_->set_comm_context(ctx_->comm.get());
       ctx_->comm->init_streams(st->group_->devices().compute);
+      ctx_->compute_device = st->group_->devices().compute;
     }
     ctx_->all_states.push_back(st.get());
   }
@@ -238,6 +239,15 @@ bool FSDPState::is_module_of_this_state(const torch::nn::Module& module) const {
 
 // ------------------------------------------------------------------------------ forward
 
+// FSDP2's _root_pre_forward, for the first state whose forward runs in an iteration: the
+// all-gather streams wait for the compute stream (once, not before each all-gather), and the
+// tensor inputs move to the mesh's device, as FSDP2 moves them, before any cast.
+void FSDPState::root_pre_forward(std::vector<at::Tensor>& inputs) {
+  ctx_->iter_forward_root = this;
+  ctx_->comm->begin_forward();
+  move_inputs_to_device(inputs, ctx_->compute_device);
+}
+
 // Every call of one of this state's modules casts, the re-run of a forward during backward too,
 // so that a recomputation sees the dtypes the forward saw.
 void FSDPState::cast_forward_inputs(std::vector<at::Tensor>& inputs) const {
@@ -252,11 +262,14 @@ void FSDPState::cast_forward_outputs(std::vector<at::Tensor>& outputs) const {
 
 std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, std::vector<at::Tensor> inputs) {
   check_previous_iteration_finished();
-  cast_forward_inputs(inputs);
-  if (RecomputationScope::current()) return pre_recompute(std::move(inputs));
+  if (RecomputationScope::current()) {
+    cast_forward_inputs(inputs);
+    return pre_recompute(std::move(inputs));
+  }
   if (training_state_ == TrainingState::kPreBackward) {
     // A forward re-run during backward that is not fsdp::checkpoint's (its graph is not
     // backpropagated through): parameters must be present.
+    cast_forward_inputs(inputs);
     if (group_) {
       group_->unshard();
       group_->wait_for_unshard();
@@ -264,7 +277,8 @@ std::vector<at::Tensor> FSDPState::pre_forward(const torch::nn::Module& module, 
     return inputs;
   }
   lazy_init();
-  if (!ctx_->iter_forward_root) ctx_->iter_forward_root = this;
+  if (!ctx_->iter_forward_root) root_pre_forward(inputs);
+  cast_forward_inputs(inputs);
   training_state_ = TrainingState::kForward;
   // What the flight recorder writes with this rank's next collectives, and as "last seen in".
   FlightRecorder::global().set_context("forward", module_label(fqn_));

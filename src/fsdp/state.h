@@ -50,6 +50,9 @@ struct StateContext {
   std::string failed_forward;
   // The root's own, or the first root's under fsdp::share_comm_ctx.
   std::shared_ptr<CommContext> comm;
+  // The device the groups under this root compute on (the mesh's): the root's pre-forward moves
+  // the forward's tensor inputs there.
+  c10::Device compute_device{c10::DeviceType::CPU};
 };
 
 // One fully_shard call's state. The composable registry owns it while its modules live and
@@ -113,6 +116,7 @@ class FSDPState : public composable::ModuleState, public ForwardHooks, public st
  private:
   bool is_module_of_this_state(const torch::nn::Module& module) const;
   void check_previous_iteration_finished() const;
+  void root_pre_forward(std::vector<at::Tensor>& inputs);
   void cast_forward_inputs(std::vector<at::Tensor>& inputs) const;
   void cast_forward_outputs(std::vector<at::Tensor>& outputs) const;
   std::vector<at::Tensor> pre_recompute(std::vector<at::Tensor> inputs);

@@ -210,6 +210,55 @@ TEST(Collectives, AsyncHandlesCompleteInIssueOrder) {
   });
 }
 
+// all_reduce(..., after): the all-reduce of a second group reads what the first group's
+// collective writes. Rank 1 issues both late, so on rank 0 the second group's all-reduce is
+// queued long before the first one's data exists: it must wait for it on its own thread, and
+// the call must not wait (the first all-reduce is still unfinished when it returns).
+TEST(Collectives, AnAllReduceAfterAnotherGroupsCollectiveReadsItsOutput) {
+  run_distributed(2, [] {
+    auto first = fsdp::world();
+    auto second = fsdp::new_group({0, 1});
+    const int r = first->rank();
+    for (int64_t n : {int64_t{3}, int64_t{1} << 16}) {
+      at::Tensor t = at::full({n}, static_cast<float>(r + 1));
+      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      fsdp::WorkHandle written = first->all_reduce(t);
+      fsdp::WorkHandle reduced = second->all_reduce(t, ReduceOp::kSum, written);
+      reduced->wait();
+      EXPECT_TRUE(written->is_completed());
+      EXPECT_TRUE(t.equal(at::full({n}, 6.0f))) << "n " << n << ": " << t.slice(0, 0, 3);
+    }
+  });
+}
+
+// A collective whose predecessor failed is not run: it reports why, and its group is unusable.
+TEST(Collectives, AnAllReduceAfterAFailedCollectiveFailsWithoutRunning) {
+  fsdp::testing::DistOptions options;
+  options.collective_timeout = std::chrono::milliseconds(1500);
+  run_distributed(
+      2,
+      [] {
+        auto first = fsdp::new_group({0, 1});
+        auto second = fsdp::new_group({0, 1});
+        const int r = first->rank();
+        at::Tensor t = at::ones({4});
+        // Only rank 0 issues the first all-reduce: it times out there.
+        fsdp::WorkHandle written = r == 0 ? first->all_reduce(t) : nullptr;
+        if (r == 0) {
+          fsdp::WorkHandle reduced = second->all_reduce(t, ReduceOp::kSum, written);
+          try {
+            reduced->wait();
+            ADD_FAILURE() << "the all-reduce ran after a failed predecessor";
+          } catch (const fsdp::CollectiveError& e) {
+            EXPECT_NE(std::string(e.what()).find("the collective whose output it reads failed"), std::string::npos)
+                << e.what();
+          }
+          EXPECT_THROW(second->barrier()->wait(), fsdp::CollectiveError);
+        }
+      },
+      options);
+}
+
 TEST(Collectives, BadArgumentsAreRejectedWithAMessage) {
   run_distributed(1, [] {
     auto pg = fsdp::world();

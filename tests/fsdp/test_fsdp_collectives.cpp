@@ -105,10 +105,12 @@ TEST(FsdpCollectives, AllGatherCopyOutRestoresEveryParameter) {
     p->free_unsharded();
     p->alloc_unsharded();
   }
+  const int64_t version = params[0]->unsharded()._version();
   fsdp::detail::foreach_all_gather_copy_out(AllGatherResult{nullptr, output, layout, std::nullopt, std::nullopt},
                                             params);
   EXPECT_TRUE(params[0]->unsharded().equal(m.weight));
   EXPECT_TRUE(params[1]->unsharded().equal(m.bias));
+  EXPECT_EQ(params[0]->unsharded()._version(), version) << "autograd's saved views stay valid";
 }
 
 TEST(FsdpCollectives, PostForwardShardsGatherBackToTheParameters) {
@@ -220,4 +222,30 @@ TEST(FsdpCollectives, ReducedGradientsAreViewsWithoutPadding) {
       EXPECT_EQ(params[1]->sharded().grad().item<float>(), 12.0f);
     }
   }
+}
+
+// The copy-in lays out gradients of one dtype in one op (ATen's _chunk_cat) and falls back to a
+// few copies per parameter for mixed dtypes or a missing gradient: both give the same buffer,
+// cast to the reduce dtype, padded with zeros.
+TEST(FsdpCollectives, ReduceScatterCopyInCastsAndPadsAlikeOnEveryPath) {
+  Model m;
+  FSDPParams params = params_of(m, 0);
+  const RankMajorLayout layout = fsdp::detail::shard_layout(params, kWorld);
+  const ReducedParams both{0, 1};
+  std::vector<FSDPParams> others;
+  const std::vector<float> expected = values(gathered_flat_shards(m, layout, &others));
+  const std::vector<std::pair<at::ScalarType, at::ScalarType>> dtypes = {
+      {at::kFloat, at::kFloat}, {at::kDouble, at::kDouble}, {at::kDouble, at::kFloat}};
+  for (const auto& [weight_dtype, bias_dtype] : dtypes) {
+    params[0]->unsharded().mutable_grad() = m.weight.to(weight_dtype);
+    params[1]->unsharded().mutable_grad() = m.bias.to(bias_dtype);
+    at::Tensor input = fsdp::detail::foreach_reduce_copy_in(params, both, layout, at::kFloat);
+    EXPECT_EQ(values(input), expected) << weight_dtype << " and " << bias_dtype;
+  }
+  // Into a wider reduce dtype, as mixed precision reduces bf16 gradients in fp32.
+  params[0]->unsharded().mutable_grad() = m.weight.to(at::kBFloat16);
+  params[1]->unsharded().mutable_grad() = m.bias.to(at::kBFloat16);
+  at::Tensor wide = fsdp::detail::foreach_reduce_copy_in(params, both, layout, at::kDouble);
+  EXPECT_EQ(wide.scalar_type(), at::kDouble);
+  EXPECT_EQ(values(wide.to(at::kFloat)), expected);
 }

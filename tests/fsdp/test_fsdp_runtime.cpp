@@ -10,6 +10,8 @@
 #include <fsdp/memory.h>
 #include <fsdp/models/transformer.h>
 
+#include "src/fsdp/policies.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
@@ -459,4 +461,28 @@ TEST(FsdpRuntime, TheDefaultMeshFollowsANewProcessGroup) {
   fsdp::call(second, at::ones({1, 3})).sum().backward();
   EXPECT_TRUE(second->named_parameters()["weight"].grad().defined());
   fsdp::destroy_process_group();
+}
+
+// The root's pre-forward moves tensor inputs to the mesh's device, as FSDP2 does on an
+// accelerator: every defined tensor not there, through an autograd op; nothing on a CPU mesh.
+// The meta device stands in for an accelerator here.
+TEST(FsdpRuntime, RootInputsMoveToTheMeshDeviceOnAnAcceleratorOnly) {
+  const at::Tensor x = at::randn({2, 3}).requires_grad_(true);
+  const at::Tensor tokens = at::arange(4, at::kLong);
+  std::vector<at::Tensor> on_cpu = {x, tokens, at::Tensor()};
+  fsdp::detail::move_inputs_to_device(on_cpu, c10::Device(c10::kCPU));
+  EXPECT_TRUE(on_cpu[0].is_same(x));
+  EXPECT_TRUE(on_cpu[1].is_same(tokens));
+
+  const at::Tensor already = at::empty({5}, at::TensorOptions().device(c10::kMeta));
+  std::vector<at::Tensor> inputs = {x, tokens, at::Tensor(), already};
+  fsdp::detail::move_inputs_to_device(inputs, c10::Device(c10::kMeta));
+  EXPECT_TRUE(inputs[0].is_meta());
+  EXPECT_EQ(inputs[0].sizes(), x.sizes());
+  EXPECT_EQ(inputs[0].scalar_type(), at::kFloat);
+  EXPECT_TRUE(inputs[0].requires_grad() && inputs[0].grad_fn()) << "a gradient flows back to the input";
+  EXPECT_TRUE(inputs[1].is_meta());
+  EXPECT_EQ(inputs[1].scalar_type(), at::kLong);
+  EXPECT_FALSE(inputs[2].defined());
+  EXPECT_TRUE(inputs[3].is_same(already));
 }

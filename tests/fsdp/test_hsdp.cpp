@@ -8,6 +8,7 @@
 #include <fsdp/call.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/distributed.h>
+#include <fsdp/flight_recorder.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/models/transformer.h>
 #include <fsdp/optim_state_dict.h>
@@ -346,6 +347,66 @@ TEST(Hsdp, OneAllReducePerReduceScatterOn2DAndNoneOn1D) {
         }
         model->zero_grad();
       }
+    }
+  });
+}
+
+namespace {
+
+// The collectives this rank issued on `groups` from record `from` on, in issue order, as
+// "<op>@<index of its group in groups>".
+std::vector<std::string> issued_since(int64_t from, const std::vector<std::string>& groups) {
+  int64_t total = 0;
+  const auto records = fsdp::FlightRecorder::global().snapshot(&total);
+  std::vector<std::string> out;
+  for (const auto& rec : records) {
+    if (rec.id < from) continue;
+    const auto g = std::find(groups.begin(), groups.end(), rec.group);
+    if (g != groups.end()) out.push_back(rec.op + "@" + std::to_string(g - groups.begin()));
+  }
+  return out;
+}
+
+int64_t records_so_far() {
+  int64_t total = 0;
+  fsdp::FlightRecorder::global().snapshot(&total);
+  return total;
+}
+
+}  // namespace
+
+// FSDP2's program order: each all-reduce over the replicate group is issued right after its
+// reduce-scatter, so every rank interleaves the two groups' collectives identically (NCCL can
+// hang otherwise). Checked on the issue order the flight recorder saw, and across ranks.
+TEST(Hsdp, EachAllReduceIsIssuedRightAfterItsReduceScatter) {
+  run_distributed(4, [] {
+    auto mesh = make_mesh({2, 2});
+    const std::vector<std::string> groups = {shard_group_of(mesh)->name(), replicate_group_of(mesh)->name()};
+    auto model = make_transformer();
+    shard_transformer(model, fsdp::FullyShardOptions().mesh(mesh));
+    for (int64_t step = 0; step < 3; ++step) {
+      const int64_t from = records_so_far();
+      transformer_loss(model, step, my_rows().first, my_rows().second).backward();
+      const std::vector<std::string> order = issued_since(from, groups);
+      std::string joined;
+      for (const auto& op : order) joined += op + " ";
+      int64_t reduce_scatters = 0;
+      for (size_t i = 0; i < order.size(); ++i) {
+        if (order[i] != "reduce_scatter@0") continue;
+        ++reduce_scatters;
+        ASSERT_LT(i + 1, order.size()) << joined;
+        EXPECT_EQ(order[i + 1], "all_reduce@1") << "collective " << i + 1 << " of step " << step << ": " << joined;
+      }
+      EXPECT_EQ(std::count(order.begin(), order.end(), "all_reduce@1"), reduce_scatters) << joined;
+      EXPECT_GT(reduce_scatters, 1) << joined;
+      // The same sequence on every rank (each rank's shard and replicate groups have other names).
+      const auto digest = static_cast<double>(std::hash<std::string>{}(joined) % (int64_t{1} << 40));
+      at::Tensor mine = at::full({1}, digest, at::kDouble);
+      at::Tensor lowest = mine.clone(), highest = mine.clone();
+      fsdp::world()->all_reduce(lowest, ReduceOp::kMin)->wait();
+      fsdp::world()->all_reduce(highest, ReduceOp::kMax)->wait();
+      EXPECT_EQ(lowest.item<double>(), highest.item<double>()) << "step " << step << ": " << joined;
+      model->zero_grad();
     }
   });
 }
