@@ -382,7 +382,12 @@ TEST(Hsdp, EachAllReduceIsIssuedRightAfterItsReduceScatter) {
   run_distributed(4, [] {
     auto mesh = make_mesh({2, 2});
     const std::vector<std::string> groups = {shard_group_of(mesh)->name(), replicate_group_of(mesh)->name()};
-    auto model = make_transformer();
+    // Four blocks: backward prefetches an all-gather between one block's reduce-scatter and the next.
+    torch::manual_seed(0);
+    fsdp::models::ModelArgs args;
+    args.dropout_p = 0.0;
+    args.n_layers = 4;
+    fsdp::models::Transformer model(args);
     shard_transformer(model, fsdp::FullyShardOptions().mesh(mesh));
     for (int64_t step = 0; step < 3; ++step) {
       const int64_t from = records_so_far();
