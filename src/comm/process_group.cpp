@@ -5,6 +5,8 @@
 
 #include <fsdp/flight_recorder.h>
 
+#include "src/device/stream_check.h"
+
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -277,7 +279,18 @@ WorkHandle ProcessGroup::submit(Op op) {
   const at::Tensor& any = op.input.defined() ? op.input : op.output;
   if (op.output.defined()) check_device(op.output, "output");
   if (op.input.defined()) check_device(op.input, "input");
-  if (!any.defined() || any.device().type() == device_type()) return enqueue(std::move(op));
+  if (!any.defined() || any.device().type() == device_type()) {
+    if (!device::stream_check::enabled() || device_type() != c10::DeviceType::CPU) return enqueue(std::move(op));
+    // The CPU's checking mode sees the collective as work on a stream of the group's own, after
+    // the issuing stream's; the stream of the first wait() waits for it, as NCCL's would.
+    const char* kind = to_string(op.kind);
+    const at::Tensor input = op.input, written = op.output.defined() ? op.output : op.input;
+    WorkHandle work = enqueue(std::move(op));
+    const device::Event end = device::stream_check::collective(name_, kind, {input}, {written});
+    std::lock_guard<std::mutex> lock(work->mu_);
+    work->after_host_wait_ = [end] { device::stream_check::wait_on_current_stream(end); };
+    return work;
+  }
   TORCH_CHECK(!op.output.defined() || op.output.device() == op.input.device(), "fsdp collective on group '", name_,
               "': input on ", op.input.device(), " but output on ", op.output.device());
   const bool in_place = !op.output.defined();  // all-reduce, broadcast
