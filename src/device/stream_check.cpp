@@ -143,6 +143,11 @@ class Model {
     Block* b = find(data);
     if (b != nullptr) b->label = role;
   }
+  std::string describe(const void* data) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Block* b = find(data);
+    return b == nullptr ? std::string("untracked memory") : describe(*b);
+  }
   std::optional<bool> is_host(const void* data) {
     std::lock_guard<std::mutex> lock(mu_);
     Block* b = find(data);
@@ -276,10 +281,10 @@ class Model {
   }
 
   std::string describe(const Block& b) const {
-    std::string where = b.host ? (b.pinned ? "pinned host memory " : "host memory ") : "";
-    if (!b.label.empty()) return where + "'" + b.label + "'";
-    return where + "an unnamed block of " + std::to_string(b.size) + " bytes allocated by " + b.alloc_op +
-           (b.alloc_slot >= 0 ? " on " + name_of(b.alloc_slot) : std::string());
+    const std::string memory = b.host ? (b.pinned ? "pinned host memory" : "host memory") : "";
+    if (!b.label.empty()) return (b.host ? memory + " " : std::string()) + "'" + b.label + "'";
+    return "an unnamed block of " + std::to_string(b.size) + " bytes" + (b.host ? " of " + memory : std::string()) +
+           " allocated by " + b.alloc_op + (b.alloc_slot >= 0 ? " on " + name_of(b.alloc_slot) : std::string());
   }
   std::string name_of(int slot) const {
     if (slot < 0 || static_cast<size_t>(slot) >= names_.size()) return "an unknown stream";
@@ -472,6 +477,8 @@ struct Placement {
 Placement place(const std::string& name, const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                 const std::vector<TensorUse>& uses) {
   bool any_host = false, any_device = false, any_pageable = false;
+  const void* a_host = nullptr;
+  const void* a_device = nullptr;
   for (const TensorUse& u : uses) {
     const void* data = data_of(u.tensor);
     if (data == nullptr) continue;
@@ -480,6 +487,7 @@ Placement place(const std::string& name, const c10::FunctionSchema& schema, cons
     // A 0-dim host tensor is a scalar argument, which a CUDA kernel takes too.
     if (*host && u.tensor.dim() == 0 && !is_copy(name)) continue;
     (*host ? any_host : any_device) = true;
+    (*host ? a_host : a_device) = data;
     any_pageable = any_pageable || model().is_pageable_host(data);
   }
   Placement p;
@@ -496,10 +504,11 @@ Placement place(const std::string& name, const c10::FunctionSchema& schema, cons
     return p;
   }
   if (any_host && any_device && !is_copy(name)) {
-    model().report(name + " on " + model().stream_name(t_slot) +
-                   " mixes host memory with device memory: on a GPU that is a device mismatch (a kernel "
-                   "cannot read host memory). Copy the host tensor to the device first (CPU offload's shards "
-                   "are copied into a device buffer before they are used).");
+    model().report(name + " on " + model().stream_name(t_slot) + " mixes host memory (" + model().describe(a_host) +
+                   ") with device memory (" + model().describe(a_device) +
+                   "): on a GPU that is a device mismatch (a kernel cannot read host memory). Copy the host tensor "
+                   "to the device first (CPU offload's shards are copied into a device buffer before they are "
+                   "used).");
   }
   p.host_waits =
       (any_host && is_copy(name) && (blocking_copy(schema, stack) || any_pageable)) || (any_device && syncs_host(name));

@@ -556,6 +556,9 @@ void FSDPParamGroup::post_backward() {
       device::DeviceOps& ops = device::ops_for(devices_.compute);
       comm_->host_copy_events.push_back(ops.record(ops.current_stream(devices_.compute)));
     }
+    for (size_t i : reduced) {
+      device::stream_check::label(params_[i]->sharded().grad(), "the sharded gradient of '" + params_[i]->fqn() + "'");
+    }
     return;
   }
   issue_reduce_scatter(reduced, division);
@@ -644,6 +647,10 @@ void FSDPParamGroup::run_all_reduce_hook(at::Tensor& output) const {
 void FSDPParamGroup::finish_reduction(PendingReduction& r) {
   run_all_reduce_hook(r.reduce_scatter.output);
   foreach_reduce_copy_out(r.reduce_scatter, params_, dtypes_.orig, devices_);
+  if (!r.reduce_scatter.params.empty()) {
+    device::stream_check::label(params_[r.reduce_scatter.params.front()]->sharded().grad(),
+                                "the sharded gradients of '" + module_label(module_fqn_) + "'");
+  }
 }
 
 void FSDPParamGroup::finalize_backward() {
