@@ -171,8 +171,11 @@ TEST(StreamCheck, AKernelMixingHostAndDeviceMemoryIsReported) {
         auto& ops = cpu_ops();
         at::Tensor d = at::ones({8});
         at::Tensor h = ops.to_host(d, at::kFloat, true, false);
+        check::label(h, "the host copy");
         at::Tensor sum = d + h;
-        expect_one_report_naming({"aten::add on the compute stream mixes host memory with device memory"});
+        expect_one_report_naming(
+            {"aten::add on the compute stream mixes host memory (pinned host memory 'the host copy') with device "
+             "memory"});
         at::Tensor back = ops.to_device(h, kCpu, at::kFloat, true);
         at::Tensor ok = d + back;
         expect_no_reports();
