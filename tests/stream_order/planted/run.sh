@@ -24,7 +24,7 @@ for c in "${cases[@]}"; do
   if cmake --build "$build" -j2 --target fsdp_stream_order_tests >"$log" 2>&1; then
     "$build/tests/fsdp_stream_order_tests" --gtest_filter="$filter" >"$log" 2>&1
     rc=$?
-    report=$(grep -m1 "^fsdp stream check: .*$expected" "$log")
+    report=$(grep -m1 -E "^(fsdp stream check: |  - ).*$expected" "$log")
     if [[ $rc -ne 0 && -n "$report" ]]; then
       echo "caught   $name ($filter): ${report:0:400}"
     else
