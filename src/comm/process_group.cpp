@@ -5,6 +5,8 @@
 
 #include <fsdp/flight_recorder.h>
 
+#include "src/device/stream_check.h"
+
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -280,13 +282,25 @@ WorkHandle ProcessGroup::submit(Op op) {
   if (op.input.defined()) check_device(op.input, "input");
   const bool staged = any.defined() && any.device().type() != device_type();
   // Only a communication thread can wait for `after` in the caller's stead; a device stream waits
-  // through Work::wait(), and a staged input is copied to the host right here, so it must be
-  // complete first.
-  if (op.after && (staged || device_type() != c10::DeviceType::CPU || op.after->device_)) {
+  // through Work::wait(), a staged input is copied to the host right here, so it must be complete
+  // first, and the CPU's checking mode must see the issuing stream wait for it.
+  if (op.after &&
+      (staged || device_type() != c10::DeviceType::CPU || op.after->device_ || device::stream_check::enabled())) {
     op.after->wait();
     op.after.reset();
   }
-  if (!staged) return enqueue(std::move(op));
+  if (!staged) {
+    if (!device::stream_check::enabled() || device_type() != c10::DeviceType::CPU) return enqueue(std::move(op));
+    // The CPU's checking mode sees the collective as work on a stream of the group's own, after
+    // the issuing stream's; the stream of the first wait() waits for it, as NCCL's would.
+    const char* kind = to_string(op.kind);
+    const at::Tensor input = op.input, written = op.output.defined() ? op.output : op.input;
+    WorkHandle work = enqueue(std::move(op));
+    const device::Event end = device::stream_check::collective(name_, kind, {input}, {written});
+    std::lock_guard<std::mutex> lock(work->mu_);
+    work->after_host_wait_ = [end] { device::stream_check::wait_on_current_stream(end); };
+    return work;
+  }
   TORCH_CHECK(!op.output.defined() || op.output.device() == op.input.device(), "fsdp collective on group '", name_,
               "': input on ", op.input.device(), " but output on ", op.output.device());
   const bool in_place = !op.output.defined();  // all-reduce, broadcast

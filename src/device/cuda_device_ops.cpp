@@ -7,6 +7,7 @@
 // it is freed: FSDP resizes unsharded parameters only on the compute stream.
 #include "src/device/device_ops.h"
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -71,6 +72,16 @@ class CudaOps final : public DeviceOps {
     storage.set_nbytes(nbytes);
   }
   bool can_pin_host_memory() const override { return true; }
+  bool has_streams() const override { return true; }
+  at::Tensor to_host(const at::Tensor& t, at::ScalarType dtype, bool pinned, bool non_blocking) override {
+    return t.to(at::TensorOptions().device(c10::kCPU).dtype(dtype).pinned_memory(pinned), non_blocking);
+  }
+  at::Tensor to_device(const at::Tensor& t, c10::Device device, at::ScalarType dtype, bool non_blocking) override {
+    return t.to(device, dtype, non_blocking);
+  }
+  at::Tensor empty_like_on(const at::Tensor& like, c10::Device device) override {
+    return at::empty_like(like, like.options().device(device));
+  }
 
   int device_count() const override { return c10::cuda::device_count(); }
   DeviceMemoryStats memory_stats(c10::Device device) override {

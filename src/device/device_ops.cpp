@@ -6,6 +6,7 @@
 // ATen's CPU resize (what the CPU path used before this layer existed, so its speed is the same).
 #include "src/device/device_ops.h"
 
+#include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
@@ -42,6 +43,10 @@ class CpuOps final : public DeviceOps {
     at::native::resize_bytes_cpu(&storage, nbytes);
   }
   bool can_pin_host_memory() const override { return false; }
+  bool has_streams() const override { return false; }
+  at::Tensor to_host(const at::Tensor& t, at::ScalarType dtype, bool, bool) override { return t.to(dtype); }
+  at::Tensor to_device(const at::Tensor& t, c10::Device, at::ScalarType dtype, bool) override { return t.to(dtype); }
+  at::Tensor empty_like_on(const at::Tensor& like, c10::Device) override { return at::empty_like(like); }
   int device_count() const override { return 1; }
   DeviceMemoryStats memory_stats(c10::Device) override { return DeviceMemoryStats{}; }
   void reset_peak_memory(c10::Device) override {}

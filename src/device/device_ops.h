@@ -8,10 +8,15 @@
 //
 // Streams are c10's device-generic handles (c10::Stream); an Event is a point in a stream's
 // work that another stream (or the host) can wait for.
+//
+// The CPU has a checking mode (FSDP_DEVICE_CHECK=1, stream_check.h): its streams and events
+// are modelled, host memory is told apart from "device" memory, and every operation is checked
+// for the order a GPU would need, so that a missing wait shows on a machine without a GPU.
 #pragma once
 
 #include <fsdp/device.h>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 
@@ -69,8 +74,22 @@ class DeviceOps {
   // every tensor on it (autograd's saved ones too) sees the new memory. Contents are undefined.
   virtual void resize_storage(c10::StorageImpl& storage, size_t nbytes) = 0;
 
-  // Whether host memory can be pinned for this device's copies (CUDA: yes; the CPU: no).
+  // Whether host memory can be pinned for this device's copies (CUDA: yes; the CPU: no, but in
+  // its checking mode, which models pinned memory).
   virtual bool can_pin_host_memory() const = 0;
+  // Whether work runs on streams, asynchronously to the host, so that FSDP makes its side streams
+  // and orders them with events (CUDA, and the CPU's checking mode). The plain CPU: false.
+  virtual bool has_streams() const = 0;
+
+  // Moving tensors between this device's memory and host memory (CPU offload). to_host: a copy of
+  // `t`, cast to `dtype`, in host memory (pinned when `pinned`), on the current stream; with
+  // `non_blocking` the host goes on before it lands, and must wait for an event recorded after it
+  // before reading it. to_device: the reverse, into memory of `device`. On the plain CPU, where
+  // host memory is the device's, both are a cast, and `t` itself when there is none.
+  virtual at::Tensor to_host(const at::Tensor& t, at::ScalarType dtype, bool pinned, bool non_blocking) = 0;
+  virtual at::Tensor to_device(const at::Tensor& t, c10::Device device, at::ScalarType dtype, bool non_blocking) = 0;
+  // An uninitialised tensor shaped as `like`, in memory of `device`, allocated on the current stream.
+  virtual at::Tensor empty_like_on(const at::Tensor& like, c10::Device device) = 0;
 
   // The devices of this type the process sees, and their allocators' statistics (fsdp/device.h).
   virtual int device_count() const = 0;

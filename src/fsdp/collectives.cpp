@@ -160,11 +160,8 @@ at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layo
     copy_piece_from_full(flat.narrow(0, layout.offset[i], layout.piece_numel[i]), p.unsharded(), layout, i,
                          p.shard_rank());
   }
-  // CPU offload from a device: the shards live in host memory, pinned when the policy says so.
-  if (flat.device() != devices.shard) {
-    flat = flat.to(devices.shard);
-    if (devices.non_blocking) flat = flat.pin_memory();
-  }
+  // CPU offload: the shards live in host memory, pinned when the policy says so.
+  if (devices.offloaded) flat = device::ops_for(device).to_host(flat, flat.scalar_type(), devices.non_blocking, false);
   // Only this rank's real rows are visible through the leaves; the padding stays zero.
   for (size_t i = 0; i < params.size(); ++i) params[i]->init_sharded(flat, layout.offset[i]);
   return flat;
@@ -173,7 +170,8 @@ at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layo
 // ------------------------------------------------------------------------------ all-gather
 
 at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, const GroupDevices& devices) {
-  return flat_shard.to(devices.compute, dtype, devices.non_blocking);  // no copy when neither changes
+  if (!devices.offloaded) return flat_shard.to(dtype);  // no copy without a cast
+  return device::ops_for(devices.compute).to_device(flat_shard, devices.compute, dtype, devices.non_blocking);
 }
 
 // Issues `collective` from `issue_stream` (after it waited for the current stream), or from the
@@ -350,20 +348,26 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams&
 // On one rank the unsharded gradient has the shard's shape already: no copy (without a cast or
 // offload), no collective. A cast goes through the reduce dtype, as the reduction would. A
 // reduced parameter without a gradient gets zeros, as the reduction of zeros would give it.
-void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& reduced, const GroupDtypes& dtypes,
-                              const GroupDevices& devices) {
+bool foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& reduced, const GroupDtypes& dtypes,
+                              const GroupDevices& devices, bool may_run_on) {
   at::NoGradGuard no_grad;
+  device::DeviceOps& ops = device::ops_for(devices.compute);
+  bool in_flight = false;
   for (size_t i : reduced) {
     FSDPParam& p = *params.at(i);
     at::Tensor g = p.unsharded_grad_to_reduce();
-    if (g.defined()) {
-      p.accumulate_sharded_grad(cast_to(g, dtypes.reduce).to(devices.shard, dtypes.orig, devices.non_blocking));
+    g = g.defined() ? cast_to(g, dtypes.reduce)
+                    : at::zeros(p.sharded_shape(), at::TensorOptions().dtype(dtypes.reduce).device(devices.compute));
+    if (devices.offloaded) {
+      const bool non_blocking = may_run_on && devices.non_blocking && !p.sharded().grad().defined();
+      p.accumulate_sharded_grad(ops.to_host(g, dtypes.orig, devices.non_blocking, non_blocking));
+      in_flight = in_flight || non_blocking;
     } else {
-      p.accumulate_sharded_grad(
-          at::zeros(p.sharded_shape(), at::TensorOptions().dtype(dtypes.orig).device(devices.shard)));
+      p.accumulate_sharded_grad(cast_to(g, dtypes.orig));
     }
     p.clear_unsharded_grad();
   }
+  return in_flight;
 }
 
 ReduceScatterInput foreach_reduce_prepare(const FSDPParams& params, const ReducedParams& reduced, int64_t world,
@@ -408,7 +412,10 @@ void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams
   // about to be added to (the host would read it before it arrived).
   bool accumulates = false;
   for (size_t i : result.params) accumulates = accumulates || params.at(i)->sharded().grad().defined();
-  const at::Tensor reduced = result.output.to(devices.shard, orig_dtype, devices.non_blocking && !accumulates);
+  const at::Tensor reduced = devices.offloaded ? device::ops_for(devices.compute)
+                                                     .to_host(result.output, orig_dtype, devices.non_blocking,
+                                                              devices.non_blocking && !accumulates)
+                                               : cast_to(result.output, orig_dtype);
   for (size_t k = 0; k < result.params.size(); ++k) {
     FSDPParam& p = *params.at(result.params[k]);
     // Shares the reduce-scatter output's storage, padding left out. Not an autograd view:

@@ -76,7 +76,7 @@ RankMajorLayout post_forward_layout(const FSDPParams& params, int64_t k);
 // `devices.non_blocking`).
 at::Tensor init_flat_shard(const FSDPParams& params, const RankMajorLayout& layout,
                            const GroupDevices& devices = GroupDevices{c10::Device(c10::DeviceType::CPU),
-                                                                      c10::Device(c10::DeviceType::CPU), false});
+                                                                      c10::Device(c10::DeviceType::CPU), false, false});
 
 struct AllGatherResult {
   WorkHandle work;         // null when nothing is in flight (a group of one rank)
@@ -182,9 +182,12 @@ ReduceScatterResult foreach_reduce_issue(ReduceScatterInput prepared, const Redu
 // each unsharded gradient of the `reduced` parameters has the shard's shape already, so it is
 // cast (through the reduce dtype, as a reduction would) and handed to the sharded leaf at once,
 // without a copy when no cast or offload is needed (zeros for a reduced parameter without
-// one). Not collective.
-void foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& reduced, const GroupDtypes& dtypes,
-                              const GroupDevices& devices);
+// one). Under CPU offload it is copied to host memory on the current stream: with `may_run_on`
+// (the caller records an event that the host synchronizes on before the gradients are read) a
+// copy into pinned memory runs on while the host goes on, unless a gradient there is about to be
+// added to. Returns whether such a copy was issued. Not collective.
+bool foreach_reduce_hand_over(const FSDPParams& params, const ReducedParams& reduced, const GroupDtypes& dtypes,
+                              const GroupDevices& devices, bool may_run_on);
 // The reduce-scatter input in `reduce_dtype`: the all-gather layout of the reduced subset in
 // reverse, row q = piece q of every reduced parameter's unsharded gradient (zeros for one
 // without a gradient). Releases those unsharded gradients. The buffer comes from `allocator`

@@ -66,6 +66,7 @@ struct GroupDevices {
   c10::Device compute;  // the all-gather, the unsharded parameters, the reduce-scatter
   c10::Device shard;    // the flat shard, the sharded parameters and their gradients (host under offload)
   bool non_blocking;    // copies between the two may run asynchronously (pinned host memory)
+  bool offloaded;       // CPU offload: the shards are in host memory, copied to and from the device
 };
 
 }  // namespace detail

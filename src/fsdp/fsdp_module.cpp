@@ -2,6 +2,7 @@
 // call into the module's state or parameter group.
 #include <fsdp/fsdp_module.h>
 
+#include "src/device/device_ops.h"
 #include "src/fsdp/state.h"
 
 #include <fsdp/distributed.h>
@@ -211,7 +212,7 @@ void FSDPModule::set_unshard_async_op(bool async_op) {
   TORCH_CHECK(state_, "fsdp::FSDPModule: invalid handle");
   for (FSDPState* st : states(/*recurse=*/true)) {
     if (!st->group()) continue;
-    TORCH_CHECK(!async_op || !st->group()->devices().compute.is_cpu(),
+    TORCH_CHECK(!async_op || device::ops_for(st->group()->devices().compute).has_streams(),
                 "fsdp::FSDPModule::set_unshard_async_op(true) is not supported on a CPU mesh: it moves the "
                 "all-gather's allocation onto the current stream, and a CPU mesh has no streams. Its all-gathers "
                 "already run on the group's communication thread and are waited for right before the module runs; "

@@ -1,6 +1,7 @@
 #include "src/fsdp/fsdp_param.h"
 
 #include "src/device/device_ops.h"
+#include "src/device/stream_check.h"
 
 #include <fsdp/device.h>
 #include <fsdp/placement.h>
@@ -97,6 +98,7 @@ void FSDPParam::alloc_unsharded() {
   device::ops_for(unsharded_.device())
       .resize_storage(*unsharded_.storage().unsafeGetStorageImpl(),
                       static_cast<size_t>(padded_full_numel()) * unsharded_.element_size());
+  device::stream_check::label(unsharded_, "the unsharded parameter '" + fqn_ + "'");
 }
 
 void FSDPParam::free_unsharded() {

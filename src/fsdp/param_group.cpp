@@ -2,6 +2,7 @@
 // when it issues or waits for a collective (the collectives themselves: collectives.cpp).
 #include "src/fsdp/param_group.h"
 
+#include "src/device/stream_check.h"
 #include "src/fsdp/policies.h"
 
 #include <fsdp/trace.h>
@@ -55,10 +56,15 @@ void wait_for(const WorkHandle& work, const char* kind, const std::string& modul
 }  // namespace
 
 void CommContext::init_streams(c10::Device device) {
-  if (streams || device.is_cpu()) return;
+  if (streams) return;
   device::DeviceOps& ops = device::ops_for(device);
+  if (!ops.has_streams()) return;
   streams = CommStreams{ops.side_stream(device, true), ops.side_stream(device, true), ops.side_stream(device, true),
                         ops.side_stream(device, false)};
+  device::stream_check::label_stream(streams->all_gather_copy_in, "the all-gather copy-in stream");
+  device::stream_check::label_stream(streams->all_gather, "the all-gather stream");
+  device::stream_check::label_stream(streams->reduce_scatter, "the reduce-scatter stream");
+  device::stream_check::label_stream(streams->all_reduce, "the all-reduce stream");
 }
 
 // FSDP2 waits here, once, rather than before each unshard: within the iteration nothing but the
@@ -192,7 +198,7 @@ void CommContext::write_gradients_of(PendingReduction& r) {
   reduction_events.push_back(done);
   keep_reduce_output_in_use(r);
   const GroupDevices& devices = r.group->devices();
-  if (devices.non_blocking && devices.shard != devices.compute) host_copy_events.push_back(done);
+  if (devices.offloaded && devices.non_blocking) host_copy_events.push_back(done);
 }
 
 void CommContext::make_room_for_reduction(int64_t max_in_flight) {
@@ -254,11 +260,13 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::strin
   dtypes_ = resolve_group_dtypes(mp_policy, dtype);
   shard_layout_ = shard_layout(params_, shard_group_->size());
   flat_shard_ = init_flat_shard(params_, shard_layout_, devices_);
+  device::stream_check::label(flat_shard_, "the flat shard of '" + module_label(module_fqn_) + "'");
   if (dtypes_.unsharded != dtypes_.orig) {
     // The unsharded faces compute in the policy's dtype; each unshard casts into the all-gather.
     for (auto& p : params_) p->set_unsharded_dtype(dtypes_.unsharded);
-  } else if (shard_group_->size() == 1) {
-    // Nothing to gather, ever: the unsharded tensors alias the shards and stay unsharded.
+  } else if (shard_group_->size() == 1 && !offloaded_) {
+    // Nothing to gather, ever: the unsharded tensors alias the shards and stay unsharded. Not
+    // under CPU offload, where the shards are host memory: each unshard copies them to the device.
     for (size_t i = 0; i < params_.size(); ++i) params_[i]->alias_shard(flat_shard_, shard_layout_.offset[i]);
     unsharded_aliases_shard_ = true;
     sharded_state_ = ShardedState::kUnsharded;
@@ -311,7 +319,7 @@ bool FSDPParamGroup::unshards_on_side_streams() const {
 void FSDPParamGroup::unshard() {
   check_shards_intact();  // also where nothing is gathered (one rank), so every unshard refuses alike
   if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
-  const bool on_device = !devices_.compute.is_cpu();
+  const bool on_device = device::ops_for(devices_.compute).has_streams();
   std::optional<c10::Stream> copy_in, gather;
   if (on_device) {
     device::DeviceOps& ops = device::ops_for(devices_.compute);
@@ -335,6 +343,8 @@ void FSDPParamGroup::unshard() {
   }
   pending_all_gather_.alloc_stream = copy_in;
   pending_all_gather_.issue_stream = gather;
+  device::stream_check::label(pending_all_gather_.output,
+                              "the all-gather output of '" + module_label(module_fqn_) + "'");
 }
 
 // On a device: the all-gather stream waits for the collective (a staged one's copy back runs on
@@ -590,7 +600,15 @@ void FSDPParamGroup::post_backward() {
   // The gradients are tensors of their own: the parameters can be freed before the copy-in.
   if (reshard_after_backward_) reshard();
   if (hand_over) {
-    foreach_reduce_hand_over(params_, reduced, dtypes_, devices_);
+    // A copy to pinned host memory left running is waited for by the host at the end of backward.
+    const bool may_run_on = comm_ != nullptr && comm_->streams.has_value();
+    if (foreach_reduce_hand_over(params_, reduced, dtypes_, devices_, may_run_on)) {
+      device::DeviceOps& ops = device::ops_for(devices_.compute);
+      comm_->host_copy_events.push_back(ops.record(ops.current_stream(devices_.compute)));
+    }
+    for (size_t i : reduced) {
+      device::stream_check::label(params_[i]->sharded().grad(), "the sharded gradient of '" + params_[i]->fqn() + "'");
+    }
     return;
   }
   issue_reduce_scatter(reduced, division);
@@ -614,8 +632,10 @@ void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const Gr
     ops.wait(comm_->streams->reduce_scatter, ops.record(ops.current_stream(devices_.compute)));
     scope.emplace(comm_->streams->reduce_scatter);
   }
+  device::stream_check::label(prepared.input, "the reduce-scatter input of '" + module_label(module_fqn_) + "'");
   ReduceScatterResult result =
       foreach_reduce_issue(std::move(prepared), reduced, group, division, custom_reduce_scatter_.get());
+  device::stream_check::label(result.output, "the reduce-scatter output of '" + module_label(module_fqn_) + "'");
   comm_->reductions.push_back(
       PendingReduction{this, std::move(result), next_after_reduce_scatter(), false, nullptr, std::nullopt});
   if (comm_->reductions.back().next == PendingReduction::Next::kAllReduce) issue_all_reduce(comm_->reductions.back());
@@ -694,6 +714,10 @@ void FSDPParamGroup::run_all_reduce_hook(at::Tensor& output) const {
 void FSDPParamGroup::finish_reduction(PendingReduction& r) {
   run_all_reduce_hook(r.reduce_scatter.output);
   foreach_reduce_copy_out(r.reduce_scatter, params_, dtypes_.orig, devices_);
+  if (!r.reduce_scatter.params.empty()) {
+    device::stream_check::label(params_[r.reduce_scatter.params.front()]->sharded().grad(),
+                                "the sharded gradients of '" + module_label(module_fqn_) + "'");
+  }
 }
 
 void FSDPParamGroup::finalize_backward() {

@@ -92,7 +92,7 @@ void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy, const D
 GroupDevices resolve_group_devices(const DeviceMesh& mesh, const std::optional<CPUOffloadPolicy>& policy) {
   const c10::Device compute = mesh.device();
   const c10::Device shard = policy ? c10::Device(c10::kCPU) : compute;
-  return GroupDevices{compute, shard, policy && policy->pin_memory()};
+  return GroupDevices{compute, shard, policy && policy->pin_memory(), policy.has_value()};
 }
 
 void cast_floating_tensors(std::vector<at::Tensor>& tensors, at::ScalarType dtype) {

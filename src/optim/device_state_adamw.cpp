@@ -40,8 +40,7 @@ class StepStreams {
         copies_(ops_.side_stream(device, /*high_priority=*/false)) {}
 
   Uploaded upload(const at::Tensor& param) {
-    const auto on_device = param.options().device(device_);
-    Uploaded u{at::empty_like(param, on_device), at::empty_like(param.grad(), on_device), {}};
+    Uploaded u{ops_.empty_like_on(param, device_), ops_.empty_like_on(param.grad(), device_), {}};
     const device::Event allocated = ops_.record(compute_);
     device::StreamScope scope(copies_);
     ops_.wait(copies_, allocated);

@@ -15,7 +15,7 @@ using fsdp::detail::RankMajorLayout;
 using fsdp::detail::ReducedParams;
 using fsdp::detail::ReduceScatterResult;
 
-const fsdp::detail::GroupDevices kOnCpu{c10::Device(c10::kCPU), c10::Device(c10::kCPU), false};
+const fsdp::detail::GroupDevices kOnCpu{c10::Device(c10::kCPU), c10::Device(c10::kCPU), false, false};
 
 namespace {
 
