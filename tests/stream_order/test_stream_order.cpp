@@ -255,8 +255,9 @@ std::unique_ptr<torch::optim::Optimizer> adamw(fsdp::models::Transformer& model)
 
 struct TrainingRun {
   int steps = 3;
-  int micro_batches = 1;   // > 1: gradient accumulation, the sync only on the last
-  int64_t data_salt = -1;  // tokens per rank by default; set for ranks that must share a batch (tp)
+  int micro_batches = 1;      // > 1: gradient accumulation, the sync only on the last
+  bool partial_sums = false;  // with micro_batches > 1 under HSDP: reduce-scatter every one, all-reduce the last
+  int64_t data_salt = -1;     // tokens per rank by default; set for ranks that must share a batch (tp)
   MakeOptimizer optimizer = adamw;
 };
 
@@ -272,7 +273,9 @@ void train_under_the_checker(fsdp::models::Transformer& model, const std::vector
     opt->zero_grad();
     std::vector<at::Tensor> losses;
     for (int micro = 0; micro < run.micro_batches; ++micro) {
-      if (run.micro_batches > 1) root.set_requires_gradient_sync(micro == run.micro_batches - 1);
+      const bool last = micro == run.micro_batches - 1;
+      if (run.micro_batches > 1 && run.partial_sums) root.set_requires_all_reduce(last);
+      if (run.micro_batches > 1 && !run.partial_sums) root.set_requires_gradient_sync(last);
       at::Tensor loss = loss_of(model, tokens(step * run.micro_batches + micro, salt));
       loss.backward();
       losses.push_back(loss.detach());
@@ -335,6 +338,32 @@ TEST(StreamOrder, HsdpWithGradientAccumulation) {
     TrainingRun run;
     run.micro_batches = 2;
     train_under_the_checker(model, modules, run);
+  });
+}
+
+// Each micro-batch's reduce-scatter output is summed on the reduce-scatter stream; the last
+// one's all-reduce reads the sum on the all-reduce stream.
+TEST(StreamOrder, HsdpWithPartialSumsOverMicroBatches) {
+  under_the_checker(4, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+    auto model = seeded_model();
+    auto modules = shard_blocks_and_root(model, fsdp::FullyShardOptions().mesh(mesh));
+    TrainingRun run;
+    run.micro_batches = 2;
+    run.partial_sums = true;
+    train_under_the_checker(model, modules, run);
+  });
+}
+
+// The all-reduce's buffer is copied to host memory and dropped: its memory must not be reused
+// while the all-reduce stream may still use it.
+TEST(StreamOrder, HsdpWithCpuOffload) {
+  under_the_checker(4, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+    auto model = seeded_model();
+    auto modules =
+        shard_blocks_and_root(model, fsdp::FullyShardOptions().mesh(mesh).offload_policy(fsdp::CPUOffloadPolicy()));
+    train_under_the_checker(model, modules);
   });
 }
 
