@@ -73,6 +73,7 @@ class CudaOps final : public DeviceOps {
   }
   bool can_pin_host_memory() const override { return true; }
   bool has_streams() const override { return true; }
+  bool shares_host_memory() const override { return false; }
   at::Tensor to_host(const at::Tensor& t, at::ScalarType dtype, bool pinned, bool non_blocking) override {
     return t.to(at::TensorOptions().device(c10::kCPU).dtype(dtype).pinned_memory(pinned), non_blocking);
   }
