@@ -11,8 +11,8 @@
 #             wheel's nvidia-* packages lack, for a GPU machine without nvcc
 #             (cmake/FsdpCudaWithoutNvcc.cmake); used there only if its version is the wheel's
 # CUDA's headers, NCCL's and PyTorch come from the GPU machine's PyTorch (its nvidia-* wheels).
-# About 34 MiB in all (28 of them CMake's wheel); with the repository (5 MiB) well inside the
-# device call's 64 MiB. Prints the total.
+# 29 MiB in all (27 of them CMake's wheel); with the working tree (4 MiB) well inside the device
+# call's 64 MiB. Prints the total.
 #   bash scripts/gpu-bundle.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."

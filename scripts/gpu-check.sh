@@ -18,13 +18,14 @@
 #   command:   bash scripts/gpu-check.sh
 #   carry:     [".gpu-bundle"]   (ignored folders travel only when named: without it, no build)
 #   timeout_s: 600               (the script keeps to --budget, default 570 s)
-# It carries the repository (about 5 MiB) and .gpu-bundle/ (about 29 MiB: the .debs of GoogleTest,
-# CLI11, nlohmann-json, yaml-cpp and zlib's headers, unpacked with dpkg -x, nothing installed; the
-# wheels of CMake and Ninja, installed with pip install --target only where the machine has no
-# cmake or ninja). CUDA's and NCCL's headers and libcudart come from the machine's torch wheel:
-# with nvcc there, torch's CMake files use the CUDA toolkit; without it, or when that configure
-# fails, -DFSDP_CUDA_WITHOUT_NVCC=ON takes them from the wheel's nvidia-* packages. Without Ninja
-# it builds with Make. Always with every core, and only the targets it runs.
+# It carries the working tree (4 MiB) and .gpu-bundle/ (29 MiB; 33 of the 64 allowed): the .debs
+# of GoogleTest, CLI11, nlohmann-json, yaml-cpp and zlib's headers, unpacked with dpkg -x (or ar
+# and tar), nothing installed; the wheels of CMake and Ninja, installed with pip install --target
+# only where the machine has no working cmake or ninja; and CUDA 13.0's crt/ and nv/ headers. CUDA's
+# other headers, NCCL's and libcudart come from the machine's torch wheel: with nvcc there, torch's
+# CMake files use the toolkit; without it, or when that configure fails, -DFSDP_CUDA_WITHOUT_NVCC=ON
+# takes them from the wheel's nvidia-* packages and crt/, nv/ from the bundle. Without Ninja it
+# builds with Make. Always with every core, and only the targets it runs.
 #
 # Results, each written as soon as its step ends (a run cut short still returns what it did): in
 # $OUT when set (the device machine's folder that comes back: 8 files at most), else in the --out
@@ -38,14 +39,14 @@
 #   command: bash scripts/gpu-check.sh --only seed002,fp16,offload_placements,sanitizer --budget 200
 #   carry: [".gpu-bundle"], timeout_s: 230
 #
-# Time per step. Rehearsed without a GPU (2026-12-06, commit 3545ce0) on 2 vCPUs (AMD EPYC Zen 3,
-# shared with three other builds), torch 2.11.0+cu130 in a Python 3.12.1 venv, no nvcc, cmake,
-# ninja or network (/work/gpu-rehearsal/rehearse.sh: a network and mount namespace hiding them):
-# install of the carried CMake and Ninja 6 s, .debs 3 s; configure 1 s (8 s with nvcc, tried
-# apart); build_tests 748 s cold (the jobs' times add up to 1450 s; the longest chain is the
-# precompiled header, 81 s, then a 68 s file); build_tools 317 s beside them (jobs: 620 s); the
-# CUDA and race tests 3 s (skipped; the race tests' plumbing on the CPU stand-in 17 s);
-# side_by_side 25 s, seed002 11 s, fp16 43 s (all on device cpu, tiny models).
+# Time per step. Rehearsed without a GPU (2026-12-06) by scripts/gpu-rehearse.sh on 2 vCPUs (AMD
+# EPYC Zen 3, shared with three other builds): torch 2.11.0+cu130 in a Python 3.12.1 venv, no
+# nvcc, cmake, ninja or network. Install of the carried CMake and Ninja 6 s, .debs 3 s; configure
+# 1 s (8 s with nvcc, and CMake 4.4.5 configures both ways: tried apart); build_tests 748 s cold
+# (the jobs' times add up to 1450 s; the longest chain is the precompiled header, 81 s, then a
+# 68 s file), 49 s after one test file changed; build_tools 317 s cold beside them (jobs: 620 s);
+# the CUDA and race tests 3 s (skipped; the race tests' plumbing on the CPU stand-in 18 s);
+# side_by_side 24 s, seed002 11 s, fp16 70 s (all on device cpu, tiny models).
 # Estimated on the GPU machine's 16 cores: setup 15 s, configure 10-30 s, build_tests 2.5-3.5 min
 # (the chain, not the cores, bounds it), build_tools done during the tests, the CUDA and race
 # tests 1-2.5 min side by side, side_by_side 1-2 min, seed002 about 1 min, fp16 0.5 min,
@@ -82,7 +83,8 @@ while [[ $# -gt 0 ]]; do
   shift
 done
 mkdir -p "$work" && work=$(cd "$work" && pwd)
-rm -f "$work/gpu-check.log" "$work/summary.tsv"
+# This run's results only (a second call on the warm machine finds the first one's).
+rm -rf "$work"/*.txt "$work"/*.tsv "$work"/*.log "$work"/{side_by_side,seed002,fp16,offload_placements}
 out="${OUT:-}"
 [[ -n "$out" ]] && mkdir -p "$out" && out=$(cd "$out" && pwd)
 [[ "$out" == "$work" ]] && out=""
@@ -277,7 +279,8 @@ record_tests() {  # record_tests NAME
   record "$1" "$step_rc" "$step_s" "$verdict" "$detail"
   # The tests that failed or were skipped (gtest's list at the end), and the first reason for a skip.
   grep -E '^\[  (FAILED|SKIPPED) \] [A-Za-z0-9_]+\.[A-Za-z0-9_/]+$' "$work/$1.txt" | sort -u | head -40 | tee -a "$work/gpu-check.log"
-  grep -m1 -A1 -E ': Skipped$' "$work/$1.txt" | tail -1 | sed 's/^/first reason for a skip: /' | tee -a "$work/gpu-check.log"
+  { grep -m1 -oE 'needs a CUDA GPU: .*' "$work/$1.txt" || grep -m1 -A1 -E ': Skipped$' "$work/$1.txt" | tail -1; } |
+    sed 's/^/reason for a skip: /' | tee -a "$work/gpu-check.log"
 }
 # With --cpu the race tests' "GPU" runs use a cpu mesh: their plumbing is rehearsed, not the streams.
 wanted races && start_bg races 200 env "FSDP_RACE_TESTS_ON_CPU=$cpu" "$tests_bin" --gtest_filter='CudaRaces.*'
