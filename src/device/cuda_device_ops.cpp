@@ -64,8 +64,10 @@ class SideStreamDelay {
     if (text == nullptr || *text == '\0') return 0;
     char* end = nullptr;
     const long long cycles = std::strtoll(text, &end, 10);
-    TORCH_CHECK(end != text && *end == '\0' && cycles >= 0, "FSDP_CUDA_SIDE_STREAM_DELAY_CYCLES must be a count of "
-                "GPU clock cycles (a non-negative integer), but is '", text, "'; unset it outside tests");
+    TORCH_CHECK(end != text && *end == '\0' && cycles >= 0,
+                "FSDP_CUDA_SIDE_STREAM_DELAY_CYCLES must be a count of "
+                "GPU clock cycles (a non-negative integer), but is '",
+                text, "'; unset it outside tests");
     return cycles;
   }
   const int64_t cycles_;

@@ -47,10 +47,10 @@ bool stand_in_on_cpu() {
 
 }  // namespace
 
-#define SKIP_WITHOUT_GPU()                                                                 \
-  do {                                                                                     \
-    if (!stand_in_on_cpu() && !fsdp::cuda_available())                                     \
-      GTEST_SKIP() << "needs a CUDA GPU: " << fsdp::cuda_unavailable_reason();             \
+#define SKIP_WITHOUT_GPU()                                                     \
+  do {                                                                         \
+    if (!stand_in_on_cpu() && !fsdp::cuda_available())                         \
+      GTEST_SKIP() << "needs a CUDA GPU: " << fsdp::cuda_unavailable_reason(); \
   } while (0)
 
 namespace {
@@ -124,7 +124,8 @@ Trained train(const RaceCase& c, bool on_gpu) {
   auto model = build(c, mesh, on_gpu);
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (c.device_state_adamw && on_gpu) {
-    opt = std::make_unique<fsdp::optim::DeviceStateAdamW>(model->parameters(), torch::optim::AdamWOptions(1e-2), device);
+    opt =
+        std::make_unique<fsdp::optim::DeviceStateAdamW>(model->parameters(), torch::optim::AdamWOptions(1e-2), device);
   } else if (c.device_state_adamw) {
     opt = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-2));
   } else {
@@ -137,7 +138,7 @@ Trained train(const RaceCase& c, bool on_gpu) {
     opt->zero_grad();
     at::Tensor loss = loss_of(model, step, device);
     loss.backward();
-    opt->step();                           // before any host sync: a host optimizer reads what backward left
+    opt->step();  // before any host sync: a host optimizer reads what backward left
     t.losses.push_back(loss.item<double>());
   }
   for (const auto& p : model->parameters()) t.params.push_back(p.detach().to(at::kCPU, at::kFloat).clone());
@@ -203,7 +204,7 @@ std::string result_path(const std::string& dir, const std::string& run) {
 DistOptions options_for(const RaceCase& c, bool delayed) {
   DistOptions o;
   if (c.world() > 1) o.env["FSDP_CUDA_BACKEND"] = "gloo";  // NCCL refuses two ranks on one GPU
-  o.env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8";           // deterministic cuBLAS: the runs must agree
+  o.env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8";            // deterministic cuBLAS: the runs must agree
   if (delayed) o.env["FSDP_CUDA_SIDE_STREAM_DELAY_CYCLES"] = kDelayCycles;
   return o;
 }
