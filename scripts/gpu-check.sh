@@ -61,7 +61,7 @@
 #   FSDP_PYTHON        the Python with torch (default python3)
 #   FSDP_GPU_NVCC      auto (default), yes (the toolkit's nvcc only), no (the wheel's headers only)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 repo=$PWD
 
 work=gpu-results
@@ -213,7 +213,7 @@ if [[ -n "$ninja_bin" ]]; then generator=(-G Ninja "-DCMAKE_MAKE_PROGRAM=$ninja_
 log "cmake: $cmake_bin ($("$cmake_bin" --version | head -1)); generator: ${generator[1]}${ninja_bin:+ ($ninja_bin)}"
 
 # ---------------------------------------------------------------- configure and build
-build=build-gpu
+build="build-gpu"
 nvcc_mode=${FSDP_GPU_NVCC:-auto}
 have_nvcc=0
 { command -v nvcc || [[ -x /usr/local/cuda/bin/nvcc ]]; } >/dev/null 2>&1 && have_nvcc=1
