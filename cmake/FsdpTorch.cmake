@@ -21,7 +21,9 @@ if(NOT TARGET fsdp_torch)
               "(${Torch_DIR}) has no torch_cuda target. Install the CUDA build of PyTorch (scripts/install-deps.sh "
               "does), or configure with -DFSDP_USE_CUDA=OFF.")
     endif()
-    find_package(CUDAToolkit REQUIRED)
+    if(NOT FSDP_CUDA_WITHOUT_NVCC)
+      find_package(CUDAToolkit REQUIRED)  # else FsdpCudaWithoutNvcc.cmake set what it sets
+    endif()
     # NCCL's header: from the PyTorch wheel's nvidia-nccl package beside torch/, else the system's.
     get_filename_component(_fsdp_site_packages "${TORCH_INSTALL_PREFIX}/.." ABSOLUTE)
     find_path(FSDP_NCCL_INCLUDE_DIR nccl.h

@@ -5,10 +5,14 @@
 // timing. Storage resizes allocate through the storage's own allocator (the caching allocator),
 // on the stream current at that moment, which is the stream whose pool gets the block back when
 // it is freed: FSDP resizes unsharded parameters only on the compute stream.
+//
+// For tests only: FSDP_CUDA_SIDE_STREAM_DELAY_CYCLES (below) delays the side streams, so that a
+// missing wait for one of them changes results deterministically.
 #include "src/device/device_ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/Sleep.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -16,6 +20,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <unordered_set>
 
 namespace fsdp {
 namespace device {
@@ -27,6 +36,51 @@ c10::DeviceIndex index_of(c10::Device device) {
 
 at::cuda::CUDAEvent& cuda_event(const Event& event) { return *static_cast<at::cuda::CUDAEvent*>(event.impl()); }
 
+// A testing knob, as FSDP2's tests use torch.cuda._sleep: FSDP_CUDA_SIDE_STREAM_DELAY_CYCLES=N
+// (read once per process) queues at::cuda::sleep(N), a kernel spinning N GPU clock cycles (about
+// N / 1.7e6 ms on an H100), on a side stream each time it becomes the current stream, so that
+// everything then issued on it (copies, casts, collectives, staging copies) runs late. A stream
+// that reads such work without waiting for its event then reads stale or unwritten memory every
+// time, instead of only under unlucky timing. Unset or 0: nothing is queued. Not for training.
+class SideStreamDelay {
+ public:
+  SideStreamDelay() : cycles_(parse(std::getenv("FSDP_CUDA_SIDE_STREAM_DELAY_CYCLES"))) {}
+  void note_side_stream(c10::Stream stream) {
+    if (cycles_ == 0) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    side_streams_.insert(stream);
+  }
+  // Called once `stream` is the current stream.
+  void on_current(c10::Stream stream) {
+    if (cycles_ == 0) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (side_streams_.count(stream) == 0) return;
+    }
+    at::cuda::sleep(cycles_);
+  }
+
+ private:
+  static int64_t parse(const char* text) {
+    if (text == nullptr || *text == '\0') return 0;
+    char* end = nullptr;
+    const long long cycles = std::strtoll(text, &end, 10);
+    TORCH_CHECK(end != text && *end == '\0' && cycles >= 0,
+                "FSDP_CUDA_SIDE_STREAM_DELAY_CYCLES must be a count of "
+                "GPU clock cycles (a non-negative integer), but is '",
+                text, "'; unset it outside tests");
+    return cycles;
+  }
+  const int64_t cycles_;
+  std::mutex mutex_;
+  std::unordered_set<c10::Stream> side_streams_;
+};
+
+SideStreamDelay& side_stream_delay() {
+  static SideStreamDelay delay;
+  return delay;
+}
+
 class CudaOps final : public DeviceOps {
  public:
   c10::DeviceType type() const override { return c10::DeviceType::CUDA; }
@@ -37,11 +91,14 @@ class CudaOps final : public DeviceOps {
     return c10::cuda::getCurrentCUDAStream(index_of(device)).unwrap();
   }
   c10::Stream side_stream(c10::Device device, bool high_priority) override {
-    return c10::cuda::getStreamFromPool(high_priority, index_of(device)).unwrap();
+    const c10::Stream stream = c10::cuda::getStreamFromPool(high_priority, index_of(device)).unwrap();
+    side_stream_delay().note_side_stream(stream);
+    return stream;
   }
   c10::Stream exchange_stream(c10::Stream stream) override {
     const c10::Stream previous = c10::cuda::getCurrentCUDAStream(stream.device_index()).unwrap();
     c10::cuda::setCurrentCUDAStream(c10::cuda::CUDAStream(stream));
+    side_stream_delay().on_current(stream);
     return previous;
   }
   Event record(c10::Stream stream) override {
@@ -73,6 +130,7 @@ class CudaOps final : public DeviceOps {
   }
   bool can_pin_host_memory() const override { return true; }
   bool has_streams() const override { return true; }
+  bool shares_host_memory() const override { return false; }
   at::Tensor to_host(const at::Tensor& t, at::ScalarType dtype, bool pinned, bool non_blocking) override {
     return t.to(at::TensorOptions().device(c10::kCPU).dtype(dtype).pinned_memory(pinned), non_blocking);
   }

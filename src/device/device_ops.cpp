@@ -44,6 +44,7 @@ class CpuOps final : public DeviceOps {
   }
   bool can_pin_host_memory() const override { return false; }
   bool has_streams() const override { return false; }
+  bool shares_host_memory() const override { return true; }
   at::Tensor to_host(const at::Tensor& t, at::ScalarType dtype, bool, bool) override { return t.to(dtype); }
   at::Tensor to_device(const at::Tensor& t, c10::Device, at::ScalarType dtype, bool) override { return t.to(dtype); }
   at::Tensor empty_like_on(const at::Tensor& like, c10::Device) override { return at::empty_like(like); }

@@ -80,6 +80,9 @@ class DeviceOps {
   // Whether work runs on streams, asynchronously to the host, so that FSDP makes its side streams
   // and orders them with events (CUDA, and the CPU's checking mode). The plain CPU: false.
   virtual bool has_streams() const = 0;
+  // Whether host memory is this device's own memory, so that an offloaded tensor is used where it
+  // is (the plain CPU); otherwise it is copied to the device first (CUDA, the CPU's checking mode).
+  virtual bool shares_host_memory() const = 0;
 
   // Moving tensors between this device's memory and host memory (CPU offload). to_host: a copy of
   // `t`, cast to `dtype`, in host memory (pinned when `pinned`), on the current stream; with

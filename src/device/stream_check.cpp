@@ -615,6 +615,7 @@ class CheckedCpuOps final : public DeviceOps {
   }
   bool can_pin_host_memory() const override { return true; }
   bool has_streams() const override { return true; }
+  bool shares_host_memory() const override { return false; }
   at::Tensor to_host(const at::Tensor& t, at::ScalarType dtype, bool pinned, bool non_blocking) override {
     at::Tensor out;
     {
@@ -662,6 +663,9 @@ const bool installed = [] {
   c10::impl::tls_set_dispatch_key_included(kCheckKey, true);
   t_checked = true;
   std::atexit(exit_with_reports);
+  std::fprintf(stderr,
+               "fsdp stream check: on in this process (FSDP_DEVICE_CHECK=1): the CPU models a GPU's streams and "
+               "every operator is checked for their order (slow; for tests)\n");
   return true;
 }();
 

@@ -264,9 +264,10 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::strin
   if (dtypes_.unsharded != dtypes_.orig) {
     // The unsharded faces compute in the policy's dtype; each unshard casts into the all-gather.
     for (auto& p : params_) p->set_unsharded_dtype(dtypes_.unsharded);
-  } else if (shard_group_->size() == 1 && !offloaded_) {
+  } else if (shard_group_->size() == 1 && (!offloaded_ || device::ops_for(devices_.compute).shares_host_memory())) {
     // Nothing to gather, ever: the unsharded tensors alias the shards and stay unsharded. Not
-    // under CPU offload, where the shards are host memory: each unshard copies them to the device.
+    // when CPU offload keeps the shards in host memory apart from the device's: each unshard
+    // copies them into a device buffer, as FSDP2 does.
     for (size_t i = 0; i < params_.size(); ++i) params_[i]->alias_shard(flat_shard_, shard_layout_.offset[i]);
     unsharded_aliases_shard_ = true;
     sharded_state_ = ShardedState::kUnsharded;
