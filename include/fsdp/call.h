@@ -18,10 +18,12 @@
 // On a module that fully_shard() was not applied to, fsdp::call(m, args...) is exactly
 // m->forward(args...): the same model code trains unsharded (compare PyTorch's
 // register_fsdp_forward_method, a no-op on modules that are not FSDP modules). On an FSDP module
-// it runs, in order: pre-forward (lazy initialisation on the root's first call; all-gather of the
-// module's parameters, or waiting for a prefetched one; prefetching the next module; hooking the
-// inputs for post-backward), the module's forward, and post-forward (freeing the gathered
-// parameters if the module reshards after forward; hooking the outputs for pre-backward).
+// it runs, in order: pre-forward (lazy initialisation on the root's first call; on the root of a
+// "cuda" mesh, moving tensor arguments that are elsewhere to the mesh's GPU, as FSDP2 does, with a
+// copy that blocks the host; all-gather of the module's parameters, or waiting for a prefetched
+// one; prefetching the next module; hooking the inputs for post-backward), the module's forward,
+// and post-forward (freeing the gathered parameters if the module reshards after forward; hooking
+// the outputs for pre-backward).
 //
 // Tensor arguments (at::Tensor) are hooked; other arguments are passed through untouched.
 // The forward must return an at::Tensor, a std::vector<at::Tensor> or a std::tuple of tensors.
