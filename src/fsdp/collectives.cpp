@@ -31,16 +31,6 @@ RankMajorLayout layout_of(int64_t parts, std::vector<int64_t> piece_numel, std::
   return layout;
 }
 
-// Parameter `p`'s unsharded storage (allocated for every piece, padding included) as a flat
-// tensor of its own rather than the parameter: writing through it leaves the parameter's version
-// counter alone, so that the views autograd saved of it stay usable.
-at::Tensor unsharded_storage(const FSDPParam& p) {
-  const at::Tensor& u = p.unsharded();
-  at::Tensor flat = at::empty({0}, u.options());
-  flat.set_(u.storage(), 0, {p.padded_full_numel()}, {1});
-  return flat;
-}
-
 // Piece `q` of `full` (shaped as parameter `i`'s unsharded tensor, contiguous) into the
 // contiguous `dst`, cast to its dtype, zero padding after the real elements: one copy (strided
 // for a shard dim > 0, whose runs lie `parts` pieces apart) and at most one zero fill.
@@ -93,7 +83,7 @@ void copy_pieces_from_full(const at::Tensor& rows, const at::Tensor& full, const
 void copy_pieces_to_unsharded(const at::Tensor& rows, const FSDPParam& p, const RankMajorLayout& layout, size_t i) {
   const int64_t parts = layout.parts, runs = layout.runs[i], piece = layout.piece_numel[i];
   if (piece == 0) return;
-  const at::Tensor unsharded = unsharded_storage(p);
+  const at::Tensor& unsharded = p.unsharded_storage();
   if (runs == 1) {
     unsharded.view({parts, piece}).copy_(rows);
     return;
@@ -221,7 +211,7 @@ void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams
   std::vector<at::Tensor> outs;
   outs.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    outs.push_back(unsharded_storage(*params[i]).view({layout.parts, layout.piece_numel[i]}));
+    outs.push_back(params[i]->unsharded_storage().view({layout.parts, layout.piece_numel[i]}));
   }
   at::split_with_sizes_copy_out(outs, rows, layout.piece_numel, 1);
 }
@@ -238,7 +228,7 @@ at::Tensor copy_post_forward_shard(const FSDPParams& params, const RankMajorLayo
   pieces.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const int64_t piece = layout.piece_numel[i];
-    pieces.push_back(unsharded_storage(*params[i]).narrow(0, index * piece, piece));
+    pieces.push_back(params[i]->unsharded_storage().narrow(0, index * piece, piece));
   }
   at::cat_out(shard, pieces);
   return shard;

@@ -106,6 +106,19 @@ void FSDPParam::free_unsharded() {
   device::ops_for(unsharded_.device()).resize_storage(*unsharded_.storage().unsafeGetStorageImpl(), 0);
 }
 
+// Made while the storage is allocated: set_ would allocate a storage too small for the sizes.
+const at::Tensor& FSDPParam::unsharded_storage() const {
+  const at::Tensor& u = unsharded_;
+  if (!unsharded_storage_.defined() || unsharded_storage_.scalar_type() != u.scalar_type() ||
+      !unsharded_storage_.storage().is_alias_of(u.storage())) {
+    TORCH_CHECK(is_unsharded_allocated(), "internal: the unsharded storage of '", fqn_, "' is not allocated");
+    at::Tensor flat = at::empty({0}, u.options());
+    flat.set_(u.storage(), 0, {padded_full_numel()}, {1});
+    unsharded_storage_ = std::move(flat);
+  }
+  return unsharded_storage_;
+}
+
 void FSDPParam::alias_shard(const at::Tensor& flat_shard, int64_t offset) {
   // Same TensorImpl (the module member keeps pointing at it), new storage: the shard's.
   c10::TensorImpl* impl = unsharded_.unsafeGetTensorImpl();

@@ -80,6 +80,11 @@ class FSDPParam {
   bool is_unsharded_allocated() const;
   void alloc_unsharded();
   void free_unsharded();
+  // The allocated unsharded storage, every padded piece, as a flat tensor of its own, for the
+  // copies into and out of it: not an autograd view of the parameter, so writing through it
+  // leaves the version counter of autograd's saved views alone. Made at the first call and kept,
+  // as it follows the storage through every free and allocation.
+  const at::Tensor& unsharded_storage() const;
   // World size 1 without a cast: the unsharded tensor aliases the shard (no copies, never freed).
   bool aliases_shard() const { return aliases_shard_; }
   void alias_shard(const at::Tensor& flat_shard, int64_t offset);
@@ -118,7 +123,8 @@ class FSDPParam {
   std::string fqn_;
   at::Tensor unsharded_;
   at::Tensor sharded_;
-  at::Tensor accumulated_grad_;  // see accumulate_unsharded_grad
+  at::Tensor accumulated_grad_;           // see accumulate_unsharded_grad
+  mutable at::Tensor unsharded_storage_;  // see unsharded_storage()
   at::ScalarType orig_dtype_;
   std::vector<int64_t> global_shape_;
   int64_t world_;
