@@ -3,6 +3,7 @@
 #include <fsdp/device_state_adamw.h>
 
 #include "src/device/device_ops.h"
+#include "src/device/stream_check.h"
 #include "src/optim/adamw_per_op.h"
 #include "src/util/compat.h"
 
@@ -46,10 +47,14 @@ class StepStreams {
       : device_(device),
         ops_(device::ops_for(device)),
         compute_(ops_.current_stream(device)),
-        copies_(ops_.side_stream(device, /*high_priority=*/false)) {}
+        copies_(ops_.side_stream(device, /*high_priority=*/false)) {
+    device::stream_check::label_stream(copies_, "DeviceStateAdamW's copy stream");
+  }
 
   Uploaded upload(const at::Tensor& param) {
     Uploaded u{ops_.empty_like_on(param, device_), ops_.empty_like_on(param.grad(), device_), {}};
+    device::stream_check::label(u.param, "DeviceStateAdamW's device copy of a parameter");
+    device::stream_check::label(u.grad, "DeviceStateAdamW's device copy of a gradient");
     const device::Event allocated = ops_.record(compute_);
     device::StreamScope scope(copies_);
     ops_.wait(copies_, allocated);
