@@ -8,7 +8,7 @@
 # With FSDP_USE_CUDA=ON, the CUDA path's few source files (fsdp_add_cuda_part) also see the CUDA
 # toolkit's and NCCL's headers and c10d's NCCL declarations, and make a library of their own,
 # libfsdp_cuda, which links the whole of LibTorch (fsdp_torch_cuda: libtorch_cuda, c10_cuda, the
-# CUDA runtime) and which libfsdp loads when a CUDA device is first asked for. Installed beside
+# CUDA runtime) and which libfsdp loads when it is itself loaded. Installed beside
 # fsdpConfig.cmake, which includes it the same way for find_package(fsdp).
 if(NOT TARGET fsdp_torch)
   add_library(fsdp_torch INTERFACE IMPORTED GLOBAL)

@@ -81,10 +81,12 @@ class CheckpointManager {
   // Collective: saves root/step_<step>, then points `latest` at it and prunes old ones (rank 0).
   // Waits for a background save first (rethrowing its error). Returns the directory.
   std::string save(int64_t step, const ShardedStateDict& state_dict);
-  // Collective: copies this rank's pieces into memory the training does not touch (the only
-  // part that blocks), then writes, points `latest` and prunes in a background thread that
-  // talks over a process group of its own. Waits for the previous background save first and
-  // rethrows its error. The state dict may change as soon as this returns.
+  // Collective: copies this rank's pieces into host memory the training does not touch (the
+  // only part that blocks; a GPU's pieces go to pinned host memory, as DCP's async save stages
+  // them, so the save needs no second copy of the state in GPU memory), then writes, points
+  // `latest` and prunes in a background thread that talks over a process group of its own.
+  // Waits for the previous background save first and rethrows its error. The state dict may
+  // change as soon as this returns.
   void save_async(int64_t step, const ShardedStateDict& state_dict);
   // Waits for the background save, if any; rethrows the error it failed with.
   void wait();

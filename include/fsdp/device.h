@@ -18,7 +18,10 @@
 
 namespace fsdp {
 
-// True when this build has the CUDA path (-DFSDP_USE_CUDA=ON), whatever the machine.
+// True when this build has the CUDA path (-DFSDP_USE_CUDA=ON), whatever the machine. False, with
+// the reason in cuda_unavailable_reason(), also when the CUDA path came after ATen had decided
+// that this process has no CUDA (FSDP_CUDA_PATH=lazy, then torch::manual_seed before any CUDA
+// query of fsdp-cpp).
 bool built_with_cuda();
 // True when this build has the CUDA path and the process sees at least one CUDA device.
 // Never throws.

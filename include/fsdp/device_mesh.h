@@ -74,9 +74,10 @@ class DeviceMesh {
 // arguments, in the same order as its other mesh and group creations. Creates one process group
 // per mesh dim that contains this rank (blocks until their members have connected).
 // `device_type` is "cpu" or "cuda". A "cuda" mesh puts each rank on GPU local_rank % (GPUs
-// seen), makes it the current device, and runs its groups on NCCL; FSDP_CUDA_BACKEND=gloo runs
-// them on Gloo instead, with the tensors staged through pinned host memory (several ranks on one
-// GPU, which NCCL refuses). "cuda" throws, saying why, in a build without the CUDA path or on a
+// seen), makes it the current device, and runs its groups on NCCL, each bound to that GPU with
+// its communicator made here (NCCL's refusal of two ranks on one GPU throws CollectiveError);
+// FSDP_CUDA_BACKEND=gloo runs them on Gloo instead, with the tensors staged through pinned host
+// memory (several ranks on one GPU). "cuda" throws, saying why, in a build without the CUDA path or on a
 // machine without a GPU. The product of `shape` must equal the world size. `dim_names` is empty
 // or one distinct name per dim.
 // Throws c10::Error on arguments that break these rules, before any communication, and

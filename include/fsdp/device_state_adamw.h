@@ -25,9 +25,11 @@
 // update runs on the current stream once they have arrived, and the parameter is copied back on
 // the copy stream. The copies of the next parameter are issued before the update of the current
 // one, so they overlap it; at most two parameters' device copies exist at a time. Events order
-// the streams (no record_stream), and step() returns once every parameter is back in host memory,
-// so the next forward's all-gather reads updated shards. With `state_device` the CPU (the
-// stand-in on a machine without a GPU) every copy is a host copy and the streams are one order.
+// the streams (no record_stream): a device copy is freed only after the current stream has waited
+// for its copy back, so its memory cannot be handed to the next update while that copy still
+// reads it. step() returns once every parameter is back in host memory, so the next forward's
+// all-gather reads updated shards. With `state_device` the CPU (the stand-in on a machine without
+// a GPU) every copy is a host copy and the streams are one order.
 // Not collective. Like AdamW, not safe to call concurrently with anything that reads or writes
 // the parameters, their gradients or this optimizer.
 #pragma once

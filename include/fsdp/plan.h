@@ -330,9 +330,9 @@ struct RankPlan {
   int64_t host_peak_tensor_bytes = 0;
   std::string host_peak_at;
   std::vector<Buffer> host_at_peak;
-  // A background checkpoint's staged copy (parameters and optimizer state, each copied where it
-  // lives), and the peaks of the step after a background save, which it is alive through (= the
-  // peaks without background_checkpoints).
+  // A background checkpoint's staged copy (parameters and optimizer state, in host memory: on
+  // cuda, pinned), and the peaks of the step after a background save, which it is alive through
+  // (= the peaks without background_checkpoints).
   int64_t checkpoint_staging_bytes = 0;
   int64_t peak_tensor_bytes_after_save = 0;
   int64_t host_peak_tensor_bytes_after_save = 0;  // device cuda only

@@ -5,9 +5,11 @@
 
 #include "src/checkpoint/checkpoint_metadata.h"
 #include "src/checkpoint/checkpoint_write.h"
+#include "src/device/device_ops.h"
 
 #include <fsdp/distributed.h>
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -120,13 +122,33 @@ void commit_latest(const fs::path& root, const fs::path& dir, int keep) {
   if (keep > 0) prune(root, dir, keep);
 }
 
-// A copy of every local piece in fresh memory, with the same layout.
+// A host copy of a device piece, in pinned memory where the device can pin it, filled by a copy
+// queued on the current stream: the caller waits for it.
+at::Tensor queue_host_copy(const at::Tensor& local) {
+  const bool pin = device::ops_for(local.device()).can_pin_host_memory();
+  at::Tensor host = at::empty(local.sizes(), local.options().device(at::kCPU).pinned_memory(pin));
+  host.copy_(local, /*non_blocking=*/true);
+  return host;
+}
+
+// A copy of every local piece in fresh host memory, with the same layout: host pieces cloned,
+// device pieces staged in pinned host memory as DCP's async save stages them, so that a save
+// never holds a second copy of the state in device memory. Returns once every copy is done:
+// the training may change the state, and the writer reads the copies, from then on.
 ShardedStateDict staged_copy(const ShardedStateDict& state_dict) {
   ShardedStateDict out;
+  std::vector<c10::Device> copied_from;
   for (const auto& item : state_dict) {
     const DTensor& d = item.value();
-    out.insert(item.key(), DTensor::from_local(d.to_local().detach().clone(at::MemoryFormat::Contiguous),
-                                               d.device_mesh(), d.placements(), d.sizes()));
+    const at::Tensor local = d.to_local().detach();
+    at::Tensor copy = local.is_cpu() ? local.clone(at::MemoryFormat::Contiguous) : queue_host_copy(local);
+    const bool new_device = std::find(copied_from.begin(), copied_from.end(), local.device()) == copied_from.end();
+    if (!local.is_cpu() && new_device) copied_from.push_back(local.device());
+    out.insert(item.key(), DTensor::from_local(copy, d.device_mesh(), d.placements(), d.sizes()));
+  }
+  for (const c10::Device& device : copied_from) {
+    device::DeviceOps& ops = device::ops_for(device);
+    ops.synchronize(ops.record(ops.current_stream(device)));
   }
   return out;
 }

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/Sleep.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -154,12 +155,42 @@ class CudaOps final : public DeviceOps {
   }
 };
 
-// Registered when the library is loaded.
+// ATen asks once per process whether it has CUDA (getCUDAHooks() keeps its first answer); asked
+// before libtorch_cuda was loaded, it answers no for good, and pinned memory, the CUDA
+// generators and the autograd engine's device threads then never work. libfsdp loads this
+// library when it is itself loaded, before main (cuda_path_loader.cpp), so that only a process
+// that deferred it (FSDP_CUDA_PATH=lazy) or loaded libfsdp late (dlopen) after touching ATen can
+// meet this; it then gets this error instead of failures far from their cause.
+std::string why_aten_has_no_cuda() {
+  if (at::detail::getCUDAHooks().hasCUDART()) return "";
+  return "libfsdp_cuda was loaded after ATen had decided that this process has no CUDA: something asked it "
+         "(torch::manual_seed, at::hasCUDA, pin_memory, ...) first, and ATen keeps its first answer. Unset "
+         "FSDP_CUDA_PATH=lazy (libfsdp then loads its CUDA path when it is loaded), link the program with libfsdp "
+         "instead of loading it later with dlopen, or call fsdp::cuda_available() before anything touches ATen";
+}
+
+std::string& load_error() {
+  static std::string error;
+  return error;
+}
+
+// Registered when the library is loaded, unless ATen cannot run CUDA in this process.
 const bool registered = [] {
-  register_ops(std::make_unique<CudaOps>());
+  load_error() = why_aten_has_no_cuda();
+  if (load_error().empty()) register_ops(std::make_unique<CudaOps>());
   return true;
 }();
 
 }  // namespace
 }  // namespace device
 }  // namespace fsdp
+
+// Read by the loader (device_ops.cpp) after it loaded this library: why it registered nothing,
+// "" when it did.
+extern "C" const char* fsdp_cuda_path_error() { return fsdp::device::load_error().c_str(); }
+
+// For the CUDA tests, which include no CUDA header and find these with dlsym: a new instance of
+// these operations, for a test to wrap, and a spin of `cycles` GPU clock cycles queued on the
+// current stream, which holds a stream back so that a missing wait changes a result.
+extern "C" fsdp::device::DeviceOps* fsdp_cuda_testing_new_ops() { return new fsdp::device::CudaOps(); }
+extern "C" void fsdp_cuda_testing_sleep(int64_t cycles) { at::cuda::sleep(cycles); }

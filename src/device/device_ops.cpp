@@ -75,16 +75,26 @@ std::string this_library_folder() {
   return slash == std::string::npos ? "" : path.substr(0, slash + 1);
 }
 
-// The CUDA path is the library libfsdp_cuda (built with -DFSDP_USE_CUDA=ON), loaded once, when a
-// CUDA device is first asked for; its static initialisers register its DeviceOps and the NCCL
-// group factory. Returns "" once it is loaded, else why it is not. Called without the
+// The CUDA path is the library libfsdp_cuda (built with -DFSDP_USE_CUDA=ON), loaded once, when
+// libfsdp is loaded (cuda_path_loader.cpp) or else when a CUDA device is first asked for; its
+// static initialisers register its DeviceOps and the NCCL group factory, unless it says why not
+// (fsdp_cuda_path_error). Returns "" once it is loaded, else why it is not. Called without the
 // registry's lock held: loading it calls register_ops.
+bool g_cuda_path_refused = false;  // loaded, but it registered nothing (fsdp_cuda_path_error)
+
 const std::string& load_cuda_path() {
   static const std::string why_not = [] {
     const std::string path = this_library_folder() + "libfsdp_cuda.so";
-    if (dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL) != nullptr) return std::string();
-    const char* error = dlerror();
-    return std::string(error ? error : ("dlopen of " + path + " failed").c_str());
+    void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (library == nullptr) {
+      const char* error = dlerror();
+      return std::string(error ? error : ("dlopen of " + path + " failed").c_str());
+    }
+    using ErrorFn = const char* (*)();
+    const auto error_of = reinterpret_cast<ErrorFn>(dlsym(library, "fsdp_cuda_path_error"));
+    std::string error = error_of ? error_of() : "";
+    g_cuda_path_refused = !error.empty();
+    return error;
   }();
   return why_not;
 }
@@ -127,8 +137,9 @@ bool cuda_available() { return cuda_device_count() > 0; }
 
 std::string cuda_unavailable_reason() {
   if (!built_with_cuda()) {
-    return "this build of fsdp-cpp has no CUDA path (" + device::load_cuda_path_error() +
-           "; configure with -DFSDP_USE_CUDA=ON)";
+    const std::string why = device::load_cuda_path_error();
+    if (device::g_cuda_path_refused) return "the CUDA path of this build did not start: " + why;
+    return "this build of fsdp-cpp has no CUDA path (" + why + "; configure with -DFSDP_USE_CUDA=ON)";
   }
   if (cuda_device_count() == 0) return "this machine has no CUDA device (or no driver for one)";
   return "";

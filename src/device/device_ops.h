@@ -2,8 +2,8 @@
 // interface: streams, events, byte copies into buffers laid out by hand, resizing a storage in
 // place, and pinned host memory. One implementation per device type registers itself:
 // the CPU's (device_ops.cpp), where streams are one program order and every wait is a no-op,
-// and CUDA's (cuda_device_ops.cpp, in libfsdp_cuda: built with -DFSDP_USE_CUDA=ON, loaded when a
-// CUDA device is first asked for). Code above this layer never
+// and CUDA's (cuda_device_ops.cpp, in libfsdp_cuda: built with -DFSDP_USE_CUDA=ON, loaded when
+// libfsdp is, or with FSDP_CUDA_PATH=lazy when a CUDA device is first asked for). Code above this layer never
 // includes a CUDA header and never tests for CUDA with #ifdef: it asks ops_for(device).
 //
 // Streams are c10's device-generic handles (c10::Stream); an Event is a point in a stream's
@@ -107,8 +107,9 @@ inline DeviceOps& ops_for(const c10::Device& device) { return ops_for(device.typ
 bool has_ops_for(c10::DeviceType type);
 // Called once by each implementation at library load (static initialisation).
 void register_ops(std::unique_ptr<DeviceOps> ops);
-// Why the CUDA path (libfsdp_cuda, beside libfsdp) could not be loaded; "" once it is. Loads it
-// on the first call, as ops_for(CUDA) and has_ops_for(CUDA) do.
+// Why the CUDA path (libfsdp_cuda, beside libfsdp) could not be loaded, or loaded and registered
+// nothing; "" once it is in use. Loads it if that has not happened yet, as ops_for(CUDA) and
+// has_ops_for(CUDA) do.
 std::string load_cuda_path_error();
 
 // Makes a stream the current one for a scope, and restores the one before at its end, as

@@ -3,6 +3,7 @@
 #include <fsdp/device_state_adamw.h>
 
 #include "src/device/device_ops.h"
+#include "src/device/stream_check.h"
 #include "src/optim/adamw_per_op.h"
 #include "src/util/compat.h"
 
@@ -27,20 +28,33 @@ struct Uploaded {
   device::Event ready;
 };
 
+// A parameter's device copies while the copy stream reads `param` back to the host, and the
+// point of the copy stream where that read is done.
+struct Downloading {
+  Uploaded copies;
+  device::Event done;
+};
+
 // The streams of one step. The copies' memory is allocated on the compute stream (the caching
-// allocator's stream for it), and the copy stream waits for that point before writing into it;
-// uploads and downloads share the copy stream, so a download always ends before a later upload
-// writes into memory the allocator handed on.
+// allocator's stream for it), and the copy stream waits for that point before writing into it.
+// Freeing a copy hands its block back to the compute stream at once, so the next update's
+// allocations there can take it: a copy whose download is queued on the copy stream is kept
+// until the compute stream has waited for the end of that download (release()). That the copy
+// stream runs uploads and downloads in order protects only the copy stream's own writes.
 class StepStreams {
  public:
   explicit StepStreams(c10::Device device)
       : device_(device),
         ops_(device::ops_for(device)),
         compute_(ops_.current_stream(device)),
-        copies_(ops_.side_stream(device, /*high_priority=*/false)) {}
+        copies_(ops_.side_stream(device, /*high_priority=*/false)) {
+    device::stream_check::label_stream(copies_, "DeviceStateAdamW's copy stream");
+  }
 
   Uploaded upload(const at::Tensor& param) {
     Uploaded u{ops_.empty_like_on(param, device_), ops_.empty_like_on(param.grad(), device_), {}};
+    device::stream_check::label(u.param, "DeviceStateAdamW's device copy of a parameter");
+    device::stream_check::label(u.grad, "DeviceStateAdamW's device copy of a gradient");
     const device::Event allocated = ops_.record(compute_);
     device::StreamScope scope(copies_);
     ops_.wait(copies_, allocated);
@@ -52,11 +66,21 @@ class StepStreams {
 
   void wait_for(const Uploaded& u) { ops_.wait(compute_, u.ready); }
 
-  void download(at::Tensor& param, const at::Tensor& updated) {
-    const device::Event done = ops_.record(compute_);
+  // Queues the copy of `u.param` back into `param`; `u` stays alive in the result.
+  Downloading download(at::Tensor& param, Uploaded u) {
+    const device::Event updated = ops_.record(compute_);
     device::StreamScope scope(copies_);
-    ops_.wait(copies_, done);
-    param.copy_(updated, /*non_blocking=*/true);
+    ops_.wait(copies_, updated);
+    param.copy_(u.param, /*non_blocking=*/true);
+    return Downloading{std::move(u), ops_.record(copies_)};
+  }
+
+  // Drops `d`'s copies once the compute stream, whose pool gets their blocks back, has waited
+  // for their download. Call it before the compute stream allocates again.
+  void release(std::optional<Downloading>& d) {
+    if (!d) return;
+    ops_.wait(compute_, d->done);
+    d.reset();
   }
 
   void finish() { ops_.synchronize(ops_.record(copies_)); }
@@ -118,16 +142,21 @@ void DeviceStateAdamW::step_group(torch::optim::OptimizerParamGroup& group) {
   if (params.empty()) return;
   StepStreams streams(state_device_);
   std::optional<Uploaded> next = streams.upload(params[0]);
+  std::optional<Downloading> previous;
   for (size_t i = 0; i < params.size(); ++i) {
     Uploaded current = std::move(*next);
     next.reset();
+    // Before this iteration's allocations (the next upload, the state, the update's temporaries).
+    // The update then overlaps the next upload instead of the last download: the copy stream,
+    // which bounds the step, stays as busy.
+    streams.release(previous);
     // Issued before the update below, so that the next parameter's copies overlap it.
     if (i + 1 < params.size()) next = streams.upload(params[i + 1]);
     streams.wait_for(current);
     detail::adamw_step_per_op(current.param, current.grad, state_for(params[i], current.param, options), options);
-    streams.download(params[i], current.param);
+    previous = streams.download(params[i], std::move(current));
   }
-  streams.finish();
+  streams.finish();  // the host has waited for every copy: the last one may go
 }
 
 }  // namespace optim

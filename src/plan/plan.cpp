@@ -202,9 +202,9 @@ class StepReplay {
   }
 
   // What a background checkpoint stages (CheckpointManager::save_async): a copy of this rank's
-  // real parameter elements and AdamW's two moments, fp32, each cloned where it lives, plus the
-  // trainer's counters and the generator's state (5056 bytes, host tensors). On device cpu all
-  // of it is `device`.
+  // real parameter elements and AdamW's two moments, fp32, plus the trainer's counters and the
+  // generator's state (5056 bytes, host tensors), all in host memory (a GPU's pieces in pinned
+  // host memory). On device cpu all of it is `device`.
   struct Staging {
     int64_t device = 0, host = 0;
   };
@@ -212,9 +212,7 @@ class StepReplay {
     int64_t real = 0;
     for (const GroupLayout& l : layouts_) real += o_.no_shard_ ? l.unsharded_numel : l.real_numel;
     Staging s;
-    (shards_on_host_ ? s.host : s.device) += real * 4;
-    (state_on_host_ ? s.host : s.device) += 2 * real * 4;
-    (cuda_ ? s.host : s.device) += 16 + 5056;
+    (cuda_ ? s.host : s.device) += 3 * real * 4 + 16 + 5056;
     return s;
   }
 

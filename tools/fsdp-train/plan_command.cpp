@@ -436,7 +436,7 @@ void print_gpu_rank(std::ostringstream& s, const plan::RankPlan& r, const Questi
       << kib_or_mib(r.peak_tensor_bytes_after_save) << ", host " << kib_or_mib(r.host_peak_tensor_bytes_after_save)
       << " (the save's staged copy of the parameters and "
       << "optimizer state, " << kib_or_mib(r.checkpoint_staging_bytes)
-      << ", cloned where each lives, is alive through it)\n";
+      << ", staged in pinned host memory, is alive through it)\n";
   s << "  host RSS: not planned on a GPU (the CUDA context's and NCCL's host memory are not measured here); the "
        "host tensors above come on top of them\n";
 }
