@@ -62,7 +62,8 @@ std::pair<std::vector<double>, std::vector<at::Tensor>> train(fsdp::models::Tran
     const at::Tensor toks = cpu_tokens(step);
     at::Tensor logits = fsdp::call(model, move_by_hand ? toks.to(gpu) : toks);
     EXPECT_TRUE(logits.is_cuda());
-    at::Tensor loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 8}), toks.roll(-1, 1).reshape({-1}).to(gpu));
+    at::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, 8}), toks.roll(-1, 1).reshape({-1}).to(gpu));
     loss.backward();
     opt.step();
     losses.push_back(loss.item<double>());
