@@ -98,7 +98,8 @@ void FSDPParam::alloc_unsharded() {
   device::ops_for(unsharded_.device())
       .resize_storage(*unsharded_.storage().unsafeGetStorageImpl(),
                       static_cast<size_t>(padded_full_numel()) * unsharded_.element_size());
-  device::stream_check::label(unsharded_, "the unsharded parameter '" + fqn_ + "'");
+  if (device::stream_check::enabled())
+    device::stream_check::label(unsharded_, "the unsharded parameter '" + fqn_ + "'");
 }
 
 void FSDPParam::free_unsharded() {

@@ -260,7 +260,7 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::strin
   dtypes_ = resolve_group_dtypes(mp_policy, dtype);
   shard_layout_ = shard_layout(params_, shard_group_->size());
   flat_shard_ = init_flat_shard(params_, shard_layout_, devices_);
-  device::stream_check::label(flat_shard_, "the flat shard of '" + module_label(module_fqn_) + "'");
+  label_for_stream_check(flat_shard_, "the flat shard of");
   if (dtypes_.unsharded != dtypes_.orig) {
     // The unsharded faces compute in the policy's dtype; each unshard casts into the all-gather.
     for (auto& p : params_) p->set_unsharded_dtype(dtypes_.unsharded);
@@ -344,8 +344,7 @@ void FSDPParamGroup::unshard() {
   }
   pending_all_gather_.alloc_stream = copy_in;
   pending_all_gather_.issue_stream = gather;
-  device::stream_check::label(pending_all_gather_.output,
-                              "the all-gather output of '" + module_label(module_fqn_) + "'");
+  label_for_stream_check(pending_all_gather_.output, "the all-gather output of");
 }
 
 // On a device: the all-gather stream waits for the collective (a staged one's copy back runs on
@@ -607,8 +606,11 @@ void FSDPParamGroup::post_backward() {
       device::DeviceOps& ops = device::ops_for(devices_.compute);
       comm_->host_copy_events.push_back(ops.record(ops.current_stream(devices_.compute)));
     }
-    for (size_t i : reduced) {
-      device::stream_check::label(params_[i]->sharded().grad(), "the sharded gradient of '" + params_[i]->fqn() + "'");
+    if (device::stream_check::enabled()) {
+      for (size_t i : reduced) {
+        device::stream_check::label(params_[i]->sharded().grad(),
+                                    "the sharded gradient of '" + params_[i]->fqn() + "'");
+      }
     }
     return;
   }
@@ -633,10 +635,10 @@ void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const Gr
     ops.wait(comm_->streams->reduce_scatter, ops.record(ops.current_stream(devices_.compute)));
     scope.emplace(comm_->streams->reduce_scatter);
   }
-  device::stream_check::label(prepared.input, "the reduce-scatter input of '" + module_label(module_fqn_) + "'");
+  label_for_stream_check(prepared.input, "the reduce-scatter input of");
   ReduceScatterResult result =
       foreach_reduce_issue(std::move(prepared), reduced, group, division, custom_reduce_scatter_.get());
-  device::stream_check::label(result.output, "the reduce-scatter output of '" + module_label(module_fqn_) + "'");
+  label_for_stream_check(result.output, "the reduce-scatter output of");
   comm_->reductions.push_back(
       PendingReduction{this, std::move(result), next_after_reduce_scatter(), false, nullptr, std::nullopt});
   if (comm_->reductions.back().next == PendingReduction::Next::kAllReduce) issue_all_reduce(comm_->reductions.back());
@@ -716,8 +718,7 @@ void FSDPParamGroup::finish_reduction(PendingReduction& r) {
   run_all_reduce_hook(r.reduce_scatter.output);
   foreach_reduce_copy_out(r.reduce_scatter, params_, dtypes_.orig, devices_);
   if (!r.reduce_scatter.params.empty()) {
-    device::stream_check::label(params_[r.reduce_scatter.params.front()]->sharded().grad(),
-                                "the sharded gradients of '" + module_label(module_fqn_) + "'");
+    label_for_stream_check(params_[r.reduce_scatter.params.front()]->sharded().grad(), "the sharded gradients of");
   }
 }
 
@@ -736,6 +737,13 @@ void FSDPParamGroup::reset_iter_state() {
   for (auto& p : params_) p->clear_unsharded_grad();
   reshard();
   drop_pending_all_gather();  // last: it waits for an all-gather in flight, which may throw
+}
+
+// Names a buffer of this group in the stream-order checker's reports; builds nothing when it is off.
+void FSDPParamGroup::label_for_stream_check(const at::Tensor& t, const char* role) const {
+  if (device::stream_check::enabled()) {
+    device::stream_check::label(t, std::string(role) + " '" + module_label(module_fqn_) + "'");
+  }
 }
 
 int64_t FSDPParamGroup::unsharded_bytes() const {

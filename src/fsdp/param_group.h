@@ -269,6 +269,7 @@ class FSDPParamGroup {
   void run_all_reduce_hook(at::Tensor& output) const;
   void drop_pending_all_gather();
   void check_shards_intact() const;
+  void label_for_stream_check(const at::Tensor& t, const char* role) const;
   void free_unsharded_params();
   void reshard_post_forward();
   void reshard_to_post_forward_shard();

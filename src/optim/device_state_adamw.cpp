@@ -53,8 +53,10 @@ class StepStreams {
 
   Uploaded upload(const at::Tensor& param) {
     Uploaded u{ops_.empty_like_on(param, device_), ops_.empty_like_on(param.grad(), device_), {}};
-    device::stream_check::label(u.param, "DeviceStateAdamW's device copy of a parameter");
-    device::stream_check::label(u.grad, "DeviceStateAdamW's device copy of a gradient");
+    if (device::stream_check::enabled()) {
+      device::stream_check::label(u.param, "DeviceStateAdamW's device copy of a parameter");
+      device::stream_check::label(u.grad, "DeviceStateAdamW's device copy of a gradient");
+    }
     const device::Event allocated = ops_.record(compute_);
     device::StreamScope scope(copies_);
     ops_.wait(copies_, allocated);

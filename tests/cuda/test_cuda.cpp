@@ -2,6 +2,7 @@
 // GPU machine has one GPU, and NCCL refuses two ranks on one GPU), and fully_shard on a "cuda"
 // mesh against one process and against the CPU path. Without a GPU, or in a build without the
 // CUDA path, each reports skipped with the reason; the refusals run everywhere.
+#include "cuda/cuda_testing.h"
 #include "harness/multiprocess.h"
 
 #include <fsdp/call.h>
@@ -24,37 +25,13 @@
 #include <vector>
 
 using fsdp::testing::DistOptions;
+using fsdp::testing::kGpu;
 using fsdp::testing::run_distributed;
-
-#define SKIP_WITHOUT_GPU()                                                                                \
-  do {                                                                                                    \
-    if (!fsdp::cuda_available()) GTEST_SKIP() << "needs a CUDA GPU: " << fsdp::cuda_unavailable_reason(); \
-  } while (0)
+using fsdp::testing::sharded;
+using fsdp::testing::staged_through_host;
+using fsdp::testing::tiny_transformer;
 
 namespace {
-
-const c10::Device kGpu(c10::DeviceType::CUDA, 0);
-
-DistOptions staged_through_host() {
-  DistOptions o;
-  o.env["FSDP_CUDA_BACKEND"] = "gloo";
-  return o;
-}
-
-fsdp::models::Transformer tiny_transformer() {
-  torch::manual_seed(0);
-  fsdp::models::ModelArgs args;
-  args.dropout_p = 0.0;
-  return fsdp::models::Transformer(args);
-}
-
-fsdp::models::Transformer sharded(const fsdp::DeviceMesh& mesh, fsdp::FullyShardOptions opts = {}) {
-  auto model = tiny_transformer();
-  opts.mesh(mesh);
-  for (auto& block : model->blocks()) fsdp::fully_shard(block, opts);
-  fsdp::fully_shard(model, opts);
-  return model;
-}
 
 // The same tokens on every device: made on the CPU from the step and the rank.
 at::Tensor loss_of(fsdp::models::Transformer& model, int64_t step, c10::Device device) {

@@ -5,6 +5,7 @@
 // changes the result every time. This binary includes no CUDA header in either configuration:
 // it finds the CUDA path's test hooks (cuda_device_ops.cpp) with dlsym. Without a GPU the GPU
 // tests report skipped with the reason; the others run in both configurations.
+#include "cuda/cuda_testing.h"
 #include "harness/multiprocess.h"
 #include "src/comm/nccl_settings.h"
 #include "src/device/device_ops.h"
@@ -38,16 +39,13 @@
 #include <vector>
 
 using fsdp::testing::DistOptions;
+using fsdp::testing::kGpu;
 using fsdp::testing::run_distributed;
-
-#define SKIP_WITHOUT_GPU()                                                                                \
-  do {                                                                                                    \
-    if (!fsdp::cuda_available()) GTEST_SKIP() << "needs a CUDA GPU: " << fsdp::cuda_unavailable_reason(); \
-  } while (0)
+using fsdp::testing::sharded;
+using fsdp::testing::staged_through_host;
+using fsdp::testing::tiny_transformer;
 
 namespace {
-
-const c10::Device kGpu(c10::DeviceType::CUDA, 0);
 
 // A hook of the CUDA path (cuda_device_ops.cpp), found where the loader put it (RTLD_GLOBAL).
 template <typename Fn>
@@ -131,27 +129,6 @@ class SlowSideStreamsScope {
  private:
   SlowSideStreams* ops_;
 };
-
-DistOptions staged_through_host() {
-  DistOptions o;
-  o.env["FSDP_CUDA_BACKEND"] = "gloo";
-  return o;
-}
-
-fsdp::models::Transformer tiny_transformer() {
-  torch::manual_seed(0);
-  fsdp::models::ModelArgs args;
-  args.dropout_p = 0.0;
-  return fsdp::models::Transformer(args);
-}
-
-fsdp::models::Transformer sharded(const fsdp::DeviceMesh& mesh, fsdp::FullyShardOptions opts = {}) {
-  auto model = tiny_transformer();
-  opts.mesh(mesh);
-  for (auto& block : model->blocks()) fsdp::fully_shard(block, opts);
-  fsdp::fully_shard(model, opts);
-  return model;
-}
 
 std::vector<double> train(fsdp::models::Transformer& model, int steps = 3) {
   torch::optim::Adam opt(model->parameters(), 1e-2);

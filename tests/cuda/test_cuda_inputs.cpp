@@ -2,6 +2,7 @@
 // as FSDP2's does: CPU tokens (and CPU activations that need a gradient) go in as they are, and
 // the step is the one with the inputs moved by hand. Without a GPU, or in a build without the
 // CUDA path, each test reports skipped with the reason.
+#include "cuda/cuda_testing.h"
 #include "harness/multiprocess.h"
 
 #include <fsdp/call.h>
@@ -22,11 +23,6 @@
 using fsdp::testing::DistOptions;
 using fsdp::testing::run_distributed;
 
-#define SKIP_WITHOUT_GPU()                                                                                \
-  do {                                                                                                    \
-    if (!fsdp::cuda_available()) GTEST_SKIP() << "needs a CUDA GPU: " << fsdp::cuda_unavailable_reason(); \
-  } while (0)
-
 namespace {
 
 // W = 1 runs NCCL; W = 2 shares the one GPU through Gloo (NCCL refuses two ranks on one GPU).
@@ -34,16 +30,6 @@ DistOptions options_for(int world) {
   DistOptions o;
   if (world > 1) o.env["FSDP_CUDA_BACKEND"] = "gloo";
   return o;
-}
-
-fsdp::models::Transformer sharded_transformer(const fsdp::DeviceMesh& mesh) {
-  torch::manual_seed(0);
-  fsdp::models::ModelArgs args;
-  args.dropout_p = 0.0;
-  fsdp::models::Transformer model(args);
-  for (auto& block : model->blocks()) fsdp::fully_shard(block, fsdp::FullyShardOptions().mesh(mesh));
-  fsdp::fully_shard(model, fsdp::FullyShardOptions().mesh(mesh));
-  return model;
 }
 
 at::Tensor cpu_tokens(int64_t step) {
@@ -82,8 +68,8 @@ TEST(CudaInputs, CpuTokensIntoACudaRootTrainAsTokensMovedByHand) {
         world,
         [] {
           auto mesh = fsdp::init_device_mesh("cuda", {fsdp::get_world_size()});
-          auto moved_by_fsdp = sharded_transformer(mesh);
-          auto moved_by_hand = sharded_transformer(mesh);
+          auto moved_by_fsdp = fsdp::testing::sharded(mesh);
+          auto moved_by_hand = fsdp::testing::sharded(mesh);
           const auto [losses, grads] = train(moved_by_fsdp, false, mesh.device());
           const auto [ref_losses, ref_grads] = train(moved_by_hand, true, mesh.device());
           EXPECT_EQ(losses, ref_losses);
