@@ -95,7 +95,7 @@ bool is_hf_model_dir(const std::string& dir) {
   return fs::is_directory(dir, ec) && fs::exists(fs::path(dir) / "config.json", ec);
 }
 
-void load_hf_weights(const std::string& dir, models::LlamaImpl& model) {
+ShardedStateDict read_hf_weights(const std::string& dir, models::LlamaImpl& model) {
   const ShardedStateDict wanted = hf_state_dict(model);
   const std::map<std::string, at::ScalarType> stored = directory_dtypes(dir);
   // Read each tensor in the dtype it is stored in, then convert.
@@ -116,6 +116,11 @@ void load_hf_weights(const std::string& dir, models::LlamaImpl& model) {
   for (const auto& item : loaded) {
     converted.insert(item.key(), with_dtype(item.value(), wanted.find(item.key())->scalar_type()));
   }
+  return converted;
+}
+
+void load_hf_weights(const std::string& dir, models::LlamaImpl& model) {
+  const ShardedStateDict converted = read_hf_weights(dir, model);
   // The tied head is the embedding's tensor: loading the embedding loads it.
   load_sharded_state_dict(model, converted, /*strict=*/!model.args().tie_word_embeddings);
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fsdp/models/llama.h>
+#include <fsdp/state_dict.h>
 
 #include <c10/core/ScalarType.h>
 
@@ -24,6 +25,10 @@ bool is_hf_model_dir(const std::string& dir);
 // model. Throws c10::Error naming the file and the tensor on a missing or unexpected tensor, a
 // shape that differs from config.json's model, or an unsupported dtype.
 void load_hf_weights(const std::string& dir, models::LlamaImpl& model);
+// What load_hf_weights loads, read and converted but not yet written into the model (for callers
+// that agree across ranks first): load it with load_sharded_state_dict, strict unless tied.
+// Throws what load_hf_weights throws.
+ShardedStateDict read_hf_weights(const std::string& dir, models::LlamaImpl& model);
 
 // Writes `model` as a Hugging Face directory under `dir`: config.json (rank 0), one safetensors
 // file per rank and model.safetensors.index.json, every tensor in `dtype` (float32, bfloat16 or
