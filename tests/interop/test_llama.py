@@ -6,6 +6,8 @@ llama_driver.cpp) through config.json and the safetensors files.
   tied embeddings), a Qwen2 config (q/k/v biases, untied) and a Mistral config;
 - export: the directory llama_driver writes (W = 2) loads with from_pretrained, no missing or
   unexpected keys, and gives the same logits; a bf16 export reads back into an fp32 model;
+- fsdp_train_export: fsdp-train from a save_pretrained directory, training.export hf, then
+  from_pretrained: no missing or unexpected keys, logits equal to ours on the exported files;
 - full_shard_w2: 5 AdamW steps under FULL_SHARD at W = 2 against transformers' model under
   PyTorch's fully_shard (one call per decoder layer and the root, llama_fsdp2_reference.py), from
   the same weights and batches: per-rank losses within 1e-5 relative, final parameters within 1e-5;
@@ -145,6 +147,35 @@ def test_export(workdir: str):
         # Our model read back from the exported files (bf16 into fp32) gives transformers' logits.
         err = relative_error(our_logits(out, tokens, workdir), reference)
         assert err <= RTOL, f"{dtype} export read back: logits differ by {err:.3g} relative"
+
+
+def test_fsdp_train_export(workdir: str):
+    """fsdp-train from a Hugging Face directory (W = 2, FULL_SHARD, 2 steps), training.export hf:
+    from_pretrained loads it with no missing or unexpected keys, its logits are those of our model
+    read from the same files, and the weights did train."""
+    from transformers import AutoModelForCausalLM
+    model = make_model("llama")
+    hf = os.path.join(workdir, "hf")
+    model.save_pretrained(hf)
+    config = os.path.join(workdir, "train.yaml")
+    with open(config, "w") as f:
+        f.write("data:\n  source: synthetic\noptimizer:\n  lr: 1.0e-2\n"
+                "training:\n  steps: 2\n  micro_batch_size: 2\n  seq_len: 16\n  resume: never\n"
+                "logging:\n  progress: off\n")
+    out = os.path.join(workdir, "exported")
+    cmd = [tool("tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", "2", tool("tools/fsdp-train/fsdp-train"),
+           config, f"--model.init_from={hf}", f"--training.export=hf:{out}",
+           f"--fsdp_config.checkpoint_dir={os.path.join(workdir, 'checkpoints')}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=environment(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = tokens_for(model)
+    reference = reference_logits(loaded, tokens)
+    err = relative_error(our_logits(out, tokens, workdir), reference)
+    assert err <= RTOL, f"the exported model's logits differ from ours by {err:.3g} relative"
+    moved = relative_error(reference, reference_logits(model, tokens))
+    assert moved > 1e-3, f"the export equals the initial model (relative change {moved:.3g}): did it train?"
 
 
 def test_full_shard_w2(workdir: str):
