@@ -3,9 +3,11 @@
 // one of
 //   logits <hf_dir> <tokens.safetensors> <out_dir>     the logits of "tokens" (int64 [batch, seq])
 //   export <hf_dir> <out_dir> <float32|bfloat16|float16>  the model written back as a HF directory
-//   train  <hf_dir> <batches.safetensors> <lr> <out_dir>  AdamW on "batches" (int64 [steps,
-//          global rows, seq + 1]), each rank its consecutive rows; per-rank losses to
-//          <out_dir>/losses-<rank>.json and the final model as a HF directory <out_dir>/final
+//   train  <hf_dir> <batches.safetensors> <lr> <out_dir> [tp]  AdamW on "batches" (int64 [steps,
+//          global rows, seq + 1]), each data-parallel rank its consecutive rows; per-rank losses
+//          to <out_dir>/losses-<rank>.json and the final model as a HF directory <out_dir>/final.
+//          With tp > 1 the mesh is (dp, tp): the layers split by fsdp/models/llama_parallelize.h
+//          over tp, then sharded over dp.
 // Run it under fsdprun for more than one rank.
 #include "hf_checkpoint.h"
 
@@ -15,6 +17,7 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/models/llama.h>
 #include <fsdp/models/llama_hf.h>
+#include <fsdp/models/llama_parallelize.h>
 #include <fsdp/safetensors.h>
 
 #include <torch/optim/adamw.h>
@@ -32,9 +35,21 @@ using fsdp::models::Llama;
 
 Llama load_sharded(const std::string& hf, int64_t seq, const fsdp::DeviceMesh& mesh) {
   const fsdp::models::LlamaArgs args = fsdp::models::llama_args_from_hf_config(hf + "/config.json", seq);
-  const auto options = fsdp::FullyShardOptions().mesh(mesh);
+  auto options = fsdp::FullyShardOptions().mesh(mesh);
   torch::manual_seed(0);
-  Llama model(args, [&](fsdp::models::LlamaDecoderLayer& layer) { fsdp::fully_shard(layer, options); });
+  if (mesh.ndim() == 1) {
+    Llama model(args, [&](fsdp::models::LlamaDecoderLayer& layer) { fsdp::fully_shard(layer, options); });
+    fsdp::fully_shard(model, options);
+    fsdp::train::load_hf_weights(hf, *model);
+    return model;
+  }
+  options.dp_mesh_dims(fsdp::DataParallelMeshDims().shard("dp"));
+  const fsdp::tp::TensorParallelMesh tp(mesh, "tp");
+  Llama model(args, [&](fsdp::models::LlamaDecoderLayer& layer) {
+    fsdp::models::parallelize_llama_layer(*layer, args, tp);
+    fsdp::fully_shard(layer, options);
+  });
+  fsdp::models::parallelize_llama_rest(*model, tp, fsdp::models::ParallelizeOptions());
   fsdp::fully_shard(model, options);
   fsdp::train::load_hf_weights(hf, *model);
   return model;
@@ -69,14 +84,16 @@ void logits(const std::string& hf, const std::string& tokens_file, const std::st
 void train(const std::string& hf, const std::string& batches_file, double lr, const std::string& out,
            const fsdp::DeviceMesh& mesh) {
   const at::Tensor batches = read_tensor(batches_file, "batches");
-  const int64_t world = fsdp::get_world_size(), rank = fsdp::get_rank();
-  const int64_t rows = batches.size(1) / world;
+  const int64_t rank = fsdp::get_rank();
+  const int64_t dp_world = mesh.ndim() == 1 ? fsdp::get_world_size() : mesh.size(0);
+  const int64_t dp_rank = mesh.ndim() == 1 ? rank : mesh.get_local_rank(0);
+  const int64_t rows = batches.size(1) / dp_world;
   Llama model = load_sharded(hf, batches.size(2) - 1, mesh);
   torch::optim::AdamW optimizer(model->unique_parameters(),
                                 torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1));
   std::vector<double> losses;
   for (int64_t step = 0; step < batches.size(0); ++step) {
-    const at::Tensor mine = batches[step].narrow(0, rank * rows, rows);
+    const at::Tensor mine = batches[step].narrow(0, dp_rank * rows, rows);
     const at::Tensor inputs = mine.narrow(1, 0, mine.size(1) - 1).contiguous();
     const at::Tensor targets = mine.narrow(1, 1, mine.size(1) - 1).contiguous();
     at::Tensor loss = fsdp::call_method(model, &fsdp::models::LlamaImpl::forward_loss, inputs, targets, int64_t{1});
@@ -100,13 +117,16 @@ int main(int argc, char** argv) {
       "usage: llama_driver logits <hf_dir> <tokens.safetensors> <out_dir> | export <hf_dir> <out_dir> <dtype> | "
       "train <hf_dir> <batches.safetensors> <lr> <out_dir>";
   const std::string command = argc > 1 ? argv[1] : "";
-  if (argc != (command == "train" ? 6 : 5)) {
+  if (argc != 5 && !(command == "train" && (argc == 6 || argc == 7))) {
     std::cerr << usage << "\n";
     return 2;
   }
   try {
     fsdp::init_process_group();
-    const fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {fsdp::get_world_size()});
+    const int64_t tp = command == "train" && argc == 7 ? std::stoll(argv[6]) : 1;
+    const int world = fsdp::get_world_size();
+    const fsdp::DeviceMesh mesh = tp == 1 ? fsdp::init_device_mesh("cpu", {world})
+                                          : fsdp::init_device_mesh("cpu", {world / tp, tp}, {"dp", "tp"});
     if (command == "logits") {
       logits(argv[2], argv[3], argv[4], mesh);
     } else if (command == "export") {

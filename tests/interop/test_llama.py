@@ -11,6 +11,8 @@ llama_driver.cpp) through config.json and the safetensors files.
 - full_shard_w2: 5 AdamW steps under FULL_SHARD at W = 2 against transformers' model under
   PyTorch's fully_shard (one call per decoder layer and the root, llama_fsdp2_reference.py), from
   the same weights and batches: per-rank losses within 1e-5 relative, final parameters within 1e-5;
+- dp2_tp2_w4: the same at W = 4 on a (dp 2, tp 2) mesh, the reference split by parallelize_module
+  with the same plan;
 - bad_input: an unknown architecture, a missing field and a tensor of the wrong shape each stop
   the driver with an error naming the file and the key or tensor.
 
@@ -179,19 +181,28 @@ def test_fsdp_train_export(workdir: str):
 
 
 def test_full_shard_w2(workdir: str):
+    check_training(workdir, world=2, tp=1)
+
+
+def test_dp2_tp2_w4(workdir: str):
+    check_training(workdir, world=4, tp=2)
+
+
+def check_training(workdir: str, world: int, tp: int):
     from safetensors.torch import save_file
     model = make_model("llama")
     hf = os.path.join(workdir, "hf")
     model.save_pretrained(hf)
-    world, rows, seq, lr = 2, 2, 16, 1e-2
+    rows, seq, lr = 2, 16, 1e-2
     g = torch.Generator().manual_seed(7)
     batches = torch.randint(0, model.config.vocab_size, (STEPS, world * rows, seq + 1), generator=g)
     batches_file = os.path.join(workdir, "batches.safetensors")
     save_file({"batches": batches}, batches_file)
     ours, ref = os.path.join(workdir, "ours"), os.path.join(workdir, "reference")
-    driver(world, "train", hf, batches_file, str(lr), ours)
+    driver(world, "train", hf, batches_file, str(lr), ours, str(tp))
     proc = subprocess.run([sys.executable, os.path.join(_HERE, "llama_fsdp2_reference.py"), hf, batches_file, str(lr),
-                           ref, "--world", str(world)], capture_output=True, text=True, env=environment(), timeout=300)
+                           ref, "--world", str(world), "--tp", str(tp)], capture_output=True, text=True,
+                          env=environment(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = []
     for rank in range(world):
