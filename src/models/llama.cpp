@@ -46,6 +46,12 @@ torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 
+// transformers' _init_weights for a Linear layer: N(0, std^2) weight, zero bias.
+void init_linear(torch::nn::LinearImpl& linear, double std) {
+  at::NoGradGuard no_grad;
+  linear.weight.normal_(0.0, std);
+  if (linear.bias.defined()) linear.bias.zero_();
+}
 }  // namespace
 
 void LlamaArgs::check() const {
@@ -60,13 +66,15 @@ void LlamaArgs::check() const {
   positive(num_key_value_heads, "num_key_value_heads");
   positive(head_dim, "head_dim");
   positive(max_position_embeddings, "max_position_embeddings");
-  TORCH_CHECK(num_attention_heads % num_key_value_heads == 0, "fsdp::models::Llama: num_attention_heads=",
-              num_attention_heads, " is not a multiple of num_key_value_heads=", num_key_value_heads,
+  TORCH_CHECK(num_attention_heads % num_key_value_heads == 0,
+              "fsdp::models::Llama: num_attention_heads=", num_attention_heads,
+              " is not a multiple of num_key_value_heads=", num_key_value_heads,
               "; each key/value head serves a whole number of query heads");
   TORCH_CHECK(head_dim % 2 == 0, "fsdp::models::Llama: head_dim=", head_dim,
               " must be even (the rotary embeddings rotate pairs of features)");
   TORCH_CHECK(rope.type == "default" || rope.type == "llama3", "fsdp::models::Llama: rope type '", rope.type,
               "' is not supported; use \"default\" or \"llama3\"");
+  TORCH_CHECK(initializer_range >= 0, "fsdp::models::Llama: initializer_range=", initializer_range, " must be >= 0");
   TORCH_CHECK(rms_norm_eps > 0, "fsdp::models::Llama: rms_norm_eps=", rms_norm_eps, " must be positive");
 }
 
@@ -81,8 +89,8 @@ at::Tensor rope_inverse_frequencies(const RopeArgs& rope, int64_t head_dim) {
   const double high_wavelen = old_context / rope.high_freq_factor;
   const at::Tensor wavelen = 2 * M_PI / inv_freq;
   at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq);
-  const at::Tensor smooth = (old_context / wavelen - rope.low_freq_factor) /
-                            (rope.high_freq_factor - rope.low_freq_factor);
+  const at::Tensor smooth =
+      (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor);
   const at::Tensor smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled;
   const at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
   return at::where(medium, smoothed, scaled);
@@ -146,6 +154,9 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaArgs& args) {
   input_layernorm = register_module("input_layernorm", LlamaRMSNorm(args.hidden_size, args.rms_norm_eps));
   post_attention_layernorm =
       register_module("post_attention_layernorm", LlamaRMSNorm(args.hidden_size, args.rms_norm_eps));
+  for (torch::nn::Linear* l : {&self_attn->q_proj, &self_attn->k_proj, &self_attn->v_proj, &self_attn->o_proj,
+                               &mlp->gate_proj, &mlp->up_proj, &mlp->down_proj})
+    init_linear(**l, args.initializer_range);
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -155,6 +166,10 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor&
 
 LlamaModelImpl::LlamaModelImpl(const LlamaArgs& args, const std::function<void(LlamaDecoderLayer&)>& on_layer_built) {
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(args.vocab_size, args.hidden_size));
+  {
+    at::NoGradGuard no_grad;
+    embed_tokens->weight.normal_(0.0, args.initializer_range);
+  }
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < args.num_hidden_layers; ++i) {
     decoder_layers.push_back(LlamaDecoderLayer(args));
@@ -172,6 +187,7 @@ LlamaImpl::LlamaImpl(const LlamaArgs& args, const LlamaLayerBuiltHook& on_layer_
                                              std::make_shared<TiedHeadImpl>(model->embed_tokens->weight))));
   } else {
     lm_head = register_module("lm_head", make_linear(args_.hidden_size, args_.vocab_size, false));
+    init_linear(*lm_head, args_.initializer_range);
   }
   inv_freq_ = rope_inverse_frequencies(args_.rope, args_.head_dim);
 }

@@ -53,8 +53,10 @@ Json read_json(const std::string& path) {
 }
 
 std::string architecture_of(const Reader& r) {
-  if (!r.has("architectures")) r.fail("architectures", "is missing; name one of LlamaForCausalLM, "
-                                                       "MistralForCausalLM, Qwen2ForCausalLM");
+  if (!r.has("architectures"))
+    r.fail("architectures",
+           "is missing; name one of LlamaForCausalLM, "
+           "MistralForCausalLM, Qwen2ForCausalLM");
   const Json& a = r.j.at("architectures");
   if (!a.is_array() || a.size() != 1 || !a.at(0).is_string())
     r.fail("architectures", "is " + a.dump() + "; expected a list of one name");
@@ -124,14 +126,10 @@ const char* model_type_of(const std::string& arch) {
 
 const char* dtype_name(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kFloat:
-      return "float32";
-    case at::kBFloat16:
-      return "bfloat16";
-    case at::kHalf:
-      return "float16";
-    default:
-      TORCH_CHECK(false, "hf_config_json: dtype ", dtype, " is not one of float32, bfloat16, float16");
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: TORCH_CHECK(false, "hf_config_json: dtype ", dtype, " is not one of float32, bfloat16, float16");
   }
 }
 
@@ -159,6 +157,7 @@ LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_
   if (a.architecture == "Qwen2ForCausalLM" && r.has("attention_bias") && !r.flag_or("attention_bias", true))
     r.fail("attention_bias", "is false, but Qwen2ForCausalLM's q/k/v projections always have biases");
   a.tie_word_embeddings = r.flag_or("tie_word_embeddings", false);
+  a.initializer_range = r.number_or(j, "initializer_range", a.initializer_range);
   try {
     a.check();
   } catch (const c10::Error& e) {
@@ -190,6 +189,7 @@ std::string hf_config_json(const LlamaArgs& args, at::ScalarType dtype) {
             {"rope_parameters", rope},
             {"hidden_act", "silu"},
             {"tie_word_embeddings", args.tie_word_embeddings},
+            {"initializer_range", args.initializer_range},
             {"dtype", dtype_name(dtype)},
             {"torch_dtype", dtype_name(dtype)}};
   if (args.architecture == "MistralForCausalLM") j["sliding_window"] = nullptr;

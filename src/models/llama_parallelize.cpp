@@ -35,12 +35,14 @@ void replace_linear(torch::nn::Module& owner, const std::string& name, torch::nn
 
 void check_llama_parallelizable(const LlamaArgs& args, int64_t tp_size) {
   TORCH_CHECK(tp_size >= 1, "fsdp::models::parallelize: the tensor-parallel size must be >= 1, got ", tp_size);
-  TORCH_CHECK(args.num_key_value_heads % tp_size == 0, "fsdp::models::parallelize: num_key_value_heads=",
-              args.num_key_value_heads, " is not divisible by the tensor-parallel size ", tp_size,
+  TORCH_CHECK(args.num_key_value_heads % tp_size == 0,
+              "fsdp::models::parallelize: num_key_value_heads=", args.num_key_value_heads,
+              " is not divisible by the tensor-parallel size ", tp_size,
               "; each tp rank computes whole key/value heads (and the query heads they serve), so choose a tp "
               "size that divides num_key_value_heads");
-  TORCH_CHECK(args.intermediate_size % tp_size == 0, "fsdp::models::parallelize: intermediate_size=",
-              args.intermediate_size, " is not divisible by the tensor-parallel size ", tp_size);
+  TORCH_CHECK(args.intermediate_size % tp_size == 0,
+              "fsdp::models::parallelize: intermediate_size=", args.intermediate_size,
+              " is not divisible by the tensor-parallel size ", tp_size);
 }
 
 void parallelize_llama_layer(LlamaDecoderLayerImpl& layer, const LlamaArgs& args, const tp::TensorParallelMesh& tp) {

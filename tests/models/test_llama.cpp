@@ -51,14 +51,21 @@ TEST(Llama, ParameterNamesAreTransformersAndTheTiedHeadIsTheEmbedding) {
   Llama model(a);
   std::vector<std::string> names;
   for (const auto& item : model->named_parameters()) names.push_back(item.key());
-  const std::vector<std::string> expected = {
-      "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
-      "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.bias",
-      "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.v_proj.bias",
-      "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight",
-      "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight",
-      "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", "model.norm.weight",
-      "lm_head.weight"};
+  const std::vector<std::string> expected = {"model.embed_tokens.weight",
+                                             "model.layers.0.self_attn.q_proj.weight",
+                                             "model.layers.0.self_attn.q_proj.bias",
+                                             "model.layers.0.self_attn.k_proj.weight",
+                                             "model.layers.0.self_attn.k_proj.bias",
+                                             "model.layers.0.self_attn.v_proj.weight",
+                                             "model.layers.0.self_attn.v_proj.bias",
+                                             "model.layers.0.self_attn.o_proj.weight",
+                                             "model.layers.0.mlp.gate_proj.weight",
+                                             "model.layers.0.mlp.up_proj.weight",
+                                             "model.layers.0.mlp.down_proj.weight",
+                                             "model.layers.0.input_layernorm.weight",
+                                             "model.layers.0.post_attention_layernorm.weight",
+                                             "model.norm.weight",
+                                             "lm_head.weight"};
   EXPECT_EQ(names, expected);
   EXPECT_TRUE(model->lm_head->weight.is_same(model->model->embed_tokens->weight));
   EXPECT_EQ(model->unique_parameters().size(), expected.size() - 1);
@@ -81,8 +88,8 @@ TEST(Llama, RootHoldsTheTiedWeightAndTrainsItOnceAtTwoRanks) {
     torch::manual_seed(0);
     Llama model(tied_args(), [](fsdp::models::LlamaDecoderLayer& layer) { fsdp::fully_shard(layer); });
     fsdp::fully_shard(model);
-    EXPECT_TRUE(model->lm_head->named_parameters()["weight"].is_same(
-        model->model->embed_tokens->named_parameters()["weight"]));
+    EXPECT_TRUE(
+        model->lm_head->named_parameters()["weight"].is_same(model->model->embed_tokens->named_parameters()["weight"]));
     const at::Tensor tokens = at::randint(0, 64, {2, 8}, at::kLong);
     at::Tensor loss = fsdp::call_method(model, &fsdp::models::LlamaImpl::forward_loss, tokens, tokens, int64_t{1});
     loss.backward();
@@ -138,8 +145,8 @@ TEST(LlamaHf, ReadsTheHubsRopeScalingAndRefusesWhatItDoesNotComputeNamingFileAnd
   auto [window, window_error] =
       refusal(R"({"architectures": ["MistralForCausalLM"], "sliding_window": 8, )" + base + "}", 16);
   EXPECT_NE(window_error.find("key 'sliding_window'"), std::string::npos) << window_error;
-  EXPECT_TRUE(refusal(R"({"architectures": ["MistralForCausalLM"], "sliding_window": 16, )" + base + "}", 16)
-                  .second.empty());
+  EXPECT_TRUE(
+      refusal(R"({"architectures": ["MistralForCausalLM"], "sliding_window": 16, )" + base + "}", 16).second.empty());
   auto [yarn, yarn_error] =
       refusal(R"({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}, )" + base + "}", 16);
   EXPECT_NE(yarn_error.find("rope_scaling.rope_type"), std::string::npos) << yarn_error;

@@ -233,7 +233,7 @@ struct TrainingConfig {
   // hf (architecture llama): a Hugging Face directory <checkpoint_dir>/hf (config.json, sharded
   // safetensors and the index) that transformers' from_pretrained loads; hf:<dir> the same in
   // <dir>.
-  std::string export_path = "auto";  // key: training.export
+  std::string export_path = "auto";      // key: training.export
   std::string export_dtype = "float32";  // float32 | bfloat16 | float16: the tensors of an hf export
 };
 

@@ -49,8 +49,8 @@ std::map<std::string, at::ScalarType> header_dtypes(const std::string& file) {
   std::map<std::string, at::ScalarType> out;
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") continue;
-    TORCH_CHECK(entry.is_object() && entry.contains("dtype") && entry.at("dtype").is_string(), file, ": tensor '",
-                name, "' has no dtype");
+    TORCH_CHECK(entry.is_object() && entry.contains("dtype") && entry.at("dtype").is_string(), file, ": tensor '", name,
+                "' has no dtype");
     out[name] = dtype_of_code(entry.at("dtype").get<std::string>(), file, name);
   }
   return out;

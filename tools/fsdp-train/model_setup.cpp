@@ -13,6 +13,7 @@
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/models/llama_hf.h>
+#include <fsdp/models/llama_parallelize.h>
 #include <fsdp/models/parallelize.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/tensor_parallel.h>
@@ -144,20 +145,21 @@ models::Transformer sharded_model(const TrainConfig& cfg, const models::ModelArg
 
 // What the trainer does with the Transformer and not (yet) with the Llama family: refused, never
 // ignored.
-void check_llama_supported(const TrainConfig& cfg, const ParallelModel& m) {
+void check_llama_supported(const TrainConfig& cfg) {
   const FsdpConfig& f = cfg.fsdp_config;
   auto refuse = [](const std::string& what) {
-    throw ConfigError(what + " is not supported with model.architecture llama; it trains under FULL_SHARD, "
-                             "SHARD_GRAD_OP or HYBRID_SHARD without it");
+    throw ConfigError(what +
+                      " is not supported with model.architecture llama; it trains under FULL_SHARD, "
+                      "SHARD_GRAD_OP or HYBRID_SHARD without it");
   };
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) refuse("fsdp_config.sharding_strategy NO_SHARD");
-  if (m.tp > 1) refuse("fsdp_config.model_parallel_size > 1");
   if (f.activation_checkpointing) refuse("fsdp_config.activation_checkpointing");
   if (f.output_head_group) refuse("fsdp_config.output_head_group");
   if (cfg.sample.length > 0) refuse("sample.length > 0");
 }
 
-// The Llama family: each decoder layer its own group as soon as it is built, then the root (the
+// The Llama family: each decoder layer its own group as soon as it is built (split over tp
+// first with model_parallel_size > 1: fsdp/models/llama_parallelize.h), then the root (the
 // embedding, the final norm and the head, tied or not, in one group).
 models::Llama sharded_llama(const TrainConfig& cfg, const ParallelModel& m, const MixedPrecisionPolicy& policy,
                             const std::optional<CPUOffloadPolicy>& offload) {
@@ -169,8 +171,30 @@ models::Llama sharded_llama(const TrainConfig& cfg, const ParallelModel& m, cons
   FullyShardOptions root_options = FullyShardOptions().mesh(m.mesh).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
   const int64_t seq = seq_len_of(cfg, model_args_of(cfg.model));
-  models::Llama model(llama_args_of(cfg.model, seq),
-                      [&](models::LlamaDecoderLayer& layer) { fully_shard(layer, layer_options); });
+  const models::LlamaArgs args = llama_args_of(cfg.model, seq);
+  if (m.tp == 1) {
+    models::Llama model(args, [&](models::LlamaDecoderLayer& layer) { fully_shard(layer, layer_options); });
+    fully_shard(model, root_options);
+    return model;
+  }
+  try {
+    models::check_llama_parallelizable(args, m.tp);
+    if (f.vocab_parallel && args.tie_word_embeddings)
+      throw ConfigError(
+          "fsdp_config.vocab_parallel: true (the default) cannot split tied embeddings "
+          "(tie_word_embeddings in config.json) by vocabulary; set fsdp_config.vocab_parallel: false");
+  } catch (const c10::Error& e) {
+    throw ConfigError("fsdp_config.model_parallel_size: " + std::to_string(m.tp) + ": " + e.msg());
+  }
+  const auto dp_dims = DataParallelMeshDims().shard("dp");
+  layer_options.dp_mesh_dims(dp_dims);
+  root_options.dp_mesh_dims(dp_dims);
+  const tp::TensorParallelMesh tp_mesh(m.mesh, "tp");
+  models::Llama model(args, [&](models::LlamaDecoderLayer& layer) {
+    models::parallelize_llama_layer(*layer, args, tp_mesh);
+    fully_shard(layer, layer_options);
+  });
+  models::parallelize_llama_rest(*model, tp_mesh, models::ParallelizeOptions().vocab_parallel(f.vocab_parallel));
   fully_shard(model, root_options);
   return model;
 }
@@ -190,7 +214,7 @@ void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Pr
   memory::reset_peak_allocated();
   reset_tensor_peak(m.mesh);
   if (is_llama(cfg.model)) {
-    check_llama_supported(cfg, m);
+    check_llama_supported(cfg);
     m.llama = sharded_llama(cfg, m, policy, offload);
     m.root = get_fsdp_module(*m.llama);
     freeze_parameters(cfg.model, *m.llama);
@@ -230,8 +254,9 @@ models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len) {
   std::string path = m.hf_config;
   if (path.empty() && !m.init_from.empty() && is_hf_model_dir(m.init_from)) path = m.init_from + "/config.json";
   if (path.empty())
-    throw ConfigError("model.architecture llama needs its shape from a Hugging Face config.json: set model.hf_config "
-                      "to one, or model.init_from to a Hugging Face model directory");
+    throw ConfigError(
+        "model.architecture llama needs its shape from a Hugging Face config.json: set model.hf_config "
+        "to one, or model.init_from to a Hugging Face model directory");
   try {
     return models::llama_args_from_hf_config(path, seq_len);
   } catch (const c10::Error& e) {

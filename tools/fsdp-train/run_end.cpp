@@ -174,8 +174,8 @@ std::string write_trace(const TrainConfig& cfg, int rank) {
   return "trace: " + path + " (" + std::to_string(n) + " spans; one file per rank, open in ui.perfetto.dev)";
 }
 
-void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm,
-                       const DataSource& data, const std::function<void(const std::string&)>& print) {
+void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm, const DataSource& data,
+                       const std::function<void(const std::string&)>& print) {
   torch::nn::Module& model = pm.module();
   const std::string path = resolved_export_path(cfg);
   if (is_hf_export(cfg)) {

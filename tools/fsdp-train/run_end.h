@@ -59,8 +59,8 @@ std::string write_trace(const TrainConfig& cfg, int rank);
 // shards; hf or hf:<dir>: a Hugging Face directory of a Llama, every rank writing its file;
 // otherwise one PyTorch file written by rank 0), then rank 0's sample. `print` shows rank 0's
 // lines. Throws ConfigError for hf with a model that is not a Llama.
-void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm,
-                       const DataSource& data, const std::function<void(const std::string&)>& print);
+void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm, const DataSource& data,
+                       const std::function<void(const std::string&)>& print);
 
 }  // namespace train
 }  // namespace fsdp

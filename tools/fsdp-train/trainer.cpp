@@ -83,8 +83,7 @@ std::unique_ptr<torch::optim::AdamW> optimizer_of(const TrainConfig& cfg, const 
   const OptimizerConfig& o = cfg.optimizer;
   const auto options =
       torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
-  if (steps_with_device_state_adamw(cfg))
-    return std::make_unique<optim::DeviceStateAdamW>(params, options, device);
+  if (steps_with_device_state_adamw(cfg)) return std::make_unique<optim::DeviceStateAdamW>(params, options, device);
   // FusedAdamW is an AdamW (same state and checkpoints), so the rest of the trainer needs no branch.
   if (o.fused) return std::make_unique<optim::FusedAdamW>(params, options);
   return std::make_unique<torch::optim::AdamW>(params, options);

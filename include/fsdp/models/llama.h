@@ -80,6 +80,9 @@ struct LlamaArgs {
   RopeArgs rope;
   bool attention_bias = false;  // Qwen2: q/k/v have biases (o_proj never has one)
   bool tie_word_embeddings = false;
+  // The standard deviation of the initial weights (transformers' initializer_range): every
+  // projection and the embedding drawn from N(0, initializer_range^2), biases 0, norms 1.
+  double initializer_range = 0.02;
 
   // Throws c10::Error naming the field when a size is not positive, num_attention_heads is not a
   // multiple of num_key_value_heads, head_dim is odd (rotary pairs), or the rope type is unknown.
@@ -154,8 +157,9 @@ using LlamaLayerBuiltHook = std::function<void(LlamaDecoderLayer& layer)>;
 class LlamaImpl : public torch::nn::Module {
  public:
   // Builds embed_tokens, the layers, norm and lm_head, drawing initial values from the global
-  // generator (seed it the same on every rank); the values are meant to be replaced by a
-  // checkpoint or by the caller's initialisation. Throws what LlamaArgs::check throws.
+  // generator (seed it the same on every rank) as transformers initialises them (see
+  // LlamaArgs::initializer_range), each module before the hook sees it. Throws what
+  // LlamaArgs::check throws.
   explicit LlamaImpl(const LlamaArgs& args, const LlamaLayerBuiltHook& on_layer_built = nullptr);
   // tokens: int64 [batch, seq] with seq <= max_position_embeddings. Returns float32 logits
   // [batch, seq, vocab_size].
