@@ -138,7 +138,8 @@ std::string edit_fsdp(const std::string& run, const std::string& mode) {
   if (mode == "huge") entries.at(key).at("shape")[0] = int64_t{1} << 40;
   if (mode == "offsets") {
     for (auto& [k, entry] : entries.items())
-      for (auto& chunk : entry.at("chunks")) chunk["byte_offset"] = chunk.at("byte_offset").get<int64_t>() + (1LL << 40);
+      for (auto& chunk : entry.at("chunks"))
+        chunk["byte_offset"] = chunk.at("byte_offset").get<int64_t>() + (1LL << 40);
   }
   if (mode == "rename") {
     entries[key + "_renamed"] = entries.at(key);
@@ -156,7 +157,9 @@ const std::vector<Damage> kDamages = {
        return file;
      }},
     {"TwoToTheFortyRows",
-     [](Format f, const std::string& run) { return f == Format::kDcp ? edit_dcp(run, "huge") : edit_fsdp(run, "huge"); }},
+     [](Format f, const std::string& run) {
+       return f == Format::kDcp ? edit_dcp(run, "huge") : edit_fsdp(run, "huge");
+     }},
     {"TruncatedDataFile",
      [](Format f, const std::string& run) {
        return truncate(run + "/ckpt/step_10/" + (f == Format::kDcp ? "__0_0.distcp" : "rank_0.data"));
@@ -198,8 +201,9 @@ class DamagedCheckpoint : public ::testing::TestWithParam<std::tuple<Format, siz
 TEST_P(DamagedCheckpoint, StopsNamingItAndTheOlderOneAndPrunesNothing) {
   const auto [format, which] = GetParam();
   const Damage& damage = kDamages[which];
-  const bool python = format == Format::kDcp && (damage.name == "TwoToTheFortyRows" ||
-                                                 damage.name == "OffsetsPastTheEnd" || damage.name == "RenamedModelKey");
+  const bool python =
+      format == Format::kDcp &&
+      (damage.name == "TwoToTheFortyRows" || damage.name == "OffsetsPastTheEnd" || damage.name == "RenamedModelKey");
   if (python) {
     FSDP_SKIP_WITHOUT_PYTHON();
   }
@@ -262,7 +266,8 @@ TEST(DamagedCheckpointMovedAside, ResumesFromTheOlderOneAndKeepsTheDamagedOneWhe
 TEST(DamagedCheckpointFromPython, AnUnknownOptimizerOrNoTrainStateStopsNamingIt) {
   FSDP_SKIP_WITHOUT_PYTHON();
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"sgd", "has no key 'optimizer.param_groups.0.amsgrad' (was it saved by another optimizer than Adam/AdamW?)"}, {"no_train_state", "train_state.step"}};
+      {"sgd", "has no key 'optimizer.param_groups.0.amsgrad' (was it saved by another optimizer than Adam/AdamW?)"},
+      {"no_train_state", "train_state.step"}};
   for (const auto& [mode, names] : cases) {
     SCOPED_TRACE(mode);
     TempDir tmp;
@@ -287,7 +292,8 @@ TEST(DamagedCheckpointFromPython, AnUnknownOptimizerOrNoTrainStateStopsNamingIt)
     const std::map<std::string, std::string> before = snapshot(run + "/ckpt");
     for (const std::string& setting : {std::string("auto"), run + "/ckpt/step_15"}) {
       RunResult r = fsdprun.run(
-          under_fsdprun(2, run_args(Format::kDcp, run, 20, {"--training.keep_checkpoints=1", "--training.resume=" + setting})),
+          under_fsdprun(
+              2, run_args(Format::kDcp, run, 20, {"--training.keep_checkpoints=1", "--training.resume=" + setting})),
           {}, 180);
       EXPECT_EQ(r.exit_code, 1) << describe(r);
       const std::string line = line_from(r, "cannot resume from " + run + "/ckpt/step_15: its save finished");

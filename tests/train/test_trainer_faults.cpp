@@ -125,7 +125,8 @@ TEST(TrainerFaults, ACorruptedLatestCheckpointNamesTheOlderCompleteOne) {
   EXPECT_TRUE(contains(r, "training.resume: auto: cannot resume from " + dir + "/ckpt/step_20: its save finished"))
       << describe(r);
   EXPECT_TRUE(contains(r, "rank 1: error: cannot load the checkpoint " + dir + "/ckpt/step_20")) << describe(r);
-  EXPECT_TRUE(contains(r, "The older complete checkpoint " + dir + "/ckpt/step_15 is 5 steps behind it")) << describe(r);
+  EXPECT_TRUE(contains(r, "The older complete checkpoint " + dir + "/ckpt/step_15 is 5 steps behind it"))
+      << describe(r);
   RunResult older =
       fsdprun.run(under_fsdprun(2, with(keep_two(dir, 17), {"--training.resume=" + dir + "/ckpt/step_15"})), {}, 120);
   ASSERT_EQ(older.exit_code, 0) << describe(older);

@@ -147,8 +147,9 @@ std::optional<std::string> newest_saved_checkpoint(const std::string& root) {
 std::string unusable_checkpoint_message(const std::string& dir, const std::string& why) {
   const fs::path path(dir);
   const std::string root = path.parent_path().string();
+  const bool ends_sentence = !why.empty() && (why.back() == '.' || why.back() == '?');
   std::string m = "cannot resume from " + dir + ": its save finished, but it cannot be used: " + why +
-                  ". Nothing was started, and nothing pruned or deleted: " + dir +
+                  (ends_sentence ? " " : ". ") + "Nothing was started, and nothing pruned or deleted: " + dir +
                   " stays as it is; fsdp-train never falls back past it by itself";
   const std::string aside = (path.parent_path() / ("damaged-" + path.filename().string())).string();
   const std::optional<std::string> older = older_complete_checkpoint(root, dir);
