@@ -7,6 +7,7 @@
 
 #include <fsdp/dcp.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <stdexcept>
 #include <system_error>
@@ -48,6 +49,26 @@ ResumeChoice explicit_checkpoint(const std::string& dir) {
   const std::string problem = checkpoint_problem(dir);
   if (!problem.empty()) throw std::runtime_error("training.resume: " + unusable_checkpoint_message(dir, problem));
   return {dir, {}};
+}
+
+// A line for each step_<N> under root newer than `dir` whose save never finished: what auto
+// passes over when it takes `dir`.
+std::vector<std::string> interrupted_saves_after(const std::string& root, const std::string& dir) {
+  std::vector<std::string> lines;
+  const int64_t chosen = CheckpointManager::step_of(dir);
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string path = it->path().string();
+    try {
+      if (CheckpointManager::step_of(path) > chosen && !save_finished(path))
+        lines.push_back("resume: found " + path +
+                        ", which holds neither .metadata nor metadata.json (an interrupted save): passed over");
+    } catch (const std::exception&) {
+      // not a step_<N>: none of ours
+    }
+  }
+  std::sort(lines.begin(), lines.end());
+  return lines;
 }
 
 // The steps between `older` and `dir` as "N steps behind it", or "" when either is no step_<N>.
@@ -208,7 +229,9 @@ ResumeChoice resume_choice(const std::string& resume, const CheckpointManager& c
     // incomplete saves of its own format: those findings are not problems.
     const std::optional<std::string> own = resumable_checkpoint(scan);
     if (!own || CheckpointManager::step_of(*dcp) > CheckpointManager::step_of(*own)) {
-      return {*dcp, {"resume: using " + *dcp + ", the newest complete checkpoint (DCP layout)"}};
+      ResumeChoice c{*dcp, interrupted_saves_after(root, *dcp)};
+      c.notes.push_back("resume: using " + *dcp + ", the newest complete checkpoint (DCP layout)");
+      return c;
     }
     std::vector<std::string> findings;
     for (const auto& f : scan.findings)
