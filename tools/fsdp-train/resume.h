@@ -55,9 +55,9 @@ std::string unusable_checkpoint_message(const std::string& dir, const std::strin
 //   auto    first, the newest checkpoint whose save finished (newest_saved_checkpoint) must be
 //           complete: std::runtime_error with unusable_checkpoint_message otherwise. auto never
 //           falls back to an older checkpoint past one that was saved and is damaged: only
-//           interrupted saves are passed over. Then the newest complete DCP checkpoint
-//           root/step_<N> (dcp_checkpoints.h) when its N is
-//           larger than that of the checkpoint the project format offers (below); otherwise
+//           interrupted saves are passed over, each with a note. Then the newest complete
+//           DCP checkpoint root/step_<N> (dcp_checkpoints.h) when its N is larger than that of
+//           the checkpoint the project format offers (below); otherwise
 //   (auto)  the checkpoint `latest` names when it is complete; else the newest complete
 //           step_<N>, with notes saying what was wrong and what is used instead; else, when
 //           `root` holds a `latest` file or step_* directories, std::runtime_error naming

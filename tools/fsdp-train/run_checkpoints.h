@@ -47,8 +47,9 @@ class RunCheckpoints {
   // Collective: training.resume. Rank 0 chooses and says what it found; every rank loads the
   // same checkpoint into `state`, or every rank throws naming the ranks that could not (rank 0
   // with resume.h's unusable_checkpoint_message: the older complete checkpoint and how to
-  // continue from it by hand). A run that stops here has saved and pruned nothing. Returns the counters loaded (zero when starting
-  // from step 0). `tokens_per_step` gives the token count of a DCP checkpoint, which keeps none.
+  // continue from it by hand). A run that stops here has saved and pruned nothing. Returns the
+  // counters loaded (zero when starting from step 0). `tokens_per_step` gives the token count
+  // of a DCP checkpoint, which keeps none.
   TrainerCounters resume(const TrainingState& state, int64_t tokens_per_step);
 
   // Collective: saves `step` now and returns the directory written.
