@@ -23,6 +23,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev zlib1g-dev
   libopenmpi-dev openmpi-bin        # the MPI backend and mpirun (optional at build time)
   iproute2                          # ss, for the tests that look at listening sockets
+  dpkg-dev file                     # cpack -G DEB's dependency list (dpkg-shlibdeps) and the package test
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
   slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
