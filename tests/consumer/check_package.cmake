@@ -2,7 +2,8 @@
 # `dpkg -x` into a scratch root, used the way docs/own-program.md says:
 #   - the package holds the library (with its SONAME), headers, CMake and pkg-config files, tools;
 #   - the consumer project (this folder) builds against it with find_package(fsdp <version>
-#     REQUIRED), and runs; the next minor version is refused (SameMinorVersion);
+#     REQUIRED), and runs alone and as two ranks under the installed fsdprun; the next minor
+#     version is refused (SameMinorVersion);
 #   - the consumer's main.cpp builds against it with pkg-config alone, and runs;
 #   - the installed fsdprun runs the installed fsdp-train with no environment at all.
 # Run by ctest (tests/CMakeLists.txt) with FSDP_BINARY_DIR, CONSUMER_SOURCE_DIR, VERSION, WORK_DIR.
@@ -49,6 +50,13 @@ run(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/cmake" -G Ninja
 run(${CMAKE_COMMAND} --build "${WORK_DIR}/cmake")
 run(env -i "${WORK_DIR}/cmake/consumer")
 expect_in("${run_output}" "full_tensor matches")
+run(env -i "${root}/usr/bin/fsdprun" --standalone --nproc-per-node 2 "${WORK_DIR}/cmake/consumer")
+expect_in("${run_output}" "consumer rank 1: DeviceMesh('cpu', shape=[2]")
+string(REGEX MATCHALL "full_tensor matches" matches "${run_output}")
+list(LENGTH matches matched)
+if(NOT matched EQUAL 2)
+  message(FATAL_ERROR "expected both ranks to say 'full_tensor matches':\n${run_output}")
+endif()
 # The next minor version is another interface: refused, before any of the package is loaded.
 string(REGEX REPLACE "^([0-9]+)\\.([0-9]+)$" "\\1;\\2" parts "${major_minor}")
 list(GET parts 0 major)
