@@ -64,7 +64,9 @@ list(GET parts 1 minor)
 math(EXPR next_minor "${minor} + 1")
 file(WRITE "${WORK_DIR}/next/CMakeLists.txt"
      "cmake_minimum_required(VERSION 3.18)\nproject(next NONE)\nfind_package(fsdp ${major}.${next_minor} QUIET)\n"
-     "if(fsdp_FOUND)\n  message(FATAL_ERROR \"find_package(fsdp ${major}.${next_minor}) accepted \${fsdp_VERSION}\")\nendif()\n")
+     "if(fsdp_FOUND)\n  message(FATAL_ERROR \"find_package(fsdp ${major}.${next_minor}) accepted \${fsdp_VERSION}\")\nendif()\n"
+     "if(NOT \"${VERSION}\" IN_LIST fsdp_CONSIDERED_VERSIONS)\n"
+     "  message(FATAL_ERROR \"the package's fsdp ${VERSION} was not even considered: \${fsdp_CONSIDERED_CONFIGS}\")\nendif()\n")
 run(${CMAKE_COMMAND} -S "${WORK_DIR}/next" -B "${WORK_DIR}/next/build" "-DCMAKE_PREFIX_PATH=${root}/usr")
 
 # pkg-config alone: the same main.cpp, compiled and linked with what fsdp.pc says.
