@@ -35,7 +35,15 @@ set(CPACK_DEBIAN_PACKAGE_SECTION devel)
 set(CPACK_PACKAGE_DESCRIPTION
     "libfsdp, its headers, CMake (find_package(fsdp)) and pkg-config (fsdp) files, the launcher fsdprun and the trainer fsdp-train. Built against LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}, which it needs at that path.")
 # The Debian libraries it links (yaml-cpp, zlib, MPI, ...) from dpkg-shlibdeps; LibTorch's,
-# which no Debian package holds, are found in its folder and ask for nothing.
+# which no Debian package holds, are found in its folder and ask for nothing, and so is
+# libfsdp_cuda's CUDA runtime (the toolkit's or the wheel's).
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS_PRIVATE_DIRS "${TORCH_INSTALL_PREFIX}/lib")
+if(TARGET fsdp_cuda)
+  get_target_property(_fsdp_cudart CUDA::cudart IMPORTED_LOCATION)
+  if(_fsdp_cudart)
+    get_filename_component(_fsdp_cudart_dir "${_fsdp_cudart}" DIRECTORY)
+    list(APPEND CPACK_DEBIAN_PACKAGE_SHLIBDEPS_PRIVATE_DIRS "${_fsdp_cudart_dir}")
+  endif()
+endif()
 include(CPack)

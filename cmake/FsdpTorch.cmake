@@ -13,9 +13,9 @@
 
 # libtorch_cuda of the wheel finds the wheel's NCCL, cuDNN, ... (nvidia/*/lib beside torch/)
 # through its $ORIGIN rpath when it loads; the linker of an executable does not follow that, so
-# `target`, which links libtorch_cuda (fsdp_torch_cuda here; for a consumer's ${TORCH_LIBRARIES},
-# LibTorch's torch_cuda_library, fsdpConfig.cmake), tells it where they are. Does nothing for a LibTorch
-# without CUDA or without the nvidia-* wheels beside it.
+# `target`, which links libtorch_cuda, tells it where they are: fsdp_torch_cuda here, LibTorch's
+# torch_cuda_library for a consumer's ${TORCH_LIBRARIES} (fsdpConfig.cmake). Does nothing for a
+# LibTorch without CUDA or without the nvidia-* wheels beside it.
 function(fsdp_torch_cuda_link_paths target)
   if(NOT TARGET torch_cuda)
     return()
