@@ -6,7 +6,8 @@
 #     version is refused (SameMinorVersion);
 #   - the consumer's main.cpp builds against it with pkg-config alone, and runs;
 #   - the installed fsdprun runs the installed fsdp-train with no environment at all.
-# Run by ctest (tests/CMakeLists.txt) with FSDP_BINARY_DIR, CONSUMER_SOURCE_DIR, VERSION, WORK_DIR.
+# Run by ctest (tests/CMakeLists.txt) with FSDP_BINARY_DIR, CONSUMER_SOURCE_DIR, VERSION, WORK_DIR
+# and CPACK (the cpack of the CMake that configured the build).
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 function(run)
@@ -25,7 +26,7 @@ endfunction()
 string(REGEX MATCH "^[0-9]+\\.[0-9]+" major_minor "${VERSION}")
 
 # The package, from the built folder as it is (cpack installs it; nothing is compiled).
-run(cpack -G DEB --config "${FSDP_BINARY_DIR}/CPackConfig.cmake" -B "${WORK_DIR}/cpack")
+run("${CPACK}" -G DEB --config "${FSDP_BINARY_DIR}/CPackConfig.cmake" -B "${WORK_DIR}/cpack")
 file(GLOB deb "${WORK_DIR}/cpack/fsdp-cpp_${VERSION}_*.deb")
 if(NOT deb)
   message(FATAL_ERROR "cpack made no fsdp-cpp_${VERSION}_*.deb in ${WORK_DIR}/cpack")
