@@ -2,7 +2,8 @@
 # tensorboard_screenshot.sh — a manual check that TensorBoard shows fsdp-train's event files: trains
 # a short demo run with logging.tensorboard_dir (or takes a folder of event files), serves
 # TensorBoard on loopback, opens its Scalars dashboard in headless Chromium and saves a PNG. Look
-# at the picture: the train/loss chart should show a falling curve.
+# at the pictures: the train/loss chart should show a falling curve, the Text tab the config
+# (FILE_text.png).
 #   bash tools/tensorboard_screenshot.sh [--logdir DIR] [--steps N] [--out FILE.png]
 # Defaults: a fresh 100-step run of configs/gpl3.yaml on 2 ranks, out/tensorboard.png. Needs the
 # build (scripts/build.sh), tensorboard in the project's venv and Debian's chromium
@@ -70,8 +71,14 @@ PY
 
 mkdir -p "$(dirname "$out")"
 # The Scalars dashboard draws with SVG, which a headless browser without a GPU renders; the
-# virtual-time budget lets its scripts fetch and draw before the picture is taken.
-"$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1000 \
-  --virtual-time-budget=20000 --screenshot="$out" "${url}/#scalars&_smoothingWeight=0" 2>"$work/chromium.log" ||
-  { cat "$work/chromium.log" >&2; exit 1; }
-echo "tensorboard_screenshot.sh: $out (TensorBoard over $logdir); look at it: the train/loss chart should show a falling curve"
+# virtual-time budget lets its scripts fetch and draw before the picture is taken. The tag filter
+# keeps the train/ group (loss first) at the top; the Text tab's picture shows the config.
+shoot() {
+  "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1000 \
+    --virtual-time-budget=20000 --screenshot="$1" "$2" 2>"$work/chromium.log" || { cat "$work/chromium.log" >&2; exit 1; }
+}
+shoot "$out" "${url}/#scalars&tagFilter=train%2F&_smoothingWeight=0"
+text_out="${out%.png}_text.png"
+shoot "$text_out" "${url}/#text"
+echo "tensorboard_screenshot.sh: $out and $text_out (TensorBoard over $logdir); look at them: the" \
+     "train/loss chart should show a falling curve, the Text tab the run's config"

@@ -3,7 +3,7 @@
 
 #include "tfrecord.h"
 
-#include "tensorboard_event.pb.h"
+#include "proto/tensorboard_event.pb.h"
 
 #include <unistd.h>
 
