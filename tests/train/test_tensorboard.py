@@ -3,7 +3,8 @@
 A two-rank run under fsdprun with logging.tensorboard_dir and logging.jsonl; TensorBoard's
 EventAccumulator (tensorboard.backend.event_processing) loads the folder, and every scalar's
 tags, steps and values are checked against rank 0's JSONL metrics, the configuration against
-the Text tab's tensor. A resumed run adds a file of its own, and the reader sees each step once.
+the Text tab's tensor. A resumed run adds a file of its own, and the reader sees each step once:
+steps trained again after resuming from an older checkpoint replace the earlier file's.
 Run by ctest (tests/train/CMakeLists.txt), which passes the programs' paths in the environment
 and reports the test skipped when the venv has no tensorboard.
 """
@@ -102,3 +103,14 @@ def test_resumed_run_adds_a_file_and_each_step_once(tmp_path: pathlib.Path) -> N
     acc = accumulator(tmp_path / "tb")
     check_scalars_match(acc, rows)
     assert [e.step for e in acc.Tensors("config")] == [0, 2]
+
+
+def test_steps_trained_again_replace_the_earlier_ones(tmp_path: pathlib.Path) -> None:
+    train(tmp_path, 4)  # checkpoints at steps 2 and 4
+    # Back to step 2, with another learning rate so that steps 3 and 4 log other values.
+    train(tmp_path, 4, f"--training.resume={tmp_path}/ckpt/step_2", "--optimizer.lr=2e-3")
+    rows = jsonl(tmp_path / "m0.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4]  # the JSONL keeps both; the later counts
+    latest = list({r["step"]: r for r in rows}.values())
+    assert latest[2]["lr"] != rows[2]["lr"]
+    check_scalars_match(accumulator(tmp_path / "tb"), latest)
