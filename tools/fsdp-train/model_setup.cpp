@@ -155,7 +155,6 @@ void check_llama_supported(const TrainConfig& cfg) {
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) refuse("fsdp_config.sharding_strategy NO_SHARD");
   if (f.activation_checkpointing) refuse("fsdp_config.activation_checkpointing");
   if (f.output_head_group) refuse("fsdp_config.output_head_group");
-  if (cfg.sample.length > 0) refuse("sample.length > 0");
 }
 
 // The Llama family: each decoder layer its own group as soon as it is built (split over tp

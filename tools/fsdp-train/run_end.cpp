@@ -204,7 +204,9 @@ void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, Pa
   }
   // Byte-level data: the prompt's bytes, and the sample printed as text; otherwise token ids.
   const bool byte_level = cfg.data.source == "tokens" && data.vocab_size() <= 256;
-  if (cfg.sample.length > 0) print(generate_sample(args, full, cfg.sample, byte_level));
+  if (cfg.sample.length > 0)
+    print(pm.llama ? generate_sample(pm.llama->args(), full, cfg.sample, byte_level)
+                   : generate_sample(args, full, cfg.sample, byte_level));
 }
 
 }  // namespace train
