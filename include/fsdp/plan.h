@@ -158,6 +158,24 @@ struct ActivationOptions {
 ModelSpec transformer_spec(const TransformerShape& shape, const ActivationOptions& activations,
                            const TransformerSharding& sharding = {});
 
+// The shape of fsdp::models::Llama (include/fsdp/models/llama.h), as its config.json gives it.
+struct LlamaShape {
+  int64_t n_layers = 2, vocab_size = 64, hidden_size = 32, intermediate_size = 64, n_heads = 4, n_kv_heads = 2,
+          head_dim = 8, max_position_embeddings = 128;
+  bool attention_bias = false;       // q/k/v biases (Qwen2)
+  bool tie_word_embeddings = false;  // one weight for the embedding and the head, counted once
+};
+// The Llama family as the trainer shards it: one group per decoder layer, the root holding the
+// embedding, the final norm and the head (the tied weight once). A layer keeps its RMSNorms'
+// outputs and normalised inputs, the rotated queries, the (repeated) keys and values, the
+// attention's output and its contiguous copy, the residual, SwiGLU's gate, up, SiLU and product,
+// and its output. Throws std::invalid_argument for sizes the model refuses (n_heads not a
+// multiple of n_kv_heads, an odd head_dim, seq beyond max_position_embeddings, loss_chunks outside
+// [1, seq]); tensor parallelism and a head group of its own are not modelled for it and refused
+// (tensor_parallel > 1, output_head_group).
+ModelSpec llama_spec(const LlamaShape& shape, const ActivationOptions& activations,
+                     const TransformerSharding& sharding = {});
+
 // The process-group backend the collectives run on: its rates, and whether its scratch is in
 // tensor bytes (Gloo's always; MPI's for the collectives from 256 KiB that run on fsdp-cpp's
 // rings, while OpenMPI allocates its own for the smaller ones outside LibTorch).

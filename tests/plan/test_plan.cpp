@@ -555,6 +555,73 @@ TEST(PlanTransformer, RefusesSizesTheModelRefuses) {
   EXPECT_THROW(transformer_spec(ok, chunks), std::invalid_argument);
 }
 
+// configs/llama/config.json's shape: GQA (4 query heads, 2 key/value heads of 32), SwiGLU of 352, tied.
+LlamaShape shipped_llama() {
+  LlamaShape l;
+  l.n_layers = 4, l.vocab_size = 256, l.hidden_size = 128, l.intermediate_size = 352, l.n_heads = 4, l.n_kv_heads = 2,
+  l.head_dim = 32, l.max_position_embeddings = 256, l.tie_word_embeddings = true;
+  return l;
+}
+
+int64_t parameters_of(const ModelSpec& m) {
+  int64_t n = 0;
+  for (const GroupSpec& g : m.groups)
+    for (const ParamSpec& p : g.params) n += p.numel();
+  return n;
+}
+
+TEST(PlanLlama, GroupsHoldEveryParameterTheTiedHeadOnceAndTheBiasesWhenAsked) {
+  LlamaShape l = shipped_llama();
+  const ModelSpec tied = llama_spec(l, ActivationOptions{2, 10});
+  ASSERT_EQ(tied.groups.size(), 5u);  // the root and four decoder layers
+  // V D (tied) + D + L (2 D + D (2 Q + 2 K) + 3 D I), Q = 128, K = 64
+  EXPECT_EQ(parameters_of(tied), 256 * 128 + 128 + 4 * (2 * 128 + 128 * (2 * 128 + 2 * 64) + 3 * 128 * 352));
+  EXPECT_EQ(tied.groups[0].params.size(), 2u);  // embed_tokens (the head's too) and the final norm
+  l.tie_word_embeddings = false;
+  l.attention_bias = true;
+  const ModelSpec untied = llama_spec(l, ActivationOptions{2, 10});
+  EXPECT_EQ(parameters_of(untied), parameters_of(tied) + 256 * 128 + 4 * (128 + 2 * 64));
+  EXPECT_EQ(untied.groups[0].params.back().name, "lm_head.weight");
+  EXPECT_EQ(untied.groups[1].params.size(), 12u);  // nine weights and q/k/v's biases
+  ASSERT_EQ(untied.stages.size(), 6u);             // embedding, four layers, the head
+  // The tied weight's gradient is the head's (its backward comes first), not the embedding's too.
+  EXPECT_TRUE(tied.stages[0].grads.empty());
+  EXPECT_EQ(tied.stages[5].grads, (std::vector<int>{0, 1}));
+  EXPECT_EQ(untied.stages[0].grads, (std::vector<int>{0}));
+}
+
+TEST(PlanLlama, ALayerKeepsItsNormsRotatedQueriesRepeatedKeysAndValuesAndSwiGlu) {
+  const LlamaShape l = shipped_llama();
+  const ModelSpec m = llama_spec(l, ActivationOptions{2, 10});
+  const double N = 2 * 10, D = 128, Q = 128, I = 352;
+  // fp32: two norms (2 N D + N each), q, k and v repeated to Q, the output (4 N Q),
+  // the log-sum-exp (B H T), the residual and the output (2 N D), SwiGLU (4 N I).
+  EXPECT_DOUBLE_EQ(m.stages[1].saved_bytes, 4 * (4 * N * D + 2 * N + 4 * N * Q + 2 * 4 * 10 + 2 * N * D + 4 * N * I));
+  // Without grouped-query attention the keys and values stay at n_kv_heads x head_dim.
+  LlamaShape mha = l;
+  mha.n_kv_heads = 4;
+  EXPECT_DOUBLE_EQ(m.stages[1].saved_bytes - llama_spec(mha, ActivationOptions{2, 10}).stages[1].saved_bytes, 0);
+  mha.n_heads = 8;  // 8 query heads over 4 key/value heads of 32: Q = 256, K = 128, repeated to 256
+  const double q8 = 256;
+  EXPECT_DOUBLE_EQ(llama_spec(mha, ActivationOptions{2, 10}).stages[1].saved_bytes,
+                   4 * (4 * N * D + 2 * N + 4 * N * q8 + 2 * 8 * 10 + 2 * N * D + 4 * N * I));
+}
+
+TEST(PlanLlama, RefusesSizesTheModelRefusesAndWhatItDoesNotModel) {
+  LlamaShape l = shipped_llama();
+  l.n_kv_heads = 3;
+  EXPECT_THROW(llama_spec(l, ActivationOptions{1, 8}), std::invalid_argument);
+  EXPECT_THROW(llama_spec(shipped_llama(), ActivationOptions{1, 257}), std::invalid_argument);
+  TransformerSharding tp;
+  tp.tensor_parallel = 2;
+  try {
+    llama_spec(shipped_llama(), ActivationOptions{1, 8}, tp);
+    ADD_FAILURE() << "tensor_parallel 2 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor_parallel 2"), std::string::npos) << e.what();
+  }
+}
+
 TEST(PlanConstants, BuiltInConstantsParseAndAMissingKeyIsNamed) {
   const Constants c = measured_constants();
   EXPECT_GT(c.one_thread.matmul_flops_fp32, 0);

@@ -47,6 +47,22 @@ TEST(ModelSize, ParameterCountsOfThePresets) {
   EXPECT_EQ(transformer_parameters({8, 32000, 512, 768, 12}), 106225152);  // medium
 }
 
+// configs/llama/config.json: the tied head once, GQA's k/v, SwiGLU's three projections; untied
+// and with q/k/v biases (Qwen2) the head and the biases are added.
+TEST(ModelSize, LlamaParameterCountsAndARejectionNamingTheConfigJsonKey) {
+  ModelSizes l{4, 256, 256, 128, 4, true, 352, 2, 32, false, true};
+  EXPECT_EQ(llama_parameters(l), 771200);
+  ModelSizes qwen = l;
+  qwen.tie_word_embeddings = false;
+  qwen.attention_bias = true;
+  EXPECT_EQ(llama_parameters(qwen), 771200 + 256 * 128 + 4 * (128 + 2 * 64));
+  ModelSizes huge = l;
+  huge.intermediate_size = 1 << 24;
+  const std::string msg = rejection(huge, two_ranks());
+  EXPECT_EQ(msg.rfind("intermediate_size (config.json):", 0), 0u) << msg;
+  EXPECT_NE(msg.find(" parameters at 16 bytes"), std::string::npos) << msg;
+}
+
 TEST(ModelSize, ShippedSizesFitAndTheEstimateIsShardedOverTheWorld) {
   EXPECT_EQ(rejection(tiny(), two_ranks()), "");
   EXPECT_EQ(rejection({8, 32000, 512, 768, 12}, StepSizes{2, 2, 4, 1, 512}, 4 * kGiB), "");  // medium on 4 GiB

@@ -143,20 +143,6 @@ models::Transformer sharded_model(const TrainConfig& cfg, const models::ModelArg
   return models::sharded_transformer(args, block_options, root_options);
 }
 
-// What the trainer does with the Transformer and not (yet) with the Llama family: refused, never
-// ignored.
-void check_llama_supported(const TrainConfig& cfg) {
-  const FsdpConfig& f = cfg.fsdp_config;
-  auto refuse = [](const std::string& what) {
-    throw ConfigError(what +
-                      " is not supported with model.architecture llama; it trains under FULL_SHARD, "
-                      "SHARD_GRAD_OP or HYBRID_SHARD without it");
-  };
-  if (f.sharding_strategy == ShardingStrategy::NO_SHARD) refuse("fsdp_config.sharding_strategy NO_SHARD");
-  if (f.activation_checkpointing) refuse("fsdp_config.activation_checkpointing");
-  if (f.output_head_group) refuse("fsdp_config.output_head_group");
-}
-
 // The Llama family: each decoder layer its own group as soon as it is built (split over tp
 // first with model_parallel_size > 1: fsdp/models/llama_parallelize.h), then the root (the
 // embedding, the final norm and the head, tied or not, in one group).
@@ -241,6 +227,18 @@ void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Pr
 
 }  // namespace
 
+void check_llama_supported(const TrainConfig& cfg) {
+  const FsdpConfig& f = cfg.fsdp_config;
+  auto refuse = [](const std::string& what) {
+    throw ConfigError(what +
+                      " is not supported with model.architecture llama; it trains under FULL_SHARD, "
+                      "SHARD_GRAD_OP or HYBRID_SHARD without it");
+  };
+  if (f.sharding_strategy == ShardingStrategy::NO_SHARD) refuse("fsdp_config.sharding_strategy NO_SHARD");
+  if (f.activation_checkpointing) refuse("fsdp_config.activation_checkpointing");
+  if (f.output_head_group) refuse("fsdp_config.output_head_group");
+}
+
 bool is_llama(const ModelConfig& m) {
   if (m.architecture == "transformer" && !m.init_from.empty() && is_hf_model_dir(m.init_from))
     throw ConfigError("model.init_from " + m.init_from +
@@ -309,7 +307,14 @@ int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a) {
 }
 
 void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t seq, const RendezvousInfo& env) {
-  const ModelSizes m{a.n_layers, a.vocab_size, a.max_seq_len, a.dim, a.n_heads};
+  ModelSizes m{a.n_layers, a.vocab_size, a.max_seq_len, a.dim, a.n_heads};
+  if (is_llama(cfg.model)) {
+    const models::LlamaArgs l = llama_args_of(cfg.model, seq);
+    m = {l.num_hidden_layers, l.vocab_size,          l.max_position_embeddings,
+         l.hidden_size,       l.num_attention_heads, true,
+         l.intermediate_size, l.num_key_value_heads, l.head_dim,
+         l.attention_bias,    l.tie_word_embeddings};
+  }
   const DataParallelShape shape = data_parallel_shape(cfg, env.world_size, env.local_world_size);
   const StepSizes s{env.world_size,
                     env.local_world_size,

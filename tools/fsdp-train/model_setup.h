@@ -27,6 +27,10 @@ models::ModelArgs model_args_of(const ModelConfig& m);
 // Whether the configuration trains the Llama family: model.architecture llama, or a Hugging Face
 // directory (with config.json) as model.init_from.
 bool is_llama(const ModelConfig& m);
+// What the trainer does with the Transformer and not (yet) with the Llama family (NO_SHARD,
+// activation checkpointing, an output head group): throws ConfigError naming the key. The trainer
+// and `fsdp-train plan` both ask.
+void check_llama_supported(const TrainConfig& cfg);
 // The config.json that shapes a Llama: model.hf_config, else init_from's. Throws ConfigError when
 // neither names one, and (naming the file and key) what llama_args_from_hf_config throws.
 models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len);

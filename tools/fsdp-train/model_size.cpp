@@ -24,7 +24,36 @@ struct Part {
 
 int64_t shard_ranks(const StepSizes& s) { return std::max<int64_t>(1, s.shard_world > 0 ? s.shard_world : s.world); }
 
+double llama_layer_parameters(const ModelSizes& m) {
+  const double D = m.dim, Q = static_cast<double>(m.n_heads * m.head_dim),
+               K = static_cast<double>(m.n_kv_heads * m.head_dim), I = m.intermediate_size;
+  return 2 * D + D * (2 * Q + 2 * K) + 3 * D * I + (m.attention_bias ? Q + 2 * K : 0);
+}
+
+std::vector<Part> llama_parts(const ModelSizes& m, const StepSizes& s) {
+  const double per_param = 16.0 / static_cast<double>(shard_ranks(s));
+  const double V = m.vocab_size, D = m.dim, L = m.n_layers, I = m.intermediate_size;
+  const double W = s.world, k = s.accumulation, B = s.micro_batch, T = s.seq;
+  return {
+      {per_param * (m.tie_word_embeddings ? 1 : 2) * V * D + per_param * D,
+       {{"vocab_size (config.json)", V}, {"hidden_size (config.json)", D}},
+       m.tie_word_embeddings ? "the tied embedding and head" : "the embedding and the head"},
+      {per_param * L * llama_layer_parameters(m),
+       {{"num_hidden_layers (config.json)", L},
+        {"hidden_size (config.json)", D},
+        {"intermediate_size (config.json)", I}},
+       "the decoder layers"},
+      {8 * W * k * B * (T + 1),
+       {{"training.micro_batch_size", B}, {"training.gradient_accumulation_steps", k}, {"training.seq_len", T}},
+       "the step's global batch of tokens (drawn whole on every rank)"},
+      {2 * 4 * B * T * V,
+       {{"training.micro_batch_size", B}, {"training.seq_len", T}, {"vocab_size (config.json)", V}},
+       "a micro-batch's logits and their gradient"},
+  };
+}
+
 std::vector<Part> parts_of(const ModelSizes& m, const StepSizes& s) {
+  if (m.llama) return llama_parts(m, s);
   const double per_param = 16.0 / static_cast<double>(shard_ranks(s));
   const double V = m.vocab_size, D = m.dim, S = m.max_seq_len, L = m.n_layers, H = m.n_heads;
   const double W = s.world, k = s.accumulation, B = s.micro_batch, T = s.seq;
@@ -85,6 +114,11 @@ double transformer_parameters(const ModelSizes& m) {
   return 2 * V * D + S * D + L * (12 * D * D + 9 * D) + 2 * D;
 }
 
+double llama_parameters(const ModelSizes& m) {
+  return (m.tie_word_embeddings ? 1.0 : 2.0) * m.vocab_size * m.dim + m.dim +
+         static_cast<double>(m.n_layers) * llama_layer_parameters(m);
+}
+
 double bytes_per_rank(const ModelSizes& m, const StepSizes& s) {
   double total = 0;
   for (const Part& p : parts_of(m, s)) total += p.bytes;
@@ -103,7 +137,8 @@ void check_fits_in_memory(const ModelSizes& m, const StepSizes& s, double mem_to
       << " rank(s) on this machine need " << human_bytes(machine) << ", more than its memory ("
       << (mem_total_bytes > 0 ? human_bytes(mem_total_bytes) + ", MemTotal in /proc/meminfo" : "unknown; 2^63 bytes")
       << "). Most of it is " << part->what << ": " << factors(*part) << " = " << human_bytes(part->bytes)
-      << ". The model has " << number(transformer_parameters(m)) << " parameters at 16 bytes each (parameter, "
+      << ". The model has " << number(m.llama ? llama_parameters(m) : transformer_parameters(m))
+      << " parameters at 16 bytes each (parameter, "
       << "gradient, AdamW's two moments) sharded over " << shard_ranks(s)
       << " rank(s). Rule: the estimate per rank times the ranks "
       << "on this machine (LOCAL_WORLD_SIZE) must not exceed MemTotal. Lower " << key << ".";

@@ -11,7 +11,7 @@
 //            (fsdp::models::sharded_transformer), which holds less than training does
 //   data     the step's global batch (int64 tokens), which every rank draws whole
 //   compute  one micro-batch's logits and their gradient, and every layer's attention
-//            probabilities (kept for backward)
+//            probabilities (kept for backward; the Llama family's fused attention keeps none)
 // Rule: estimate per rank × the ranks on this machine (LOCAL_WORLD_SIZE) <= MemTotal.
 #pragma once
 
@@ -21,8 +21,14 @@ namespace fsdp {
 namespace train {
 
 // The sizes of fsdp::models::Transformer (include/fsdp/models/transformer.h).
+// For the Llama family (llama = true) dim is hidden_size and max_seq_len max_position_embeddings,
+// and its own sizes below count: SwiGLU's three projections of intermediate_size, grouped-query
+// k/v of n_kv_heads x head_dim, the q/k/v biases, the tied head once; no position embeddings.
 struct ModelSizes {
   int64_t n_layers = 0, vocab_size = 0, max_seq_len = 0, dim = 0, n_heads = 0;
+  bool llama = false;
+  int64_t intermediate_size = 0, n_kv_heads = 0, head_dim = 0;
+  bool attention_bias = false, tie_word_embeddings = false;
 };
 
 // The sizes of one optimizer step.
@@ -38,6 +44,9 @@ struct StepSizes {
 // The Transformer's parameter count, in double so that no configured size overflows it:
 // 2 * vocab * dim (embeddings, output) + max_seq_len * dim + n_layers * (12 dim^2 + 9 dim) + 2 dim.
 double transformer_parameters(const ModelSizes& m);
+// The Llama family's (m.llama): (1 or 2) * vocab * dim + dim + n_layers * (2 dim + dim * (2 q + 2 kv)
+// + 3 dim * intermediate + biases), q = n_heads * head_dim, kv = n_kv_heads * head_dim.
+double llama_parameters(const ModelSizes& m);
 
 // The estimate above, in bytes per rank.
 double bytes_per_rank(const ModelSizes& m, const StepSizes& s);

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -129,9 +130,25 @@ plan::Dtype dtype_of(Dtype d) {
   return plan::Dtype::kFloat32;
 }
 
+plan::LlamaShape llama_shape_of(const models::LlamaArgs& l) {
+  plan::LlamaShape s;
+  s.n_layers = l.num_hidden_layers;
+  s.vocab_size = l.vocab_size;
+  s.hidden_size = l.hidden_size;
+  s.intermediate_size = l.intermediate_size;
+  s.n_heads = l.num_attention_heads;
+  s.n_kv_heads = l.num_key_value_heads;
+  s.head_dim = l.head_dim;
+  s.max_position_embeddings = l.max_position_embeddings;
+  s.attention_bias = l.attention_bias;
+  s.tie_word_embeddings = l.tie_word_embeddings;
+  return s;
+}
+
 // What the planner is asked: the trainer's configuration, as the trainer would run it.
 struct Question {
-  plan::TransformerShape shape;
+  plan::TransformerShape shape;  // architecture llama: its n_layers, vocab, hidden_size and heads
+  std::optional<plan::LlamaShape> llama;
   plan::ActivationOptions activations;
   plan::TransformerSharding sharding;
   plan::PlanOptions options;
@@ -206,20 +223,22 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   DeviceSupport planned = device_support_for(cfg);
   if (f.device == "cuda") planned.cuda = true;
   check_supported(cfg, planned);
-  if (is_llama(cfg.model))
-    throw ConfigError(
-        "fsdp-train plan models the reference Transformer only, not model.architecture llama (SwiGLU, "
-        "grouped-query attention and a tied head change every term); plan a Transformer of similar size, or "
-        "measure a few steps with fsdp-train");
   Question q;
-  const models::ModelArgs preset = models::ModelArgs::preset(cfg.model.preset);
-  const auto& m = cfg.model;
-  q.shape = {m.n_layers.value_or(preset.n_layers),       m.vocab_size.value_or(preset.vocab_size),
-             m.max_seq_len.value_or(preset.max_seq_len), m.dim.value_or(preset.dim),
-             m.n_heads.value_or(preset.n_heads),         m.dropout_p.value_or(preset.dropout_p)};
   const auto& t = cfg.training;
+  if (is_llama(cfg.model)) {
+    check_llama_supported(cfg);
+    q.llama = llama_shape_of(llama_args_of(cfg.model, t.seq_len));
+    q.shape = {q.llama->n_layers, q.llama->vocab_size, q.llama->max_position_embeddings, q.llama->hidden_size,
+               q.llama->n_heads};
+  } else {
+    const models::ModelArgs preset = models::ModelArgs::preset(cfg.model.preset);
+    const auto& m = cfg.model;
+    q.shape = {m.n_layers.value_or(preset.n_layers),       m.vocab_size.value_or(preset.vocab_size),
+               m.max_seq_len.value_or(preset.max_seq_len), m.dim.value_or(preset.dim),
+               m.n_heads.value_or(preset.n_heads),         m.dropout_p.value_or(preset.dropout_p)};
+    check_model_parallel(cfg, a.world, q.shape.n_heads, q.shape.dim, q.shape.vocab_size);
+  }
   const int local = a.local_world > 0 ? a.local_world : a.world;
-  check_model_parallel(cfg, a.world, q.shape.n_heads, q.shape.dim, q.shape.vocab_size);
   q.sharding.tensor_parallel = f.model_parallel_size;
   q.sharding.vocab_parallel = f.vocab_parallel;
   q.sharding.output_head_group = f.output_head_group;
@@ -275,9 +294,19 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   return q;
 }
 
+// The model as the planner sees it; for the Llama family, n_layers and dim (hidden_size) come from
+// q.shape, which largest_fitting varies.
+plan::ModelSpec model_spec_of(const Question& q, const plan::ActivationOptions& activations) {
+  if (!q.llama) return plan::transformer_spec(q.shape, activations, q.sharding);
+  plan::LlamaShape l = *q.llama;
+  l.n_layers = q.shape.n_layers;
+  l.hidden_size = q.shape.dim;
+  return plan::llama_spec(l, activations, q.sharding);
+}
+
 plan::Plan plan_of(const Question& q) {
   try {
-    plan::ModelSpec model = plan::transformer_spec(q.shape, q.activations, q.sharding);
+    plan::ModelSpec model = model_spec_of(q, q.activations);
     model.input_bytes += q.resident_data_bytes;
     return plan::plan(model, q.options);
   } catch (const std::invalid_argument& e) {
@@ -285,8 +314,8 @@ plan::Plan plan_of(const Question& q) {
   }
 }
 
-int64_t parameter_count(const plan::TransformerShape& s) {
-  const plan::ModelSpec m = plan::transformer_spec(s, plan::ActivationOptions{1, 1});
+int64_t parameter_count(const Question& q) {
+  const plan::ModelSpec m = model_spec_of(q, plan::ActivationOptions{1, 1});
   int64_t n = 0;
   for (const auto& g : m.groups)
     for (const auto& p : g.params) n += p.numel();
@@ -397,7 +426,7 @@ std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& 
   std::ostringstream s;
   const auto& act = q.activations;
   s << "fsdp-train plan: " << (a.config.empty() ? "defaults" : a.config) << " at W=" << a.world << ": "
-    << parameter_count(q.shape) << " parameters (" << q.shape.n_layers << " layers, dim " << q.shape.dim << ", "
+    << parameter_count(q) << " parameters (" << q.shape.n_layers << " layers, dim " << q.shape.dim << ", "
     << q.shape.n_heads << " heads, vocab " << q.shape.vocab_size << "), " << q.strategy << " (" << q.mesh.replicate
     << " x " << q.mesh.shard << ")"
     << (q.sharding.tensor_parallel > 1
@@ -520,7 +549,7 @@ void print_json(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
   nlohmann::json j;
   j["description"] = describe(q, cfg, a);
   j["world"] = a.world;
-  j["parameters"] = parameter_count(q.shape);
+  j["parameters"] = parameter_count(q);
   j["device"] = plan::name_of(q.options.device_);
   j["constants_source"] = p.constants_source;
   j["step_time_modeled"] = p.step_time_modeled;
