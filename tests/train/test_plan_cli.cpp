@@ -106,6 +106,12 @@ TEST(PlanCli, PredictsTheLlamasPeakAtTwoRanksWithinTenPercent) {
   EXPECT_NE(r.err.find("fsdp_config.activation_checkpointing is not supported with model.architecture llama"),
             std::string::npos)
       << describe(r);
+  args = {"plan"};
+  for (const auto& a : llama_config({"--fsdp_config.model_parallel_size=2"})) args.push_back(a);
+  args.insert(args.end(), {"--world", "2"});
+  const RunResult tp = trainer.run(args, {}, 60);
+  EXPECT_EQ(tp.exit_code, 2) << describe(tp);
+  EXPECT_EQ(tp.err.find("fsdp-train: configuration error: fsdp_config.model_parallel_size: 2"), 0u) << describe(tp);
 }
 
 TEST(PlanCli, RefusesWhatTheTrainerRefusesNamingTheKey) {

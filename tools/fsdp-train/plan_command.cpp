@@ -227,6 +227,10 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   const auto& t = cfg.training;
   if (is_llama(cfg.model)) {
     check_llama_supported(cfg);
+    if (cfg.fsdp_config.model_parallel_size > 1)
+      throw ConfigError("fsdp_config.model_parallel_size: " + std::to_string(cfg.fsdp_config.model_parallel_size) +
+                        " with model.architecture llama: fsdp-train plan does not model the Llama family's tensor "
+                        "parallelism yet; plan it with model_parallel_size 1 (FSDP alone) or measure a few steps");
     q.llama = llama_shape_of(llama_args_of(cfg.model, t.seq_len));
     q.shape = {q.llama->n_layers, q.llama->vocab_size, q.llama->max_position_embeddings, q.llama->hidden_size,
                q.llama->n_heads};
