@@ -114,6 +114,26 @@ TEST(PlanCli, PredictsTheLlamasPeakAtTwoRanksWithinTenPercent) {
   EXPECT_EQ(tp.err.find("fsdp-train: configuration error: fsdp_config.model_parallel_size: 2"), 0u) << describe(tp);
 }
 
+// The trainer's check before a run counts the Llama's own parameters: a SwiGLU too wide for the
+// machine stops it at configuration time naming the config.json key, before anything is built.
+TEST(PlanCli, TheTrainersMemoryCheckCountsTheLlamasOwnParameters) {
+  TempDir dir;
+  std::string json = read_file(configs_dir() + "/llama/config.json");
+  const std::string narrow = "\"intermediate_size\": 352";
+  ASSERT_NE(json.find(narrow), std::string::npos);
+  json.replace(json.find(narrow), narrow.size(), "\"intermediate_size\": 17179869184");
+  std::ofstream(dir.path() + "/config.json") << json;
+  const RunResult r = trainer.run(
+      with(llama_config({}), {"--model.hf_config=" + dir.path() + "/config.json", "--training.steps=1",
+                              "--training.resume=never", "--fsdp_config.checkpoint_dir=" + dir.path() + "/c"}),
+      {}, 60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("configuration error: intermediate_size (config.json): this run needs at least"),
+            std::string::npos)
+      << describe(r);
+  EXPECT_NE(r.err.find("Most of it is the decoder layers"), std::string::npos) << describe(r);
+}
+
 TEST(PlanCli, RefusesWhatTheTrainerRefusesNamingTheKey) {
   std::vector<std::string> args = {"plan"};
   for (const auto& a : config({"--fsdp_config.model_parallel_size=2"})) args.push_back(a);
