@@ -3,6 +3,7 @@
 # that scripts/install-deps.sh installed (or FSDP_LIBTORCH; see scripts/torch-env.sh).
 #   scripts/build.sh [extra cmake -D options]
 #   FSDP_BUILD_DIR=build-cuda scripts/build.sh -DFSDP_USE_CUDA=ON    # the CUDA configuration
+#   FSDP_BUILD_TARGETS="fsdp-train fsdprun" scripts/build.sh            # only those, and what they link
 # With ccache installed, compilations go through it (cache in ~/.cache/fsdp-cpp/ccache): every
 # object file but the CUDA path's is the same in both configurations (cmake/FsdpTorch.cmake), so
 # the second configuration compiles only those and links.
@@ -32,5 +33,8 @@ if command -v ccache >/dev/null 2>&1; then
 fi
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
   -DCMAKE_PREFIX_PATH="$FSDP_TORCH_PREFIX" -DFSDP_PYTHON="$test_python" "$@"
-cmake --build "$build_dir" -j "${FSDP_BUILD_JOBS:-2}"
+# FSDP_BUILD_TARGETS: only these targets (and what they link), e.g. "fsdp-train fsdprun".
+targets=()
+for t in ${FSDP_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
+cmake --build "$build_dir" -j "${FSDP_BUILD_JOBS:-2}" "${targets[@]}"
 if [[ ${#launcher[@]} -gt 0 ]]; then ccache --show-stats 2>/dev/null | grep -Ei "hits|misses" | head -4 || true; fi
