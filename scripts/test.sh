@@ -45,9 +45,10 @@ configuration() {
     summaries+=("$name configuration ($dir/): built; ${counts:-ctest passed}")
     return
   fi
-  # ctest's list of the failed tests, "NN:name" per line.
+  # ctest's list of the failed tests: "<number> - <name> (Failed)" lines at the end of its output.
   local names
-  names=$(sed 's/^[0-9]*://' "$dir/Testing/Temporary/LastTestsFailed.log" 2>/dev/null | paste -sd, - | sed 's/,/, /g')
+  names=$(sed -n '/The following tests FAILED:/,$ s/^[[:space:]]*[0-9]* - \([^ ]*\) (.*/\1/p' "$log" | paste -sd, - |
+    sed 's/,/, /g')
   summaries+=("$name configuration ($dir/): built; ${counts:-ctest failed (status $status)}; FAILED: ${names:-see $log}")
   failed+=("the $name tests (${names:-see $log})")
 }

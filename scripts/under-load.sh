@@ -38,7 +38,9 @@ for ((i = 1; i <= runs; ++i)); do
   names=""
   if [[ $status -ne 0 ]]; then
     ((++failed_runs))
-    names=$(sed 's/^[0-9]*://' "$build_dir/Testing/Temporary/LastTestsFailed.log" 2>/dev/null | paste -sd' ' -)
+    # From this run's own output (ctest's "<number> - <name> (Failed)" lines): another ctest
+    # in the same folder may rewrite Testing/Temporary meanwhile.
+    names=$(sed -n '/The following tests FAILED:/,$ s/^[[:space:]]*[0-9]* - \([^ ]*\) (.*/\1/p' "$log" | paste -sd' ' -)
     for n in $names; do failures[$n]=$((${failures[$n]:-0} + 1)); done
   fi
   echo "under-load.sh: run $i of $runs ($((SECONDS - started)) s): ${counts:-ctest status $status}${names:+; failed: $names} ($log)"
