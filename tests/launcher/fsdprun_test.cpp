@@ -570,8 +570,8 @@ TEST(TwoNodes, FailureIsSharedDespiteAStalledStore) {
 TEST(TwoNodes, MissingNodeEndsTheRunAtTheJoinTimeout) {
   TempDir dir;
   const int port = free_port();
-  Process node0 = fsdprun.start(
-      with_worker({"--nnodes", "2", "--master-port", std::to_string(port), "--join-timeout", "2"}, {"env", dir.path()}));
+  Process node0 = fsdprun.start(with_worker(
+      {"--nnodes", "2", "--master-port", std::to_string(port), "--join-timeout", "2"}, {"env", dir.path()}));
   const double give_up = now_seconds() + 60;
   while (!can_connect(port) && now_seconds() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const double store_up = now_seconds();
