@@ -18,9 +18,9 @@ namespace {
 using namespace process_test;
 
 // The programs under test (paths from CMake).
-const Program fsdprun(FSDPRUN_BIN);
-const Program test_worker(TEST_WORKER_BIN);
-const Program store_worker(STORE_WORKER_BIN);
+const Program fsdprun(beside_this_program(FSDPRUN_BIN));
+const Program test_worker(beside_this_program(TEST_WORKER_BIN));
+const Program store_worker(beside_this_program(STORE_WORKER_BIN));
 
 using Args = std::vector<std::string>;
 
