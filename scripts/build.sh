@@ -25,11 +25,17 @@ build_dir="${FSDP_BUILD_DIR:-build}"
 launcher=()
 if command -v ccache >/dev/null 2>&1; then
   # Paths under the repository are hashed relative to the build folder, so that the two
-  # configurations' folders share entries; the precompiled headers need the sloppiness.
-  export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/fsdp-cpp/ccache}" CCACHE_BASEDIR="$PWD"
-  export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
-  export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-4G}"
-  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  # configurations' folders share entries; the precompiled headers need the sloppiness. The
+  # settings live in the build folder's compiler launcher, not only in this script's environment,
+  # so that a build started by hand (cmake --build, ninja) uses the same cache the same way:
+  # without them it went to ccache's default folder, where every file compiled with a
+  # precompiled header is uncacheable, and compiled the tree again.
+  ccache_env=("CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/fsdp-cpp/ccache}" "CCACHE_BASEDIR=$PWD"
+              "CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime"
+              "CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-4G}")
+  export "${ccache_env[@]}"  # for the statistics below
+  printf -v launcher_list '%s;' "$(command -v cmake)" -E env "${ccache_env[@]}" "$(command -v ccache)"
+  launcher=("-DCMAKE_CXX_COMPILER_LAUNCHER=${launcher_list%;}")
 fi
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
   -DCMAKE_PREFIX_PATH="$FSDP_TORCH_PREFIX" -DFSDP_PYTHON="$test_python" "$@"
