@@ -36,12 +36,12 @@ void check_sizes(const LlamaShape& l, const ActivationOptions& a, const Transfor
   require(l.n_layers >= 1 && l.vocab_size >= 1 && l.hidden_size >= 1 && l.intermediate_size >= 1 && l.n_heads >= 1 &&
               l.n_kv_heads >= 1 && l.head_dim >= 1 && l.max_position_embeddings >= 1,
           "every size must be >= 1");
-  require(l.n_heads % l.n_kv_heads == 0, "n_heads " + std::to_string(l.n_heads) + " is not a multiple of n_kv_heads " +
-                                             std::to_string(l.n_kv_heads));
+  require(l.n_heads % l.n_kv_heads == 0,
+          "n_heads " + std::to_string(l.n_heads) + " is not a multiple of n_kv_heads " + std::to_string(l.n_kv_heads));
   require(l.head_dim % 2 == 0, "head_dim " + std::to_string(l.head_dim) + " must be even (rotary pairs)");
-  require(a.seq >= 1 && a.seq <= l.max_position_embeddings,
-          "seq " + std::to_string(a.seq) + " must be in [1, max_position_embeddings " +
-              std::to_string(l.max_position_embeddings) + "]");
+  require(a.seq >= 1 && a.seq <= l.max_position_embeddings, "seq " + std::to_string(a.seq) +
+                                                                " must be in [1, max_position_embeddings " +
+                                                                std::to_string(l.max_position_embeddings) + "]");
   require(a.micro_batch >= 1, "micro_batch must be >= 1");
   require(a.loss_chunks >= 1 && a.loss_chunks <= a.seq,
           "loss_chunks " + std::to_string(a.loss_chunks) + " must be in [1, seq " + std::to_string(a.seq) + "]");
@@ -61,8 +61,7 @@ GroupSpec root_group(const LlamaShape& l) {
 }
 
 GroupSpec layer_group(const LlamaShape& l, int64_t i) {
-  const int64_t D = l.hidden_size, Q = l.n_heads * l.head_dim, K = l.n_kv_heads * l.head_dim,
-                I = l.intermediate_size;
+  const int64_t D = l.hidden_size, Q = l.n_heads * l.head_dim, K = l.n_kv_heads * l.head_dim, I = l.intermediate_size;
   const std::string p = "model.layers." + std::to_string(i) + ".";
   GroupSpec g{"model.layers." + std::to_string(i),
               {{p + "input_layernorm.weight", {D}},
@@ -75,9 +74,9 @@ GroupSpec layer_group(const LlamaShape& l, int64_t i) {
                {p + "mlp.up_proj.weight", {I, D}},
                {p + "mlp.down_proj.weight", {D, I}}}};
   if (l.attention_bias)
-    g.params.insert(g.params.end(), {{p + "self_attn.q_proj.bias", {Q}},
-                                     {p + "self_attn.k_proj.bias", {K}},
-                                     {p + "self_attn.v_proj.bias", {K}}});
+    g.params.insert(
+        g.params.end(),
+        {{p + "self_attn.q_proj.bias", {Q}}, {p + "self_attn.k_proj.bias", {K}}, {p + "self_attn.v_proj.bias", {K}}});
   return g;
 }
 
@@ -163,8 +162,7 @@ ModelSpec llama_spec(const LlamaShape& l, const ActivationOptions& a, const Tran
   m.device_input_bytes = 2 * 8.0 * N;
   m.stages.push_back(embedding_stage(l, a));
   for (int64_t i = 0; i < l.n_layers; ++i)
-    m.stages.push_back(
-        layer_stage(l, a, i, static_cast<int64_t>(m.groups[static_cast<size_t>(i + 1)].params.size())));
+    m.stages.push_back(layer_stage(l, a, i, static_cast<int64_t>(m.groups[static_cast<size_t>(i + 1)].params.size())));
   m.stages.push_back(head_stage(l, a));
   return m;
 }
