@@ -25,6 +25,7 @@ packages=(
   iproute2                          # ss, for the tests that look at listening sockets
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
+  doxygen                           # the API reference (docs/api/Doxyfile.in, ctest -L docs)
   slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
                                     # they start their own daemons and leave the system's services alone
 )
