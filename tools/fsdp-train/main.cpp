@@ -3,7 +3,7 @@
 //   fsdprun --standalone --nproc-per-node 2 fsdp-train configs/small.yaml [--section.key=value ...] [--trace]
 //   fsdp-train tokenize INPUT.txt OUTPUT.tokens        # byte-level token file for data.source: tokens
 //
-// Without a launcher it trains as one process (world size 1). See README.md and configs/.
+// Without a launcher it trains as one process (world size 1). See docs/trainer.md and configs/.
 #include "config.h"
 #include "data.h"
 #include "errors.h"
