@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails when README.md or docs/*.md names something of this repository that does not exist.
+"""Fails when README.md, docs/*.md or a folder's README.md names something of this repository
+that does not exist.
 
 Checked, outside fenced code blocks:
   - every Markdown link and image, [text](target) and ![alt](target): the file or folder it
@@ -10,7 +11,8 @@ Checked, outside fenced code blocks:
     (`step_<N>`, `*.cmake`, `state.{h,cpp}`) and paths under build outputs are not checked.
 Links to other sites (http:, https:, mailto:) are not fetched.
 
-Usage: check-doc-links.py [--root DIR] [FILE.md ...]   (default: README.md and docs/*.md)
+Usage: check-doc-links.py [--root DIR] [FILE.md ...]
+  (default: README.md, docs/*.md and every folder's README.md, build folders left out)
 Python 3 standard library only. Exit status 0 when everything exists, 1 otherwise, with one
 line per problem: FILE:LINE: what is missing.
 """
@@ -128,6 +130,15 @@ def check_page(page, root):
     return problems
 
 
+def default_pages(root):
+    """README.md, docs/*.md, and the README.md of every folder of the repository (build folders,
+    hidden folders and the virtual environment's left out)."""
+    readmes = [p for p in root.glob("*/**/README.md")
+               if not any(part.startswith((".", "build")) or part in ("node_modules", "venv")
+                          for part in p.relative_to(root).parts[:-1])]
+    return [root / "README.md"] + sorted((root / "docs").glob("*.md")) + sorted(readmes)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=pathlib.Path(__file__).resolve().parent.parent,
@@ -135,8 +146,11 @@ def main():
     parser.add_argument("pages", nargs="*", type=pathlib.Path)
     args = parser.parse_args()
     root = args.root.resolve()
-    pages = [p.resolve() for p in args.pages] or \
-        [root / "README.md"] + sorted((root / "docs").glob("*.md"))
+    pages = [p.resolve() for p in args.pages] or default_pages(root)
+    missing = [p for p in pages if not p.is_file()]
+    if missing:
+        print(f"check-doc-links: no such page: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
     problems = []
     for page in pages:
         problems += check_page(page, root)
