@@ -71,8 +71,8 @@ struct FlightRecord {
 /// The ring of this process's last collectives, and its dumps (see the file comment).
 class FlightRecorder {
  public:
-  static constexpr int64_t kDefaultCapacity =
-      4096;  ///< records kept unless FSDP_FLIGHT_RECORDER_ENTRIES or set_capacity says otherwise
+  /// Records kept unless FSDP_FLIGHT_RECORDER_ENTRIES or set_capacity says otherwise.
+  static constexpr int64_t kDefaultCapacity = 4096;
 
   /// The process's recorder (every ProcessGroup records here).
   static FlightRecorder& global();

@@ -67,8 +67,8 @@ const char* to_string(ReduceOp op);  ///< "sum", "avg", "max" or "min".
 /// The kinds of collective, used to index the per-group counters.
 enum class CollectiveKind : int { kAllGather = 0, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
 constexpr int kNumCollectiveKinds = 5;  ///< the number of CollectiveKind values
-const char* to_string(
-    CollectiveKind kind);  ///< "all_gather", "reduce_scatter", "all_reduce", "broadcast" or "barrier".
+/// "all_gather", "reduce_scatter", "all_reduce", "broadcast" or "barrier".
+const char* to_string(CollectiveKind kind);
 
 /// What one group did for one kind of collective, as seen by this rank.
 struct CollectiveCounters {
@@ -154,8 +154,8 @@ class Work {
   std::shared_ptr<detail::DeviceCompletion> device_;  ///< set when the collective runs on a stream
   std::function<void()> after_host_wait_;             ///< staged CUDA outputs: the copy back, once
 };
-using WorkHandle =
-    std::shared_ptr<Work>;  ///< what every collective returns: shared by the caller and the group until done
+/// What every collective returns: shared by the caller and the group until done.
+using WorkHandle = std::shared_ptr<Work>;
 
 /// A group of ranks that communicate. Obtain one from fsdp::world(), fsdp::new_group() or a
 /// DeviceMesh; never construct one directly. Methods are safe to call from any thread, but the

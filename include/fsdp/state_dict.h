@@ -27,9 +27,10 @@
 
 namespace fsdp {
 
-using ShardedStateDict =
-    torch::OrderedDict<std::string, DTensor>;  ///< FQN -> DTensor: this rank's pieces and their layout
-using TensorStateDict = torch::OrderedDict<std::string, at::Tensor>;  ///< FQN -> a plain (whole) tensor
+/// FQN -> DTensor: this rank's pieces and their layout.
+using ShardedStateDict = torch::OrderedDict<std::string, DTensor>;
+/// FQN -> a plain (whole) tensor.
+using TensorStateDict = torch::OrderedDict<std::string, at::Tensor>;
 
 /// Every parameter and buffer of `model` as a DTensor, in named_parameters() then named_buffers()
 /// order: parameters sharded by fully_shard as their DTensor (Shard(0), or the Shard(d) a

@@ -199,8 +199,8 @@ struct TargetColumns {
   at::Tensor here;    ///< bool [rows]: the target is among the rows held
   at::Tensor column;  ///< int64 [rows]: its column there, 0 where it is not
 };
-TargetColumns target_columns(const at::Tensor& targets, int64_t first,
-                             int64_t size);  ///< see TargetColumns. No communication.
+/// The TargetColumns of `targets` for the rows [first, first + size). No communication.
+TargetColumns target_columns(const at::Tensor& targets, int64_t first, int64_t size);
 /// The whole vocabulary's log-sum-exp and target logit of each row from this rank's: in place,
 /// `logsumexp` (fp32 [rows], of this rank's logits) becomes the whole rows', and `target_logit`
 /// (fp32 [rows], the target's logit where this rank holds the target, else 0) the target's logit
