@@ -26,6 +26,7 @@ packages=(
   libprotobuf-dev protobuf-compiler # fsdp-train's TensorBoard event files (logging.tensorboard_dir)
   libopenmpi-dev openmpi-bin        # the MPI backend and mpirun (optional at build time)
   iproute2                          # ss, for the tests that look at listening sockets
+  dpkg-dev file                     # cpack -G DEB's dependency list (dpkg-shlibdeps) and the package test
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
   doxygen                           # the API reference (docs/api/Doxyfile.in, ctest -L docs)
