@@ -3,6 +3,7 @@
 
 #include "config.h"
 
+#include <fsdp/models/llama.h>
 #include <fsdp/models/transformer.h>
 #include <fsdp/state_dict.h>
 
@@ -18,6 +19,9 @@ namespace train {
 // byte_level: the prompt is read as bytes and the sample printed as text; otherwise the prompt
 // is token 0 and the sample is printed as token ids. Returns the text to print, header included.
 std::string generate_sample(const models::ModelArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
+                            bool byte_level);
+// The same for the Llama family (the context is the last max_position_embeddings tokens).
+std::string generate_sample(const models::LlamaArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
                             bool byte_level);
 
 }  // namespace train

@@ -79,16 +79,15 @@ std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelA
 
 // AdamW, FusedAdamW, or, with the parameters offloaded and the optimizer state kept on a GPU,
 // DeviceStateAdamW with its state on `device`.
-std::unique_ptr<torch::optim::AdamW> optimizer_of(const TrainConfig& cfg, torch::nn::Module& model,
+std::unique_ptr<torch::optim::AdamW> optimizer_of(const TrainConfig& cfg, const std::vector<at::Tensor>& params,
                                                   const c10::Device& device) {
   const OptimizerConfig& o = cfg.optimizer;
   const auto options =
       torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
-  if (steps_with_device_state_adamw(cfg))
-    return std::make_unique<optim::DeviceStateAdamW>(model.parameters(), options, device);
+  if (steps_with_device_state_adamw(cfg)) return std::make_unique<optim::DeviceStateAdamW>(params, options, device);
   // FusedAdamW is an AdamW (same state and checkpoints), so the rest of the trainer needs no branch.
-  if (o.fused) return std::make_unique<optim::FusedAdamW>(model.parameters(), options);
-  return std::make_unique<torch::optim::AdamW>(model.parameters(), options);
+  if (o.fused) return std::make_unique<optim::FusedAdamW>(params, options);
+  return std::make_unique<torch::optim::AdamW>(params, options);
 }
 
 class Run {
@@ -109,7 +108,7 @@ class Run {
   void report_step(StepReport& r, const StepVotes& votes);
   int stop(int64_t step, StepVerdict verdict, const StepVotes& votes);
   void finish(int64_t last_step);
-  TrainingState state() { return {*pm_.model, *optimizer_, pm_.mesh, scaler_.get()}; }
+  TrainingState state() { return {pm_.module(), *optimizer_, pm_.mesh, scaler_.get()}; }
   TrainerCounters counters() const { return {done_steps_, tokens_seen_}; }
   int64_t tokens_per_step() const { return static_cast<int64_t>(pm_.dp_world) * accumulation_ * batch_ * seq_; }
   void print(const std::string& text) {
@@ -155,8 +154,8 @@ void Run::set_up() {
                                                   [this](const std::string& line) { print(line); });
   checkpoints_->check_dir();
   pm_ = parallelize_model(cfg_, args_, precision_, env.local_world_size);
-  load_initial_weights(cfg_, pm_.model, [this](const std::string& line) { print(line); });
-  optimizer_ = optimizer_of(cfg_, *pm_.model, pm_.mesh.device());
+  load_initial_weights(cfg_, pm_.module(), [this](const std::string& line) { print(line); });
+  optimizer_ = optimizer_of(cfg_, pm_.parameters(), pm_.mesh.device());
   // The world group agrees on overflows: every rank skips a step together.
   if (precision_.loss_scaling) scaler_ = std::make_unique<GradScaler>();
 }
@@ -294,7 +293,7 @@ StepReport Run::compute_step(int64_t step) {
     trace::Span span("compute", "grad_norm");
     if (scaler_) scaler_->unscale_(*optimizer_);  // the true gradients, for the norm and clipping
     const double max_norm = cfg_.training.max_grad_norm;
-    r.grad_norm = clip_grad_norm_(pm_.model->parameters(), max_norm > 0 ? max_norm : INFINITY);
+    r.grad_norm = clip_grad_norm_(pm_.parameters(), max_norm > 0 ? max_norm : INFINITY);
   }
   r.optimizer_s = now_seconds() - n0;
   r.step_s = now_seconds() - t0;
@@ -327,7 +326,7 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
     // The loss in fp32 whatever the compute dtype (torchtitan's .float()): a bf16 log-softmax
     // over the vocabulary loses the small differences training follows.
     // training.loss_chunks > 1 computes it a piece of the sequence at a time (forward_loss).
-    loss = call_method(pm_.model, &models::TransformerImpl::forward_loss, inputs, targets, cfg_.training.loss_chunks);
+    loss = pm_.forward_loss(inputs, targets, cfg_.training.loss_chunks);
     if (accumulation_ > 1) loss = loss / static_cast<double>(accumulation_);
   }
   const double b0 = now_seconds();
@@ -443,7 +442,7 @@ void Run::finish(int64_t last_step) {
     record_.tokens_per_step = tokens_per_step();
     write_summary(cfg_, args_, pm_, precision_, record_, rank_ == 0 ? console_.get() : nullptr);
   }
-  export_and_sample(cfg_, args_, pm_.model, *data_, [this](const std::string& line) { print(line); });
+  export_and_sample(cfg_, args_, pm_, *data_, [this](const std::string& line) { print(line); });
 }
 
 }  // namespace
