@@ -30,6 +30,7 @@ packages=(
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
   doxygen                           # the API reference (docs/api/Doxyfile.in, ctest -L docs)
+  stress-ng                         # scripts/under-load.sh: the suite beside CPU-bound neighbours
   slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
                                     # they start their own daemons and leave the system's services alone
 )
