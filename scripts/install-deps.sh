@@ -25,6 +25,7 @@ packages=(
   iproute2                          # ss, for the tests that look at listening sockets
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
+  libsentencepiece-dev sentencepiece  # fsdp-train tokenize --tokenizer (the library) and spm_train (the demo, tests)
   slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
                                     # they start their own daemons and leave the system's services alone
 )
@@ -78,6 +79,24 @@ install_torch_wheel() {
   "$FSDP_PYTHON" -c "import torch; print('install-deps: torch', torch.__version__, 'at', torch.__file__)"
 }
 
+# Python packages beside torch that only some tests and tools need, added to a venv that already
+# has torch (a venv made before they were listed gets them on the next run).
+python_extras=(
+  tokenizers                        # tools/pretokenize.py: tokenizer.json (byte-level BPE) to token files
+)
+install_python_extras() {
+  if [[ -n "${FSDP_LIBTORCH:-}" ]]; then return; fi
+  local missing=()
+  for p in "${python_extras[@]}"; do
+    "$FSDP_PYTHON" -c "import ${p}" 2>/dev/null || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    echo "install-deps: installing ${missing[*]} into ${FSDP_VENV}"
+    "$FSDP_VENV/bin/pip" install -q --disable-pip-version-check "${missing[@]}"
+  fi
+}
+
 note_old_packages
 install_debian_packages
 install_torch_wheel
+install_python_extras

@@ -9,6 +9,11 @@
 #   bash scripts/run-demo.sh --training.steps=100 --trace
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `run-demo.sh llama`: the SentencePiece-tokenized demo, a script of its own.
+if [[ "${1:-}" == llama ]]; then
+  shift
+  exec bash scripts/run-demo-llama.sh "$@"
+fi
 bash scripts/install-deps.sh
 bash scripts/build.sh
 text=/usr/share/common-licenses/GPL-3

@@ -2,7 +2,6 @@
 #include "run_end.h"
 
 #include "agreement.h"
-#include "data.h"
 #include "sample.h"
 
 #include <fsdp/memory.h>
@@ -161,7 +160,7 @@ std::string write_trace(const TrainConfig& cfg, int rank) {
 }
 
 void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, models::Transformer& model,
-                       const DataSource& data, const std::function<void(const std::string&)>& print) {
+                       const Tokenizer* tokenizer, const std::function<void(const std::string&)>& print) {
   const std::string path = resolved_export_path(cfg);
   if (!path.empty() && ends_with(path, ".safetensors")) {
     save_safetensors(sharded_state_dict(*model), path);
@@ -178,9 +177,7 @@ void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, mo
     save_pytorch_state_dict(full, path);
     print("export: " + path + " (PyTorch state dict: torch.load() in Python)");
   }
-  // Byte-level data: the prompt's bytes, and the sample printed as text; otherwise token ids.
-  const bool byte_level = cfg.data.source == "tokens" && data.vocab_size() <= 256;
-  if (cfg.sample.length > 0) print(generate_sample(args, full, cfg.sample, byte_level));
+  if (cfg.sample.length > 0) print(generate_sample(args, full, cfg.sample, tokenizer));
 }
 
 }  // namespace train
