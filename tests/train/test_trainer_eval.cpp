@@ -99,12 +99,15 @@ TEST(TrainerEval, SameLossAtOneAndTwoRanksAndAsPyTorchComputesIt) {
   EXPECT_NEAR(w1, std::stod(m[1]), 1e-5 * w1) << "fsdp-train eval " << w1 << ", PyTorch " << m[1];
 }
 
-// eval.interval: the eval loss is in the step lines and the JSONL of the steps it names, and the
-// last one is what `fsdp-train eval` gives for the final checkpoint.
+// eval.interval: the eval loss is in the step lines and the JSONL of the steps it names, the
+// last one is what `fsdp-train eval` gives for the final checkpoint, and evaluating changes
+// nothing of training: the losses are bitwise those of a run without it (dropout on, so the
+// random stream would show an evaluation that drew from it).
 TEST(TrainerEval, IntervalLogsTheEvalLossInTheStepLineAndTheJsonl) {
   TempDir dir;
   const std::string tokens = byte_tokens(dir, 20000);
-  const auto train = with(eval_args(dir, tokens, 4), {"--eval.interval=3", "--eval.batches=2"});
+  const auto train =
+      with(eval_args(dir, tokens, 4), {"--eval.interval=3", "--eval.batches=2", "--model.dropout_p=0.1"});
   RunResult t = fsdprun.run(under_fsdprun(2, train), {}, 120);
   ASSERT_EQ(t.exit_code, 0) << describe(t);
   EXPECT_TRUE(std::regex_search(t.out, std::regex("step: 3  loss: \\S+  eval loss: \\S+"))) << describe(t);
@@ -117,6 +120,13 @@ TEST(TrainerEval, IntervalLogsTheEvalLossInTheStepLineAndTheJsonl) {
   }
   ASSERT_EQ(logged.size(), 2u) << "steps 3 (the interval) and 4 (the last)";
   ASSERT_TRUE(logged.count(3) && logged.count(4));
+  TempDir plain;
+  RunResult p = fsdprun.run(under_fsdprun(2, with(eval_args(plain, tokens, 4), {"--model.dropout_p=0.1"})), {}, 120);
+  ASSERT_EQ(p.exit_code, 0) << describe(p);
+  const auto with_eval = read_metrics(dir / "m0.jsonl"), without = read_metrics(plain / "m0.jsonl");
+  ASSERT_EQ(with_eval.size(), 4u);
+  ASSERT_EQ(without.size(), 4u);
+  for (const auto& [step, m] : without) EXPECT_EQ(with_eval.at(step).loss, m.loss) << "step " << step;
 
   RunResult e =
       fsdprun.run(under_fsdprun(2, with({"eval"}, with(eval_args(dir, tokens, 4), {"--eval.batches=2"}))), {}, 120);
