@@ -42,7 +42,11 @@ def main(argv=None):
     p.add_argument("input", help="the text to tokenize (UTF-8)")
     p.add_argument("output", help="the token file to write")
     a = p.parse_args(argv)
-    from tokenizers import Tokenizer
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        sys.exit("pretokenize: the `tokenizers` package is missing: run scripts/install-deps.sh and use the "
+                 "venv's Python (scripts/torch-env.sh), or pip install tokenizers")
 
     try:
         tok = Tokenizer.from_file(a.tokenizer)

@@ -125,10 +125,14 @@ TEST(TokenFiles, AnIdBeyondTheModelsVocabularyIsNamedWithItsFileAndPosition) {
   EXPECT_NE(e.find("model.vocab_size (256)"), std::string::npos) << e;
   EXPECT_THROW(token_file_data(dir / "big.bin", 0, 256), ConfigError);
   EXPECT_NO_THROW(token_file_data(dir / "big.bin", 0, 501));
-  // The own format records its vocabulary: one above the model's is refused before any id.
+  // The own format records its vocabulary: one above the model's is refused even when the ids
+  // fit, and an id that does not fit is named.
   write_token_file(dir / "v.tokens", {1, 2}, 1000);
   const std::string own = error_of([&] { token_file_data(dir / "v.tokens", 0, 256); });
   EXPECT_NE(own.find("vocabulary of 1000"), std::string::npos) << own;
+  write_token_file(dir / "w.tokens", {1, 2, 700}, 1000);
+  const std::string id = error_of([&] { token_file_data(dir / "w.tokens", 0, 256); });
+  EXPECT_NE(id.find(dir / "w.tokens" + ": token 2 is id 700"), std::string::npos) << id;
 }
 
 TEST(TokenFiles, OwnFormatWithAnIdAtOrAboveItsVocabularyIsRefused) {

@@ -236,8 +236,10 @@ std::unique_ptr<DataSource> synthetic_data(int64_t vocab_size, int64_t data_seed
 
 std::unique_ptr<DataSource> token_file_data(const std::string& path, int64_t data_seed, int64_t model_vocab) {
   auto d = std::make_unique<TokenFileData>(path, data_seed);
-  if (d->header().format == TokenFileFormat::kLlmc) check_ids_below(path, d->tokens(), model_vocab);
-  else if (d->vocab_size() > model_vocab)
+  // The first id the model cannot embed, named; then a recorded vocabulary larger than the
+  // model's, even when this file's ids happen to fit (its tokenizer can make ones that do not).
+  check_ids_below(path, d->tokens(), model_vocab);
+  if (d->header().format == TokenFileFormat::kFsdp && d->vocab_size() > model_vocab)
     throw ConfigError("data.path " + path + " has a vocabulary of " + std::to_string(d->vocab_size()) +
                       " but model.vocab_size is " + std::to_string(model_vocab) + "; raise model.vocab_size");
   return d;

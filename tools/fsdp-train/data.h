@@ -77,8 +77,8 @@ class DataSource {
 // data_seed + step.
 std::unique_ptr<DataSource> synthetic_data(int64_t vocab_size, int64_t data_seed);
 // Windows of a token file (data.path, either format) at positions drawn with a generator seeded
-// data_seed + step. Throws ConfigError when its ids do not fit a model of `model_vocab` (a
-// token file's recorded vocabulary above it; an llm.c file's id at or above it, named), and
+// data_seed + step. Throws ConfigError when its ids do not fit a model of `model_vocab` (an id
+// at or above it, named; a recorded vocabulary above it, for files that record one), and
 // std::runtime_error when the file is shorter than seq + 1 tokens (checked at the first batch).
 std::unique_ptr<DataSource> token_file_data(const std::string& path, int64_t data_seed, int64_t model_vocab);
 

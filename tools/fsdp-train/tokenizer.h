@@ -14,7 +14,6 @@
 namespace fsdp {
 namespace train {
 
-// Not thread-safe to share across threads while loading; encode and decode are const.
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;

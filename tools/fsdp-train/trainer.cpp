@@ -173,8 +173,10 @@ void Run::set_up() {
   batch_ = cfg_.training.micro_batch_size;
   accumulation_ = cfg_.training.gradient_accumulation_steps;
   schedule_ = lr_schedule(cfg_);
-  data_ = data_of(cfg_, args_);
-  tokenizer_ = sample_tokenizer(cfg_, args_, *data_);
+  if (mode_ == RunMode::kTrain) {  // evaluation reads eval.path only
+    data_ = data_of(cfg_, args_);
+    tokenizer_ = sample_tokenizer(cfg_, args_, *data_);
+  }
 
   join_job(env);
   checkpoints_ = std::make_unique<RunCheckpoints>(cfg_, run_identity(cfg_, args_),
