@@ -10,6 +10,24 @@
 # libfsdp_cuda, which links the whole of LibTorch (fsdp_torch_cuda: libtorch_cuda, c10_cuda, the
 # CUDA runtime) and which libfsdp loads when it is itself loaded. Installed beside
 # fsdpConfig.cmake, which includes it the same way for find_package(fsdp).
+
+# libtorch_cuda of the wheel finds the wheel's NCCL, cuDNN, ... (nvidia/*/lib beside torch/)
+# through its $ORIGIN rpath when it loads; the linker of an executable does not follow that, so
+# `target`, which links libtorch_cuda, tells it where they are: fsdp_torch_cuda here, LibTorch's
+# torch_cuda_library for a consumer's ${TORCH_LIBRARIES} (fsdpConfig.cmake). Does nothing for a
+# LibTorch without CUDA or without the nvidia-* wheels beside it.
+function(fsdp_torch_cuda_link_paths target)
+  if(NOT TARGET torch_cuda)
+    return()
+  endif()
+  get_filename_component(_site_packages "${TORCH_INSTALL_PREFIX}/.." ABSOLUTE)
+  file(GLOB _nvidia_lib_dirs LIST_DIRECTORIES true "${_site_packages}/nvidia/*/lib")
+  if(_nvidia_lib_dirs)
+    string(REPLACE ";" ":" _rpath_link "${_nvidia_lib_dirs}")
+    set_property(TARGET ${target} APPEND PROPERTY INTERFACE_LINK_OPTIONS "LINKER:-rpath-link,${_rpath_link}")
+  endif()
+endfunction()
+
 if(NOT TARGET fsdp_torch)
   add_library(fsdp_torch INTERFACE IMPORTED GLOBAL)
   set_target_properties(fsdp_torch PROPERTIES
@@ -35,13 +53,7 @@ if(NOT TARGET fsdp_torch)
     set(FSDP_CUDA_INCLUDE_DIRS ${CUDAToolkit_INCLUDE_DIRS} "${FSDP_NCCL_INCLUDE_DIR}")
     add_library(fsdp_torch_cuda INTERFACE IMPORTED GLOBAL)
     set_target_properties(fsdp_torch_cuda PROPERTIES INTERFACE_LINK_LIBRARIES "torch;CUDA::cudart")
-    # libtorch_cuda finds the wheel's NCCL, cuDNN, ... through its $ORIGIN rpath when it loads;
-    # the linker of an executable does not follow that, so it is told where they are.
-    file(GLOB _fsdp_nvidia_lib_dirs LIST_DIRECTORIES true "${_fsdp_site_packages}/nvidia/*/lib")
-    if(_fsdp_nvidia_lib_dirs)
-      string(REPLACE ";" ":" _fsdp_rpath_link "${_fsdp_nvidia_lib_dirs}")
-      set_property(TARGET fsdp_torch_cuda APPEND PROPERTY INTERFACE_LINK_OPTIONS "LINKER:-rpath-link,${_fsdp_rpath_link}")
-    endif()
+    fsdp_torch_cuda_link_paths(fsdp_torch_cuda)
     message(STATUS "fsdp: the CUDA path is built (CUDA ${CUDAToolkit_VERSION}, nccl.h in ${FSDP_NCCL_INCLUDE_DIR})")
   endif()
 endif()

@@ -15,20 +15,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/torch-env.sh
+FSDP_TENSORBOARD_VERSION=2.21.0
+FSDP_MATPLOTLIB_VERSION=3.11.2
+FSDP_TOKENIZERS_VERSION=0.23.3
 
 packages=(
   cmake ninja-build g++ make pkg-config
   python3-venv                      # the virtual environment that holds the PyTorch wheel
   libgtest-dev libbenchmark-dev     # tests and benchmarks
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev zlib1g-dev
+  libprotobuf-dev protobuf-compiler # fsdp-train's TensorBoard event files (logging.tensorboard_dir)
   libopenmpi-dev openmpi-bin        # the MPI backend and mpirun (optional at build time)
   iproute2                          # ss, for the tests that look at listening sockets
+  dpkg-dev file                     # cpack -G DEB's dependency list (dpkg-shlibdeps) and the package test
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
   libsentencepiece-dev sentencepiece  # fsdp-train tokenize --tokenizer (the library) and spm_train (the demo, tests)
   slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
                                     # they start their own daemons and leave the system's services alone
 )
+
+# tools/tensorboard_screenshot.sh, a manual check, needs a headless browser: opt in with
+# FSDP_SCREENSHOT_TOOLS=1 (Debian's chromium, some 300 MB with its libraries).
+if [[ "${FSDP_SCREENSHOT_TOOLS:-0}" == 1 ]]; then packages+=(chromium); fi
 
 as_root() {
   if [[ ${EUID:-$(id -u)} -eq 0 ]]; then "$@"; else sudo "$@"; fi
@@ -79,24 +88,19 @@ install_torch_wheel() {
   "$FSDP_PYTHON" -c "import torch; print('install-deps: torch', torch.__version__, 'at', torch.__file__)"
 }
 
-# Python packages beside torch that only some tests and tools need, added to a venv that already
-# has torch (a venv made before they were listed gets them on the next run).
-python_extras=(
-  tokenizers                        # tools/pretokenize.py: tokenizer.json (byte-level BPE) to token files
-)
-install_python_extras() {
-  if [[ -n "${FSDP_LIBTORCH:-}" ]]; then return; fi
-  local missing=()
-  for p in "${python_extras[@]}"; do
-    "$FSDP_PYTHON" -c "import ${p}" 2>/dev/null || missing+=("$p")
-  done
-  if ((${#missing[@]})); then
-    echo "install-deps: installing ${missing[*]} into ${FSDP_VENV}"
-    "$FSDP_VENV/bin/pip" install -q --disable-pip-version-check "${missing[@]}"
-  fi
+# The Python-side tools beside torch, added to a venv made before they were listed: tensorboard
+# (its event reader checks fsdp-train's TensorBoard files; tests/train/test_tensorboard.py),
+# matplotlib (bench/plot_readme.py draws the README's pictures) and tokenizers
+# (tools/pretokenize.py: a tokenizer.json's byte-level BPE to token files).
+install_python_tools() {
+  if [[ -n "${FSDP_LIBTORCH:-}" ]]; then return; fi  # FSDP_PYTHON is the user's own: left alone
+  if "$FSDP_PYTHON" -c "import tensorboard, matplotlib, tokenizers" 2>/dev/null; then return; fi
+  echo "install-deps: installing tensorboard, matplotlib and tokenizers into ${FSDP_VENV}"
+  "$FSDP_VENV/bin/pip" install -q --disable-pip-version-check "tensorboard==${FSDP_TENSORBOARD_VERSION}" \
+      "matplotlib==${FSDP_MATPLOTLIB_VERSION}" "tokenizers==${FSDP_TOKENIZERS_VERSION}"
 }
 
 note_old_packages
 install_debian_packages
 install_torch_wheel
-install_python_extras
+install_python_tools

@@ -175,6 +175,21 @@ TEST(TrainConfig, TrainerKeys) {
   EXPECT_THROW(load_config("", {"--training.export="}), ConfigError);
 }
 
+// logging.tensorboard_dir, and the configuration as given (the file's text and the overrides in
+// order), which the TensorBoard file records as text.
+TEST(TrainConfig, TensorBoardDirAndSource) {
+  const std::string text = "# a comment kept\ntraining:\n  steps: 5\n";
+  const std::string path = write_yaml(text);
+  TrainConfig c = load_config(path, {"--logging.tensorboard_dir=tb", "--training.steps=7"});
+  EXPECT_EQ(c.logging.tensorboard_dir, "tb");
+  EXPECT_EQ(c.source.path, path);
+  EXPECT_EQ(c.source.text, text);
+  EXPECT_EQ(c.source.overrides, (std::vector<std::string>{"--logging.tensorboard_dir=tb", "--training.steps=7"}));
+  EXPECT_EQ(load_config("", {}).logging.tensorboard_dir, "");  // off by default
+  EXPECT_TRUE(load_config("", {}).source.path.empty());
+  EXPECT_TRUE(load_config("", {}).source.text.empty());
+}
+
 TEST(TrainConfig, BetasAsSeparateKeys) {
   const std::string path = write_yaml("optimizer:\n  beta1: 0.5\n  beta2: 0.6\n");
   TrainConfig c = load_config(path, {"--optimizer.beta2=0.7"});

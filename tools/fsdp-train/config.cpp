@@ -324,6 +324,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"logging", "trace_dir", string(c.logging.trace_dir)},
       {"logging", "summary_json", string(c.logging.summary_json)},
       {"logging", "summary_warmup", int_at_least(c.logging.summary_warmup, 0)},
+      {"logging", "tensorboard_dir", string(c.logging.tensorboard_dir)},
 
       {"sample", "length", int_at_least(c.sample.length, 0)},
       {"sample", "prompt", string(c.sample.prompt)},
@@ -550,8 +551,10 @@ void load_section(Loader& loader, const std::string& path, const std::string& se
   }
 }
 
-void load_file(Loader& loader, const std::string& path) {
-  const YAML::Node root = parse_yaml(path, read_config_text(path));
+// Returns the file's text (a pipe can be read once only).
+std::string load_file(Loader& loader, const std::string& path) {
+  std::string text = read_config_text(path);
+  const YAML::Node root = parse_yaml(path, text);
   // An empty file (or only comments) is more often a wrong or truncated file than a wish for
   // the defaults, which running without a config file gives.
   if (root.IsNull())
@@ -570,6 +573,7 @@ void load_file(Loader& loader, const std::string& path) {
     }
     load_section(loader, path, section, sec.second);
   }
+  return text;
 }
 
 void apply_override(Loader& loader, const std::string& arg) {
@@ -598,8 +602,10 @@ std::string origin_of(const TrainConfig& cfg, const std::string& key) {
 TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
   TrainConfig cfg;
   Loader loader(cfg);
-  if (!yaml_path.empty()) load_file(loader, yaml_path);
+  if (!yaml_path.empty()) cfg.source.text = load_file(loader, yaml_path);
   for (const auto& o : overrides) apply_override(loader, o);
+  cfg.source.path = yaml_path;
+  cfg.source.overrides = overrides;
   // The rules across keys that need no model knowledge.
   const std::string where = yaml_path.empty() ? std::string("command line") : yaml_path;
   if (cfg.data.source == "tokens" && cfg.data.path.empty())

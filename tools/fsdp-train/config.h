@@ -249,6 +249,7 @@ struct LoggingConfig {
   std::string trace_dir = "./trace";  // with trace: trace_rank<r>.json per rank
   std::string summary_json;           // rank 0 writes the run's summary here (one JSON object); empty = none
   int64_t summary_warmup = 2;         // >= 0; leading steps left out of the summary's medians
+  std::string tensorboard_dir;        // rank 0 writes TensorBoard event files here (tensorboard.h); empty = none
 };
 
 // After training, rank 0 generates a sample with the trained model (length 0 = none).
@@ -269,6 +270,13 @@ struct TrainConfig {
   TrainingConfig training;
   LoggingConfig logging;
   SampleConfig sample;
+  // The configuration as given, for the logs that record it (TensorBoard's Text tab): the
+  // config file's path and text (both empty without a file) and the command-line overrides.
+  struct Source {
+    std::string path, text;
+    std::vector<std::string> overrides;
+  };
+  Source source;
   // Where each key given was set, "file.yaml:12" or "command line (--section.key=v)", by
   // "section.key"; keys left at their default are absent. For errors found after loading.
   std::map<std::string, std::string> origins;

@@ -33,6 +33,7 @@
 #include "schedule.h"
 #include "step_control.h"
 #include "stop_signal.h"
+#include "tensorboard.h"
 #include "tokenizer.h"
 
 #include <fsdp/call.h>
@@ -157,6 +158,7 @@ class Run {
   std::unique_ptr<RunCheckpoints> checkpoints_;
   std::unique_ptr<Console> console_;
   JsonlWriter jsonl_;
+  TensorBoardWriter tensorboard_;  // open on rank 0 with logging.tensorboard_dir; the eval loss goes here too
 
   int64_t start_step_ = 0;  // steps done before this process started (restored from a checkpoint)
   int64_t done_steps_ = 0;  // optimizer steps done so far
@@ -219,11 +221,15 @@ void Run::join_job(const RendezvousInfo& env) {
   print(note.str());
 }
 
-// The console, this rank's JSONL file and the opening line.
+// The console, this rank's JSONL file, rank 0's TensorBoard file and the opening line.
 void Run::start_logging() {
   console_ = std::make_unique<Console>(rank_ == 0 ? cfg_.logging.progress : "off", start_step_, cfg_.training.steps);
   const std::string jsonl = jsonl_path_for_rank(cfg_.logging.jsonl, rank_);
   if (!jsonl.empty()) jsonl_.open(jsonl, /*append=*/start_step_ > 0);
+  if (rank_ == 0 && !cfg_.logging.tensorboard_dir.empty()) {
+    tensorboard_.open(cfg_.logging.tensorboard_dir, start_step_ + 1);
+    tensorboard_.text(kConfigTag, start_step_, config_markdown(cfg_));
+  }
   std::ostringstream hello;
   hello << "fsdp-train: " << pm_.parameter_count << " parameters (" << args_.n_layers << " layers, dim " << args_.dim
         << ", " << args_.n_heads << " heads, vocab " << args_.vocab_size << ", max_seq_len " << args_.max_seq_len
@@ -463,6 +469,7 @@ void Run::report_step(StepReport& r, const StepVotes& votes) {
   record_.losses.push_back(r.loss);
   record_.step_times.push_back(r.step_s);
   jsonl_.write(r, rank_);
+  tensorboard_.step(r, rank_);
   if (rank_ != 0) return;
   if (printed) console_->step_line(r);
   else console_->progress(r.step);
