@@ -106,8 +106,8 @@ TEST(TrainerEval, SameLossAtOneAndTwoRanksAndAsPyTorchComputesIt) {
 TEST(TrainerEval, IntervalLogsTheEvalLossInTheStepLineAndTheJsonl) {
   TempDir dir;
   const std::string tokens = byte_tokens(dir, 20000);
-  const auto train =
-      with(eval_args(dir, tokens, 4), {"--eval.interval=3", "--eval.batches=2", "--model.dropout_p=0.1"});
+  const auto train = with(eval_args(dir, tokens, 4), {"--eval.interval=3", "--eval.batches=2", "--model.dropout_p=0.1",
+                                                      "--logging.tensorboard_dir=" + dir / "tb"});
   RunResult t = fsdprun.run(under_fsdprun(2, train), {}, 120);
   ASSERT_EQ(t.exit_code, 0) << describe(t);
   EXPECT_TRUE(std::regex_search(t.out, std::regex("step: 3  loss: \\S+  eval loss: \\S+"))) << describe(t);
@@ -120,6 +120,27 @@ TEST(TrainerEval, IntervalLogsTheEvalLossInTheStepLineAndTheJsonl) {
   }
   ASSERT_EQ(logged.size(), 2u) << "steps 3 (the interval) and 4 (the last)";
   ASSERT_TRUE(logged.count(3) && logged.count(4));
+  // TensorBoard's eval/loss has the same steps and values (as 32-bit floats, TensorBoard's).
+  if (!std::string(FSDP_TEST_PYTHON).empty()) {
+    const Program python(FSDP_TEST_PYTHON);
+    const std::string read_scalars =
+        "import sys\n"
+        "from tensorboard.backend.event_processing import event_accumulator as ea\n"
+        "acc = ea.EventAccumulator(sys.argv[1], size_guidance={ea.SCALARS: 0})\n"
+        "acc.Reload()\n"
+        "for e in acc.Scalars('eval/loss'): print('eval/loss', e.step, repr(e.value))\n";
+    RunResult tb = python.run({"-c", read_scalars, dir / "tb"}, {}, 120);
+    if (tb.exit_code == 0) {
+      for (const auto& [step, loss] : logged) {
+        const std::string line = "eval/loss " + std::to_string(step) + " ";
+        const size_t at = tb.out.find(line);
+        ASSERT_NE(at, std::string::npos) << describe(tb);
+        EXPECT_EQ(std::stof(tb.out.substr(at + line.size())), static_cast<float>(loss)) << describe(tb);
+      }
+    } else {
+      EXPECT_TRUE(contains(tb, "No module named 'tensorboard'")) << describe(tb);  // the package only is missing
+    }
+  }
   TempDir plain;
   RunResult p = fsdprun.run(under_fsdprun(2, with(eval_args(plain, tokens, 4), {"--model.dropout_p=0.1"})), {}, 120);
   ASSERT_EQ(p.exit_code, 0) << describe(p);

@@ -470,6 +470,7 @@ void Run::report_step(StepReport& r, const StepVotes& votes) {
   record_.step_times.push_back(r.step_s);
   jsonl_.write(r, rank_);
   tensorboard_.step(r, rank_);
+  if (r.eval_loss) tensorboard_.eval_loss(r.step, *r.eval_loss);  // open on rank 0 only
   if (rank_ != 0) return;
   if (printed) console_->step_line(r);
   else console_->progress(r.step);
