@@ -366,7 +366,8 @@ class Reader {
     const auto cached = numbers_.find(key);
     if (cached != numbers_.end()) return cached->second;
     const auto e = meta_.entries.find(key);
-    TORCH_CHECK(e != meta_.entries.end(), kLoad, "'", meta_.path, "' has no key '", key, "'");
+    TORCH_CHECK(e != meta_.entries.end(), kLoad, "'", meta_.path, "' has no key '", key, "'",
+                key.rfind("optimizer.", 0) == 0 ? " (was it saved by another optimizer than Adam/AdamW?)" : "");
     double v = 0;
     if (!e->second.is_bytes) {
       TORCH_CHECK(e->second.shape.empty(), kLoad, "key '", key, "' in '", meta_.path, "' is a tensor of shape ",

@@ -60,6 +60,10 @@ TEST(TrainerDcp, ResumeAutoTakesTheNewestCompleteDcpCheckpoint) {
   const RunResult again = fsdprun.run(under_fsdprun(2, dcp_args(dir.path(), kSteps)), {}, 180);
   ASSERT_EQ(again.exit_code, 0) << describe(again);
   EXPECT_NE(again.out.find("resumed from " + dir / "ckpt/step_10" + " at step 10"), std::string::npos) << again.out;
+  EXPECT_NE(again.out.find("resume: found " + dir / "ckpt/step_15" +
+                           ", which holds neither .metadata nor metadata.json (an interrupted save): passed over"),
+            std::string::npos)
+      << again.out;
 }
 
 // A DCP checkpoint written by Python: fsdp-train's step_10, read back by Python's own DCP reader

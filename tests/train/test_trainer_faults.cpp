@@ -108,7 +108,8 @@ TEST(TrainerFaults, ALatestThatIsASymbolicLinkIsNotReadNorQuoted) {
   EXPECT_FALSE(contains(r, "root:")) << describe(r);
 }
 
-// A checksum that fails is found only by loading: the run names the older checkpoint that loads.
+// A checksum that fails is found only by loading: the run stops, naming the older checkpoint
+// (test_trainer_damaged_checkpoints.cpp has every kind of damage, in both formats).
 TEST(TrainerFaults, ACorruptedLatestCheckpointNamesTheOlderCompleteOne) {
   TempDir tmp;
   const std::string dir = tmp / "run";
@@ -121,11 +122,10 @@ TEST(TrainerFaults, ACorruptedLatestCheckpointNamesTheOlderCompleteOne) {
   }
   RunResult r = fsdprun.run(under_fsdprun(2, keep_two(dir, 22)), {}, 120);
   expect_workers_exited(r, 1);
-  EXPECT_TRUE(contains(r, "cannot load the checkpoint " + dir + "/ckpt/step_20")) << describe(r);
-  EXPECT_TRUE(contains(r, "The older complete checkpoint " + dir +
-                              "/ckpt/step_15 may load: run again with "
-                              "training.resume: " +
-                              dir + "/ckpt/step_15"))
+  EXPECT_TRUE(contains(r, "training.resume: auto: cannot resume from " + dir + "/ckpt/step_20: its save finished"))
+      << describe(r);
+  EXPECT_TRUE(contains(r, "rank 1: error: cannot load the checkpoint " + dir + "/ckpt/step_20")) << describe(r);
+  EXPECT_TRUE(contains(r, "The older complete checkpoint " + dir + "/ckpt/step_15 is 5 steps behind it"))
       << describe(r);
   RunResult older =
       fsdprun.run(under_fsdprun(2, with(keep_two(dir, 17), {"--training.resume=" + dir + "/ckpt/step_15"})), {}, 120);
@@ -164,14 +164,17 @@ TEST(TrainerFaults, ResumeAutoWithNoCompleteCheckpointStopsAndStartsNothingOver)
   EXPECT_FALSE(contains(only_latest, "garbage")) << describe(only_latest);
 }
 
+// A path that holds no finished save is the configuration's mistake; a damaged checkpoint's stop
+// is test_trainer_damaged_checkpoints.cpp's.
 TEST(TrainerFaults, ResumeFromAnIncompleteCheckpointPathIsAConfigurationError) {
   TempDir tmp;
   const std::string dir = tmp / "run";
   copy_twenty_steps(dir);
-  fs::remove(dir + "/ckpt/step_20/rank_1.data");
+  fs::remove(dir + "/ckpt/step_20/metadata.json");
   RunResult r = trainer.run(with(keep_two(dir, 25), {"--training.resume=" + dir + "/ckpt/step_20"}), {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_TRUE(contains(r, "training.resume: not a complete checkpoint: " + dir + "/ckpt/step_20")) << describe(r);
+  EXPECT_TRUE(contains(r, "training.resume: not a complete checkpoint: " + dir + "/ckpt/step_20 has no metadata.json"))
+      << describe(r);
 }
 
 // Node-local disks: rank 1 runs in another directory, so the relative checkpoint_dir that rank

@@ -23,18 +23,41 @@ struct ResumeChoice {
 // else the newest complete step_<N>; none when no checkpoint is complete.
 std::optional<std::string> resumable_checkpoint(const CheckpointManager::Scan& scan);
 
-// The complete checkpoint under `root` with the largest step below `dir`'s, for a run that
-// cannot load `dir` (a checksum that fails, which completeness does not check); none when there
-// is none. Not collective.
+// The complete checkpoint under `root`, in either format, with the largest step below `dir`'s,
+// for a run that cannot load `dir`; none when there is none. Not collective.
 std::optional<std::string> older_complete_checkpoint(const std::string& root, const std::string& dir);
+
+// Among root/step_<N>, the one with the largest N whose save finished, in either format: it
+// holds its last-written file (the project format's metadata.json, DCP's .metadata), whatever
+// else is wrong with it. A directory without one is an interrupted save. None when there is
+// none. Not collective; never throws.
+std::optional<std::string> newest_saved_checkpoint(const std::string& root);
+
+// Why `dir`, in either format, is not a complete checkpoint ("" when it is): the file, key or
+// check that failed, as the format's reader says it. Reads only metadata and file sizes (not
+// the data: checksums and keys are checked as it loads). Not collective; never throws.
+std::string checkpoint_problem(const std::string& dir);
+
+// The one message a run stops with when a checkpoint whose save finished cannot be used,
+// whether training.resume named it or auto found it, and whether the scan or the load found
+// what is wrong (`why`: the file, the key or the check). It names `dir`, says that nothing was
+// started or pruned, and names the older complete checkpoint under dir's parent with the steps
+// it is behind and how to continue from it by hand (move `dir` aside, to a name no run reads,
+// prunes or overwrites). Not collective.
+std::string unusable_checkpoint_message(const std::string& dir, const std::string& why);
 
 // training.resume:
 //   never   start from step 0 (whatever the directory holds);
 //   <path>  that checkpoint, in either format (a directory with a DCP .metadata, e.g. a Python
-//           trainer's dcp.save, is read as DCP); ConfigError naming it and what is wrong unless
-//           it is complete;
-//   auto    the newest complete DCP checkpoint root/step_<N> (dcp_checkpoints.h) when its N is
-//           larger than that of the checkpoint the project format offers (below); otherwise
+//           trainer's dcp.save, is read as DCP); ConfigError naming it when it holds no
+//           checkpoint's last file; std::runtime_error with unusable_checkpoint_message when it
+//           does but is not complete;
+//   auto    first, the newest checkpoint whose save finished (newest_saved_checkpoint) must be
+//           complete: std::runtime_error with unusable_checkpoint_message otherwise. auto never
+//           falls back to an older checkpoint past one that was saved and is damaged: only
+//           interrupted saves are passed over, each with a note. Then the newest complete
+//           DCP checkpoint root/step_<N> (dcp_checkpoints.h) when its N is larger than that of
+//           the checkpoint the project format offers (below); otherwise
 //   (auto)  the checkpoint `latest` names when it is complete; else the newest complete
 //           step_<N>, with notes saying what was wrong and what is used instead; else, when
 //           `root` holds a `latest` file or step_* directories, std::runtime_error naming

@@ -109,28 +109,20 @@ TrainerCounters RunCheckpoints::load(const std::string& dir, const TrainingState
   } catch (const std::exception& e) {
     problem = error_text(e);
   }
+  const std::string what = "cannot load the checkpoint " + dir;
   try {
-    throw_unless_every_rank_ok(problem, "cannot load the checkpoint " + dir);
+    throw_unless_every_rank_ok(problem, what);
   } catch (const std::runtime_error& e) {
-    throw std::runtime_error(e.what() + older_checkpoint_hint(dir));
+    // The checksums, keys and optimizer are checked only as every rank loads: the same stop as
+    // for damage the scan finds (rank 0 says it in full; the other ranks' lines stay short).
+    if (rank_ != 0) throw;
+    const std::string ranks = std::string(e.what()).substr(what.size() + 2);  // "rank R: ..."
+    const std::string setting = cfg_.training.resume == "auto" ? "training.resume: auto: " : "training.resume: ";
+    throw std::runtime_error(setting + unusable_checkpoint_message(dir, ranks));
   }
   last_saved_step_ = counters.steps_done;
   last_saved_dir_ = dir;
   return counters;
-}
-
-// A checkpoint that scans complete can still fail its checksums; the older one that would
-// load is named, since training.resume: auto would choose the broken one again (rank 0 says
-// it; the other ranks' lines stay short).
-std::string RunCheckpoints::older_checkpoint_hint(const std::string& dir) const {
-  if (rank_ != 0) return "";
-  const std::string root = std::filesystem::path(dir).parent_path().string();
-  const std::optional<std::string> older = older_complete_checkpoint(root, dir);
-  if (!older) return ". No older complete checkpoint is left under " + root;
-  const std::string again =
-      cfg_.training.resume == "auto" ? " (training.resume: auto would choose " + dir + " again)" : "";
-  return ". The older complete checkpoint " + *older + " may load: run again with training.resume: " + *older +
-         " to continue from it" + again;
 }
 
 std::string RunCheckpoints::save(int64_t step, const TrainingState& state, const TrainerCounters& counters) {

@@ -45,9 +45,11 @@ class RunCheckpoints {
   void check_dir();
 
   // Collective: training.resume. Rank 0 chooses and says what it found; every rank loads the
-  // same checkpoint into `state`, or every rank throws naming the ranks that could not (and an
-  // older complete checkpoint that may load). Returns the counters loaded (zero when starting
-  // from step 0). `tokens_per_step` gives the token count of a DCP checkpoint, which keeps none.
+  // same checkpoint into `state`, or every rank throws naming the ranks that could not (rank 0
+  // with resume.h's unusable_checkpoint_message: the older complete checkpoint and how to
+  // continue from it by hand). A run that stops here has saved and pruned nothing. Returns the
+  // counters loaded (zero when starting from step 0). `tokens_per_step` gives the token count
+  // of a DCP checkpoint, which keeps none.
   TrainerCounters resume(const TrainingState& state, int64_t tokens_per_step);
 
   // Collective: saves `step` now and returns the directory written.
@@ -74,7 +76,6 @@ class RunCheckpoints {
   bool dcp_format() const { return cfg_.fsdp_config.checkpoint_format == "dcp"; }
   std::string agreed_resume_dir();
   TrainerCounters load(const std::string& dir, const TrainingState& state, int64_t tokens_per_step);
-  std::string older_checkpoint_hint(const std::string& dir) const;
   std::string save_dcp(int64_t step, const TrainingState& state, int64_t steps_done);
 
   const TrainConfig& cfg_;
