@@ -100,7 +100,21 @@ install_python_tools() {
       "matplotlib==${FSDP_MATPLOTLIB_VERSION}" "tokenizers==${FSDP_TOKENIZERS_VERSION}"
 }
 
+# transformers, the oracle of the Llama family's interop checks (tests/interop/test_llama.py):
+# pinned to the version they were written against (it works with torch 2.15), with safetensors
+# for reading and writing the files. Skipped with FSDP_LIBTORCH (no venv of ours).
+FSDP_TRANSFORMERS_VERSION=5.25.0
+install_transformers() {
+  if [[ -n "${FSDP_LIBTORCH:-}" ]]; then return; fi
+  if "$FSDP_PYTHON" -c "import sys, transformers, safetensors; sys.exit(transformers.__version__ != '${FSDP_TRANSFORMERS_VERSION}')" 2>/dev/null; then
+    return
+  fi
+  echo "install-deps: installing transformers==${FSDP_TRANSFORMERS_VERSION} into ${FSDP_VENV}"
+  "$FSDP_VENV/bin/pip" install -q --disable-pip-version-check "transformers==${FSDP_TRANSFORMERS_VERSION}" safetensors
+}
+
 note_old_packages
 install_debian_packages
 install_torch_wheel
 install_python_tools
+install_transformers

@@ -248,6 +248,8 @@ std::vector<Field> fields_of(TrainConfig& c) {
          f.reshard_after_forward = v;
        }},
 
+      {"model", "architecture", choice(m.architecture, {"transformer", "llama"})},
+      {"model", "hf_config", string(m.hf_config)},
       {"model", "preset", choice(m.preset, {"tiny", "small", "medium"})},
       {"model", "n_layers", opt_positive_int(m.n_layers)},
       {"model", "vocab_size", opt_positive_int(m.vocab_size)},
@@ -313,9 +315,10 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"training", "export",
        [&t](const YAML::Node& n) {
          std::string v = to_string_value(n);
-         require(!v.empty(), "expected auto, none or a path, got nothing");
+         require(!v.empty(), "expected auto, none, hf, hf:<dir> or a path, got nothing");
          t.export_path = v;
        }},
+      {"training", "export_dtype", choice(t.export_dtype, {"float32", "bfloat16", "float16"})},
 
       {"logging", "log_interval", int_at_least(c.logging.log_interval, 1)},
       {"logging", "jsonl", string(c.logging.jsonl)},

@@ -147,6 +147,13 @@ constexpr double kMaxCollectiveTimeoutS = 30.0 * 24 * 3600;  // 30 days
 // The model: a preset (tiny | small | medium, as fsdp::models::ModelArgs::preset) and optional
 // overrides of each ModelArgs field; an unset override keeps the preset's value.
 struct ModelConfig {
+  // transformer: the reference Transformer (fsdp/models/transformer.h), shaped by preset and the
+  // keys below. llama: the Llama family's decoder (fsdp/models/llama.h), shaped by a Hugging
+  // Face config.json: hf_config's, or init_from's when init_from is a Hugging Face directory
+  // (which selects llama by itself when architecture is not given); preset and the size keys do
+  // not apply to it. Empty: not given (transformer unless init_from is a Hugging Face directory).
+  std::string architecture;
+  std::string hf_config;  // a config.json for architecture llama without a Hugging Face init_from
   std::string preset = "tiny";
   std::optional<int64_t> n_layers;     // > 0
   std::optional<int64_t> vocab_size;   // > 0
@@ -157,7 +164,8 @@ struct ModelConfig {
   // The weights to start from instead of the seeded random initialisation; empty = none. A
   // PyTorch state dict file (Python's torch.save(model.state_dict(), path)), read whole on every
   // rank, or a safetensors directory (training.export=<name>.safetensors writes one), of which
-  // each rank reads only its shards' rows.
+  // each rank reads only its shards' rows, or a Hugging Face model directory (config.json and
+  // safetensors: architecture llama, its shape from config.json, each rank reading its rows).
   std::string init_from;
   // Parameters that do not train, each entry a parameter or module FQN (tok_embeddings,
   // layers.0.attention.wq.weight): their parameters get requires_grad = false, so they have no
@@ -238,7 +246,11 @@ struct TrainingConfig {
   int64_t keep_checkpoints = 2;  // >= 0; newest checkpoints kept (0 = all)
   // The trained model as one file: auto = <checkpoint_dir>/model.pt (PyTorch format), none, or a
   // path (ending in .safetensors: a safetensors directory of that name; else PyTorch format).
-  std::string export_path = "auto";  // key: training.export
+  // hf (architecture llama): a Hugging Face directory <checkpoint_dir>/hf (config.json, sharded
+  // safetensors and the index) that transformers' from_pretrained loads; hf:<dir> the same in
+  // <dir>.
+  std::string export_path = "auto";      // key: training.export
+  std::string export_dtype = "float32";  // float32 | bfloat16 | float16: the tensors of an hf export
 };
 
 struct LoggingConfig {

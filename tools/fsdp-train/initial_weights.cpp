@@ -3,6 +3,7 @@
 
 #include "agreement.h"
 #include "errors.h"
+#include "hf_checkpoint.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/safetensors.h>
@@ -70,11 +71,13 @@ TensorStateDict init_state_dict(const std::string& path, std::vector<std::string
 
 // Each rank reads its own rows and checks them; the ranks agree before any weight is replaced,
 // so that all stop together when one rank's rows are unreadable or not finite.
-void load_safetensors_rows(const std::string& path, models::Transformer& model) {
+void load_safetensors_rows(const std::string& path, torch::nn::Module& model) {
   ShardedStateDict loaded;
   std::string problem;
+  auto* llama = dynamic_cast<models::LlamaImpl*>(&model);
+  const bool hf = llama && is_hf_model_dir(path);
   try {
-    loaded = load_safetensors(path, sharded_state_dict(*model));
+    loaded = hf ? read_hf_weights(path, *llama) : load_safetensors(path, sharded_state_dict(model));
     TensorStateDict local;
     for (const auto& item : loaded) local.insert(item.key(), item.value().to_local());
     problem = non_finite_problem(local, " in this rank's rows");
@@ -82,12 +85,13 @@ void load_safetensors_rows(const std::string& path, models::Transformer& model) 
     problem = error_text(e);
   }
   throw_unless_every_rank_ok(problem, "model.init_from " + path);
-  load_sharded_state_dict(*model, loaded);
+  // A tied head is the embedding's tensor, absent from a Hugging Face directory.
+  load_sharded_state_dict(model, loaded, /*strict=*/!(hf && llama->args().tie_word_embeddings));
 }
 
 }  // namespace
 
-void load_initial_weights(const TrainConfig& cfg, models::Transformer& model,
+void load_initial_weights(const TrainConfig& cfg, torch::nn::Module& model,
                           const std::function<void(const std::string&)>& note) {
   if (cfg.model.init_from.empty()) return;
   const std::string& path = cfg.model.init_from;
@@ -106,7 +110,7 @@ void load_initial_weights(const TrainConfig& cfg, models::Transformer& model,
                        list));
   }
   try {
-    load_full_state_dict(*model, sd);
+    load_full_state_dict(model, sd);
   } catch (const std::exception& e) {
     throw std::runtime_error("model.init_from " + path + ": " + error_text(e));
   }

@@ -2,14 +2,18 @@
 #include "model_setup.h"
 
 #include "errors.h"
+#include "hf_checkpoint.h"
 #include "model_size.h"
 
+#include <fsdp/call.h>
 #include <fsdp/checkpoint_activations.h>
 #include <fsdp/device.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/memory.h>
 #include <fsdp/mixed_precision.h>
+#include <fsdp/models/llama_hf.h>
+#include <fsdp/models/llama_parallelize.h>
 #include <fsdp/models/parallelize.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/tensor_parallel.h>
@@ -17,6 +21,7 @@
 #include <torch/utils.h>
 
 #include <optional>
+#include <set>
 
 namespace fsdp {
 namespace train {
@@ -52,9 +57,11 @@ MixedPrecisionPolicy mp_policy_of(const Precision& p) {
 }
 
 // The sharded state dict's tensors have the full parameters' sizes.
-int64_t full_parameter_count(models::Transformer& model) {
+int64_t full_parameter_count(torch::nn::Module& model) {
   int64_t n = 0;
-  for (const auto& item : sharded_state_dict(*model)) {
+  std::set<const c10::TensorImpl*> seen;  // a tied weight counts once
+  for (const auto& item : sharded_state_dict(model)) {
+    if (!seen.insert(item.value().to_local().unsafeGetTensorImpl()).second) continue;
     int64_t numel = 1;
     for (int64_t d : item.value().sizes()) numel *= d;
     n += numel;
@@ -74,10 +81,10 @@ DeviceMesh training_mesh(const DataParallelShape& shape, int world, int tp, cons
 // model.freeze: requires_grad = false on every parameter an entry names (the parameter itself,
 // or a module above it). An entry that names nothing is a configuration error, so a typo never
 // trains what was meant to stay fixed.
-void freeze_parameters(const ModelConfig& cfg, models::Transformer& model) {
+void freeze_parameters(const ModelConfig& cfg, torch::nn::Module& model) {
   for (const std::string& entry : cfg.freeze) {
     bool found = false;
-    for (auto& item : model->named_parameters()) {
+    for (auto& item : model.named_parameters()) {
       const std::string& name = item.key();
       if (name != entry && name.rfind(entry + ".", 0) != 0) continue;
       item.value().set_requires_grad(false);
@@ -85,8 +92,8 @@ void freeze_parameters(const ModelConfig& cfg, models::Transformer& model) {
     }
     if (!found)
       throw ConfigError("model.freeze: '" + terminal_safe(entry) +
-                        "' names no parameter of the model (names are "
-                        "like tok_embeddings, layers.0.attention.wq.weight)");
+                        "' names no parameter of the model (names are like tok_embeddings, "
+                        "layers.0.attention.wq.weight; for llama model.embed_tokens, model.layers.0.mlp)");
   }
 }
 
@@ -136,6 +143,61 @@ models::Transformer sharded_model(const TrainConfig& cfg, const models::ModelArg
   return models::sharded_transformer(args, block_options, root_options);
 }
 
+// What the trainer does with the Transformer and not (yet) with the Llama family: refused, never
+// ignored.
+void check_llama_supported(const TrainConfig& cfg) {
+  const FsdpConfig& f = cfg.fsdp_config;
+  auto refuse = [](const std::string& what) {
+    throw ConfigError(what +
+                      " is not supported with model.architecture llama; it trains under FULL_SHARD, "
+                      "SHARD_GRAD_OP or HYBRID_SHARD without it");
+  };
+  if (f.sharding_strategy == ShardingStrategy::NO_SHARD) refuse("fsdp_config.sharding_strategy NO_SHARD");
+  if (f.activation_checkpointing) refuse("fsdp_config.activation_checkpointing");
+  if (f.output_head_group) refuse("fsdp_config.output_head_group");
+}
+
+// The Llama family: each decoder layer its own group as soon as it is built (split over tp
+// first with model_parallel_size > 1: fsdp/models/llama_parallelize.h), then the root (the
+// embedding, the final norm and the head, tied or not, in one group).
+models::Llama sharded_llama(const TrainConfig& cfg, const ParallelModel& m, const MixedPrecisionPolicy& policy,
+                            const std::optional<CPUOffloadPolicy>& offload) {
+  const FsdpConfig& f = cfg.fsdp_config;
+  const bool reshard = reshard_after_forward(cfg);
+  FullyShardOptions layer_options =
+      FullyShardOptions().mesh(m.mesh).reshard_after_forward(reshard).mp_policy(policy).offload_policy(offload);
+  if (f.reshard_after_forward) layer_options.reshard_after_forward(*f.reshard_after_forward);
+  FullyShardOptions root_options = FullyShardOptions().mesh(m.mesh).mp_policy(policy).offload_policy(offload);
+  if (!reshard) root_options.reshard_after_forward(false);
+  const int64_t seq = seq_len_of(cfg, model_args_of(cfg.model));
+  const models::LlamaArgs args = llama_args_of(cfg.model, seq);
+  if (m.tp == 1) {
+    models::Llama model(args, [&](models::LlamaDecoderLayer& layer) { fully_shard(layer, layer_options); });
+    fully_shard(model, root_options);
+    return model;
+  }
+  try {
+    models::check_llama_parallelizable(args, m.tp);
+    if (f.vocab_parallel && args.tie_word_embeddings)
+      throw ConfigError(
+          "fsdp_config.vocab_parallel: true (the default) cannot split tied embeddings "
+          "(tie_word_embeddings in config.json) by vocabulary; set fsdp_config.vocab_parallel: false");
+  } catch (const c10::Error& e) {
+    throw ConfigError("fsdp_config.model_parallel_size: " + std::to_string(m.tp) + ": " + e.msg());
+  }
+  const auto dp_dims = DataParallelMeshDims().shard("dp");
+  layer_options.dp_mesh_dims(dp_dims);
+  root_options.dp_mesh_dims(dp_dims);
+  const tp::TensorParallelMesh tp_mesh(m.mesh, "tp");
+  models::Llama model(args, [&](models::LlamaDecoderLayer& layer) {
+    models::parallelize_llama_layer(*layer, args, tp_mesh);
+    fully_shard(layer, layer_options);
+  });
+  models::parallelize_llama_rest(*model, tp_mesh, models::ParallelizeOptions().vocab_parallel(f.vocab_parallel));
+  fully_shard(model, root_options);
+  return model;
+}
+
 // The model as the strategy makes it, frozen where configured, with activation checkpointing.
 void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Precision& precision, ParallelModel& m) {
   const FsdpConfig& f = cfg.fsdp_config;
@@ -150,17 +212,25 @@ void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Pr
   torch::manual_seed(cfg.training.seed);
   memory::reset_peak_allocated();
   reset_tensor_peak(m.mesh);
+  if (is_llama(cfg.model)) {
+    check_llama_supported(cfg);
+    m.llama = sharded_llama(cfg, m, policy, offload);
+    m.root = get_fsdp_module(*m.llama);
+    freeze_parameters(cfg.model, *m.llama);
+    m.build_peak_tensor_bytes = static_cast<int64_t>(tensor_memory(m.mesh).peak_mib * kMiBBytes);
+    return;
+  }
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) {
     // Whole parameters on every rank, gradients averaged in buckets during backward (DDP). The
     // gradients are views of the buckets: backward accumulates into what is all-reduced, so
     // there is neither a copy nor a second set of gradients in memory.
     m.model = models::Transformer(args);
-    freeze_parameters(cfg.model, m.model);  // before replicate, which buckets only what trains
+    freeze_parameters(cfg.model, *m.model);  // before replicate, which buckets only what trains
     m.replicated = replicate(m.model, ReplicateOptions().mesh(m.mesh).gradient_as_bucket_view(true));
   } else {
     m.model = sharded_model(cfg, args, m, policy, offload);
     m.root = get_fsdp_module(*m.model);
-    freeze_parameters(cfg.model, m.model);  // the shards: FSDP follows their requires_grad
+    freeze_parameters(cfg.model, *m.model);  // the shards: FSDP follows their requires_grad
   }
   if (f.activation_checkpointing) {
     m.model->set_activation_checkpointing(f.activation_checkpointing_every,
@@ -171,7 +241,50 @@ void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Pr
 
 }  // namespace
 
+bool is_llama(const ModelConfig& m) {
+  if (m.architecture == "transformer" && !m.init_from.empty() && is_hf_model_dir(m.init_from))
+    throw ConfigError("model.init_from " + m.init_from +
+                      " is a Hugging Face model directory (it has config.json), which is a Llama-family model, "
+                      "but model.architecture is transformer; set model.architecture: llama or leave it out");
+  return m.architecture == "llama" || (m.architecture.empty() && !m.init_from.empty() && is_hf_model_dir(m.init_from));
+}
+
+models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len) {
+  std::string path = m.hf_config;
+  if (path.empty() && !m.init_from.empty() && is_hf_model_dir(m.init_from)) path = m.init_from + "/config.json";
+  if (path.empty())
+    throw ConfigError(
+        "model.architecture llama needs its shape from a Hugging Face config.json: set model.hf_config "
+        "to one, or model.init_from to a Hugging Face model directory");
+  try {
+    return models::llama_args_from_hf_config(path, seq_len);
+  } catch (const c10::Error& e) {
+    throw ConfigError(e.msg());
+  }
+}
+
+// The Llama's sizes where the trainer's checks and reports read the Transformer's.
+models::ModelArgs llama_model_args(const ModelConfig& m) {
+  for (const auto& [key, set] : {std::pair<const char*, bool>{"n_layers", m.n_layers.has_value()},
+                                 {"vocab_size", m.vocab_size.has_value()},
+                                 {"max_seq_len", m.max_seq_len.has_value()},
+                                 {"dim", m.dim.has_value()},
+                                 {"n_heads", m.n_heads.has_value()},
+                                 {"dropout_p", m.dropout_p.has_value()}})
+    if (set)
+      throw ConfigError(std::string("model.") + key +
+                        " does not apply to model.architecture llama, whose shape is its config.json's; remove it");
+  const models::LlamaArgs l = llama_args_of(m, 0);
+  models::ModelArgs a;
+  a.n_layers = l.num_hidden_layers, a.vocab_size = l.vocab_size, a.max_seq_len = l.max_position_embeddings;
+  a.dim = l.hidden_size, a.n_heads = l.num_attention_heads, a.dropout_p = 0;
+  return a;
+}
+
 models::ModelArgs model_args_of(const ModelConfig& m) {
+  if (is_llama(m)) return llama_model_args(m);
+  if (!m.hf_config.empty())
+    throw ConfigError("model.hf_config shapes a Llama-family model; set model.architecture: llama to use it");
   models::ModelArgs a = models::ModelArgs::preset(m.preset);
   if (m.n_layers) a.n_layers = *m.n_layers;
   if (m.vocab_size) a.vocab_size = *m.vocab_size;
@@ -207,6 +320,21 @@ void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t se
   check_fits_in_memory(m, s, machine_memory_bytes());
 }
 
+torch::nn::Module& ParallelModel::module() const {
+  if (llama) return *llama.ptr();
+  return *model.ptr();
+}
+
+std::vector<at::Tensor> ParallelModel::parameters() const {
+  if (llama) return llama->unique_parameters();
+  return model->parameters();
+}
+
+at::Tensor ParallelModel::forward_loss(const at::Tensor& inputs, const at::Tensor& targets, int64_t chunks) {
+  if (llama) return call_method(llama, &models::LlamaImpl::forward_loss, inputs, targets, chunks);
+  return call_method(model, &models::TransformerImpl::forward_loss, inputs, targets, chunks);
+}
+
 DataParallelKind ParallelModel::kind() const {
   if (replicated.valid()) return DataParallelKind::kReplicated;
   return shape.hybrid ? DataParallelKind::kHybrid : DataParallelKind::kSharded;
@@ -227,6 +355,11 @@ std::string ParallelModel::description(const FsdpConfig& f, int world) const {
 ParallelModel parallelize_model(const TrainConfig& cfg, const models::ModelArgs& args, const Precision& precision,
                                 int local_world_size) {
   const int world = get_world_size();
+  const std::string& e = cfg.training.export_path;
+  if ((e == "hf" || e.rfind("hf:", 0) == 0) && !is_llama(cfg.model))
+    throw ConfigError("training.export " + e +
+                      " writes a Hugging Face Llama-family directory, but model.architecture is transformer; "
+                      "export auto, none or a path");
   check_model_parallel(cfg, world, args.n_heads, args.dim, args.vocab_size);
   ParallelModel m;
   m.shape = data_parallel_shape(cfg, world, local_world_size);
@@ -236,7 +369,7 @@ ParallelModel parallelize_model(const TrainConfig& cfg, const models::ModelArgs&
   m.dp_world = world / m.tp;
   m.dp_rank = m.tp > 1 ? static_cast<int>(m.mesh.get_local_rank(0)) : get_rank();
   build_model(cfg, args, precision, m);
-  m.parameter_count = full_parameter_count(m.model);
+  m.parameter_count = full_parameter_count(m.module());
   return m;
 }
 

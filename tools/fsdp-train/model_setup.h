@@ -9,6 +9,7 @@
 #include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fsdp_module.h>
+#include <fsdp/models/llama.h>
 #include <fsdp/models/transformer.h>
 #include <fsdp/replicate.h>
 
@@ -19,8 +20,16 @@ namespace fsdp {
 namespace train {
 
 // The model's sizes: the preset with the configured keys over it. Throws ConfigError when dim
-// is not a multiple of n_heads.
+// is not a multiple of n_heads. For architecture llama, the sizes the trainer's checks and
+// reports read (n_layers, vocab_size, max_seq_len = max_position_embeddings, dim = hidden_size,
+// n_heads) from its config.json.
 models::ModelArgs model_args_of(const ModelConfig& m);
+// Whether the configuration trains the Llama family: model.architecture llama, or a Hugging Face
+// directory (with config.json) as model.init_from.
+bool is_llama(const ModelConfig& m);
+// The config.json that shapes a Llama: model.hf_config, else init_from's. Throws ConfigError when
+// neither names one, and (naming the file and key) what llama_args_from_hf_config throws.
+models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len);
 // training.seq_len, or the model's max_seq_len when unset. Throws ConfigError naming where both
 // values come from when it is longer than max_seq_len, or when loss_chunks exceeds it.
 int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a);
@@ -30,7 +39,8 @@ void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t se
 
 // A model on its mesh, as the strategy made it.
 struct ParallelModel {
-  models::Transformer model{nullptr};
+  models::Transformer model{nullptr};  // architecture transformer
+  models::Llama llama{nullptr};        // architecture llama (model is then null)
   DeviceMesh mesh;
   FSDPModule root;              // FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD*
   ReplicatedModule replicated;  // NO_SHARD
@@ -42,6 +52,14 @@ struct ParallelModel {
   int64_t build_peak_tensor_bytes = 0;  // the peak of tensor bytes while building and sharding
 
   DataParallelKind kind() const;
+  // The model, whichever architecture it is.
+  torch::nn::Module& module() const;
+  // Its parameters, each once (a tied embedding is registered under two names).
+  std::vector<at::Tensor> parameters() const;
+  // The mean cross-entropy of the model's prediction of targets from inputs (int64 [rows, seq]),
+  // computed in `chunks` pieces (TransformerImpl::forward_loss, LlamaImpl::forward_loss), through
+  // the FSDP root's hooks.
+  at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets, int64_t chunks);
   // "sharded over 4 rank(s), FULL_SHARD", "replicated on 4 rank(s), NO_SHARD", or for HSDP
   // "sharded over 2 rank(s) in each of 2 replicas, HYBRID_SHARD".
   std::string description(const FsdpConfig& f, int world) const;

@@ -206,6 +206,11 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   DeviceSupport planned = device_support_for(cfg);
   if (f.device == "cuda") planned.cuda = true;
   check_supported(cfg, planned);
+  if (is_llama(cfg.model))
+    throw ConfigError(
+        "fsdp-train plan models the reference Transformer only, not model.architecture llama (SwiGLU, "
+        "grouped-query attention and a tied head change every term); plan a Transformer of similar size, or "
+        "measure a few steps with fsdp-train");
   Question q;
   const models::ModelArgs preset = models::ModelArgs::preset(cfg.model.preset);
   const auto& m = cfg.model;

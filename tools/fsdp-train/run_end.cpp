@@ -2,6 +2,7 @@
 #include "run_end.h"
 
 #include "agreement.h"
+#include "hf_checkpoint.h"
 #include "sample.h"
 
 #include <fsdp/memory.h>
@@ -43,10 +44,23 @@ std::vector<std::string> dim_labels(const DeviceMesh& mesh) {
   return labels;
 }
 
+// training.export hf (to <checkpoint_dir>/hf) or hf:<dir>.
+bool is_hf_export(const TrainConfig& cfg) {
+  const std::string& e = cfg.training.export_path;
+  return e == "hf" || e.rfind("hf:", 0) == 0;
+}
+
+at::ScalarType hf_export_dtype(const TrainConfig& cfg) {
+  const std::string& d = cfg.training.export_dtype;
+  return d == "bfloat16" ? at::kBFloat16 : d == "float16" ? at::kHalf : at::kFloat;
+}
+
 std::string resolved_export_path(const TrainConfig& cfg) {
   const std::string& e = cfg.training.export_path;
   if (e == "none") return "";
   if (e == "auto") return cfg.fsdp_config.checkpoint_dir + "/model.pt";
+  if (e == "hf") return cfg.fsdp_config.checkpoint_dir + "/hf";
+  if (e.rfind("hf:", 0) == 0) return e.substr(3);
   return e;
 }
 
@@ -159,17 +173,27 @@ std::string write_trace(const TrainConfig& cfg, int rank) {
   return "trace: " + path + " (" + std::to_string(n) + " spans; one file per rank, open in ui.perfetto.dev)";
 }
 
-void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, models::Transformer& model,
+void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm,
                        const Tokenizer* tokenizer, const std::function<void(const std::string&)>& print) {
+  torch::nn::Module& model = pm.module();
   const std::string path = resolved_export_path(cfg);
+  if (is_hf_export(cfg)) {
+    if (!pm.llama)
+      throw ConfigError("training.export " + cfg.training.export_path +
+                        " writes a Hugging Face Llama-family directory; model.architecture is transformer, so "
+                        "export auto, none or a path");
+    save_hf(path, *pm.llama, hf_export_dtype(cfg));
+    print("export: " + path + " (Hugging Face directory, " + cfg.training.export_dtype +
+          ": transformers.AutoModelForCausalLM.from_pretrained)");
+  }
   if (!path.empty() && ends_with(path, ".safetensors")) {
-    save_safetensors(sharded_state_dict(*model), path);
+    save_safetensors(sharded_state_dict(model), path);
     print("export: " + path + " (safetensors)");
   }
-  const bool pytorch_export = !path.empty() && !ends_with(path, ".safetensors");
+  const bool pytorch_export = !path.empty() && !ends_with(path, ".safetensors") && !is_hf_export(cfg);
   if (!pytorch_export && cfg.sample.length == 0) return;
   // Rank 0 receives the whole model (every rank takes part in the gathers).
-  const TensorStateDict full = full_state_dict(*model, FullStateDictOptions().rank0_only(true));
+  const TensorStateDict full = full_state_dict(model, FullStateDictOptions().rank0_only(true));
   if (get_rank() != 0) return;
   if (pytorch_export) {
     const auto parent = std::filesystem::path(path).parent_path();
@@ -177,7 +201,9 @@ void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, mo
     save_pytorch_state_dict(full, path);
     print("export: " + path + " (PyTorch state dict: torch.load() in Python)");
   }
-  if (cfg.sample.length > 0) print(generate_sample(args, full, cfg.sample, tokenizer));
+  if (cfg.sample.length > 0)
+    print(pm.llama ? generate_sample(pm.llama->args(), full, cfg.sample, tokenizer)
+                   : generate_sample(args, full, cfg.sample, tokenizer));
 }
 
 }  // namespace train

@@ -55,9 +55,11 @@ void write_summary(const TrainConfig& cfg, const models::ModelArgs& args, const 
 std::string write_trace(const TrainConfig& cfg, int rank);
 
 // Collective over the world: training.export (.safetensors: written by every rank from its
-// shards; otherwise one PyTorch file written by rank 0), then rank 0's sample, its text that of
-// `tokenizer` (nullptr: token ids). `print` shows rank 0's lines.
-void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, models::Transformer& model,
+// shards; hf or hf:<dir>: a Hugging Face directory of a Llama, every rank writing its file;
+// otherwise one PyTorch file written by rank 0), then rank 0's sample, its text that of
+// `tokenizer` (nullptr: token ids). `print` shows rank 0's lines. Throws ConfigError for hf with
+// a model that is not a Llama.
+void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm,
                        const Tokenizer* tokenizer, const std::function<void(const std::string&)>& print);
 
 }  // namespace train

@@ -24,6 +24,15 @@ models::Transformer unsharded_copy(models::ModelArgs args, const TensorStateDict
   return local;
 }
 
+models::Llama unsharded_copy(const models::LlamaArgs& args, const TensorStateDict& full) {
+  models::Llama local(args);
+  at::NoGradGuard no_grad;
+  auto params = local->named_parameters();
+  for (const auto& item : full) params[item.key()].copy_(item.value());
+  local->eval();
+  return local;
+}
+
 // The prompt's ids; token 0 when there is no tokenizer or the prompt encodes to nothing.
 std::vector<int64_t> prompt_ids(const std::string& prompt_text, const Tokenizer* tokenizer) {
   const std::string prompt = prompt_text.empty() ? std::string("\n") : prompt_text;
@@ -34,7 +43,8 @@ std::vector<int64_t> prompt_ids(const std::string& prompt_text, const Tokenizer*
 }
 
 // The next token after `ids`, drawn from the model's distribution at the last position.
-int64_t next_token(models::Transformer& model, const std::vector<int64_t>& ids, int64_t max_seq_len, double temperature,
+template <typename Model>
+int64_t next_token(Model& model, const std::vector<int64_t>& ids, int64_t max_seq_len, double temperature,
                    at::Generator& gen) {
   at::NoGradGuard no_grad;
   const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), max_seq_len);
@@ -43,16 +53,12 @@ int64_t next_token(models::Transformer& model, const std::vector<int64_t>& ids, 
   return at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>();
 }
 
-}  // namespace
-
-std::string generate_sample(const models::ModelArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
-                            const Tokenizer* tokenizer) {
-  models::Transformer model = unsharded_copy(args, full);
+template <typename Model>
+std::string sample_from(Model& model, int64_t max_seq_len, const SampleConfig& cfg, const Tokenizer* tokenizer) {
   std::vector<int64_t> ids = prompt_ids(cfg.prompt, tokenizer);
   const size_t prompt_len = ids.size();
   at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(cfg.seed));
-  for (int64_t i = 0; i < cfg.length; ++i)
-    ids.push_back(next_token(model, ids, args.max_seq_len, cfg.temperature, gen));
+  for (int64_t i = 0; i < cfg.length; ++i) ids.push_back(next_token(model, ids, max_seq_len, cfg.temperature, gen));
 
   std::ostringstream out;
   out << "sample (" << cfg.length << " tokens, temperature " << cfg.temperature << "):\n";
@@ -62,6 +68,20 @@ std::string generate_sample(const models::ModelArgs& args, const TensorStateDict
     for (size_t i = prompt_len; i < ids.size(); ++i) out << ids[i] << ' ';
   }
   return out.str();
+}
+
+}  // namespace
+
+std::string generate_sample(const models::ModelArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
+                            const Tokenizer* tokenizer) {
+  models::Transformer model = unsharded_copy(args, full);
+  return sample_from(model, args.max_seq_len, cfg, tokenizer);
+}
+
+std::string generate_sample(const models::LlamaArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
+                            const Tokenizer* tokenizer) {
+  models::Llama model = unsharded_copy(args, full);
+  return sample_from(model, args.max_position_embeddings, cfg, tokenizer);
 }
 
 }  // namespace train

@@ -4,6 +4,7 @@
 #include "config.h"
 #include "tokenizer.h"
 
+#include <fsdp/models/llama.h>
 #include <fsdp/models/transformer.h>
 #include <fsdp/state_dict.h>
 
@@ -20,6 +21,9 @@ namespace train {
 // encoded with it and the sample printed as its text; without one (nullptr) the prompt is
 // token 0 and the sample is printed as token ids. Returns the text to print, header included.
 std::string generate_sample(const models::ModelArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
+                            const Tokenizer* tokenizer);
+// The same for the Llama family (the context is the last max_position_embeddings tokens).
+std::string generate_sample(const models::LlamaArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
                             const Tokenizer* tokenizer);
 
 }  // namespace train

@@ -91,16 +91,15 @@ std::unique_ptr<Tokenizer> sample_tokenizer(const TrainConfig& cfg, const models
 
 // AdamW, FusedAdamW, or, with the parameters offloaded and the optimizer state kept on a GPU,
 // DeviceStateAdamW with its state on `device`.
-std::unique_ptr<torch::optim::AdamW> optimizer_of(const TrainConfig& cfg, torch::nn::Module& model,
+std::unique_ptr<torch::optim::AdamW> optimizer_of(const TrainConfig& cfg, const std::vector<at::Tensor>& params,
                                                   const c10::Device& device) {
   const OptimizerConfig& o = cfg.optimizer;
   const auto options =
       torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay);
-  if (steps_with_device_state_adamw(cfg))
-    return std::make_unique<optim::DeviceStateAdamW>(model.parameters(), options, device);
+  if (steps_with_device_state_adamw(cfg)) return std::make_unique<optim::DeviceStateAdamW>(params, options, device);
   // FusedAdamW is an AdamW (same state and checkpoints), so the rest of the trainer needs no branch.
-  if (o.fused) return std::make_unique<optim::FusedAdamW>(model.parameters(), options);
-  return std::make_unique<torch::optim::AdamW>(model.parameters(), options);
+  if (o.fused) return std::make_unique<optim::FusedAdamW>(params, options);
+  return std::make_unique<torch::optim::AdamW>(params, options);
 }
 
 // What a Run does once the model holds its weights: train, or (`fsdp-train eval`) evaluate them.
@@ -133,7 +132,7 @@ class Run {
   void report_step(StepReport& r, const StepVotes& votes);
   int stop(int64_t step, StepVerdict verdict, const StepVotes& votes);
   void finish(int64_t last_step);
-  TrainingState state() { return {*pm_.model, *optimizer_, pm_.mesh, scaler_.get()}; }
+  TrainingState state() { return {pm_.module(), *optimizer_, pm_.mesh, scaler_.get()}; }
   TrainerCounters counters() const { return {done_steps_, tokens_seen_}; }
   int64_t tokens_per_step() const { return static_cast<int64_t>(pm_.dp_world) * accumulation_ * batch_ * seq_; }
   void print(const std::string& text) {
@@ -185,10 +184,10 @@ void Run::set_up() {
                                                   [this](const std::string& line) { print(line); });
   checkpoints_->check_dir();
   pm_ = parallelize_model(cfg_, args_, precision_, env.local_world_size);
+  load_initial_weights(cfg_, pm_.module(), [this](const std::string& line) { print(line); });
+  optimizer_ = optimizer_of(cfg_, pm_.parameters(), pm_.mesh.device());
   if (mode_ == RunMode::kEvaluate || cfg_.eval.interval > 0)
     evaluation_ = std::make_unique<Evaluation>(cfg_, args_.vocab_size, seq_, pm_.dp_world, pm_.dp_rank);
-  load_initial_weights(cfg_, pm_.model, [this](const std::string& line) { print(line); });
-  optimizer_ = optimizer_of(cfg_, *pm_.model, pm_.mesh.device());
   // The world group agrees on overflows: every rank skips a step together.
   if (precision_.loss_scaling) scaler_ = std::make_unique<GradScaler>();
 }
@@ -293,7 +292,7 @@ int Run::evaluate_only(const TrainerCounters& resumed) {
 double Run::evaluate() {
   trace::Span span("compute", "eval");
   const double loss = evaluation_->evaluate(
-      *pm_.model, [this](const at::Tensor& in, const at::Tensor& tg) { return loss_of(in, tg); }, pm_.mesh.device());
+      pm_.module(), [this](const at::Tensor& in, const at::Tensor& tg) { return loss_of(in, tg); }, pm_.mesh.device());
   if (pm_.kind() != DataParallelKind::kReplicated) pm_.root.reshard();
   return loss;
 }
@@ -303,7 +302,7 @@ at::Tensor Run::loss_of(const at::Tensor& inputs, const at::Tensor& targets) {
   // The loss in fp32 whatever the compute dtype (torchtitan's .float()): a bf16 log-softmax
   // over the vocabulary loses the small differences training follows.
   // training.loss_chunks > 1 computes it a piece of the sequence at a time (forward_loss).
-  return call_method(pm_.model, &models::TransformerImpl::forward_loss, inputs, targets, cfg_.training.loss_chunks);
+  return pm_.forward_loss(inputs, targets, cfg_.training.loss_chunks);
 }
 
 // The loop, from the step after start_step_ to training.steps; returns the exit code. A step
@@ -365,7 +364,7 @@ StepReport Run::compute_step(int64_t step) {
     trace::Span span("compute", "grad_norm");
     if (scaler_) scaler_->unscale_(*optimizer_);  // the true gradients, for the norm and clipping
     const double max_norm = cfg_.training.max_grad_norm;
-    r.grad_norm = clip_grad_norm_(pm_.model->parameters(), max_norm > 0 ? max_norm : INFINITY);
+    r.grad_norm = clip_grad_norm_(pm_.parameters(), max_norm > 0 ? max_norm : INFINITY);
   }
   r.optimizer_s = now_seconds() - n0;
   r.step_s = now_seconds() - t0;
@@ -513,7 +512,7 @@ void Run::finish(int64_t last_step) {
     record_.tokens_per_step = tokens_per_step();
     write_summary(cfg_, args_, pm_, precision_, record_, rank_ == 0 ? console_.get() : nullptr);
   }
-  export_and_sample(cfg_, args_, pm_.model, tokenizer_.get(), [this](const std::string& line) { print(line); });
+  export_and_sample(cfg_, args_, pm_, tokenizer_.get(), [this](const std::string& line) { print(line); });
 }
 
 }  // namespace

@@ -1,0 +1,206 @@
+// config.json <-> LlamaArgs (fsdp/models/llama_hf.h). Every refusal names the file and the key,
+// so that a user can tell which field of which checkpoint the decoder does not compute.
+#include <fsdp/models/llama_hf.h>
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <sstream>
+
+namespace fsdp {
+namespace models {
+namespace {
+
+using Json = nlohmann::json;
+
+const char* const kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"};
+
+struct Reader {
+  const std::string& path;
+  const Json& j;
+
+  [[noreturn]] void fail(const std::string& key, const std::string& problem) const {
+    TORCH_CHECK(false, path, ": key '", key, "' ", problem);
+  }
+  bool has(const std::string& key) const { return j.contains(key) && !j.at(key).is_null(); }
+  int64_t integer(const std::string& key) const {
+    if (!has(key)) fail(key, "is missing; a Llama-family config.json has it");
+    if (!j.at(key).is_number_integer()) fail(key, "is " + j.at(key).dump() + ", not an integer");
+    return j.at(key).get<int64_t>();
+  }
+  int64_t integer_or(const std::string& key, int64_t fallback) const { return has(key) ? integer(key) : fallback; }
+  double number_or(const Json& obj, const std::string& key, double fallback) const {
+    if (!obj.contains(key) || obj.at(key).is_null()) return fallback;
+    if (!obj.at(key).is_number()) fail(key, "is " + obj.at(key).dump() + ", not a number");
+    return obj.at(key).get<double>();
+  }
+  bool flag_or(const std::string& key, bool fallback) const {
+    if (!has(key)) return fallback;
+    if (!j.at(key).is_boolean()) fail(key, "is " + j.at(key).dump() + ", not true or false");
+    return j.at(key).get<bool>();
+  }
+};
+
+Json read_json(const std::string& path) {
+  std::ifstream in(path);
+  TORCH_CHECK(in, path, ": cannot be read; a Hugging Face model directory holds config.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  Json j = Json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(j.is_object(), path, ": is not a JSON object; expected a transformers config.json");
+  return j;
+}
+
+std::string architecture_of(const Reader& r) {
+  if (!r.has("architectures"))
+    r.fail("architectures",
+           "is missing; name one of LlamaForCausalLM, "
+           "MistralForCausalLM, Qwen2ForCausalLM");
+  const Json& a = r.j.at("architectures");
+  if (!a.is_array() || a.size() != 1 || !a.at(0).is_string())
+    r.fail("architectures", "is " + a.dump() + "; expected a list of one name");
+  const std::string name = a.at(0).get<std::string>();
+  for (const char* known : kArchitectures)
+    if (name == known) return name;
+  r.fail("architectures", "names " + name +
+                              ", which fsdp::models::Llama does not compute; supported: LlamaForCausalLM, "
+                              "MistralForCausalLM, Qwen2ForCausalLM");
+}
+
+// rope_parameters (transformers 5) or rope_theta + rope_scaling (the Hub's older configs).
+RopeArgs rope_of(const Reader& r) {
+  RopeArgs rope;
+  const bool v5 = r.has("rope_parameters");
+  const std::string key = v5 ? "rope_parameters" : "rope_scaling";
+  rope.theta = r.number_or(r.j, "rope_theta", rope.theta);
+  if (!r.has(key)) return rope;
+  const Json& p = r.j.at(key);
+  if (!p.is_object()) r.fail(key, "is " + p.dump() + ", not an object");
+  rope.theta = r.number_or(p, "rope_theta", rope.theta);
+  const Json type = p.contains("rope_type") ? p.at("rope_type") : p.value("type", Json("default"));
+  if (!type.is_string()) r.fail(key + ".rope_type", "is " + type.dump() + ", not a string");
+  rope.type = type.get<std::string>();
+  if (rope.type != "default" && rope.type != "llama3")
+    r.fail(key + ".rope_type", "is \"" + rope.type + "\"; fsdp::models::Llama computes \"default\" and \"llama3\"");
+  if (rope.type == "llama3") {
+    for (const char* field : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+      if (!p.contains(field)) r.fail(key + "." + field, "is missing; llama3 rope scaling needs it");
+    rope.factor = r.number_or(p, "factor", rope.factor);
+    rope.low_freq_factor = r.number_or(p, "low_freq_factor", rope.low_freq_factor);
+    rope.high_freq_factor = r.number_or(p, "high_freq_factor", rope.high_freq_factor);
+    rope.original_max_position_embeddings = static_cast<int64_t>(
+        r.number_or(p, "original_max_position_embeddings", double(rope.original_max_position_embeddings)));
+  }
+  return rope;
+}
+
+// What the decoder does not compute, refused rather than ignored.
+void check_unsupported(const Reader& r, const std::string& arch, int64_t seq_len) {
+  if (r.has("hidden_act") && r.j.at("hidden_act") != "silu")
+    r.fail("hidden_act", "is " + r.j.at("hidden_act").dump() + "; the Llama MLP computes silu only");
+  if (r.flag_or("mlp_bias", false)) r.fail("mlp_bias", "is true; the Llama MLP here has no biases");
+  if (arch == "MistralForCausalLM" && r.has("sliding_window")) {
+    const int64_t window = r.integer("sliding_window");
+    if (window < seq_len)
+      r.fail("sliding_window", "is " + std::to_string(window) + ", shorter than the sequence length " +
+                                   std::to_string(seq_len) + "; sliding-window attention is not computed here, " +
+                                   "so use a sequence no longer than the window");
+  }
+  if (r.has("layer_types")) {
+    const Json& types = r.j.at("layer_types");
+    if (!types.is_array()) r.fail("layer_types", "is " + types.dump() + ", not a list");
+    for (const Json& t : types)
+      if (t != "full_attention")
+        r.fail("layer_types", "holds " + t.dump() + "; every layer here computes full attention");
+  }
+  if (arch == "Qwen2ForCausalLM" && r.flag_or("use_sliding_window", false))
+    r.fail("use_sliding_window", "is true; sliding-window attention is not computed here");
+}
+
+const char* model_type_of(const std::string& arch) {
+  if (arch == "MistralForCausalLM") return "mistral";
+  if (arch == "Qwen2ForCausalLM") return "qwen2";
+  return "llama";
+}
+
+const char* dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: TORCH_CHECK(false, "hf_config_json: dtype ", dtype, " is not one of float32, bfloat16, float16");
+  }
+}
+
+}  // namespace
+
+LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len) {
+  const Json j = read_json(config_path);
+  const Reader r{config_path, j};
+  LlamaArgs a;
+  a.architecture = architecture_of(r);
+  check_unsupported(r, a.architecture, seq_len);
+  a.vocab_size = r.integer("vocab_size");
+  a.hidden_size = r.integer("hidden_size");
+  a.intermediate_size = r.integer("intermediate_size");
+  a.num_hidden_layers = r.integer("num_hidden_layers");
+  a.num_attention_heads = r.integer("num_attention_heads");
+  a.num_key_value_heads = r.integer_or("num_key_value_heads", a.num_attention_heads);
+  TORCH_CHECK(a.num_attention_heads > 0, config_path, ": key 'num_attention_heads' must be positive");
+  a.head_dim = r.integer_or("head_dim", a.hidden_size / a.num_attention_heads);
+  a.max_position_embeddings = r.integer("max_position_embeddings");
+  a.rms_norm_eps = r.number_or(j, "rms_norm_eps", a.rms_norm_eps);
+  a.rope = rope_of(r);
+  // Qwen2's q/k/v always have biases; Llama's follow attention_bias.
+  a.attention_bias = a.architecture == "Qwen2ForCausalLM" || r.flag_or("attention_bias", false);
+  if (a.architecture == "Qwen2ForCausalLM" && r.has("attention_bias") && !r.flag_or("attention_bias", true))
+    r.fail("attention_bias", "is false, but Qwen2ForCausalLM's q/k/v projections always have biases");
+  a.tie_word_embeddings = r.flag_or("tie_word_embeddings", false);
+  a.initializer_range = r.number_or(j, "initializer_range", a.initializer_range);
+  try {
+    a.check();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, config_path, ": ", e.msg());
+  }
+  return a;
+}
+
+std::string hf_config_json(const LlamaArgs& args, at::ScalarType dtype) {
+  Json rope = {{"rope_type", args.rope.type}, {"rope_theta", args.rope.theta}};
+  if (args.rope.type == "llama3") {
+    rope["factor"] = args.rope.factor;
+    rope["low_freq_factor"] = args.rope.low_freq_factor;
+    rope["high_freq_factor"] = args.rope.high_freq_factor;
+    rope["original_max_position_embeddings"] = args.rope.original_max_position_embeddings;
+  }
+  Json j = {{"architectures", {args.architecture}},
+            {"model_type", model_type_of(args.architecture)},
+            {"vocab_size", args.vocab_size},
+            {"hidden_size", args.hidden_size},
+            {"intermediate_size", args.intermediate_size},
+            {"num_hidden_layers", args.num_hidden_layers},
+            {"num_attention_heads", args.num_attention_heads},
+            {"num_key_value_heads", args.num_key_value_heads},
+            {"head_dim", args.head_dim},
+            {"max_position_embeddings", args.max_position_embeddings},
+            {"rms_norm_eps", args.rms_norm_eps},
+            {"rope_theta", args.rope.theta},
+            {"rope_parameters", rope},
+            {"hidden_act", "silu"},
+            {"tie_word_embeddings", args.tie_word_embeddings},
+            {"initializer_range", args.initializer_range},
+            {"dtype", dtype_name(dtype)},
+            {"torch_dtype", dtype_name(dtype)}};
+  if (args.architecture == "MistralForCausalLM") j["sliding_window"] = nullptr;
+  if (args.architecture == "Qwen2ForCausalLM") {
+    j["use_sliding_window"] = false;
+  } else {
+    j["attention_bias"] = args.attention_bias;
+    j["mlp_bias"] = false;
+  }
+  return j.dump(2) + "\n";
+}
+
+}  // namespace models
+}  // namespace fsdp

@@ -1,0 +1,95 @@
+"""The reference side of test_llama.py's training check: transformers' model from a Hugging Face
+directory under PyTorch's fully_shard (one call per decoder layer, then the root), AdamW on the
+same batches as llama_driver's train: each data-parallel rank its consecutive rows of every
+global batch. With --tp k > 1, a (dp, tp) mesh: each decoder layer first split over tp by
+parallelize_module with the plan of fsdp/models/llama_parallelize.h (q/k/v/gate/up Colwise,
+o/down Rowwise; embedding, head and norms whole), then fully_shard over dp.
+Writes <out>/losses-<rank>.json and the final full parameters as <out>/model.safetensors.
+
+    python llama_fsdp2_reference.py <hf_dir> <batches.safetensors> <lr> <out> --world 2 [--tp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def worker(rank: int, world: int, ns, port: int) -> None:
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(ns.hf_dir, dtype=torch.float32, attn_implementation="eager")
+    dp_rank, dp_world, fsdp_kwargs = rank, world, {}
+    if ns.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (world // ns.tp, ns.tp), mesh_dim_names=("dp", "tp"))
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+        dp_rank, dp_world, fsdp_kwargs = mesh["dp"].get_local_rank(), world // ns.tp, {"mesh": mesh["dp"]}
+    for layer in model.model.layers:
+        fully_shard(layer, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    batches = load_file(ns.batches)["batches"]
+    rows = batches.size(1) // dp_world
+    losses = []
+    for step in range(batches.size(0)):
+        mine = batches[step].narrow(0, dp_rank * rows, rows)
+        inputs, targets = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+        logits = model(input_ids=inputs).logits.float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    full = {}
+    for name, p in model.state_dict().items():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full[name] = value.detach().clone().contiguous()
+    if model.config.tie_word_embeddings:
+        full.pop("lm_head.weight", None)
+    os.makedirs(ns.out, exist_ok=True)
+    with open(os.path.join(ns.out, f"losses-{rank}.json"), "w") as f:
+        json.dump(losses, f)
+    if rank == 0:
+        save_file(full, os.path.join(ns.out, "model.safetensors"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("hf_dir")
+    p.add_argument("batches")
+    p.add_argument("lr", type=float)
+    p.add_argument("out")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
+    ns = p.parse_args()
+    torch.multiprocessing.spawn(worker, args=(ns.world, ns, free_port()), nprocs=ns.world, join=True)
+
+
+if __name__ == "__main__":
+    main()

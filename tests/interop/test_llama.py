@@ -1,0 +1,251 @@
+"""fsdp::models::Llama against transformers, the oracle: every model here is a random-initialized
+config (no downloads) written with save_pretrained, read by llama_driver (tests/interop/
+llama_driver.cpp) through config.json and the safetensors files.
+
+- logits at W = 1 within 1e-5 relative (fp32) for a Llama config (GQA, llama3 rope scaling,
+  tied embeddings), a Qwen2 config (q/k/v biases, untied) and a Mistral config;
+- export: the directory llama_driver writes (W = 2) loads with from_pretrained, no missing or
+  unexpected keys, and gives the same logits; a bf16 export reads back into an fp32 model;
+- fsdp_train_export: fsdp-train from a save_pretrained directory, training.export hf, then
+  from_pretrained: no missing or unexpected keys, logits equal to ours on the exported files;
+- full_shard_w2: 5 AdamW steps under FULL_SHARD at W = 2 against transformers' model under
+  PyTorch's fully_shard (one call per decoder layer and the root, llama_fsdp2_reference.py), from
+  the same weights and batches: per-rank losses within 1e-5 relative, final parameters within 1e-5;
+- dp2_tp2_w4: the same at W = 4 on a (dp 2, tp 2) mesh, the reference split by parallelize_module
+  with the same plan;
+- bad_input: an unknown architecture, a missing field and a tensor of the wrong shape each stop
+  the driver with an error naming the file and the key or tensor.
+
+    FSDP_BUILD_DIR=build $FSDP_PYTHON -m pytest tests/interop/test_llama.py -k logits
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+
+from llama_configs import make_model  # noqa: E402
+
+RTOL = 1e-5
+STEPS = 5
+
+
+def build_dir() -> str:
+    return os.environ.get("FSDP_BUILD_DIR", os.path.join(_HERE, "..", "..", "build"))
+
+
+def tool(path: str) -> str:
+    full = os.path.join(build_dir(), path)
+    if not os.access(full, os.X_OK):
+        pytest.fail(f"{full} is missing: build the project first (scripts/build.sh) or set FSDP_BUILD_DIR")
+    return full
+
+
+def environment() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def driver(world: int, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    cmd = [tool("tests/interop/llama_driver"), *args]
+    if world > 1:
+        cmd = [tool("tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", str(world), *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=environment(), timeout=300)
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def read_single(path: str) -> dict:
+    from safetensors.torch import load_file
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.double() - reference.double()).abs().max() / reference.double().abs().max()).item()
+
+
+def reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+def our_logits(hf_dir: str, tokens: torch.Tensor, workdir: str) -> torch.Tensor:
+    from safetensors.torch import save_file
+    tokens_file = os.path.join(workdir, "tokens.safetensors")
+    save_file({"tokens": tokens.contiguous()}, tokens_file)
+    out = os.path.join(workdir, "logits")
+    shutil.rmtree(out, ignore_errors=True)
+    driver(1, "logits", hf_dir, tokens_file, out)
+    return read_single(out)["logits"]
+
+
+@pytest.fixture
+def workdir():
+    path = tempfile.mkdtemp(prefix="fsdp-llama-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def tokens_for(model, batch: int = 2, seq: int = 24, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+
+
+def check_logits(family: str, workdir: str):
+    model = make_model(family)
+    hf = os.path.join(workdir, "hf")
+    model.save_pretrained(hf)
+    tokens = tokens_for(model)
+    err = relative_error(our_logits(hf, tokens, workdir), reference_logits(model, tokens))
+    print(f"{family}: max |difference| / max |logit| = {err:.3g}")
+    assert err <= RTOL, f"{family}: logits differ from transformers' by {err:.3g} relative (> {RTOL})"
+
+
+def test_logits_llama(workdir: str):
+    check_logits("llama", workdir)
+
+
+def test_logits_qwen2(workdir: str):
+    check_logits("qwen2", workdir)
+
+
+def test_logits_mistral(workdir: str):
+    check_logits("mistral", workdir)
+
+
+def test_export(workdir: str):
+    from transformers import AutoModelForCausalLM
+    model = make_model("llama")
+    hf = os.path.join(workdir, "hf")
+    model.save_pretrained(hf)
+    tokens = tokens_for(model)
+    for dtype in ("float32", "bfloat16"):
+        out = os.path.join(workdir, f"export-{dtype}")
+        driver(2, "export", hf, out, dtype)
+        loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+        assert not info["missing_keys"] and not info["unexpected_keys"], f"{dtype} export: {info}"
+        assert loaded.config.tie_word_embeddings and loaded.config.num_key_value_heads == 2
+        reference = reference_logits(loaded, tokens)
+        if dtype == "float32":
+            err = relative_error(reference, reference_logits(model, tokens))
+            assert err <= RTOL, f"the fp32 export's logits differ from the original's by {err:.3g} relative"
+        # Our model read back from the exported files (bf16 into fp32) gives transformers' logits.
+        err = relative_error(our_logits(out, tokens, workdir), reference)
+        assert err <= RTOL, f"{dtype} export read back: logits differ by {err:.3g} relative"
+
+
+def test_fsdp_train_export(workdir: str):
+    """fsdp-train from a Hugging Face directory (W = 2, FULL_SHARD, 2 steps), training.export hf:
+    from_pretrained loads it with no missing or unexpected keys, its logits are those of our model
+    read from the same files, and the weights did train."""
+    from transformers import AutoModelForCausalLM
+    model = make_model("llama")
+    hf = os.path.join(workdir, "hf")
+    model.save_pretrained(hf)
+    config = os.path.join(workdir, "train.yaml")
+    with open(config, "w") as f:
+        f.write("data:\n  source: synthetic\noptimizer:\n  lr: 1.0e-2\n"
+                "training:\n  steps: 2\n  micro_batch_size: 2\n  seq_len: 16\n  resume: never\n"
+                "logging:\n  progress: off\n")
+    out = os.path.join(workdir, "exported")
+    cmd = [tool("tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", "2", tool("tools/fsdp-train/fsdp-train"),
+           config, f"--model.init_from={hf}", f"--training.export=hf:{out}",
+           f"--fsdp_config.checkpoint_dir={os.path.join(workdir, 'checkpoints')}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=environment(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = tokens_for(model)
+    reference = reference_logits(loaded, tokens)
+    err = relative_error(our_logits(out, tokens, workdir), reference)
+    assert err <= RTOL, f"the exported model's logits differ from ours by {err:.3g} relative"
+    moved = relative_error(reference, reference_logits(model, tokens))
+    assert moved > 1e-3, f"the export equals the initial model (relative change {moved:.3g}): did it train?"
+
+
+def test_full_shard_w2(workdir: str):
+    check_training(workdir, world=2, tp=1)
+
+
+def test_dp2_tp2_w4(workdir: str):
+    # 8 query and 4 key/value heads: each tp rank computes 2 key/value heads, so the order in
+    # which they serve the query heads matters on every rank.
+    check_training(workdir, world=4, tp=2, num_attention_heads=8, num_key_value_heads=4, head_dim=4)
+
+
+def check_training(workdir: str, world: int, tp: int, **overrides):
+    from safetensors.torch import save_file
+    model = make_model("llama", **overrides)
+    hf = os.path.join(workdir, "hf")
+    model.save_pretrained(hf)
+    rows, seq, lr = 2, 16, 1e-2
+    g = torch.Generator().manual_seed(7)
+    batches = torch.randint(0, model.config.vocab_size, (STEPS, world * rows, seq + 1), generator=g)
+    batches_file = os.path.join(workdir, "batches.safetensors")
+    save_file({"batches": batches}, batches_file)
+    ours, ref = os.path.join(workdir, "ours"), os.path.join(workdir, "reference")
+    driver(world, "train", hf, batches_file, str(lr), ours, str(tp))
+    proc = subprocess.run([sys.executable, os.path.join(_HERE, "llama_fsdp2_reference.py"), hf, batches_file, str(lr),
+                           ref, "--world", str(world), "--tp", str(tp)], capture_output=True, text=True,
+                          env=environment(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = []
+    for rank in range(world):
+        with open(os.path.join(ours, f"losses-{rank}.json")) as f:
+            a = json.load(f)
+        with open(os.path.join(ref, f"losses-{rank}.json")) as f:
+            b = json.load(f)
+        assert len(a) == len(b) == STEPS
+        for step, (x, y) in enumerate(zip(a, b), start=1):
+            if abs(x - y) > RTOL * abs(y):
+                found.append(f"rank {rank} step {step}: loss {x:.9g} against {y:.9g}")
+    our_params, ref_params = read_single(os.path.join(ours, "final")), read_single(ref)
+    assert set(our_params) == set(ref_params), sorted(set(our_params) ^ set(ref_params))
+    for name in sorted(ref_params):
+        worst = (our_params[name].float() - ref_params[name].float()).abs().max().item()
+        if worst > 1e-5:
+            found.append(f"{name}: max |difference| {worst:.3g} > 1e-5")
+    assert not found, "\n".join(found)
+
+
+def test_bad_input(workdir: str):
+    model = make_model("llama")
+    hf = os.path.join(workdir, "hf")
+    model.save_pretrained(hf)
+    from safetensors.torch import save_file
+    tokens_file = os.path.join(workdir, "tokens.safetensors")
+    save_file({"tokens": tokens_for(model)}, tokens_file)
+    config_path = os.path.join(hf, "config.json")
+    with open(config_path) as f:
+        good = json.load(f)
+
+    def refused(config: dict, *needles: str) -> None:
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        proc = driver(1, "logits", hf, tokens_file, os.path.join(workdir, "out"), expect_ok=False)
+        assert proc.returncode != 0, f"accepted: {config}"
+        for needle in needles:
+            assert needle in proc.stderr, f"'{needle}' not in: {proc.stderr[-2000:]}"
+
+    refused({**good, "architectures": ["GPT2LMHeadModel"]}, "config.json", "'architectures'", "GPT2LMHeadModel")
+    refused({k: v for k, v in good.items() if k != "hidden_size"}, "config.json", "'hidden_size'", "missing")
+    refused({**good, "hidden_act": "gelu"}, "config.json", "'hidden_act'")
+    # The weights of another shape than config.json's model: the tensor is named.
+    refused({**good, "intermediate_size": good["intermediate_size"] * 2}, "mlp.gate_proj.weight", "shape")
