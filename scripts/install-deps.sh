@@ -31,6 +31,7 @@ packages=(
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
   libsentencepiece-dev sentencepiece  # fsdp-train tokenize --tokenizer (the library) and spm_train (the demo, tests)
+  stress-ng                         # scripts/under-load.sh: the suite beside CPU-bound neighbours
   slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
                                     # they start their own daemons and leave the system's services alone
 )

@@ -3,18 +3,71 @@
 # configurations: the CPU one (build/), and the CUDA one (build-cuda/: -DFSDP_USE_CUDA=ON against
 # the CUDA LibTorch and the CUDA toolkit, every target compiled and linked). Without a GPU the
 # CUDA tests report skipped with their reason.
-set -euo pipefail
+#
+# Both configurations are built and tested even when the first fails; the script ends with one
+# summary line per configuration and exits 1 naming what failed (the format, a build, or tests).
+#   FSDP_TEST_JOBS   ctest's parallelism (default 2)
+#   FSDP_CTEST_ARGS  more ctest arguments for both configurations, e.g. "-L launcher"
+set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh
-# The format first: it takes seconds, the build most of an hour.
-bash scripts/check-format.sh
-# -Werror: the build stays free of warnings (CMakeLists.txt).
-bash scripts/build.sh -DFSDP_WERROR=ON
-(cd build && ctest --output-on-failure -j "${FSDP_TEST_JOBS:-2}" --timeout 900)
+bash scripts/install-deps.sh || exit 1
+
+summaries=()
+failed=()
+
+# The format first: it takes seconds, the build most of an hour. A misformatted file is reported
+# with the rest, not instead of it.
+if bash scripts/check-format.sh; then
+  summaries+=("format: clean")
+else
+  summaries+=("format: FAILED (the files are named above; scripts/check-format.sh says how to format them)")
+  failed+=("the format")
+fi
+
+# configuration NAME BUILD_DIR "CMAKE ARGS" "CTEST ARGS": builds BUILD_DIR and runs its suite,
+# adding a summary line (and, on failure, what failed).
+configuration() {
+  local name=$1 dir=$2 cmake_args=$3 ctest_args=$4
+  local log="$dir/ctest-output.log"
+  # shellcheck disable=SC2086  # the arguments are lists of words
+  if ! FSDP_BUILD_DIR="$dir" bash scripts/build.sh $cmake_args; then
+    summaries+=("$name configuration ($dir/): BUILD FAILED, no tests run (its errors are above)")
+    failed+=("the $name build")
+    return
+  fi
+  # shellcheck disable=SC2086
+  (cd "$dir" && ctest --output-on-failure -j "${FSDP_TEST_JOBS:-2}" --timeout 900 $ctest_args \
+    ${FSDP_CTEST_ARGS:-}) 2>&1 | tee "$log"
+  local status=${PIPESTATUS[0]}
+  local counts
+  counts=$(grep -E "tests passed, [0-9]+ tests? failed out of" "$log" | tail -n 1)
+  if [[ $status -eq 0 ]]; then
+    summaries+=("$name configuration ($dir/): built; ${counts:-ctest passed}")
+    return
+  fi
+  # ctest's list of the failed tests: "<number> - <name> (Failed)" lines at the end of its output.
+  local names
+  names=$(sed -n '/The following tests FAILED:/,$ s/^[[:space:]]*[0-9]* - \([^ ]*\) (.*/\1/p' "$log" | paste -sd, - |
+    sed 's/,/, /g')
+  summaries+=("$name configuration ($dir/): built; ${counts:-ctest failed (status $status)}; FAILED: ${names:-see $log}")
+  failed+=("the $name tests (${names:-see $log})")
+}
+
+# -Werror: the build stays free of warnings (CMakeLists.txt). run-demo.sh builds with the same
+# flags, so that its objects are this build's.
+configuration CPU build "-DFSDP_WERROR=ON" ""
 # The CUDA configuration. Its object files are the CPU configuration's (ccache) but for the
 # CUDA path's, so it costs the CUDA sources, the links and its suite. The interop label (fsdp-train
 # against Python's FSDP2, the longest part of the suite) and the multihost one (network namespaces,
 # fsdprun across hosts) run in the CPU configuration only: the code they drive is the same object
 # code in both.
-FSDP_BUILD_DIR=build-cuda bash scripts/build.sh -DFSDP_WERROR=ON -DFSDP_USE_CUDA=ON
-(cd build-cuda && ctest --output-on-failure -j "${FSDP_TEST_JOBS:-2}" --timeout 900 -LE "interop|multihost")
+configuration CUDA build-cuda "-DFSDP_WERROR=ON -DFSDP_USE_CUDA=ON" "-LE interop|multihost"
+
+echo
+for line in "${summaries[@]}"; do echo "test.sh: $line"; done
+if [[ ${#failed[@]} -gt 0 ]]; then
+  printf -v what '%s; ' "${failed[@]}"
+  echo "test.sh: FAILED: ${what%; }" >&2
+  exit 1
+fi
+echo "test.sh: everything passed"

@@ -20,8 +20,8 @@ using fsdprun::FlightEntry;
 using fsdprun::may_have_hung;
 using fsdprun::RankStatus;
 
-const Program fsdprun_bin(FSDPRUN_BIN);
-const Program flight_worker(FLIGHT_WORKER_BIN);
+const Program fsdprun_bin(beside_this_program(FSDPRUN_BIN));
+const Program flight_worker(beside_this_program(FLIGHT_WORKER_BIN));
 
 bool contains(const std::string& text, const std::string& piece) { return text.find(piece) != std::string::npos; }
 #define EXPECT_CONTAINS(text, piece) \

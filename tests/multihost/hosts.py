@@ -223,6 +223,22 @@ class Hosts:
     def link_up(self, i):
         _ip("link", "set", self._veth(i), "up")
 
+    def signal(self, i, name, signo):
+        """Sends signo to every process of host i whose program is `name` (its comm, e.g.
+        "fsdp-train"); returns how many there were."""
+        r = subprocess.run(["ip", "netns", "pids", self.netns(i)], capture_output=True, text=True)
+        sent = 0
+        for pid in r.stdout.split():
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() != name:
+                        continue
+                os.kill(int(pid), signo)
+                sent += 1
+            except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
+                pass
+        return sent
+
     def kill_host(self, i):
         """Every process of host i, killed at once: each started process group, and whatever else
         runs inside its namespace (workers in process groups of their own)."""

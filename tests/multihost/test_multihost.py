@@ -15,6 +15,7 @@ namespaces cannot be made."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -220,32 +221,87 @@ def test_a_host_whose_link_goes_down_is_named_by_the_others_within_the_timeout()
         assert time.time() - down_at < 60, f"the agents took {time.time() - down_at:.1f} s to stop"
 
 
-def test_a_host_that_comes_back_rejoins_and_the_run_resumes_from_its_last_checkpoint():
+class Lines:
+    """A process's output (stdout and stderr together), read on a thread of its own as it comes,
+    so that a test can wait for a line and still have all of it at the end."""
+
+    def __init__(self, process):
+        self.process, self.lines, self.ended = process, [], False
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.ended = True
+            self.changed.notify_all()
+
+    def wait_for(self, text, timeout):
+        """True once a line holds `text`; False if the output ends, or timeout passes, first."""
+        def seen():
+            return any(text in line for line in self.lines)
+
+        with self.changed:
+            self.changed.wait_for(lambda: self.ended or seen(), timeout)
+            return seen()
+
+    def finish(self, timeout):
+        """(exit status, the whole output) once the process has ended."""
+        self.process.wait(timeout=timeout)
+        with self.changed:
+            self.changed.wait_for(lambda: self.ended, timeout)
+            return self.process.returncode, "".join(self.lines)
+
+
+@pytest.mark.parametrize("node0_moved_on", [
+    pytest.param(True, id="after_node0_restarted"),
+    pytest.param(False, id="while_node0_is_in_the_attempt"),
+])
+def test_a_host_that_comes_back_rejoins_and_the_run_resumes_from_its_last_checkpoint(node0_moved_on):
     """With --max-restarts, node 0 restarts the job when a host's link went down; the host, back,
-    runs fsdprun again, which joins the attempt node 0 is in; every rank resumes from the last
-    complete checkpoint, and the losses equal an uninterrupted run's."""
+    runs fsdprun again, which joins node 0's next attempt: at once if node 0 has begun it, else
+    after waiting for node 0 to give up the attempt that lost the host. Both orders are driven on
+    purpose: node 0's ranks are frozen (SIGSTOP) before the link goes down, so that node 0 cannot
+    notice the loss until the returning fsdprun says it is waiting. Either way every rank resumes
+    from the last complete checkpoint, and the losses equal an uninterrupted run's."""
     steps, timeout_s = 200, 5
     with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
         want = one_host(os.path.join(tmp, "one"), steps)
         out = os.path.join(tmp, "two")
         more = [f"--fsdp_config.collective_timeout_s={timeout_s}", "--fsdp_config.checkpoint_interval=10"]
         restarts = ["--max-restarts", "1"]
-        agents = start_agents(hosts, out, steps, more, fsdprun_args=restarts)
+        node0, first1 = (Lines(a) for a in start_agents(hosts, out, steps, more, fsdprun_args=restarts))
         deadline = time.time() + 120
         ckpt = os.path.join(out, "ckpt")
         while time.time() < deadline and not (os.path.isdir(ckpt) and os.listdir(ckpt)):
             time.sleep(0.05)
         assert os.path.isdir(ckpt) and os.listdir(ckpt), "the run wrote no checkpoint"
+        if not node0_moved_on:
+            # Frozen first, then the link: host 1's ranks, waiting on the frozen ones, time out only
+            # after the link is down, so the failure never reaches the store from host 1 either.
+            assert hosts.signal(0, "fsdp-train", signal.SIGSTOP) == NPROC
         hosts.link_down(1)
-        (rc1, text1), = finish([agents[1]], timeout=90)
+        rc1, text1 = first1.finish(timeout=90)
         assert rc1 != 0 and "cut off" in text1, text1
+        if node0_moved_on:
+            assert node0.wait_for("restarting the worker group: restart 1 of 1", 120), "".join(node0.lines)
         hosts.link_up(1)
-        again = start_agents(hosts, out, steps, more, on_hosts=[1], fsdprun_args=restarts)[0]
-        (rc0, text0), (rc1, text1) = finish([agents[0], again], timeout=240)
+        again = Lines(start_agents(hosts, out, steps, more, on_hosts=[1], fsdprun_args=restarts)[0])
+        waiting = "already joined attempt 0, which lost it: waiting for node 0"
+        if not node0_moved_on:
+            assert again.wait_for(waiting, 60), "".join(again.lines)
+            assert hosts.signal(0, "fsdp-train", signal.SIGCONT) == NPROC
+        (rc0, text0), (rc1, text1) = node0.finish(timeout=240), again.finish(timeout=240)
         assert rc0 == 0, f"host 0:\n{text0}"
         assert rc1 == 0, f"host 1, started again:\n{text1}"
         assert "restarting the worker group: restart 1 of 1" in text0, text0
         assert "joining attempt 1" in text1, text1
+        assert (waiting in text1) == (not node0_moved_on), text1
+        # Host 1's workers ran once, in attempt 1: none was started into the attempt that lost it.
+        assert "could not connect process group" not in text0 + text1, text0 + text1
         assert losses(out) == want
 
 

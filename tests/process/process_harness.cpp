@@ -136,6 +136,12 @@ RunResult Process::wait(double timeout_s) {
   return r;
 }
 
+std::string beside_this_program(const std::string& path) {
+  if (path.empty() || path.front() == '/') return path;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe");
+  return (self.parent_path() / path).lexically_normal().string();
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;

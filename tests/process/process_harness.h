@@ -65,6 +65,12 @@ class Process {
   double started_ = 0;
 };
 
+// `path` relative to the folder of the running test program (absolute paths are returned as they
+// are). Test binaries get the programs they run as such relative paths: compile definitions that
+// named the build folder would differ between the CPU and CUDA configurations' folders, and the
+// object file could not be shared between them.
+std::string beside_this_program(const std::string& path);
+
 // A program under test, by its path.
 class Program {
  public:

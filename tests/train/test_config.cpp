@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -14,11 +15,14 @@ using namespace fsdp::train;
 namespace {
 
 const std::string kConfigs = FSDP_TRAIN_CONFIGS_DIR;
+// Scratch files go beside the test program, in the build folder (found at run time: a compile
+// definition naming it would keep the CPU and CUDA configurations from sharing this object file).
+const std::string kScratch = std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
 
 // Writes text to a scratch file named after the running test; returns its path.
 std::string write_yaml(const std::string& text) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::string path = std::string(FSDP_TRAIN_SCRATCH_DIR) + "/" + info->name() + ".yaml";
+  std::string path = kScratch + "/" + info->name() + ".yaml";
   std::ofstream(path) << text;
   return path;
 }
@@ -513,7 +517,7 @@ TEST(TrainConfig, QuotesThatAreNotUnterminatedStillLoad) {
 }
 
 TEST(TrainConfig, DirectoryAsConfigFileNamesIt) {
-  expect_error([] { load_config(FSDP_TRAIN_SCRATCH_DIR, {}); }, {FSDP_TRAIN_SCRATCH_DIR, "is a directory"});
+  expect_error([] { load_config(kScratch, {}); }, {kScratch, "is a directory"});
 }
 
 TEST(TrainConfig, ComplexKeysAndDeepNestingAreConfigErrors) {

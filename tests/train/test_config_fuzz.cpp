@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <random>
@@ -188,7 +189,10 @@ std::string check_one(const std::function<TrainConfig()>& load, const std::strin
   return "";
 }
 
-std::string scratch(const std::string& name) { return std::string(FSDP_TRAIN_SCRATCH_DIR) + "/" + name; }
+// Beside the test program, in the build folder (found at run time, as in test_config.cpp).
+std::string scratch(const std::string& name) {
+  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / name).string();
+}
 
 }  // namespace
 

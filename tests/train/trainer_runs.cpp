@@ -12,8 +12,8 @@
 
 namespace trainer_test {
 
-const process_test::Program trainer(FSDP_TRAIN_BIN);
-const process_test::Program fsdprun(FSDPRUN_BIN);
+const process_test::Program trainer(process_test::beside_this_program(FSDP_TRAIN_BIN));
+const process_test::Program fsdprun(process_test::beside_this_program(FSDPRUN_BIN));
 std::string configs_dir() { return FSDP_TRAIN_CONFIGS_DIR; }
 
 std::vector<std::string> base_args(const std::string& dir, int steps) {

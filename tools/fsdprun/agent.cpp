@@ -109,20 +109,52 @@ std::optional<int> Agent::conclude(int k, Outcome o) {
 
 // An agent that starts while the job runs (its host came back, and fsdprun was started on it
 // again) joins the attempt node 0 is in, or the next one if that attempt has failed already,
-// with the restarts that node 0 has left.
+// with the restarts that node 0 has left. If its node already joined the attempt node 0 is in,
+// that attempt lost this node (its ranks rendezvoused without the new workers and wait on the
+// old ones), so the agent waits for node 0 to give it up and joins the next one: workers started
+// into it could only fail to connect and be restarted with it. Which attempt a returning host
+// joins thus depends on the store alone, never on whether node 0 noticed the loss first.
 int Agent::first_attempt() {
   if (!several_nodes() || store_->is_host()) return 0;
-  const int k = store_->current_attempt();
+  int k = store_->current_attempt();
+  if (store_->has_joined(k, opt_.node_rank)) {
+    k = wait_for_next_attempt(k);
+  } else if (store_->failure(k)) {
+    ++k;
+  }
   if (k == 0) return 0;
-  const int joining = store_->failure(k) ? k + 1 : k;
-  say("the job is past its first attempt: joining attempt " + std::to_string(joining) + " (restart " +
-      std::to_string(joining) + " of " + std::to_string(opt_.max_restarts) + ")");
-  if (joining > opt_.max_restarts) {
+  say("the job is past its first attempt: joining attempt " + std::to_string(k) + " (restart " + std::to_string(k) +
+      " of " + std::to_string(opt_.max_restarts) + ")");
+  if (k > opt_.max_restarts) {
     throw std::runtime_error("this node's --max-restarts (" + std::to_string(opt_.max_restarts) +
-                             ") does not allow attempt " + std::to_string(joining) +
+                             ") does not allow attempt " + std::to_string(k) +
                              ": give every node the same --max-restarts");
   }
-  return joining;
+  return k;
+}
+
+// Until node 0 has given attempt k up (it failed, or node 0 began a later one), within
+// --join-timeout; returns the attempt to join. Stops when the job stops restarting.
+int Agent::wait_for_next_attempt(int k) {
+  say("node " + std::to_string(opt_.node_rank) + " already joined attempt " + std::to_string(k) +
+      ", which lost it: waiting for node 0 to give that attempt up and start the next one");
+  const auto deadline = Clock::now() + seconds(opt_.join_timeout_s);
+  for (;;) {
+    const int now = store_->current_attempt();
+    if (now > k) return now;
+    if (store_->failure(k)) return k + 1;
+    if (auto why = store_->shutdown()) throw std::runtime_error("not rejoining the job: " + why.value());
+    if (Clock::now() >= deadline) {
+      throw std::runtime_error("node 0 is still in attempt " + std::to_string(k) + " after --join-timeout (" +
+                               format_seconds(opt_.join_timeout_s) + "), although node " +
+                               std::to_string(opt_.node_rank) +
+                               " joined it before: is another fsdprun of this node still running it? Otherwise "
+                               "raise --join-timeout above the time node 0's ranks take to notice a lost host "
+                               "(their collective timeout)");
+    }
+    nap(kBarrierPollMs);
+    if (stop_requested()) throw Interrupted();
+  }
 }
 
 Agent::Outcome Agent::attempt(int k) {

@@ -37,6 +37,8 @@ class Agent {
   bool several_nodes() const { return opt_.nnodes > 1; }
   // The attempt this agent starts with: 0, or the job's current one for an agent started late.
   int first_attempt();
+  // A returning node's agent, whose node joined attempt k already: the attempt to join instead.
+  int wait_for_next_attempt(int k);
   Outcome attempt(int k);
   std::optional<int> conclude(int k, Outcome o);
   std::optional<Outcome> wait_for_agents(int k);  // nullopt: all agents joined

@@ -213,11 +213,15 @@ void AgentStore::join(int attempt, int node) {
 }
 int64_t AgentStore::joined(int attempt) { return counter(key(attempt, "joined"), 0); }
 
+bool AgentStore::has_joined(int attempt, int node) {
+  const std::string k = key(attempt, "joined_node_") + std::to_string(node);
+  return guarded(kLostStore, [&] { return requests_->check({k}); });
+}
+
 std::vector<int> AgentStore::not_joined(int attempt) {
   std::vector<int> missing;
   for (int node = 0; node < nnodes_; ++node) {
-    const std::string k = key(attempt, "joined_node_") + std::to_string(node);
-    if (!guarded(kLostStore, [&] { return requests_->check({k}); })) missing.push_back(node);
+    if (!has_joined(attempt, node)) missing.push_back(node);
   }
   return missing;
 }

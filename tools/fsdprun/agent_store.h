@@ -67,6 +67,8 @@ class AgentStore {
   // Before attempt K, every agent joins; workers start once all nnodes agents joined.
   void join(int attempt, int node);
   int64_t joined(int attempt);  // how many agents joined attempt K so far
+  // Whether node N's agent joined attempt K (a node's agent started again sees its earlier self).
+  bool has_joined(int attempt, int node);
   // The nodes whose agent has not joined attempt K, ascending (for the join timeout's message).
   std::vector<int> not_joined(int attempt);
   // An agent whose group failed (or who was interrupted) marks the attempt failed;
