@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-bash scripts/build.sh
+FSDP_BUILD_TARGETS="fsdp-train fsdprun" bash scripts/build.sh -DFSDP_WERROR=ON  # as run-demo.sh builds
 text=/usr/share/common-licenses/GPL-3
 spm_train --input="$text" --model_prefix=build/gpl3-spm --vocab_size=1024 --model_type=unigram \
   --character_coverage=1.0 --byte_fallback=true --num_threads=1 --random_seed=0 --minloglevel=2
