@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 source scripts/torch-env.sh
 FSDP_TENSORBOARD_VERSION=2.21.0
 FSDP_MATPLOTLIB_VERSION=3.11.2
+FSDP_TOKENIZERS_VERSION=0.23.3
 
 packages=(
   cmake ninja-build g++ make pkg-config
@@ -29,6 +30,8 @@ packages=(
   dpkg-dev file                     # cpack -G DEB's dependency list (dpkg-shlibdeps) and the package test
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
+  doxygen                           # the API reference (docs/api/Doxyfile.in, ctest -L docs)
+  libsentencepiece-dev sentencepiece  # fsdp-train tokenize --tokenizer (the library) and spm_train (the demo, tests)
   stress-ng                         # scripts/under-load.sh: the suite beside CPU-bound neighbours
   slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
                                     # they start their own daemons and leave the system's services alone
@@ -88,14 +91,15 @@ install_torch_wheel() {
 }
 
 # The Python-side tools beside torch, added to a venv made before they were listed: tensorboard
-# (its event reader checks fsdp-train's TensorBoard files; tests/train/test_tensorboard.py) and
-# matplotlib (bench/plot_readme.py draws the README's pictures).
+# (its event reader checks fsdp-train's TensorBoard files; tests/train/test_tensorboard.py),
+# matplotlib (bench/plot_readme.py draws the README's pictures) and tokenizers
+# (tools/pretokenize.py: a tokenizer.json's byte-level BPE to token files).
 install_python_tools() {
   if [[ -n "${FSDP_LIBTORCH:-}" ]]; then return; fi  # FSDP_PYTHON is the user's own: left alone
-  if "$FSDP_PYTHON" -c "import tensorboard, matplotlib" 2>/dev/null; then return; fi
-  echo "install-deps: installing tensorboard and matplotlib into ${FSDP_VENV}"
+  if "$FSDP_PYTHON" -c "import tensorboard, matplotlib, tokenizers" 2>/dev/null; then return; fi
+  echo "install-deps: installing tensorboard, matplotlib and tokenizers into ${FSDP_VENV}"
   "$FSDP_VENV/bin/pip" install -q --disable-pip-version-check "tensorboard==${FSDP_TENSORBOARD_VERSION}" \
-      "matplotlib==${FSDP_MATPLOTLIB_VERSION}"
+      "matplotlib==${FSDP_MATPLOTLIB_VERSION}" "tokenizers==${FSDP_TOKENIZERS_VERSION}"
 }
 
 # transformers, the oracle of the Llama family's interop checks (tests/interop/test_llama.py):

@@ -9,6 +9,11 @@
 #   bash scripts/run-demo.sh --training.steps=100 --trace
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `run-demo.sh llama`: the SentencePiece-tokenized demo, a script of its own.
+if [[ "${1:-}" == llama ]]; then
+  shift
+  exec bash scripts/run-demo-llama.sh "$@"
+fi
 bash scripts/install-deps.sh
 # Only what the demo runs: fsdp-train and fsdprun, and the library they link; scripts/test.sh
 # builds the rest. With test.sh's flags (-Werror), so that test.sh finds these objects built

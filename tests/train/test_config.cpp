@@ -59,7 +59,7 @@ std::vector<std::string> with_args(std::vector<std::string> args, const std::vec
 }  // namespace
 
 TEST(TrainConfig, ShippedConfigsLoadAndAreSupported) {
-  for (const char* name : {"tiny", "small", "medium", "seed002"}) {
+  for (const char* name : {"tiny", "small", "medium", "seed002", "gpl3-spm"}) {
     SCOPED_TRACE(name);
     TrainConfig c = load_config(kConfigs + "/" + name + ".yaml", {});
     EXPECT_NO_THROW(check_supported(c, DeviceSupport{true, ""}));  // seed002 is written for GPUs
@@ -639,4 +639,22 @@ TEST(TrainConfig, CheckpointFormatIsFsdpOrDcpAndOtherValuesNameTheKeyAndTheLine)
   const std::string path = write_yaml("fsdp_config:\n  checkpoint_dir: /tmp/x\n  checkpoint_format: distcp\n");
   expect_error([&] { load_config(path, {}); },
                {path + ":3", "fsdp_config.checkpoint_format", "expected one of fsdp | dcp, got 'distcp'"});
+}
+
+// The eval section and data.tokenizer: defaults, values, and the rule across keys.
+TEST(TrainConfig, EvalSectionAndTokenizerKeys) {
+  const TrainConfig d = load_config("", {});
+  EXPECT_TRUE(d.eval.path.empty());
+  EXPECT_EQ(d.eval.batches, 1);
+  EXPECT_EQ(d.eval.interval, 0);
+  EXPECT_TRUE(d.data.tokenizer.empty());
+  const TrainConfig c =
+      load_config("", {"--eval.path=e.tokens", "--eval.batches=3", "--eval.interval=50", "--data.tokenizer=m.model"});
+  EXPECT_EQ(c.eval.path, "e.tokens");
+  EXPECT_EQ(c.eval.batches, 3);
+  EXPECT_EQ(c.eval.interval, 50);
+  EXPECT_EQ(c.data.tokenizer, "m.model");
+  expect_error([] { load_config("", {"--eval.batches=0"}); }, {"eval.batches", "must be >= 1"});
+  expect_error([] { load_config("", {"--eval.interval=-1"}); }, {"eval.interval", "must be >= 0"});
+  expect_error([] { load_config("", {"--eval.interval=10"}); }, {"eval.path: required when eval.interval"});
 }

@@ -272,6 +272,11 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"data", "source", choice(c.data.source, {"synthetic", "tokens"})},
       {"data", "path", string(c.data.path)},
       {"data", "data_seed", [&c](const YAML::Node& n) { c.data.data_seed = to_int(n); }},
+      {"data", "tokenizer", string(c.data.tokenizer)},
+
+      {"eval", "path", string(c.eval.path)},
+      {"eval", "batches", int_at_least(c.eval.batches, 1)},
+      {"eval", "interval", int_at_least(c.eval.interval, 0)},
 
       {"optimizer", "lr", number(o.lr, 0.0, false)},
       {"optimizer", "beta1", [&o](const YAML::Node& n) { o.beta1 = to_beta(n); }},
@@ -608,6 +613,9 @@ TrainConfig load_config(const std::string& yaml_path, const std::vector<std::str
   const std::string where = yaml_path.empty() ? std::string("command line") : yaml_path;
   if (cfg.data.source == "tokens" && cfg.data.path.empty())
     throw ConfigError(where + ": data.path: required when data.source is tokens");
+  if (cfg.eval.interval > 0 && cfg.eval.path.empty())
+    throw ConfigError(where + ": eval.path: required when eval.interval is set (" + std::to_string(cfg.eval.interval) +
+                      "): the token file to evaluate on");
   if (cfg.schedule.min_lr > cfg.optimizer.lr) {
     std::ostringstream msg;
     msg << where << ": schedule.min_lr (" << cfg.schedule.min_lr << ") must not exceed optimizer.lr ("

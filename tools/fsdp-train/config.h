@@ -178,6 +178,22 @@ struct DataConfig {
   std::string source = "synthetic";  // synthetic | tokens (a token file; then path is required)
   std::string path;                  // the token file for source: tokens
   int64_t data_seed = 1234;          // step s's batch (s from 0) is drawn with a generator seeded data_seed + s
+  // The SentencePiece model the token files were made with (`fsdp-train tokenize --tokenizer`):
+  // the sample after training encodes its prompt and decodes its text with it. Empty = none: a
+  // byte-level token file's sample is printed as text, any other as token ids.
+  std::string tokenizer;
+};
+
+// The model's mean cross-entropy over the start of a token file (`fsdp-train eval`, and during
+// training every `interval` steps): `batches` global batches of dp world x
+// training.micro_batch_size windows each, as training's are made up, of consecutive,
+// non-overlapping windows of training.seq_len + 1 tokens from the start of `path`, in order;
+// every predicted token weighs alike. The windows depend on the global batch only, so the same
+// global batch gives the same loss at any world size.
+struct EvalConfig {
+  std::string path;      // a token file (either format data.path reads); required by eval and interval
+  int64_t batches = 1;   // >= 1; the file must hold batches x global batch x (seq_len + 1) tokens
+  int64_t interval = 0;  // >= 0; evaluate after every N-th training step (and the last); 0 = never
 };
 
 // AdamW.
@@ -260,6 +276,7 @@ struct TrainConfig {
   FsdpConfig fsdp_config;
   ModelConfig model;
   DataConfig data;
+  EvalConfig eval;
   OptimizerConfig optimizer;
   ScheduleConfig schedule;
   TrainingConfig training;

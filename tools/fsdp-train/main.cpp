@@ -1,9 +1,10 @@
 // fsdp-train — the config-driven Transformer trainer of fsdp-cpp.
 //
 //   fsdprun --standalone --nproc-per-node 2 fsdp-train configs/small.yaml [--section.key=value ...] [--trace]
-//   fsdp-train tokenize INPUT.txt OUTPUT.tokens        # byte-level token file for data.source: tokens
+//   fsdp-train tokenize [--tokenizer M.model] INPUT.txt OUTPUT.tokens   # a token file for data.source: tokens
+//   fsdprun ... fsdp-train eval configs/small.yaml --eval.path=F.tokens  # prints `eval loss: <value>`
 //
-// Without a launcher it trains as one process (world size 1). See README.md and configs/.
+// Without a launcher it trains as one process (world size 1). See docs/trainer.md and configs/.
 #include "config.h"
 #include "data.h"
 #include "errors.h"
@@ -11,6 +12,7 @@
 #include "plan_command.h"
 #include "read_file.h"
 #include "stop_signal.h"
+#include "tokenizer.h"
 #include "trainer.h"
 
 #include <fsdp/distributed.h>
@@ -18,6 +20,7 @@
 
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -26,34 +29,51 @@ namespace {
 
 const char* kUsage =
     "usage: fsdp-train [CONFIG.yaml] [--section.key=value ...] [--trace]\n"
-    "       fsdp-train tokenize INPUT OUTPUT\n"
+    "       fsdp-train tokenize [--tokenizer MODEL] INPUT OUTPUT\n"
+    "       fsdp-train eval [CONFIG.yaml] [--section.key=value ...]\n"
     "       fsdp-train plan CONFIG.yaml [--section.key=value ...] [--world N] [--memory-per-rank SIZE] [--json]\n"
     "Trains the Transformer as CONFIG.yaml says (see configs/); every key can be overridden on the\n"
     "command line, e.g. --training.steps=20 --optimizer.betas=[0.9,0.95]. --trace is\n"
     "--logging.trace=true. Start it with fsdprun for several ranks.\n"
-    "tokenize: turns any file into a byte-level token file (vocabulary 256).\n"
+    "tokenize: turns any file into a token file: byte-level (vocabulary 256), or with --tokenizer the\n"
+    "ids of a SentencePiece model (spm_train's .model; its vocabulary size is recorded).\n"
+    "eval: loads the weights training would start from and prints `eval loss: <value>`, the mean\n"
+    "cross-entropy over eval.batches global batches from the start of eval.path.\n"
     "plan: the memory, collectives and step time a run needs per rank, predicted without running it\n"
     "(fsdp-train plan --help).\n"
     "Exit codes: 0 done, 1 runtime error, 2 configuration error, 3 non-finite loss or gradient\n"
     "norm (the step is not applied), 128+N stopped by signal N (after saving a checkpoint).\n";
 
+// tokenize [--tokenizer MODEL] INPUT OUTPUT (also --tokenizer=MODEL).
 int tokenize(int argc, char** argv) {
-  if (argc != 4) {
-    std::cerr << "fsdp-train tokenize: expected INPUT and OUTPUT\n" << kUsage;
+  std::vector<std::string> files;
+  std::string model;
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--tokenizer" && i + 1 < argc) model = argv[++i];
+    else if (arg.rfind("--tokenizer=", 0) == 0) model = arg.substr(12);
+    else files.push_back(arg);
+  }
+  if (files.size() != 2 || files[0].rfind("--", 0) == 0 || files[1].rfind("--", 0) == 0) {
+    std::cerr << "fsdp-train tokenize: expected [--tokenizer MODEL] INPUT OUTPUT\n" << kUsage;
     return fsdp::train::kExitConfig;
   }
-  const std::string input = argv[2];
+  const std::string& input = files[0];
   std::string text;
+  std::unique_ptr<fsdp::train::Tokenizer> tokenizer;
   try {
+    tokenizer =
+        model.empty() ? fsdp::train::byte_tokenizer() : fsdp::train::sentencepiece_tokenizer(model, "--tokenizer");
     text = fsdp::train::read_file(input, {input + " is a directory; expected a file to tokenize",
                                           "cannot open " + input, "reading " + input + " failed"});
   } catch (const std::runtime_error& e) {
     std::cerr << "fsdp-train tokenize: " << e.what() << "\n";
     return fsdp::train::kExitError;
   }
-  fsdp::train::write_token_file(argv[3], fsdp::train::byte_tokens(text), 256);
-  std::cout << "fsdp-train tokenize: " << text.size() << " byte tokens (vocab 256) from " << argv[2] << " -> "
-            << argv[3] << "\n";
+  const std::vector<uint32_t> ids = tokenizer->encode(text);
+  fsdp::train::write_token_file(files[1], ids, tokenizer->vocab_size());
+  std::cout << "fsdp-train tokenize: " << ids.size() << " tokens of " << tokenizer->describe() << " from " << input
+            << " -> " << files[1] << "\n";
   return fsdp::train::kExitOk;
 }
 
@@ -76,9 +96,10 @@ int main(int argc, char** argv) {
   try {
     if (argc >= 2 && !std::strcmp(argv[1], "tokenize")) return tokenize(argc, argv);
     if (argc >= 2 && !std::strcmp(argv[1], "plan")) return plan_command(argc, argv);
+    const bool eval = argc >= 2 && !std::strcmp(argv[1], "eval");
     std::string config_path;
     std::vector<std::string> overrides;
-    for (int i = 1; i < argc; ++i) {
+    for (int i = eval ? 2 : 1; i < argc; ++i) {
       const std::string arg = argv[i];
       if (arg == "-h" || arg == "--help") {
         std::cout << kUsage;
@@ -95,7 +116,7 @@ int main(int argc, char** argv) {
     const TrainConfig cfg = load_config(config_path, overrides);
     check_supported(cfg, device_support_for(cfg));
     install_stop_signal_handlers();
-    return run_training(cfg);
+    return eval ? run_evaluation(cfg) : run_training(cfg);
   } catch (const ConfigError& e) {
     std::cerr << "fsdp-train: " << rank_prefix() << "configuration error: " << terminal_safe(e.what()) << "\n";
     return kExitConfig;

@@ -77,6 +77,7 @@ double now_seconds() {
 std::string format_step_line(const StepReport& r) {
   std::ostringstream s;
   s << "step: " << r.step << "  loss: " << fixed(r.loss, 4);
+  if (r.eval_loss) s << "  eval loss: " << fixed(*r.eval_loss, 4);
   s << "  grad_norm: " << fixed(r.grad_norm, 4);
   char lr[32];
   std::snprintf(lr, sizeof lr, "%.2e", r.lr);
@@ -289,6 +290,7 @@ void JsonlWriter::write(const StepReport& r, int rank) {
                       {"reduce_scatter_s", r.rs_busy_s},
                       {"reduce_scatter_wait_s", r.rs_wait_s},
                       {"grad_norm", r.grad_norm}};
+  if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
   if (r.loss_scale > 0) {
     j["loss_scale"] = r.loss_scale;
     j["overflow_skipped"] = r.overflow_skipped;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,11 +30,12 @@ struct StepReport {
   double lr = 0;
   double step_s = 0;  // forward + backward + optimizer on this rank
   double forward_s = 0, backward_s = 0, optimizer_s = 0;
-  double tokens_per_s = 0;        // global tokens of the step / this rank's step_s
-  int64_t tokens_seen = 0;        // global tokens trained on so far
-  std::string precision;          // the run's dtypes: "fp32" or e.g. "param bf16, reduce fp32"
-  double loss_scale = 0;          // fp16: true: the scale this step's loss was multiplied by (0: no scaler)
-  bool overflow_skipped = false;  // fp16: true: the gradients overflowed and AdamW did not step
+  double tokens_per_s = 0;          // global tokens of the step / this rank's step_s
+  int64_t tokens_seen = 0;          // global tokens trained on so far
+  std::string precision;            // the run's dtypes: "fp32" or e.g. "param bf16, reduce fp32"
+  double loss_scale = 0;            // fp16: true: the scale this step's loss was multiplied by (0: no scaler)
+  bool overflow_skipped = false;    // fp16: true: the gradients overflowed and AdamW did not step
+  std::optional<double> eval_loss;  // on the steps eval.interval names: the eval loss after the step
   std::vector<RankStep> ranks;
   // This rank's collectives of the step: all-gather / reduce-scatter time on the comm thread,
   // and the part the training thread waited for (exposed).

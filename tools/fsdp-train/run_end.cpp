@@ -2,7 +2,6 @@
 #include "run_end.h"
 
 #include "agreement.h"
-#include "data.h"
 #include "hf_checkpoint.h"
 #include "sample.h"
 
@@ -174,8 +173,8 @@ std::string write_trace(const TrainConfig& cfg, int rank) {
   return "trace: " + path + " (" + std::to_string(n) + " spans; one file per rank, open in ui.perfetto.dev)";
 }
 
-void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm, const DataSource& data,
-                       const std::function<void(const std::string&)>& print) {
+void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm,
+                       const Tokenizer* tokenizer, const std::function<void(const std::string&)>& print) {
   torch::nn::Module& model = pm.module();
   const std::string path = resolved_export_path(cfg);
   if (is_hf_export(cfg)) {
@@ -202,11 +201,9 @@ void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, Pa
     save_pytorch_state_dict(full, path);
     print("export: " + path + " (PyTorch state dict: torch.load() in Python)");
   }
-  // Byte-level data: the prompt's bytes, and the sample printed as text; otherwise token ids.
-  const bool byte_level = cfg.data.source == "tokens" && data.vocab_size() <= 256;
   if (cfg.sample.length > 0)
-    print(pm.llama ? generate_sample(pm.llama->args(), full, cfg.sample, byte_level)
-                   : generate_sample(args, full, cfg.sample, byte_level));
+    print(pm.llama ? generate_sample(pm.llama->args(), full, cfg.sample, tokenizer)
+                   : generate_sample(args, full, cfg.sample, tokenizer));
 }
 
 }  // namespace train

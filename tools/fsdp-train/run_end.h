@@ -6,6 +6,7 @@
 #include "config.h"
 #include "model_setup.h"
 #include "report.h"
+#include "tokenizer.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/process_group.h>
@@ -17,8 +18,6 @@
 
 namespace fsdp {
 namespace train {
-
-class DataSource;
 
 // The counters of each process group of a mesh, one per dim: the shard group and, on a 2-D
 // mesh, the replicate group or (model_parallel_size > 1) the tp group, whose all-reduces the
@@ -57,10 +56,11 @@ std::string write_trace(const TrainConfig& cfg, int rank);
 
 // Collective over the world: training.export (.safetensors: written by every rank from its
 // shards; hf or hf:<dir>: a Hugging Face directory of a Llama, every rank writing its file;
-// otherwise one PyTorch file written by rank 0), then rank 0's sample. `print` shows rank 0's
-// lines. Throws ConfigError for hf with a model that is not a Llama.
-void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm, const DataSource& data,
-                       const std::function<void(const std::string&)>& print);
+// otherwise one PyTorch file written by rank 0), then rank 0's sample, its text that of
+// `tokenizer` (nullptr: token ids). `print` shows rank 0's lines. Throws ConfigError for hf with
+// a model that is not a Llama.
+void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm,
+                       const Tokenizer* tokenizer, const std::function<void(const std::string&)>& print);
 
 }  // namespace train
 }  // namespace fsdp

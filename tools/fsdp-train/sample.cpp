@@ -1,8 +1,6 @@
 // sample.cpp — sampling text from an unsharded copy of the trained model (see sample.h).
 #include "sample.h"
 
-#include "data.h"
-
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
@@ -35,12 +33,13 @@ models::Llama unsharded_copy(const models::LlamaArgs& args, const TensorStateDic
   return local;
 }
 
-std::vector<int64_t> prompt_ids(const std::string& prompt_text, bool byte_level) {
+// The prompt's ids; token 0 when there is no tokenizer or the prompt encodes to nothing.
+std::vector<int64_t> prompt_ids(const std::string& prompt_text, const Tokenizer* tokenizer) {
   const std::string prompt = prompt_text.empty() ? std::string("\n") : prompt_text;
-  if (!byte_level) return {0};
-  std::vector<int64_t> ids;
-  for (unsigned char c : prompt) ids.push_back(c);
-  return ids;
+  if (!tokenizer) return {0};
+  const std::vector<uint32_t> encoded = tokenizer->encode(prompt);
+  if (encoded.empty()) return {0};
+  return std::vector<int64_t>(encoded.begin(), encoded.end());
 }
 
 // The next token after `ids`, drawn from the model's distribution at the last position.
@@ -55,16 +54,16 @@ int64_t next_token(Model& model, const std::vector<int64_t>& ids, int64_t max_se
 }
 
 template <typename Model>
-std::string sample_from(Model& model, int64_t max_seq_len, const SampleConfig& cfg, bool byte_level) {
-  std::vector<int64_t> ids = prompt_ids(cfg.prompt, byte_level);
+std::string sample_from(Model& model, int64_t max_seq_len, const SampleConfig& cfg, const Tokenizer* tokenizer) {
+  std::vector<int64_t> ids = prompt_ids(cfg.prompt, tokenizer);
   const size_t prompt_len = ids.size();
   at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(cfg.seed));
   for (int64_t i = 0; i < cfg.length; ++i) ids.push_back(next_token(model, ids, max_seq_len, cfg.temperature, gen));
 
   std::ostringstream out;
   out << "sample (" << cfg.length << " tokens, temperature " << cfg.temperature << "):\n";
-  if (byte_level) {
-    out << bytes_text(ids);
+  if (tokenizer) {
+    out << tokenizer->decode(ids);
   } else {
     for (size_t i = prompt_len; i < ids.size(); ++i) out << ids[i] << ' ';
   }
@@ -74,15 +73,15 @@ std::string sample_from(Model& model, int64_t max_seq_len, const SampleConfig& c
 }  // namespace
 
 std::string generate_sample(const models::ModelArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
-                            bool byte_level) {
+                            const Tokenizer* tokenizer) {
   models::Transformer model = unsharded_copy(args, full);
-  return sample_from(model, args.max_seq_len, cfg, byte_level);
+  return sample_from(model, args.max_seq_len, cfg, tokenizer);
 }
 
 std::string generate_sample(const models::LlamaArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
-                            bool byte_level) {
+                            const Tokenizer* tokenizer) {
   models::Llama model = unsharded_copy(args, full);
-  return sample_from(model, args.max_position_embeddings, cfg, byte_level);
+  return sample_from(model, args.max_position_embeddings, cfg, tokenizer);
 }
 
 }  // namespace train

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "config.h"
+#include "tokenizer.h"
 
 #include <fsdp/models/llama.h>
 #include <fsdp/models/transformer.h>
@@ -16,13 +17,14 @@ namespace train {
 // built from `args` (dropout off) and loaded from `full` (the whole model's tensors): no
 // collectives, so rank 0 calls it alone. Each token is drawn from softmax(logits / temperature)
 // with a generator seeded cfg.seed; the context is the last max_seq_len tokens.
-// byte_level: the prompt is read as bytes and the sample printed as text; otherwise the prompt
-// is token 0 and the sample is printed as token ids. Returns the text to print, header included.
+// With a tokenizer (data.tokenizer's, or the byte-level one for byte-level data) the prompt is
+// encoded with it and the sample printed as its text; without one (nullptr) the prompt is
+// token 0 and the sample is printed as token ids. Returns the text to print, header included.
 std::string generate_sample(const models::ModelArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
-                            bool byte_level);
+                            const Tokenizer* tokenizer);
 // The same for the Llama family (the context is the last max_position_embeddings tokens).
 std::string generate_sample(const models::LlamaArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
-                            bool byte_level);
+                            const Tokenizer* tokenizer);
 
 }  // namespace train
 }  // namespace fsdp

@@ -22,6 +22,7 @@
 #include "agreement.h"
 #include "data.h"
 #include "errors.h"
+#include "evaluation.h"
 #include "hardware.h"
 #include "initial_weights.h"
 #include "model_setup.h"
@@ -33,6 +34,7 @@
 #include "step_control.h"
 #include "stop_signal.h"
 #include "tensorboard.h"
+#include "tokenizer.h"
 
 #include <fsdp/call.h>
 #include <fsdp/clip_grad.h>
@@ -48,6 +50,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -70,11 +73,20 @@ InitOptions init_options(const FsdpConfig& f) {
 
 std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelArgs& a) {
   if (cfg.data.source == "synthetic") return synthetic_data(a.vocab_size, cfg.data.data_seed);
-  std::unique_ptr<DataSource> d = token_file_data(cfg.data.path, cfg.data.data_seed);
-  if (d->vocab_size() > a.vocab_size)
-    throw ConfigError("data.path " + cfg.data.path + " has a vocabulary of " + std::to_string(d->vocab_size()) +
-                      " but model.vocab_size is " + std::to_string(a.vocab_size) + "; raise model.vocab_size");
-  return d;
+  return token_file_data(cfg.data.path, cfg.data.data_seed, a.vocab_size);
+}
+
+// data.tokenizer's SentencePiece model (loaded at start-up, so that a wrong file stops the run
+// before training), else the byte-level tokenizer for byte-level data, else none (token ids).
+std::unique_ptr<Tokenizer> sample_tokenizer(const TrainConfig& cfg, const models::ModelArgs& a,
+                                            const DataSource& data) {
+  if (cfg.data.tokenizer.empty()) return cfg.data.source == "tokens" && data.byte_level() ? byte_tokenizer() : nullptr;
+  std::unique_ptr<Tokenizer> t = sentencepiece_tokenizer(cfg.data.tokenizer, "data.tokenizer");
+  if (static_cast<int64_t>(t->vocab_size()) > a.vocab_size)
+    throw ConfigError("data.tokenizer " + cfg.data.tokenizer + " has a vocabulary of " +
+                      std::to_string(t->vocab_size()) + " but model.vocab_size is " + std::to_string(a.vocab_size) +
+                      "; raise model.vocab_size");
+  return t;
 }
 
 // AdamW, FusedAdamW, or, with the parameters offloaded and the optimizer state kept on a GPU,
@@ -90,13 +102,25 @@ std::unique_ptr<torch::optim::AdamW> optimizer_of(const TrainConfig& cfg, const 
   return std::make_unique<torch::optim::AdamW>(params, options);
 }
 
+// What a Run does once the model holds its weights: train, or (`fsdp-train eval`) evaluate them.
+enum class RunMode { kTrain, kEvaluate };
+
+std::string eval_loss_text(double loss) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.8g", loss);
+  return text;
+}
+
 class Run {
  public:
-  explicit Run(const TrainConfig& cfg) : cfg_(cfg), precision_(precision_of(cfg.fsdp_config)) {}
+  Run(const TrainConfig& cfg, RunMode mode) : cfg_(cfg), mode_(mode), precision_(precision_of(cfg.fsdp_config)) {}
   int main();
 
  private:
   void set_up();
+  int evaluate_only(const TrainerCounters& resumed);
+  double evaluate();
+  at::Tensor loss_of(const at::Tensor& inputs, const at::Tensor& targets);
   void join_job(const RendezvousInfo& env);
   void start_logging();
   int train();
@@ -118,12 +142,15 @@ class Run {
   }
 
   const TrainConfig& cfg_;
+  const RunMode mode_;
   const Precision precision_;
   int rank_ = 0, world_ = 1;
   models::ModelArgs args_;
   int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
   LrSchedule schedule_;
   std::unique_ptr<DataSource> data_;
+  std::unique_ptr<Tokenizer> tokenizer_;    // the sample's text: data.tokenizer, or bytes for byte-level data
+  std::unique_ptr<Evaluation> evaluation_;  // eval.interval > 0, or `fsdp-train eval`
   ParallelModel pm_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::unique_ptr<GradScaler> scaler_;  // fp16: true only
@@ -147,7 +174,10 @@ void Run::set_up() {
   batch_ = cfg_.training.micro_batch_size;
   accumulation_ = cfg_.training.gradient_accumulation_steps;
   schedule_ = lr_schedule(cfg_);
-  data_ = data_of(cfg_, args_);
+  if (mode_ == RunMode::kTrain) {  // evaluation reads eval.path only
+    data_ = data_of(cfg_, args_);
+    tokenizer_ = sample_tokenizer(cfg_, args_, *data_);
+  }
 
   join_job(env);
   checkpoints_ = std::make_unique<RunCheckpoints>(cfg_, run_identity(cfg_, args_),
@@ -156,6 +186,8 @@ void Run::set_up() {
   pm_ = parallelize_model(cfg_, args_, precision_, env.local_world_size);
   load_initial_weights(cfg_, pm_.module(), [this](const std::string& line) { print(line); });
   optimizer_ = optimizer_of(cfg_, pm_.parameters(), pm_.mesh.device());
+  if (mode_ == RunMode::kEvaluate || cfg_.eval.interval > 0)
+    evaluation_ = std::make_unique<Evaluation>(cfg_, args_.vocab_size, seq_, pm_.dp_world, pm_.dp_rank);
   // The world group agrees on overflows: every rank skips a step together.
   if (precision_.loss_scaling) scaler_ = std::make_unique<GradScaler>();
 }
@@ -225,6 +257,7 @@ int Run::main() {
   // The whole model built before sharding, a loaded state dict or checkpoint: blocks that the
   // training steps will not ask for again. Give them back instead of keeping them cached.
   memory::empty_cache();
+  if (mode_ == RunMode::kEvaluate) return evaluate_only(resumed);
   start_logging();
   if (start_step_ >= cfg_.training.steps) {
     print("training already complete at step " + std::to_string(start_step_) + " (training.steps " +
@@ -233,6 +266,43 @@ int Run::main() {
     return kExitOk;
   }
   return train();
+}
+
+// `fsdp-train eval`: says which weights it evaluates, then prints `eval loss: <value>`.
+int Run::evaluate_only(const TrainerCounters& resumed) {
+  std::string weights;
+  if (resumed.steps_done > 0) {
+    weights = "the checkpoint " + checkpoints_->last_saved_dir() + " (step " + std::to_string(resumed.steps_done) +
+              ", training.resume: " + cfg_.training.resume + ")";
+  } else if (!cfg_.model.init_from.empty()) {
+    weights = "model.init_from " + cfg_.model.init_from + " (no checkpoint to resume from)";
+  } else {
+    weights = "the seeded initialisation (training.seed " + std::to_string(cfg_.training.seed) +
+              "): no checkpoint to resume from under " + cfg_.fsdp_config.checkpoint_dir + " and no model.init_from";
+  }
+  print("eval: weights: " + weights);
+  print("eval: " + evaluation_->describe() + " on " + std::to_string(world_) + " rank(s)");
+  print("eval loss: " + eval_loss_text(evaluate()));
+  return kExitOk;
+}
+
+// Collective: the eval loss of the weights as they are now. The FSDP root keeps its gathered
+// parameters after a forward (it reshards after backward, which evaluation has none of), so it
+// is resharded here: training and checkpoints go on from the sharded parameters.
+double Run::evaluate() {
+  trace::Span span("compute", "eval");
+  const double loss = evaluation_->evaluate(
+      pm_.module(), [this](const at::Tensor& in, const at::Tensor& tg) { return loss_of(in, tg); }, pm_.mesh.device());
+  if (pm_.kind() != DataParallelKind::kReplicated) pm_.root.reshard();
+  return loss;
+}
+
+// The model's mean fp32 cross-entropy of a batch (training's and evaluation's).
+at::Tensor Run::loss_of(const at::Tensor& inputs, const at::Tensor& targets) {
+  // The loss in fp32 whatever the compute dtype (torchtitan's .float()): a bf16 log-softmax
+  // over the vocabulary loses the small differences training follows.
+  // training.loss_chunks > 1 computes it a piece of the sequence at a time (forward_loss).
+  return pm_.forward_loss(inputs, targets, cfg_.training.loss_chunks);
 }
 
 // The loop, from the step after start_step_ to training.steps; returns the exit code. A step
@@ -254,6 +324,7 @@ int Run::train() {
       return stop(step, verdict, votes);
     apply_step(r);
     done_steps_ = step;
+    if (evaluation_ && (step % cfg_.eval.interval == 0 || step == cfg_.training.steps)) r.eval_loss = evaluate();
     report_step(r, votes);
     if (verdict == StepVerdict::kApplyThenStop) return stop(step, verdict, votes);
     if (background_save_after(step, cfg_.fsdp_config.checkpoint_interval, cfg_.training.steps))
@@ -323,10 +394,7 @@ double Run::forward_backward(const at::Tensor& batch, int64_t micro, StepReport&
   at::Tensor loss;
   {
     trace::Span span("compute", "forward");
-    // The loss in fp32 whatever the compute dtype (torchtitan's .float()): a bf16 log-softmax
-    // over the vocabulary loses the small differences training follows.
-    // training.loss_chunks > 1 computes it a piece of the sequence at a time (forward_loss).
-    loss = pm_.forward_loss(inputs, targets, cfg_.training.loss_chunks);
+    loss = loss_of(inputs, targets);
     if (accumulation_ > 1) loss = loss / static_cast<double>(accumulation_);
   }
   const double b0 = now_seconds();
@@ -390,7 +458,8 @@ void Run::report_step(StepReport& r, const StepVotes& votes) {
   // Off the printed steps only this rank's entry is read (its JSONL line).
   r.ranks.assign(world_, RankStep{});
   r.ranks[rank_] = mine;
-  const bool printed = r.step % cfg_.logging.log_interval == 0 || r.step == cfg_.training.steps;
+  const bool printed =
+      r.step % cfg_.logging.log_interval == 0 || r.step == cfg_.training.steps || r.eval_loss.has_value();
   if (printed) {
     const std::vector<double> all = all_gather_numbers({mine.live_mib, mine.peak_mib, mine.rss_mib});
     for (int q = 0; q < world_; ++q)
@@ -400,6 +469,7 @@ void Run::report_step(StepReport& r, const StepVotes& votes) {
   record_.step_times.push_back(r.step_s);
   jsonl_.write(r, rank_);
   tensorboard_.step(r, rank_);
+  if (r.eval_loss) tensorboard_.eval_loss(r.step, *r.eval_loss);  // open on rank 0 only
   if (rank_ != 0) return;
   if (printed) console_->step_line(r);
   else console_->progress(r.step);
@@ -442,12 +512,14 @@ void Run::finish(int64_t last_step) {
     record_.tokens_per_step = tokens_per_step();
     write_summary(cfg_, args_, pm_, precision_, record_, rank_ == 0 ? console_.get() : nullptr);
   }
-  export_and_sample(cfg_, args_, pm_, *data_, [this](const std::string& line) { print(line); });
+  export_and_sample(cfg_, args_, pm_, tokenizer_.get(), [this](const std::string& line) { print(line); });
 }
 
 }  // namespace
 
-int run_training(const TrainConfig& cfg) { return Run(cfg).main(); }
+int run_training(const TrainConfig& cfg) { return Run(cfg, RunMode::kTrain).main(); }
+
+int run_evaluation(const TrainConfig& cfg) { return Run(cfg, RunMode::kEvaluate).main(); }
 
 }  // namespace train
 }  // namespace fsdp

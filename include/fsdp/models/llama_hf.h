@@ -1,14 +1,17 @@
 // layer: models (what may include what: docs/architecture.md)
-// fsdp/models/llama_hf.h — a Hugging Face model directory's config.json read into LlamaArgs
-// (fsdp/models/llama.h), and LlamaArgs written back as one, for the architectures the Llama
-// decoder computes exactly: LlamaForCausalLM, MistralForCausalLM (without a sliding window
-// shorter than the sequence) and Qwen2ForCausalLM (q/k/v biases, no sliding window).
-//
-//   fsdp::models::LlamaArgs args = fsdp::models::llama_args_from_hf_config("ckpt/config.json", 256);
-//   std::string json = fsdp::models::hf_config_json(args, at::kBFloat16);
-//
-// The weights themselves are safetensors (fsdp/safetensors.h) under transformers' names, which
-// are the Llama module's own.
+/// \file
+/// fsdp/models/llama_hf.h — a Hugging Face model directory's config.json read into LlamaArgs
+/// (fsdp/models/llama.h), and LlamaArgs written back as one, for the architectures the Llama
+/// decoder computes exactly: LlamaForCausalLM, MistralForCausalLM (without a sliding window
+/// shorter than the sequence) and Qwen2ForCausalLM (q/k/v biases, no sliding window).
+///
+/// \code{.cpp}
+///   fsdp::models::LlamaArgs args = fsdp::models::llama_args_from_hf_config("ckpt/config.json", 256);
+///   std::string json = fsdp::models::hf_config_json(args, at::kBFloat16);
+/// \endcode
+///
+/// The weights themselves are safetensors (fsdp/safetensors.h) under transformers' names, which
+/// are the Llama module's own.
 #pragma once
 
 #include <fsdp/models/llama.h>
@@ -21,21 +24,21 @@
 namespace fsdp {
 namespace models {
 
-// Reads `config_path` (a config.json). The rotary embeddings come from transformers 5's
-// "rope_parameters" or the older "rope_theta" + "rope_scaling" (rope_type or type "default" or
-// "llama3"). seq_len is the longest sequence the caller will run, checked against a Mistral
-// sliding_window. Not collective; reads one file.
-// Throws c10::Error naming the file and the key on: an unreadable file or one that is not a JSON
-// object; "architectures" missing or naming another model; a required field missing or of the
-// wrong type (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-// num_attention_heads, max_position_embeddings); an option the decoder does not compute
-// (hidden_act other than silu, mlp_bias, another rope type, a sliding window shorter than
-// seq_len, Qwen2's use_sliding_window); and what LlamaArgs::check throws.
+/// Reads `config_path` (a config.json). The rotary embeddings come from transformers 5's
+/// "rope_parameters" or the older "rope_theta" + "rope_scaling" (rope_type or type "default" or
+/// "llama3"). seq_len is the longest sequence the caller will run, checked against a Mistral
+/// sliding_window. Not collective; reads one file.
+/// Throws c10::Error naming the file and the key on: an unreadable file or one that is not a JSON
+/// object; "architectures" missing or naming another model; a required field missing or of the
+/// wrong type (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+/// num_attention_heads, max_position_embeddings); an option the decoder does not compute
+/// (hidden_act other than silu, mlp_bias, another rope type, a sliding window shorter than
+/// seq_len, Qwen2's use_sliding_window); and what LlamaArgs::check throws.
 LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len);
 
-// The config.json of `args` (with "dtype" and "torch_dtype" naming `dtype`: float32, bfloat16 or
-// float16) that transformers' AutoConfig reads back into the same model. Throws c10::Error for
-// another dtype.
+/// The config.json of `args` (with "dtype" and "torch_dtype" naming `dtype`: float32, bfloat16 or
+/// float16) that transformers' AutoConfig reads back into the same model. Throws c10::Error for
+/// another dtype.
 std::string hf_config_json(const LlamaArgs& args, at::ScalarType dtype);
 
 }  // namespace models
