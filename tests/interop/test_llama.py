@@ -13,6 +13,8 @@ llama_driver.cpp) through config.json and the safetensors files.
   the same weights and batches: per-rank losses within 1e-5 relative, final parameters within 1e-5;
 - dp2_tp2_w4: the same at W = 4 on a (dp 2, tp 2) mesh, the reference split by parallelize_module
   with the same plan;
+- eval_w2: `fsdp-train eval` at W = 2 of a save_pretrained directory prints transformers' mean
+  cross-entropy over the same windows within 1e-5 relative;
 - bad_input: an unknown architecture, a missing field and a tensor of the wrong shape each stop
   the driver with an error naming the file and the key or tensor.
 
@@ -178,6 +180,49 @@ def test_fsdp_train_export(workdir: str):
     assert err <= RTOL, f"the exported model's logits differ from ours by {err:.3g} relative"
     moved = relative_error(reference, reference_logits(model, tokens))
     assert moved > 1e-3, f"the export equals the initial model (relative change {moved:.3g}): did it train?"
+
+
+def write_token_file(path: str, ids: torch.Tensor, vocab_size: int) -> None:
+    """fsdp-train's token file (tools/fsdp-train/data.h): "FSDPTOK\\0", version 1, bytes per
+    token, vocabulary size, count, then the ids, little-endian."""
+    import struct
+    width = 2 if vocab_size <= 65536 else 4
+    body = ids.numpy().astype("<u%d" % width).tobytes()
+    with open(path, "wb") as f:
+        f.write(b"FSDPTOK\0" + struct.pack("<IIQQ", 1, width, vocab_size, ids.numel()) + body)
+
+
+def test_eval_w2(workdir: str):
+    """A save_pretrained directory evaluated by `fsdp-train eval` at W = 2 (model.init_from): the
+    printed loss is transformers' mean cross-entropy over the same windows within 1e-5 relative."""
+    model = make_model("llama")
+    hf = os.path.join(workdir, "hf")
+    model.save_pretrained(hf)
+    world, rows, seq, batches = 2, 2, 16, 2
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (batches * world * rows * (seq + 1),), generator=g)
+    tokens = os.path.join(workdir, "eval.tokens")
+    write_token_file(tokens, ids, vocab)
+    config = os.path.join(workdir, "eval.yaml")
+    with open(config, "w") as f:
+        f.write(f"data:\n  source: synthetic\ntraining:\n  micro_batch_size: {rows}\n  seq_len: {seq}\n"
+                f"  resume: never\neval:\n  path: {tokens}\n  batches: {batches}\nlogging:\n  progress: off\n")
+    cmd = [tool("tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", str(world),
+           tool("tools/fsdp-train/fsdp-train"), "eval", config, f"--model.init_from={hf}",
+           f"--fsdp_config.checkpoint_dir={os.path.join(workdir, 'checkpoints')}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=environment(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = [line.split("eval loss:")[1] for line in proc.stdout.splitlines() if "eval loss:" in line]
+    assert found, f"no 'eval loss:' line in:\n{proc.stdout[-3000:]}"
+    ours = float(found[-1].split()[0])
+    windows = ids.view(-1, seq + 1)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=windows[:, :-1]).logits.float()
+        reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+    print(f"eval loss: ours {ours!r}, transformers {reference!r}")
+    assert abs(ours - reference) <= RTOL * abs(reference), f"eval loss {ours} against transformers' {reference}"
 
 
 def test_full_shard_w2(workdir: str):
