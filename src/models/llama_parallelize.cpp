@@ -1,37 +1,14 @@
 // llama_parallelize.cpp — the Megatron plan of the Llama decoder (fsdp/models/llama_parallelize.h).
-// The replacement layers copy their piece of the whole layer; the global generator is left as
-// found, since the tp layers' own construction draws values that the copy replaces.
+// The replacement layers copy their piece of the whole layer (tp_replace.h).
 #include <fsdp/models/llama_parallelize.h>
 
-#include <fsdp/dtensor_parameter.h>
-
-#include <ATen/CPUGeneratorImpl.h>
-#include <c10/util/Exception.h>
+#include "tp_replace.h"
 
 namespace fsdp {
 namespace models {
-namespace {
 
-struct KeepGlobalGenerator {
-  KeepGlobalGenerator() : state(at::detail::getDefaultCPUGenerator().get_state()) {}
-  ~KeepGlobalGenerator() {
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    gen.set_state(state);
-  }
-  at::Tensor state;
-};
-
-template <typename ParallelImpl>
-void replace_linear(torch::nn::Module& owner, const std::string& name, torch::nn::Linear& member,
-                    const tp::TensorParallelMesh& tp) {
-  TORCH_CHECK(!dynamic_cast<const tp::ColumnParallelLinearImpl*>(member.get()) &&
-                  !dynamic_cast<const tp::RowParallelLinearImpl*>(member.get()),
-              "fsdp::models::parallelize: '", name, "' is already tensor-parallel; parallelize a model once");
-  member = owner.replace_module(
-      name, torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<ParallelImpl>(*member, tp))));
-}
-
-}  // namespace
+using tp_replace::KeepGlobalGenerator;
+using tp_replace::replace_linear;
 
 void check_llama_parallelizable(const LlamaArgs& args, int64_t tp_size) {
   TORCH_CHECK(tp_size >= 1, "fsdp::models::parallelize: the tensor-parallel size must be >= 1, got ", tp_size);
@@ -57,10 +34,7 @@ void parallelize_llama_layer(LlamaDecoderLayerImpl& layer, const LlamaArgs& args
   replace_linear<tp::ColumnParallelLinearImpl>(mlp, "gate_proj", mlp.gate_proj, tp);
   replace_linear<tp::ColumnParallelLinearImpl>(mlp, "up_proj", mlp.up_proj, tp);
   replace_linear<tp::RowParallelLinearImpl>(mlp, "down_proj", mlp.down_proj, tp);
-  for (const auto& p : layer.parameters()) {  // the norms are whole on every tp rank
-    if (!dtensor_parameter(p))
-      register_dtensor_parameter(p, tp.mesh(), std::vector<Placement>(tp.mesh().ndim(), Replicate()), p.sizes().vec());
-  }
+  tp_replace::register_whole(layer, tp);  // the norms are whole on every tp rank
 }
 
 void parallelize_llama_rest(LlamaImpl& model, const tp::TensorParallelMesh& tp, const ParallelizeOptions& options) {
@@ -72,9 +46,7 @@ void parallelize_llama_rest(LlamaImpl& model, const tp::TensorParallelMesh& tp, 
     check_vocab_parallelizable(model.args().vocab_size, tp.size());
     const KeepGlobalGenerator keep;
     LlamaModelImpl& inner = *model.model;
-    inner.embed_tokens = inner.replace_module(
-        "embed_tokens", torch::nn::Embedding(std::shared_ptr<torch::nn::EmbeddingImpl>(
-                            std::make_shared<tp::VocabParallelEmbeddingImpl>(*inner.embed_tokens, tp))));
+    tp_replace::replace_embedding(inner, "embed_tokens", inner.embed_tokens, tp);
     replace_linear<tp::ColumnParallelLinearImpl>(model, "lm_head", model.lm_head, tp);
   }
   tp::register_replicated(model, tp);

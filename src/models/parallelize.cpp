@@ -3,42 +3,13 @@
 // the layout record of every parameter, split or whole. Built from tp's layers; tp knows no model.
 #include <fsdp/models/parallelize.h>
 
-#include <fsdp/dtensor_parameter.h>
-
-#include <ATen/CPUGeneratorImpl.h>
-#include <c10/util/Exception.h>
+#include "tp_replace.h"
 
 namespace fsdp {
 namespace models {
-namespace {
 
-// parallelize leaves the global generator as it found it: the layers it builds draw values that
-// the full model's immediately replace.
-struct KeepGlobalGenerator {
-  KeepGlobalGenerator() : state(at::detail::getDefaultCPUGenerator().get_state()) {}
-  ~KeepGlobalGenerator() {
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    gen.set_state(state);
-  }
-  at::Tensor state;
-};
-
-void check_whole(const torch::nn::Module& module, const std::string& name) {
-  TORCH_CHECK(!dynamic_cast<const tp::ColumnParallelLinearImpl*>(&module) &&
-                  !dynamic_cast<const tp::RowParallelLinearImpl*>(&module) &&
-                  !dynamic_cast<const tp::VocabParallelEmbeddingImpl*>(&module),
-              "fsdp::models::parallelize: '", name, "' is already tensor-parallel; parallelize a model once");
-}
-
-template <typename ParallelImpl>
-void replace_linear(torch::nn::Module& owner, const std::string& name, torch::nn::Linear& member,
-                    const tp::TensorParallelMesh& tp) {
-  check_whole(*member, name);
-  member = owner.replace_module(
-      name, torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<ParallelImpl>(*member, tp))));
-}
-
-}  // namespace
+using tp_replace::KeepGlobalGenerator;
+using tp_replace::replace_linear;
 
 void check_parallelizable(int64_t n_heads, int64_t dim, int64_t tp_size) {
   TORCH_CHECK(tp_size >= 1, "fsdp::models::parallelize: the tensor-parallel size must be >= 1, got ", tp_size);
@@ -69,20 +40,13 @@ void parallelize_block(TransformerBlockImpl& block, const ModelArgs& args, const
   FeedForwardImpl& ff = *block.feed_forward;
   replace_linear<tp::ColumnParallelLinearImpl>(ff, "w1", ff.w1, tp);
   replace_linear<tp::RowParallelLinearImpl>(ff, "w2", ff.w2, tp);
-  // The norms are whole on every tp rank.
-  for (const auto& p : block.parameters()) {
-    if (!dtensor_parameter(p))
-      register_dtensor_parameter(p, tp.mesh(), std::vector<Placement>(tp.mesh().ndim(), Replicate()), p.sizes().vec());
-  }
+  tp_replace::register_whole(block, tp);  // the norms are whole on every tp rank
 }
 
 void parallelize_vocab(TransformerImpl& model, const tp::TensorParallelMesh& tp) {
   check_vocab_parallelizable(model.args().vocab_size, tp.size());
   const KeepGlobalGenerator keep;
-  check_whole(*model.tok_embeddings, "tok_embeddings");
-  model.tok_embeddings = model.replace_module(
-      "tok_embeddings", torch::nn::Embedding(std::shared_ptr<torch::nn::EmbeddingImpl>(
-                            std::make_shared<tp::VocabParallelEmbeddingImpl>(*model.tok_embeddings, tp))));
+  tp_replace::replace_embedding(model, "tok_embeddings", model.tok_embeddings, tp);
   // The head's rows are the vocabulary: column-parallel, its output this rank's logits.
   replace_linear<tp::ColumnParallelLinearImpl>(model, "output", model.output, tp);
 }

@@ -19,6 +19,8 @@
 // backward (which comes first) and the embedding's adds into it.
 #include <fsdp/plan.h>
 
+#include "loss_head.h"
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -118,35 +120,18 @@ StageSpec embedding_stage(const LlamaShape& l, const ActivationOptions& a) {
   return emb;
 }
 
-// The final norm, the head and the loss, whole or in loss_chunks checkpointed pieces
-// (chunked_linear_cross_entropy), as the Transformer's head (transformer_spec.cpp).
+// The final norm, the head and the loss (loss_head.h); what the whole head keeps of its input is
+// the RMSNorm's.
 StageSpec head_stage(const LlamaShape& l, const ActivationOptions& a) {
   const double c = static_cast<double>(bytes_of(a.compute));
-  const double B = a.micro_batch, T = a.seq, D = l.hidden_size, V = l.vocab_size, N = B * T, ND = N * D;
+  const double N = static_cast<double>(a.micro_batch) * a.seq, D = l.hidden_size;
+  const double norm = rms_norm_bytes(c, N, D);
   StageSpec head;
   head.name = "lm_head";
   head.group = 0;
   head.grads = l.tie_word_embeddings ? std::vector<int>{0, 1} : std::vector<int>{1, 2};
-  head.grads_before_peak = false;
-  head.pieces = a.loss_chunks;
-  head.checkpointed = a.loss_chunks > 1;
-  const double Np = B * std::ceil(T / static_cast<double>(a.loss_chunks));
-  const double norm = rms_norm_bytes(c, N, D);
-  if (head.checkpointed) {
-    head.saved_bytes = 0;
-    head.forward_extra_bytes = 8 * Np * V + (c < 4 ? c * Np * V : 0);
-    const double add_block = 4.0 * std::min(V, std::max(1.0, std::floor((1 << 20) / D))) * D;
-    head.backward_extra_bytes = 4 * Np * V + c * ND + (c < 4 ? c * Np * V + c * V * D + add_block : 0);
-    head.grads_accumulated_in_fp32 = true;
-    head.output_bytes = norm + 4 * N;
-  } else {
-    head.saved_bytes = norm + 4 * Np * V + 2 * Np * 4;
-    head.backward_extra_bytes = 8 * Np * V;
-    head.forward_extra_bytes = 4 * Np * V;
-  }
-  head.forward_flops = 2 * N * D * V;
-  head.other_bytes_moved = 4 * 4 * N * V + (c < 4 ? 2 * (c + 4) * N * V : 0);
-  head.elementwise_in_fp32 = true;
+  set_loss_head(head, a, c, D, static_cast<double>(l.vocab_size), /*saved_input_bytes=*/norm);
+  if (head.checkpointed) head.output_bytes = norm + 4 * N;
   return head;
 }
 

@@ -19,6 +19,8 @@
 // The trainer's own measurements (docs/benchmarks.md, "Planner accuracy") check these.
 #include <fsdp/plan.h>
 
+#include "loss_head.h"
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -171,27 +173,7 @@ ModelSpec transformer_spec(const TransformerShape& t, const ActivationOptions& a
   head.name = "output";
   head.group = s.output_head_group ? static_cast<int>(m.groups.size()) - 1 : 0;
   head.grads = s.output_head_group ? std::vector<int>{0, 1, 2} : std::vector<int>{2, 3, 4};
-  head.grads_before_peak = false;  // the loss's gradients peak before the output head's exists
-  head.pieces = a.loss_chunks;
-  head.checkpointed = a.loss_chunks > 1;
-  const double Np = B * std::ceil(T / static_cast<double>(a.loss_chunks));  // rows of the longest piece
-  if (head.checkpointed) {
-    // chunked_linear_cross_entropy: forward keeps no piece (output_bytes below) and holds one
-    // piece's logits at a time, in the compute dtype and in fp32, with log-sum-exp's temporary.
-    // Backward, per piece: the fp32 gradient of the piece's logits (and its cast below fp32), x's
-    // gradient (whole, written piece by piece), and the weight's gradient accumulated in fp32 from
-    // the first piece (below fp32 each piece's product is made in the compute dtype, then added a
-    // block of 2^20 elements at a time through an fp32 temporary of the block).
-    head.saved_bytes = 0;
-    head.forward_extra_bytes = 8 * Np * V + (c < 4 ? c * Np * V : 0);
-    const double add_block = 4.0 * std::min(V, std::max(1.0, std::floor((1 << 20) / D))) * D;
-    head.backward_extra_bytes = 4 * Np * V + c * ND + (c < 4 ? c * Np * V + c * V * D + add_block : 0);
-    head.grads_accumulated_in_fp32 = true;
-  } else {
-    head.saved_bytes = c * Np * D + 4 * Np * V + 2 * Np * 4;
-    head.backward_extra_bytes = 8 * Np * V;
-    head.forward_extra_bytes = 4 * Np * V;
-  }
+  set_loss_head(head, a, c, D, V, /*saved_input_bytes=*/c * B * std::ceil(T / static_cast<double>(a.loss_chunks)) * D);
   if (split_vocab) {
     // The vocab-parallel loss keeps the fp32 logits of the rank's slice and each row's
     // log-sum-exp instead of a log-softmax; its backward makes one fp32 gradient of the logits
@@ -211,10 +193,6 @@ ModelSpec transformer_spec(const TransformerShape& t, const ActivationOptions& a
   // In pieces, forward keeps the final norm's whole output, its statistics and each row's
   // log-sum-exp (chunked_linear_cross_entropy), and recomputes the logits piece by piece.
   head.output_bytes = head.checkpointed ? c * ND + 4 * N + 2 * N * 4 : 0;
-  head.forward_flops = 2 * N * D * V;
-  // The fp32 log-softmax, the loss and their gradients; below fp32 the logits' casts too.
-  head.other_bytes_moved = 4 * 4 * N * V + (c < 4 ? 2 * (c + 4) * N * V : 0);
-  head.elementwise_in_fp32 = true;
   m.stages.push_back(head);
   return m;
 }

@@ -15,11 +15,12 @@ import argparse
 import datetime
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from fsdp2_train import free_port  # the same folder: the port the ranks meet on
 
 
 def worker(rank: int, world: int, ns, port: int) -> None:
@@ -71,12 +72,6 @@ def worker(rank: int, world: int, ns, port: int) -> None:
         save_file(full, os.path.join(ns.out, "model.safetensors"))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 // across two groups, the rotary table is in no state dict, and config.json's refusals name the
 // file and the key (fsdp/models/llama_hf.h). The numbers themselves are checked against
 // transformers in tests/interop/test_llama.py.
+#include "error_of.h"
 #include "harness/multiprocess.h"
 
 #include <fsdp/call.h>
@@ -19,7 +20,6 @@
 
 #include <cmath>
 #include <fstream>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -35,14 +35,7 @@ LlamaArgs tied_args() {
   return a;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using fsdp_test::error_of;
 
 TEST(Llama, ParameterNamesAreTransformersAndTheTiedHeadIsTheEmbedding) {
   torch::manual_seed(0);

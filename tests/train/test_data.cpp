@@ -3,6 +3,7 @@
 // by byte, so that the readers are checked against the formats, not against their own writer.
 #include "config.h"
 #include "data.h"
+#include "error_of.h"
 
 #include <gtest/gtest.h>
 
@@ -58,14 +59,7 @@ std::vector<int64_t> values(const at::Tensor& t) {
   return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using fsdp_test::error_of;
 
 TEST(TokenFiles, OwnFormatRoundTripsWithItsVocabulary) {
   ScratchDir dir;

@@ -1,6 +1,7 @@
 // Units of fsdp-train's tokenizers (tokenizer.h): the byte-level one, and SentencePiece models
 // trained here by Debian's spm_train on a small text (skipped, saying why, without spm_train).
 #include "tokenizer.h"
+#include "error_of.h"
 
 #include <gtest/gtest.h>
 
@@ -9,21 +10,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <string>
 
 namespace {
 
 using namespace fsdp::train;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using fsdp_test::error_of;
 
 std::string scratch(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() / ("fsdp_tokenizer_test_" + std::to_string(::getpid()));
