@@ -52,7 +52,8 @@ Matmul fraction and MFU (both estimates). At the start of a run the script runs
 <build-dir>/bench/bench_matmul --json once per thread count a rank uses (OMP_NUM_THREADS =
 OPENBLAS_NUM_THREADS = cores / W) at the products of each preset's model (shapes below) and at
 2048^3, for each dtype, and records the GFLOP/s in meta.json (raw: matmul_t<T>.json). From the
-model in src/models/transformer.cpp (= bench/peer/model.py), per rank and step, with B the
+model in src/models/transformer.cpp (= bench/peer/model.py; the Llama presets have no such
+count here, so no matmul fraction or MFU), per rank and step, with B the
 per-rank batch, T the sequence length, M = B*T, d = dim, h = n_heads, d/h = head_dim, L = n_layers,
 V = vocab_size, the forward matmuls are
     per block: wq, wk, wv, wo          4 x (M x d) @ (d x d)
@@ -88,7 +89,8 @@ the peer runs under $FSDP_PYTHON (set by scripts/torch-env.sh; default
 
 Files in --out:
   meta.json                          settings, machine, BLAS, versions
-  init_<preset>.pt                   starting weights (peer --save-init)
+  init_<preset>.pt                   starting weights (peer --save-init); init_<llama preset>/: a
+                                     Hugging Face directory (peer --hf-config --save-init)
   <preset>_w<W>_p<k>_<side>[_bf16].json     the program's raw JSON (side = base | ours | peer)
   <preset>_w<W>_p<k>_<side>[_bf16].run.json command, environment, exit code, wall time, status
   <preset>_w<W>_p<k>_<side>[_bf16].log      stdout + stderr
@@ -127,8 +129,14 @@ PRESETS = {
     "tiny": dict(batch=4, steps=30, warmup=2, seq=16, timeout=300),
     "small": dict(batch=8, steps=8, warmup=2, seq=256, timeout=1800),
     "medium": dict(batch=2, steps=4, warmup=1, seq=512, timeout=3600),
+    "llama_small": dict(batch=8, steps=8, warmup=2, seq=256, timeout=1800),
 }
-INIT_TIMEOUT = {"tiny": 300, "small": 600, "medium": 1800}
+INIT_TIMEOUT = {"tiny": 300, "small": 600, "medium": 1800, "llama_small": 600}
+# The Llama family: preset -> its Hugging Face config.json (under --peer-dir). Both sides train the
+# same Hugging Face directory, written once per --out by transformers from that config.json with
+# the seed: ours fsdp-train with bench/peer/llama.yaml and --model.init_from=<dir>, the peer
+# transformers' AutoModelForCausalLM under fully_shard (peer_fsdp2.py --hf-model <dir>).
+LLAMA_PRESETS = {"llama_small": os.path.join("llama_small", "config.json")}
 
 DTYPES = ("fp32", "bf16")
 OURS_DTYPE_OVERRIDES = {"fp32": [], "bf16": ["--fsdp_config.mixed_precision=true"]}
@@ -142,7 +150,8 @@ TARGET_WORLD = 2
 # preset, ours/peer peak RSS per rank).
 STRATEGIES = {
     "fsdp": {"ours": [], "peer_mode": "fsdp2", "peer_name": "PyTorch FSDP2",
-             "step_target": {"tiny": 0.5, "small": 0.6, "medium": 0.8}, "rss_target": 0.8,
+             "step_target": {"tiny": 0.5, "small": 0.6, "medium": 0.8, "llama_small": 0.85}, "rss_target": 0.8,
+             "rss_target_by_preset": {"llama_small": 0.7},
              "step_target_by_backend": {"mpi": {"tiny": 0.25, "small": 0.35}}},
     "ddp": {"ours": ["--fsdp_config.sharding_strategy=NO_SHARD"], "peer_mode": "ddp", "peer_name": "PyTorch DDP",
             "step_target": {"tiny": 0.9, "small": 0.9}, "rss_target": 0.8},
@@ -163,12 +172,18 @@ ENV_KEYS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPE
 
 # --------------------------------------------------------------------------- commands
 
+def is_llama(preset: str) -> bool:
+    return preset in LLAMA_PRESETS
+
+
 def peer_cmd(a, cell: dict, json_out: str, dtype: str = "fp32") -> list[str]:
+    model = (["--hf-model", cell["init"]] if is_llama(cell["preset"])
+             else ["--preset", cell["preset"], "--init-from", cell["init"]])
     return [PY, os.path.join(a.peer_dir, PEER_SCRIPT),
-            "--mode", STRATEGIES[a.strategy]["peer_mode"], "--world", str(cell["world"]), "--preset", cell["preset"],
+            "--mode", STRATEGIES[a.strategy]["peer_mode"], "--world", str(cell["world"]), *model,
             "--batch", str(cell["batch"]), "--seq", str(cell["seq"]), "--steps", str(cell["steps"]),
             "--warmup", str(cell["warmup"]), "--lr", "1e-3", "--seed", str(SEED),
-            "--data-seed", str(DATA_SEED), "--init-from", cell["init"], "--json-out", json_out,
+            "--data-seed", str(DATA_SEED), "--json-out", json_out,
             *PEER_DTYPE_ARGS[dtype]]
 
 
@@ -203,10 +218,11 @@ def launcher(build_dir: str, world: int, backend: str) -> list[str]:
 def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype: str = "fp32",
              backend: str = "gloo") -> list[str]:
     p = cell["preset"]
+    model = ([os.path.join(REPO, "bench", "peer", "llama.yaml")] if is_llama(p)
+             else [os.path.join(REPO, "configs", f"{p}.yaml"), f"--model.preset={p}", "--model.dropout_p=0"])
     return [*launcher(build_dir, cell["world"], backend),
             fsdp_train(build_dir),
-            os.path.join(REPO, "configs", f"{p}.yaml"),
-            f"--model.preset={p}", "--model.dropout_p=0", f"--model.init_from={cell['init']}",
+            *model, f"--model.init_from={cell['init']}",
             f"--training.micro_batch_size={cell['batch']}", "--training.gradient_accumulation_steps=1",
             f"--training.seq_len={cell['seq']}", f"--training.steps={cell['steps']}",
             "--training.max_grad_norm=0", f"--training.seed={SEED}", "--training.resume=never",
@@ -223,6 +239,9 @@ def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype:
 
 
 def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
+    if is_llama(preset):
+        return [PY, os.path.join(a.peer_dir, PEER_SCRIPT), "--hf-config",
+                os.path.join(a.peer_dir, LLAMA_PRESETS[preset]), "--seed", str(SEED), "--save-init", path]
     return [PY, os.path.join(a.peer_dir, PEER_SCRIPT), "--mode", "single", "--preset", preset,
             "--steps", "3", "--warmup", "2", "--batch", "1", "--seq", str(seq), "--seed", str(SEED),
             "--save-init", path]
@@ -232,7 +251,10 @@ def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
 
 def matmul_products(preset: str, batch: int, seq: int) -> list[dict]:
     """The forward matmuls of one rank's training step (see the module docstring): count per
-    forward, and the product as bench_matmul takes it (batch 0 = a 2-D product)."""
+    forward, and the product as bench_matmul takes it (batch 0 = a 2-D product); none for the
+    Llama presets (their FLOP are not counted here)."""
+    if is_llama(preset):
+        return []
     m = MODEL[preset]
     L, d, h, V = m["n_layers"], m["dim"], m["n_heads"], m["vocab_size"]
     M, hd = batch * seq, d // h
@@ -254,8 +276,10 @@ def product_flop(p: dict) -> int:
     return 2 * max(p["batch"], 1) * p["m"] * p["k"] * p["n"]
 
 
-def step_flop(preset: str, batch: int, seq: int) -> int:
-    """FLOP_step = 3 * (L * (24 M d^2 + 4 B T^2 d) + 2 M d V), per rank."""
+def step_flop(preset: str, batch: int, seq: int) -> int | None:
+    """FLOP_step = 3 * (L * (24 M d^2 + 4 B T^2 d) + 2 M d V), per rank; None for the Llama presets."""
+    if is_llama(preset):
+        return None
     flop = 3 * sum(p["count"] * product_flop(p) for p in matmul_products(preset, batch, seq))
     m = MODEL[preset]
     L, d, V, M = m["n_layers"], m["dim"], m["vocab_size"], batch * seq
@@ -349,6 +373,9 @@ def matmul_estimate(out: str, meta: dict, cell: dict, dtype: str, step_s: float 
     """{flop, mm_s, frac, mfu, peak} for one cell and dtype at a step time (None when unknown)."""
     flop = step_flop(cell["preset"], cell["batch"], cell["seq"])
     est = {"flop": flop, "mm_s": None, "frac": None, "mfu": None, "peak": None, "note": ""}
+    if flop is None:
+        est["note"] = "Llama: FLOP not counted"
+        return est
     t = (meta.get("threads_per_rank") or {}).get(str(cell["world"]))
     mm = load_matmul(out, t) if t is not None else None
     if mm is None:
@@ -393,8 +420,18 @@ def run_order(sides, dtypes) -> list[tuple[str, str]]:
             if side != "base" or "fp32" in dtypes]
 
 
+def init_path(out: str, preset: str) -> str:
+    """The starting weights: a torch.save'd state dict, or for the Llama presets a Hugging Face
+    directory (config.json, model.safetensors)."""
+    return os.path.join(out, f"init_{preset}" if is_llama(preset) else f"init_{preset}.pt")
+
+
+def init_digest(path: str) -> str:
+    return sha256(os.path.join(path, "model.safetensors") if os.path.isdir(path) else path)
+
+
 def ensure_init(a, preset: str, seq: int) -> str | None:
-    path = os.path.join(a.out, f"init_{preset}.pt")
+    path = init_path(a.out, preset)
     if os.path.exists(path) and not a.force_init:
         return path
     cmd = init_cmd(a, preset, seq, path)
@@ -406,7 +443,7 @@ def ensure_init(a, preset: str, seq: int) -> str | None:
     if status != "ok" or not os.path.exists(path):
         print(f"[init] {preset}: {status} rc={rc} after {wall:.0f}s; see init_{preset}.log", flush=True)
         return None
-    print(f"[init] {preset}: wrote {path} ({os.path.getsize(path)} bytes) in {wall:.0f}s", flush=True)
+    print(f"[init] {preset}: wrote {path} in {wall:.0f}s", flush=True)
     return path
 
 
@@ -659,6 +696,10 @@ def render(out: str, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rss_target(strategy: dict, preset: str):
+    return strategy.get("rss_target_by_preset", {}).get(preset, strategy["rss_target"])
+
+
 def step_target(strategy: dict, backend: str, preset: str):
     return strategy.get("step_target_by_backend", {}).get(backend, strategy["step_target"]).get(preset)
 
@@ -711,7 +752,7 @@ def main_row(out: str, cell: dict, pairs: int, sides, ours: str, strategy: dict)
         f"{', '.join(f'{x:.3f}' for x in ratios) or '–'} | "
         f"{fmt(tok[ours], '.0f')} | {fmt(tok['peer'], '.0f')} | "
         f"{fmt(rss[ours], '.0f')} | {fmt(rss['peer'], '.0f')} | "
-        f"{fmt(rss_ratio, '.3f')}{verdict(rss_ratio, strategy['rss_target']) if judged else ''} | "
+        f"{fmt(rss_ratio, '.3f')}{verdict(rss_ratio, rss_target(strategy, p)) if judged else ''} | "
         f"{fmt(dloss, '.2e')}{verdict(dloss, TARGET_LOSS_DIFF) if judged else ''} | "
         f"{'; '.join(notes)} |")
 
@@ -800,7 +841,8 @@ def derived_table(out: str, meta: dict, cells: list, pairs: int, sides, dtypes) 
                     continue
                 e = matmul_estimate(out, meta, cell, d, step)
                 lines.append(
-                    f"| {cell['preset']} | {cell['world']} | {side} | {d} | {e['flop'] / 1e9:.4g} | {step:.4g} | "
+                    f"| {cell['preset']} | {cell['world']} | {side} | {d} | "
+                    f"{fmt(e['flop'] and e['flop'] / 1e9, '.4g')} | {step:.4g} | "
                     f"{fmt(e['mm_s'], '.4g')} | {pct(e['frac'])} | {fmt(e['peak'], '.1f')} | {pct(e['mfu'])} | "
                     f"{e['note']} |")
     mm_lines = []
@@ -874,7 +916,7 @@ def comm_table(out: str, cells: list, pairs: int, dtypes=("fp32",), ours=("ours"
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--presets", default="tiny,small", help="comma list of tiny,small,medium (default tiny,small)")
+    p.add_argument("--presets", default="tiny,small", help="comma list of tiny,small,medium,llama_small (default tiny,small)")
     p.add_argument("--worlds", default="1,2", help="comma list of world sizes (default 1,2)")
     p.add_argument("--pairs", type=int, default=3, help="A/B pairs per cell (default 3)")
     p.add_argument("--batch", type=int, default=None, help="per-rank batch for all presets "
@@ -958,7 +1000,7 @@ def make_cells(a) -> list[dict]:
                  "batch": a.batch or d["batch"], "steps": a.steps or d["steps"],
                  "warmup": d["warmup"] if a.warmup is None else a.warmup,
                  "seq": a.seq or d["seq"], "timeout": a.timeout or d["timeout"],
-                 "init": os.path.join(a.out, f"init_{preset}.pt")}
+                 "init": init_path(a.out, preset)}
         if cell0["steps"] <= cell0["warmup"]:
             raise SystemExit(f"{preset}: steps {cell0['steps']} must exceed warm-up {cell0['warmup']}")
         if cell0["seq"] > PRESETS[preset]["seq"]:
@@ -1002,7 +1044,7 @@ def main(argv=None) -> int:
             if preset not in inits:
                 inits[preset] = ensure_init(a, preset, cell["seq"])
                 if inits[preset] and not a.dry_run:
-                    meta.setdefault("init_sha256", {})[preset] = sha256(inits[preset])
+                    meta.setdefault("init_sha256", {})[preset] = init_digest(inits[preset])
                     write_json(meta_path, meta)
             if inits[preset] is None:
                 print(f"[skip] {preset} W={cell['world']}: no starting weights", flush=True)

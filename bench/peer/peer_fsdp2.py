@@ -86,10 +86,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: NCCL, the model and batches on GPU local_rank, and the CUDA caching allocator's "
                         "peak (torch.cuda.max_memory_allocated) in the JSON; steps timed after a synchronize")
+    p.add_argument("--hf-model", default=None,
+                   help="a Hugging Face directory (config.json and safetensors): train transformers' "
+                        "AutoModelForCausalLM from it instead of model.Transformer (the Llama family); "
+                        "fully_shard then goes on every decoder layer (model.model.layers) and the root")
+    p.add_argument("--hf-config", default=None,
+                   help="with --save-init DIR: build transformers' model from this config.json with --seed "
+                        "and write it to DIR with save_pretrained (fp32 safetensors), then exit")
     add_model_cli_args(p)  # --preset, --n-layers, --vocab-size, --max-seq-len, --dim, --n-heads, --dropout-p/--dropout
     args = p.parse_args(argv)
+    if args.hf_config:
+        if not args.save_init:
+            p.error("--hf-config writes a starting Hugging Face directory: give it --save-init DIR")
+        return args
     # benchmark/parity default: dropout 0 unless --dropout-p is given explicitly
-    args.model_args = model_args_from_cli(args, dropout_default=0.0)
+    args.model_args = hf_model_args(args.hf_model) if args.hf_model else model_args_from_cli(args, dropout_default=0.0)
     if args.seq is None:
         args.seq = args.model_args.max_seq_len
     if args.seq > args.model_args.max_seq_len:
@@ -99,6 +110,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.mixed_precision != "none" and args.mode == "ddp":
         p.error("--mixed-precision is for --mode single and the fsdp2 modes")
     return args
+
+
+def hf_model_args(hf_dir: str) -> argparse.Namespace:
+    """The sizes of a Hugging Face directory's config.json that the run and its JSON use."""
+    with open(os.path.join(hf_dir, "config.json")) as fh:
+        c = json.load(fh)
+    return argparse.Namespace(architecture=(c.get("architectures") or ["?"])[0], vocab_size=c["vocab_size"],
+                              max_seq_len=c["max_position_embeddings"], dim=c["hidden_size"],
+                              n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+                              n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+                              intermediate_size=c["intermediate_size"],
+                              tie_word_embeddings=c.get("tie_word_embeddings", False))
+
+
+def save_hf_init(config_json: str, out_dir: str, seed: int) -> None:
+    """transformers' model of a config.json, initialised with `seed`, written with save_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_json), dtype=torch.float32)
+    model.save_pretrained(out_dir)
+
+
+def build_model(args) -> torch.nn.Module:
+    if args.hf_model:
+        # sdpa attention, transformers' default: what a Python user's training script gets
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=torch.float32)
+    model = Transformer(args.model_args)
+    if args.init_from:
+        state = torch.load(args.init_from, map_location="cpu", weights_only=True)
+        model.load_state_dict(state, strict=True)
+    return model
+
+
+def logits_of(forward, inputs: torch.Tensor, hf: bool) -> torch.Tensor:
+    # use_cache=False: a training step keeps no key/value cache
+    return forward(input_ids=inputs, use_cache=False).logits if hf else forward(inputs)
+
+
+def decoder_layers(model) -> list:
+    """The blocks that get a fully_shard each: model.Transformer's layers, or transformers'
+    decoder layers (model.model.layers)."""
+    inner = getattr(model, "model", None)
+    return list(inner.layers) if inner is not None and hasattr(inner, "layers") else list(model.layers)
 
 
 def _mib_vmhwm() -> float:
@@ -150,7 +205,7 @@ def wrap_model(model, args, world):
     if args.mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     root_reshard = None if reshard else False
-    for block in model.layers:
+    for block in decoder_layers(model):
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
     units = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -161,7 +216,8 @@ def wrap_model(model, args, world):
         # FSDP2 shards over every rank of the mesh, W = 1 included (one shard = the whole tensor).
         effective_sharding_strategy=FSDP_STRATEGY[args.mode],
         mesh=str(mesh),
-        wrap="fully_shard per TransformerBlock, then on the root",
+        wrap=("fully_shard per decoder layer (model.model.layers), then on the root" if args.hf_model
+              else "fully_shard per TransformerBlock, then on the root"),
         fsdp_units=units,
         n_fsdp_units=len(units),
         mixed_precision=str(kwargs["mp_policy"]) if "mp_policy" in kwargs else None,
@@ -183,11 +239,11 @@ class Bf16WorkingCopy:
         self.work = copy.deepcopy(master).to(torch.bfloat16)
         self.pairs = list(zip(master.parameters(), self.work.parameters()))
 
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *inputs, **kwargs):
         with torch.no_grad():
             for m, w in self.pairs:
                 w.copy_(m)
-        return self.work(inputs)
+        return self.work(*inputs, **kwargs)
 
     def grads_to_master(self) -> None:
         for m, w in self.pairs:
@@ -208,10 +264,7 @@ def worker(rank: int, world: int, args, init_method) -> None:
                                 world_size=world, timeout=datetime.timedelta(minutes=60))
     margs = args.model_args
     torch.manual_seed(args.seed)  # identical init on every rank
-    model = Transformer(margs)
-    if args.init_from:
-        state = torch.load(args.init_from, map_location="cpu", weights_only=True)
-        model.load_state_dict(state, strict=True)
+    model = build_model(args)
     if args.save_init and rank == 0:
         # a plain dict of plain, contiguous CPU tensors (FQN -> tensor), taken before any wrapping
         torch.save({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, args.save_init)
@@ -245,7 +298,7 @@ def worker(rank: int, world: int, args, init_method) -> None:
                 torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = forward(inputs)
+        logits = logits_of(forward, inputs, bool(args.hf_model))
         loss = F.cross_entropy(logits.view(-1, margs.vocab_size), targets.view(-1))
         loss.backward()
         if working_copy is not None:
@@ -281,6 +334,7 @@ def worker(rank: int, world: int, args, init_method) -> None:
             "mode": args.mode,
             "world": world,
             "preset": args.preset,
+            "hf_model": args.hf_model,
             "model_args": vars(margs),
             "params": n_params,
             "local_param_numel_per_rank": [g["local_numel"] for g in gathered],
@@ -367,6 +421,9 @@ def _free_port() -> int:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.hf_config:
+        save_hf_init(args.hf_config, args.save_init, args.seed)
+        return
     env_world = os.environ.get("WORLD_SIZE")
     if env_world is not None and "RANK" in os.environ and args.mode != "single":
         # launched by torch.distributed.run / torchrun: one process per rank
