@@ -4,8 +4,8 @@
 # folder (build-reuse-cpu/, build-reuse-cuda/), and prints ccache's result for each compilation.
 #   scripts/ccache-reuse.sh [object ...]
 # By default the objects are one source of each precompiled header's family (the library's, the
-# trainer's, the tests'), a source without one (fsdprun's), and the CUDA tests' source, whose
-# compile command differs by a definition; the library's util layer comes with the configure
+# trainer's, the tests'), a source without one (fsdprun's), and the one CUDA test source whose
+# compile command differs by a definition (a miss); the library's util layer comes with the configure
 # step. Needs ccache and, for the CUDA folder, what scripts/build.sh -DFSDP_USE_CUDA=ON needs.
 # Slow from an empty cache: each precompiled header takes minutes on 2 cores.
 set -euo pipefail
@@ -19,7 +19,7 @@ if [[ ${#objects[@]} -eq 0 ]]; then
   objects=(tools/fsdprun/CMakeFiles/fsdprun.dir/options.cpp.o
            tools/fsdp-train/CMakeFiles/fsdp_train_core.dir/run_lock.cpp.o
            tests/CMakeFiles/fsdp_tests.dir/util/test_memory.cpp.o
-           tests/CMakeFiles/fsdp_cuda_tests.dir/cuda/test_cuda.cpp.o)
+           tests/CMakeFiles/fsdp_cuda_tests.dir/cuda/test_cuda_defects.cpp.o)
 fi
 cache=$(mktemp -d /tmp/fsdp-ccache-cold.XXXXXX)
 trap 'rm -rf "$cache"' EXIT

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace fsdp {
@@ -42,15 +43,29 @@ struct SpmPlugin {
   void (*free)(void*) = nullptr;
 };
 
+// Where a build wrote the plugin: FSDP_SENTENCEPIECE_PLUGIN_IN_BUILD below the build folder,
+// which is the nearest folder above the program that has it (fsdp-train, and the tests in other
+// folders of the same build). The path is relative so that every build folder (build/,
+// build-cuda/) compiles this file with the same command and ccache shares its object.
+std::string built_plugin(const std::filesystem::path& exe) {
+  for (auto dir = exe.parent_path(); !dir.empty(); dir = dir.parent_path()) {
+    const std::filesystem::path candidate = dir / FSDP_SENTENCEPIECE_PLUGIN_IN_BUILD;
+    std::error_code ec;
+    if (std::filesystem::exists(candidate, ec)) return candidate.string();
+    if (dir == dir.root_path()) break;
+  }
+  return (exe.parent_path() / FSDP_SENTENCEPIECE_PLUGIN_IN_BUILD).string();  // named when none loads
+}
+
 // The plugin's candidates: beside an installed fsdp-train (<prefix>/lib/fsdp-train/), then
-// where this build wrote it.
+// where the build wrote it.
 std::vector<std::string> plugin_paths() {
-  std::vector<std::string> paths;
   std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!ec) paths.push_back((exe.parent_path().parent_path() / FSDP_SENTENCEPIECE_PLUGIN_INSTALLED).string());
-  paths.push_back(FSDP_SENTENCEPIECE_PLUGIN_BUILT);
-  return paths;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec)
+    throw std::runtime_error("the SentencePiece plugin: /proc/self/exe cannot be read (" + ec.message() +
+                             "), so the plugin's folder is unknown; run fsdp-train on Linux with /proc mounted");
+  return {(exe.parent_path().parent_path() / FSDP_SENTENCEPIECE_PLUGIN_INSTALLED).string(), built_plugin(exe)};
 }
 
 template <class F>
