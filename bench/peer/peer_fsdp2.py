@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -40,7 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from model import Transformer, add_model_cli_args, count_params, model_args_from_cli  # noqa: E402
+from model import ModelArgs, Transformer, add_model_cli_args, count_params, model_args_from_cli  # noqa: E402
 
 MODES = ("single", "ddp", "fsdp2", "fsdp2-grad-op", "hsdp")
 MIXED_PRECISION = ("none", "bf16")
@@ -99,6 +100,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.save_init:
             p.error("--hf-config writes a starting Hugging Face directory: give it --save-init DIR")
         return args
+    if args.hf_model:
+        # the directory is the whole model: an option that would shape or load another is refused
+        given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")]
+        clash = [o for o in given if o in ("--preset", "--init-from") or
+                 o.lstrip("-").replace("-", "_") in {f.name for f in dataclasses.fields(ModelArgs)} or o == "--dropout"]
+        if clash:
+            p.error(f"--hf-model {args.hf_model} is the whole model (config.json and weights); remove {', '.join(clash)}")
+        args.preset = None
     # benchmark/parity default: dropout 0 unless --dropout-p is given explicitly
     args.model_args = hf_model_args(args.hf_model) if args.hf_model else model_args_from_cli(args, dropout_default=0.0)
     if args.seq is None:
