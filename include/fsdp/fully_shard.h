@@ -47,11 +47,17 @@
 /// one keeps no gradient (FSDPModule::set_reduce_scatter_unused_params changes that for
 /// trainable ones).
 ///
-/// Dtypes and devices: convert the module before fully_shard (module->to(at::kDouble), then
-/// fully_shard). LibTorch's module->to(dtype or device) afterwards gives the registered shards
-/// new storage that FSDP no longer gathers from or reduces into; the next forward or unshard
-/// of each affected FSDP module throws, naming its parameters. To compute in another dtype, use
-/// a MixedPrecisionPolicy (mp_policy) instead.
+/// Dtypes and devices: module->to(dtype) and module->to(device) work before and after
+/// fully_shard, on the root or any module in it, as module.to() does under FSDP2. Called on every
+/// rank between iterations; not collective itself. LibTorch's Module::to converts the registered
+/// shards in place (the optimizer keeps them), and each FSDP module re-lays its converted shards
+/// at its next unshard (its forward, or FSDPModule::unshard): a new flat shard in their dtype,
+/// the unsharded parameters, all-gather and reduce-scatter following, and a MixedPrecisionPolicy
+/// resolved again on top of the new dtype. State dicts and checkpoints carry the new dtype at
+/// once. That unshard throws c10::Error, before any collective, naming the parameters, when
+/// the shards of one fully_shard call were left in two dtypes (convert the FSDP module whole),
+/// are not on the mesh's device (on the host under CPUOffloadPolicy), or were converted between
+/// a forward and its backward.
 ///
 /// Collective: every rank of the mesh calls fully_shard on the same modules in the same order.
 /// Allocates this rank's shards and frees the full parameters (except on a shard group of one

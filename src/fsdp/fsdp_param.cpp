@@ -87,6 +87,47 @@ void FSDPParam::init_sharded(const at::Tensor& flat_shard, int64_t offset) {
   sharded_ = std::move(s);
 }
 
+bool FSDPParam::shard_views(const at::Tensor& flat_shard) const {
+  return sharded_.scalar_type() == flat_shard.scalar_type() && sharded_.device() == flat_shard.device() &&
+         sharded_.storage().is_alias_of(flat_shard.storage());
+}
+
+void FSDPParam::reset_sharded(const at::Tensor& flat_shard, int64_t offset) {
+  at::NoGradGuard no_grad;
+  const std::vector<int64_t> shape = sharded_shape();
+  at::Tensor piece = at::empty({0}, flat_shard.options());
+  piece.set_(flat_shard.storage(), flat_shard.storage_offset() + offset, shape, c10::contiguous_strides(shape));
+  piece.copy_(sharded_);
+  at::Tensor grad = sharded_.grad();
+  // set_data keeps the TensorImpl, its autograd metadata (requires_grad, the gradient) and its
+  // version counter; only the storage, dtype and strides change.
+  sharded_.set_data(piece);
+  if (grad.defined() && (grad.scalar_type() != piece.scalar_type() || grad.device() != piece.device())) {
+    sharded_.mutable_grad() = grad.to(piece.options());
+  }
+  orig_dtype_ = piece.scalar_type();
+}
+
+void FSDPParam::reset_unsharded(at::ScalarType dtype, at::ScalarType reduce_dtype) {
+  c10::TensorImpl* impl = unsharded_.unsafeGetTensorImpl();
+  if (aliases_shard_) {
+    // Its storage is the old flat shard's: it takes an empty one of its own (resharded).
+    impl->set_storage_and_dtype(at::empty({0}, unsharded_.options().dtype(dtype)).storage(),
+                                caffe2::TypeMeta::fromScalarType(dtype));
+    impl->set_storage_offset(0);
+    aliases_shard_ = false;
+  } else {
+    set_unsharded_dtype(dtype);
+  }
+  unsharded_storage_ = at::Tensor();
+  at::NoGradGuard no_grad;
+  const at::Tensor grad = unsharded_.grad();
+  if (grad.defined() && grad.scalar_type() != dtype) unsharded_.mutable_grad() = grad.to(dtype);
+  if (accumulated_grad_.defined() && accumulated_grad_.scalar_type() != reduce_dtype) {
+    accumulated_grad_ = accumulated_grad_.to(reduce_dtype);
+  }
+}
+
 void FSDPParam::copy_requires_grad_from_shard() {
   if (unsharded_.requires_grad() != sharded_.requires_grad()) unsharded_.set_requires_grad(sharded_.requires_grad());
 }

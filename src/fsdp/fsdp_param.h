@@ -74,6 +74,22 @@ class FSDPParam {
   const at::Tensor& sharded() const { return sharded_; }
   const at::Tensor& unsharded() const { return unsharded_; }
 
+  // Whether the sharded leaf is still the view of `flat_shard` that init_sharded (or
+  // reset_sharded) made: LibTorch's Module::to(dtype or device) and set_data() give it storage
+  // of its own, in place (the same TensorImpl).
+  bool shard_views(const at::Tensor& flat_shard) const;
+  // FSDP2's reset_sharded_param: copies the leaf's values (whatever dtype and storage it has now)
+  // into its piece of `flat_shard` (a new flat shard in the leaf's dtype, on its device) at
+  // `offset`, and makes the leaf a view of that piece again. The TensorImpl stays the same one,
+  // so the module and the optimizer keep it. Its gradient is converted alike (PyTorch's
+  // Module._apply converts it with the parameter; LibTorch's Module::to does not), and the leaf's
+  // dtype becomes orig_dtype().
+  void reset_sharded(const at::Tensor& flat_shard, int64_t offset);
+  // After reset_sharded: the unsharded face takes `dtype` (the compute dtype resolved for the new
+  // one) with empty storage of its own (it stops aliasing the old shard), and its gradients are
+  // converted: autograd's to `dtype`, the no-sync accumulator to `reduce_dtype`.
+  void reset_unsharded(at::ScalarType dtype, at::ScalarType reduce_dtype);
+
   // The unsharded storage: allocated for `padded_full_numel()` elements (all ranks' padded
   // chunks, rank-major, so the real data is the prefix), or zero bytes.
   int64_t padded_full_numel() const { return padded_shard_numel_ * world_; }

@@ -244,7 +244,8 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::strin
       module_fqn_(std::move(module_fqn)),
       devices_(resolve_group_devices(mesh_, offload_policy)),
       offloaded_(offload_policy.has_value()),
-      post_forward_group_(std::move(post_forward_group)) {
+      post_forward_group_(std::move(post_forward_group)),
+      mp_policy_(mp_policy) {
   TORCH_CHECK(!params_.empty(), "FSDPParamGroup needs at least one parameter");
   const at::ScalarType dtype = params_.front()->orig_dtype();
   for (const auto& p : params_) {
@@ -264,10 +265,8 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::strin
   if (dtypes_.unsharded != dtypes_.orig) {
     // The unsharded faces compute in the policy's dtype; each unshard casts into the all-gather.
     for (auto& p : params_) p->set_unsharded_dtype(dtypes_.unsharded);
-  } else if (shard_group_->size() == 1 && (!offloaded_ || device::ops_for(devices_.compute).shares_host_memory())) {
-    // Nothing to gather, ever: the unsharded tensors alias the shards and stay unsharded. Not
-    // when CPU offload keeps the shards in host memory apart from the device's: each unshard
-    // copies them into a device buffer, as FSDP2 does.
+  } else if (unsharded_can_alias_shard()) {
+    // Nothing to gather, ever: the unsharded tensors alias the shards and stay unsharded.
     for (size_t i = 0; i < params_.size(); ++i) params_[i]->alias_shard(flat_shard_, shard_layout_.offset[i]);
     unsharded_aliases_shard_ = true;
     sharded_state_ = ShardedState::kUnsharded;
@@ -278,35 +277,96 @@ FSDPParamGroup::FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::strin
 
 // ------------------------------------------------------------------------------ all-gather
 
-// The sharded leaves must still be views of the flat shard, on the shards' device: set_data()
-// (e.g. by module->to(dtype or device)) gives a leaf new storage, after which the optimizer
-// would update a tensor no collective reads. Refused before anything is issued, naming them.
-void FSDPParamGroup::check_shards_intact() const {
-  std::string moved, replaced;
+// One rank without a cast: nothing to gather, ever. Not when CPU offload keeps the shards in host
+// memory apart from the device's: each unshard copies them into a device buffer, as FSDP2 does.
+bool FSDPParamGroup::unsharded_can_alias_shard() const {
+  return dtypes_.unsharded == dtypes_.orig && shard_group_->size() == 1 &&
+         (!offloaded_ || device::ops_for(devices_.compute).shares_host_memory());
+}
+
+// ------------------------------------------------------------------------------ conversions
+
+// FSDP2 re-lays its shards after module.to() from FSDPModule._apply (reset_sharded_param).
+// LibTorch's Module::to converts each registered tensor in place through set_data, and no
+// hook of the user's module class can be FSDP's: the sharded leaves keep their TensorImpls and
+// get storage of their own. So a group compares its leaves with its flat shard at every unshard
+// (one storage comparison per parameter) and re-lays them there, before anything is gathered.
+bool FSDPParamGroup::shards_replaced() const {
+  return std::any_of(params_.begin(), params_.end(), [this](const auto& p) { return !p->shard_views(flat_shard_); });
+}
+
+void FSDPParamGroup::reset_sharded_params_if_replaced() {
+  if (!shards_replaced()) return;
+  check_replaced_shards();
+  reset_sharded_params();
+}
+
+// What cannot be re-laid, refused before anything is issued, naming the parameters.
+void FSDPParamGroup::check_replaced_shards() const {
+  TORCH_CHECK(training_state_ != TrainingState::kPreBackward && training_state_ != TrainingState::kPostBackward,
+              "fsdp: the parameters of FSDP module '", module_label(module_fqn_),
+              "' were converted (module->to() or set_data()) between its forward and its backward, which needs "
+              "the parameters that forward computed with. Convert between iterations: after backward, or before "
+              "the first forward.");
+  const bool reducing = comm_ && std::any_of(comm_->reductions.begin(), comm_->reductions.end(),
+                                             [this](const PendingReduction& r) { return r.group == this; });
+  TORCH_CHECK(!reducing, "fsdp: the parameters of FSDP module '", module_label(module_fqn_),
+              "' were converted (module->to() or set_data()) while its gradient reduction is in flight "
+              "(set_is_last_backward(false)). Convert after a backward run with set_is_last_backward(true).");
+  std::string moved, dtypes;
   for (const auto& p : params_) {
     const at::Tensor& shard = p->sharded();
-    if (shard.device() != devices_.shard) {
+    if (shard.device() != devices_.shard)
       moved += (moved.empty() ? "'" : ", '") + p->fqn() + "' on " + shard.device().str();
-    } else if (shard.scalar_type() != dtypes_.orig || !shard.storage().is_alias_of(flat_shard_.storage())) {
-      replaced += (replaced.empty() ? "'" : ", '") + p->fqn() + "' (" + c10::toString(shard.scalar_type()) + ")";
-    }
+    dtypes += (dtypes.empty() ? "'" : ", '") + p->fqn() + "' (" + c10::toString(shard.scalar_type()) + ")";
   }
-  const char* load_in_place =
-      ". Load state dicts into the sharded parameters in place (fsdp::load_sharded_state_dict) "
-      "instead of moving them.";
+  const std::string move_back =
+      ". Move the module back (module->to(torch::Device(\"" + devices_.shard.str() +
+      "\"))) before its next forward, or load state dicts in place (fsdp::load_sharded_state_dict).";
   TORCH_CHECK(moved.empty() || !offloaded_,
               "fsdp: FSDP parameters should be materialized on CPU when enabling CPU "
               "offloading (CPUOffloadPolicy), but these of '",
-              module_fqn_, "' are not: ", moved, load_in_place);
-  TORCH_CHECK(moved.empty(), "fsdp: the sharded parameters of '", module_fqn_, "' must stay on ", devices_.shard.str(),
-              ", but these moved: ", moved, load_in_place);
-  TORCH_CHECK(replaced.empty(), "fsdp: the sharded parameters of '", module_fqn_,
-              "' were replaced after fully_shard "
-              "(e.g. by module->to(dtype) or set_data()), so FSDP can no longer gather them: ",
-              replaced,
-              ". Change "
-              "dtypes before fully_shard (or compute in another dtype with a MixedPrecisionPolicy), and load values "
-              "with fsdp::load_sharded_state_dict.");
+              module_label(module_fqn_), "' are not: ", moved, move_back);
+  TORCH_CHECK(moved.empty(), "fsdp: the sharded parameters of '", module_label(module_fqn_),
+              "' must be on the mesh's device ", devices_.shard.str(), ", but these moved: ", moved, move_back);
+  const at::ScalarType dtype = params_.front()->sharded().scalar_type();
+  const bool uniform = std::all_of(params_.begin(), params_.end(),
+                                   [dtype](const auto& p) { return p->sharded().scalar_type() == dtype; });
+  TORCH_CHECK(uniform, "fsdp: FSDP expects one dtype for the parameters of FSDP module '", module_label(module_fqn_),
+              "' (they are gathered in one all-gather), but after a conversion they are ", dtypes,
+              ". Convert the whole FSDP module (module->to(dtype) on it or on a module above it), not a part of it.");
+}
+
+// The new flat shard takes the leaves' dtype; the policy's dtypes are resolved again on top of it
+// (a param_dtype equal to the new dtype is no cast), and the unsharded faces and every gradient
+// FSDP holds follow. Between iterations only (check_replaced_shards), so nothing in flight reads
+// the old buffers but a pending all-gather, which is let land and dropped.
+void FSDPParamGroup::reset_sharded_params() {
+  drop_pending_all_gather();
+  reshard();
+  const at::ScalarType dtype = params_.front()->sharded().scalar_type();
+  at::Tensor flat = at::zeros({shard_layout_.row_numel}, at::TensorOptions().dtype(dtype).device(devices_.compute));
+  if (offloaded_) flat = device::ops_for(devices_.compute).to_host(flat, dtype, devices_.non_blocking, false);
+  for (size_t i = 0; i < params_.size(); ++i) params_[i]->reset_sharded(flat, shard_layout_.offset[i]);
+  flat_shard_ = std::move(flat);
+  label_for_stream_check(flat_shard_, "the flat shard of");
+  dtypes_ = resolve_group_dtypes(mp_policy_, dtype);
+  for (auto& p : params_) p->reset_unsharded(dtypes_.unsharded, dtypes_.reduce);
+  if (partial_reduce_output_.defined()) partial_reduce_output_ = partial_reduce_output_.to(dtypes_.reduce);
+  unsharded_aliases_shard_ = false;
+  sharded_state_ = ShardedState::kSharded;
+  if (unsharded_can_alias_shard()) {
+    for (size_t i = 0; i < params_.size(); ++i) params_[i]->alias_shard(flat_shard_, shard_layout_.offset[i]);
+    unsharded_aliases_shard_ = true;
+    sharded_state_ = ShardedState::kUnsharded;
+  }
+  if (comm_ && comm_->streams) {
+    // The side streams waited for the compute stream at the root's pre-forward, before these copies.
+    device::DeviceOps& ops = device::ops_for(devices_.compute);
+    const device::Event copied = ops.record(ops.current_stream(devices_.compute));
+    ops.wait(comm_->streams->all_gather_copy_in, copied);
+    ops.wait(comm_->streams->all_gather, copied);
+  }
 }
 
 // FSDP2's rule: the all-gathers of forward and backward, and their prefetches, run on the side
@@ -318,7 +378,10 @@ bool FSDPParamGroup::unshards_on_side_streams() const {
 }
 
 void FSDPParamGroup::unshard() {
-  check_shards_intact();  // also where nothing is gathered (one rank), so every unshard refuses alike
+  // A prefetch leaves converted parameters to the group's own unshard, which re-lays them (or, in
+  // backward, refuses): every rank converts alike, so every rank skips the prefetch alike.
+  if (prefetching_ && shards_replaced()) return;
+  reset_sharded_params_if_replaced();  // also where nothing is gathered (one rank)
   if (sharded_state_ == ShardedState::kUnsharded || has_pending_unshard()) return;
   const bool on_device = device::ops_for(devices_.compute).has_streams();
   std::optional<c10::Stream> copy_in, gather;
@@ -582,6 +645,7 @@ PendingReduction::Next FSDPParamGroup::next_after_reduce_scatter() const {
 
 void FSDPParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
+  if (shards_replaced()) check_replaced_shards();  // converted since its forward: refused
   reduced_in_this_backward_ = true;
   // HSDP: an earlier micro-batch's reduce-scatter still in flight belongs in the partial sum,
   // which decides what this one reduces and is read by its all-reduce.

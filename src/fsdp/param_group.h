@@ -141,8 +141,9 @@ class FSDPParamGroup {
   // `post_forward_group` says how the group reshards after forward (see
   // set_post_forward_group). Copies every parameter's shard into the group's flat shard and
   // frees the unsharded storage (on a mesh of one rank the unsharded tensors alias the shards).
-  // `mp_policy` gives the dtypes of the group's collectives and unsharded parameters, and
-  // `offload_policy` (when set) keeps its shards in host memory.
+  // `mp_policy` gives the dtypes of the group's collectives and unsharded parameters (resolved
+  // again when module->to(dtype) converts the shards), and `offload_policy` (when set) keeps its
+  // shards in host memory.
   FSDPParamGroup(FSDPParams params, MeshInfo mesh_info, std::string module_fqn,
                  std::shared_ptr<ProcessGroup> post_forward_group, const MixedPrecisionPolicy& mp_policy,
                  const std::optional<CPUOffloadPolicy>& offload_policy);
@@ -207,7 +208,9 @@ class FSDPParamGroup {
   void set_custom_reduce_scatter(std::shared_ptr<ReduceScatter> comm) { custom_reduce_scatter_ = std::move(comm); }
   bool has_custom_comm() const { return custom_all_gather_ || custom_reduce_scatter_; }
 
-  // Issues the all-gather (no-op if unsharded or already issued). Collective.
+  // Issues the all-gather (no-op if unsharded or already issued). Collective. First re-lays shards
+  // that module->to() or set_data() converted (see param_group.cpp: conversions), or throws
+  // before issuing anything when they cannot be.
   void unshard();
   // Waits for the issued all-gather and makes the unsharded parameters usable.
   void wait_for_unshard();
@@ -268,7 +271,13 @@ class FSDPParamGroup {
   void add_partial_reduce_output(const at::Tensor& output);
   void run_all_reduce_hook(at::Tensor& output) const;
   void drop_pending_all_gather();
-  void check_shards_intact() const;
+  bool unsharded_can_alias_shard() const;
+  // After module->to(dtype or device) or set_data() on the sharded leaves (param_group.cpp:
+  // conversions): whether any leaf left the flat shard, what cannot be re-laid, and the re-lay.
+  bool shards_replaced() const;
+  void reset_sharded_params_if_replaced();
+  void check_replaced_shards() const;
+  void reset_sharded_params();
   void label_for_stream_check(const at::Tensor& t, const char* role) const;
   void free_unsharded_params();
   void reshard_post_forward();
@@ -291,6 +300,7 @@ class FSDPParamGroup {
   bool unsharded_aliases_shard_ = false;
 
   std::shared_ptr<ProcessGroup> post_forward_group_;  // see set_post_forward_group
+  MixedPrecisionPolicy mp_policy_;                    // resolved again when the parameters' dtype changes
   at::Tensor post_forward_shard_;                     // kShardedPostForward: this rank's 1/k
   // On a device: recorded on the compute stream after post_forward_shard_ was copied there; the
   // all-gather copy-in stream waits for it before the backward all-gather reads it.

@@ -20,6 +20,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -321,6 +322,56 @@ TEST(Cuda, DeviceStateAdamWKeepsTheStateOnTheGpuAndTrainsLikeFullOffload) {
           for (const auto& entry : split_opt.state()) {
             EXPECT_TRUE(static_cast<torch::optim::AdamWParamState&>(*entry.second).exp_avg().is_cuda());
           }
+        },
+        staged_through_host());
+  }
+}
+
+// module->to(dtype) after fully_shard re-lays the shards on the GPU and trains like the CPU path
+// converted alike; to(kCPU) takes them off the mesh's device, where the next forward refuses them
+// by name, and to(the GPU) brings them back; offloaded shards are re-laid in pinned host memory,
+// and moving them to the GPU is refused as FSDP2 refuses it.
+TEST(Cuda, ToDtypeAndToDeviceAfterFullyShard) {
+  SKIP_WITHOUT_GPU();
+  const c10::Device host(c10::DeviceType::CPU);
+  auto expect_refused = [](const std::function<void()>& f, const std::string& part) {
+    try {
+      f();
+      ADD_FAILURE() << "expected an error containing '" << part << "'";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  for (int world : {1, 2}) {
+    run_distributed(
+        world,
+        [&] {
+          auto mesh = fsdp::init_device_mesh("cuda", {fsdp::get_world_size()});
+          auto on_gpu = sharded(mesh);
+          auto on_cpu = sharded(fsdp::init_device_mesh("cpu", {fsdp::get_world_size()}));
+          on_gpu->to(at::kDouble);
+          on_cpu->to(at::kDouble);
+          expect_close(train(on_gpu, kGpu), train(on_cpu, host), 1e-9);
+          for (const auto& p : on_gpu->parameters()) {
+            EXPECT_TRUE(p.is_cuda());
+            EXPECT_EQ(p.scalar_type(), at::kDouble);
+            EXPECT_EQ(p.grad().scalar_type(), at::kDouble);
+          }
+          on_gpu->to(host);
+          expect_refused([&] { loss_of(on_gpu, 0, host); }, "must be on the mesh's device cuda:0");
+          fsdp::get_fsdp_module(*on_gpu).reset_iter_state();
+          on_gpu->to(kGpu);
+          expect_close(train(on_gpu, kGpu, 2), train(on_cpu, host, 2), 1e-9);
+
+          auto offloaded = sharded(mesh, fsdp::FullyShardOptions().offload_policy(fsdp::CPUOffloadPolicy()));
+          offloaded->to(at::kDouble);
+          train(offloaded, kGpu, 1);
+          for (const auto& p : offloaded->parameters()) {
+            EXPECT_TRUE(p.is_cpu() && p.is_pinned());
+            EXPECT_EQ(p.scalar_type(), at::kDouble);
+          }
+          offloaded->to(kGpu);
+          expect_refused([&] { loss_of(offloaded, 0, kGpu); }, "should be materialized on CPU");
         },
         staged_through_host());
   }

@@ -1,7 +1,7 @@
 // What fully_shard and the first forward refuse, each named by its message: parameters FSDP
 // cannot shard (0-dim, not owning a contiguous storage), applying it twice, tied parameters in
-// two groups, a child's forward before the root's first one, and module->to(dtype) after
-// fully_shard (refused at the next forward or unshard; converting before fully_shard trains).
+// two groups, a child's forward before the root's first one, and a module->to(dtype) after
+// fully_shard that leaves one group in two dtypes (converting before fully_shard trains).
 #include "harness/multiprocess.h"
 
 #include <fsdp/call.h>
@@ -180,34 +180,24 @@ TEST(InitChecks, AChildsForwardBeforeTheRootsFirstForwardIsRefused) {
   });
 }
 
-// LibTorch's Module::to(dtype) gives the registered shards new storage (set_data) and leaves the
-// modules' members alone, so FSDP could no longer gather what the optimizer updates: the next
-// forward (or unshard) refuses, naming the parameters and saying what to do instead.
-TEST(InitChecks, ToDtypeAfterFullyShardIsRefusedAndBeforeItTrainsInThatDtype) {
+// Converting after fully_shard is supported (test_to_dtype.cpp); a conversion that leaves one
+// group in two dtypes is refused at its next unshard or forward, naming the parameters; converting
+// before fully_shard trains in that dtype.
+TEST(InitChecks, APartOfAGroupConvertedIsRefusedAndConvertingBeforeFullyShardTrainsInThatDtype) {
   for (int world : {1, 2, 3, 4}) {
     run_distributed(world, [] {
       const int64_t W = fsdp::get_world_size(), r = fsdp::get_rank();
       auto mesh = fsdp::init_device_mesh("cpu", {W});
-      const std::vector<std::string> what = {"were replaced after fully_shard", "Change dtypes before fully_shard",
-                                             "MixedPrecisionPolicy"};
-      auto plus = [&](const std::string& part) {
-        auto parts = what;
-        parts.push_back(part);
-        return parts;
-      };
+      const std::vector<std::string> what = {"FSDP expects one dtype for the parameters of FSDP module '(root)'",
+                                             "Convert the whole FSDP module"};
       {
         Stack m;
-        shard(m, mesh);
-        m->to(at::kDouble);
-        expect_error([&] { fsdp::call(m, batch(0, 2).to(at::kDouble)); }, plus("'head.weight' (Double)"));
-      }
-      {
-        Stack m;
-        shard(m, mesh);
-        fsdp::call(m, batch(0, 2)).sum().backward();  // after a first iteration too
+        fsdp::fully_shard(m, fsdp::FullyShardOptions().mesh(mesh));  // one group
         m->l1->to(at::kDouble);
-        expect_error([&] { fsdp::get_fsdp_module(*m->l1).unshard(); }, plus("'weight' (Double), 'bias' (Double)"));
-        expect_error([&] { fsdp::call(m, batch(1, 2)); }, plus("'l1'"));
+        auto parts = what;
+        parts.push_back("'l1.weight' (Double), 'l1.bias' (Double), 'head.weight' (Float)");
+        expect_error([&] { fsdp::get_fsdp_module(*m).unshard(); }, parts);
+        expect_error([&] { fsdp::call(m, batch(1, 2)); }, what);
       }
       // Converted before fully_shard: trains in fp64, like the fp64 unsharded model.
       Stack model, ref;

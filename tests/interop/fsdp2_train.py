@@ -30,6 +30,8 @@ What each fsdp-train setting becomes here:
                                       RowwiseParallel and the head ColwiseParallel with the loss
                                       under loss_parallel(); then fully_shard over dp
     model.freeze: [prefixes]          requires_grad=False on the parameters under those names
+    model.dtype: float64              model.to(torch.float64) after fully_shard, before training (the
+                                      key is tests/interop/to_dtype_driver's: fsdp-train has none)
     gradient_accumulation_steps       set_requires_gradient_sync(last micro-batch) (HSDP:
                                       set_requires_all_reduce; DDP: no_sync())
     max_grad_norm                     torch.nn.utils.clip_grad_norm_
@@ -70,7 +72,7 @@ MODELLED = {
                     "model_parallel_size", "vocab_parallel", "use_reentrant", "device", "fp16",
                     "shard_optimizer_state", "offload_params", "offload_optimizer_state", "output_head_group"},
     "model": {"preset", "n_layers", "vocab_size", "max_seq_len", "dim", "n_heads", "dropout_p", "init_from",
-              "freeze"},
+              "freeze", "dtype"},
     "data": {"source", "data_seed"},
     "optimizer": {"lr", "betas", "beta1", "beta2", "weight_decay", "eps", "fused"},
     "schedule": {"warmup_steps", "min_lr", "decay_steps"},
@@ -93,9 +95,10 @@ PLANTS = {
     "fp32-compute": "mixed precision: the parameters compute in float32 instead of param_dtype",
     "accumulation-undivided": "gradient accumulation: the micro-batch losses not divided by their number",
     "train-frozen": "model.freeze ignored: the frozen parameters train too",
+    "keep-float32": "model.dtype ignored: the model trains in float32",
 }
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 class ConfigError(Exception):
@@ -189,7 +192,7 @@ class Run:
 
 def build_model(run: Run) -> torch.nn.Module:
     cfg = run.cfg
-    fields = {k: v for k, v in (cfg.get("model") or {}).items() if k not in ("preset", "init_from", "freeze")}
+    fields = {k: v for k, v in (cfg.get("model") or {}).items() if k not in ("preset", "init_from", "freeze", "dtype")}
     args = make_args(get(cfg, "model", "preset"), **fields)
     torch.manual_seed(int(get(cfg, "training", "seed")))
     model = Transformer(args)
@@ -382,6 +385,9 @@ def worker(rank: int, world: int, ns, cfg: dict, port: int) -> None:
         from model import Attention
         Attention.forward = tp_attention_forward
     model, _, fsdp_root = parallelize(run, build_model(run))
+    dtype = (cfg.get("model") or {}).get("dtype")
+    if dtype and ns.plant != "keep-float32":
+        model.to(DTYPES[dtype])  # after fully_shard: FSDPModule._apply re-lays the shards
     inner = model.module if run.strategy == "NO_SHARD" else model
     if get(cfg, "fsdp_config", "activation_checkpointing", False):
         # Set on the instance, so the root's FSDP hooks still run around it.

@@ -36,7 +36,7 @@ def load(side: str):
 
 def distance(a, b):
     rel = lambda xs, ys: max(abs(x - y) / abs(y) if y else float("inf") for x, y in zip(xs, ys))  # noqa: E731
-    param = max((a[2][k].float() - b[2][k].float()).abs().max().item() for k in b[2])
+    param = max((a[2][k].double() - b[2][k].double()).abs().max().item() for k in b[2])
     return rel(a[0], b[0]), rel(a[1], b[1]), param
 
 

@@ -10,6 +10,8 @@ Fields:
     plant      the deliberate error in the reference (fsdp2_train.py --plant) that the row must
                catch: the row fails with it, which shows the comparison can fail
     reference  what PyTorch runs, in words (docs/interop.md lists the rows)
+    driver     (optional) the program that trains our side instead of fsdp-train, built beside it
+               in tests/interop/: for a row whose configuration fsdp-train has no key for
 """
 
 ROWS = {
@@ -61,6 +63,10 @@ ROWS = {
         world=4, overrides=["--fsdp_config.model_parallel_size=2", "--fsdp_config.vocab_parallel=false"],
         tolerance="fp32", plant="divide-factor",
         reference="the same plan with the embedding and the head whole on every tp rank"),
+    "to_float64_w2": dict(
+        world=2, overrides=["--model.dtype=float64"], tolerance="fp64", plant="keep-float32",
+        driver="to_dtype_driver",
+        reference="fully_shard per block and on the root, then model.to(torch.float64) before training"),
 }
 
 if __name__ == "__main__":

@@ -429,6 +429,26 @@ TEST(StreamOrder, CpuOffloadOnTwoRanks) {
   });
 }
 
+// module->to(dtype) between iterations: the shards are re-laid on the compute stream at the next
+// unshard, after the side streams' wait of the root's pre-forward (device shards, and pinned host
+// shards under CPU offload).
+TEST(StreamOrder, ToDtypeBetweenIterations) {
+  for (bool offload : {false, true}) {
+    under_the_checker(2, [offload] {
+      auto model = seeded_model();
+      auto opts = fsdp::FullyShardOptions().mesh(mesh_1d());
+      if (offload) opts.offload_policy(fsdp::CPUOffloadPolicy());
+      auto modules = shard_blocks_and_root(model, opts);
+      TrainingRun run;
+      run.steps = 1;
+      train_under_the_checker(model, modules, run);
+      model->to(at::kDouble);
+      run.steps = 2;
+      train_under_the_checker(model, modules, run);
+    });
+  }
+}
+
 TEST(StreamOrder, DeviceStateAdamW) {
   for (int world : {1, 2}) {
     under_the_checker(world, [] {
