@@ -1,6 +1,6 @@
 // test_config.cpp — fsdp-train's configuration: shipped configs, overrides, errors, support
 // checks and the launcher agreement (single process, no torch).
-#include "config.h"
+#include "config/config.h"
 
 #include <gtest/gtest.h>
 

@@ -2,9 +2,9 @@
 // standard test vectors (RFC 3720, B.4, and the common check value), the TFRecord mask and
 // layout, and the writer's file read back record by record with every CRC checked. That
 // TensorBoard itself reads the files is test_tensorboard.py's part.
-#include "config.h"
-#include "tensorboard.h"
-#include "tfrecord.h"
+#include "config/config.h"
+#include "outputs/tensorboard.h"
+#include "outputs/tfrecord.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -1,6 +1,6 @@
 // Units of fsdp-train's tokenizers (tokenizer.h): the byte-level one, and SentencePiece models
 // trained here by Debian's spm_train on a small text (skipped, saying why, without spm_train).
-#include "tokenizer.h"
+#include "data/tokenizer.h"
 #include "error_of.h"
 
 #include <gtest/gtest.h>
