@@ -648,12 +648,16 @@ TEST(TrainConfig, EvalSectionAndTokenizerKeys) {
   EXPECT_EQ(d.eval.batches, 1);
   EXPECT_EQ(d.eval.interval, 0);
   EXPECT_TRUE(d.data.tokenizer.empty());
-  const TrainConfig c =
-      load_config("", {"--eval.path=e.tokens", "--eval.batches=3", "--eval.interval=50", "--data.tokenizer=m.model"});
+  const TrainConfig c = load_config("", {"--eval.path=e.tokens", "--eval.batches=3", "--eval.interval=50"});
   EXPECT_EQ(c.eval.path, "e.tokens");
   EXPECT_EQ(c.eval.batches, 3);
   EXPECT_EQ(c.eval.interval, 50);
-  EXPECT_EQ(c.data.tokenizer, "m.model");
+  if (built_with_sentencepiece()) {
+    EXPECT_EQ(load_config("", {"--data.tokenizer=m.model"}).data.tokenizer, "m.model");
+  } else {  // refused by name, with the build option, before anything is read
+    expect_error([] { load_config("", {"--data.tokenizer=m.model"}); },
+                 {"data.tokenizer", "m.model", "FSDP_WITH_SENTENCEPIECE", "leave data.tokenizer unset"});
+  }
   expect_error([] { load_config("", {"--eval.batches=0"}); }, {"eval.batches", "must be >= 1"});
   expect_error([] { load_config("", {"--eval.interval=-1"}); }, {"eval.interval", "must be >= 0"});
   expect_error([] { load_config("", {"--eval.interval=10"}); }, {"eval.path: required when eval.interval"});
