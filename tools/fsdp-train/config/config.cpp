@@ -602,6 +602,17 @@ std::string origin_of(const TrainConfig& cfg, const std::string& key) {
   return it == cfg.origins.end() ? std::string() : it->second;
 }
 
+bool built_with_sentencepiece() { return FSDP_WITH_SENTENCEPIECE != 0; }
+
+std::string without_sentencepiece(const std::string& key, const std::string& model) {
+  std::string msg = key + ": " + model +
+                    " needs SentencePiece, which this fsdp-train was built without (FSDP_WITH_SENTENCEPIECE=OFF, "
+                    "or AUTO without the package): install libsentencepiece-dev (scripts/install-deps.sh) and "
+                    "reconfigure with -DFSDP_WITH_SENTENCEPIECE=ON";
+  if (key == "data.tokenizer") msg += ", or leave data.tokenizer unset (the sample is then printed as token ids)";
+  return msg;
+}
+
 TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
   TrainConfig cfg;
   Loader loader(cfg);
@@ -616,6 +627,8 @@ TrainConfig load_config(const std::string& yaml_path, const std::vector<std::str
   if (cfg.eval.interval > 0 && cfg.eval.path.empty())
     throw ConfigError(where + ": eval.path: required when eval.interval is set (" + std::to_string(cfg.eval.interval) +
                       "): the token file to evaluate on");
+  if (!cfg.data.tokenizer.empty() && !built_with_sentencepiece())
+    throw ConfigError(where + ": " + without_sentencepiece("data.tokenizer", cfg.data.tokenizer));
   if (cfg.schedule.min_lr > cfg.optimizer.lr) {
     std::ostringstream msg;
     msg << where << ": schedule.min_lr (" << cfg.schedule.min_lr << ") must not exceed optimizer.lr ("

@@ -302,8 +302,14 @@ std::string origin_of(const TrainConfig& cfg, const std::string& key);
 // Throws ConfigError on a missing, malformed or empty file, one larger than 1 MiB or that is not
 // a regular file or pipe, unknown sections or keys, a key or section
 // given twice in the file, wrong types and out-of-range values; file errors name the file (and
-// the line). Never throws anything else for bad input.
+// the line). Never throws anything else for bad input. A key that needs a feature this build left
+// out (data.tokenizer without SentencePiece) is refused here, naming the key and the build option.
 TrainConfig load_config(const std::string& yaml_path, const std::vector<std::string>& overrides = {});
+
+// Whether this build reads SentencePiece models (CMake's FSDP_WITH_SENTENCEPIECE), and the message
+// that refuses `key` (data.tokenizer, --tokenizer) naming `model` when it does not.
+bool built_with_sentencepiece();
+std::string without_sentencepiece(const std::string& key, const std::string& model);
 
 // The dtypes a run computes and reduces in, resolved from fsdp_config (see FsdpConfig).
 struct Precision {

@@ -1,11 +1,12 @@
 // tensorboard.h — rank 0's TensorBoard event file (logging.tensorboard_dir): each applied step's
 // scalars, the eval loss, and the run's configuration as text, in the format TensorBoard reads
-// (protobuf Event records in TFRecord framing, tfrecord.h). Point TensorBoard at the folder:
+// (protobuf Event messages, encoded here in protobuf's wire format with TensorBoard's field
+// numbers, in TFRecord framing, tfrecord.h). Point TensorBoard at the folder:
 //   tensorboard --logdir <logging.tensorboard_dir>
 // Each run (a resumed one too) writes a file of its own, events.out.tfevents.<time>.<host>.<pid>,
 // and opens it with a session start, so that TensorBoard drops what an earlier file holds of
 // the steps the run trains again. Every event is flushed when written: a killed run keeps them.
-// No torch here.
+// No torch and no protobuf library here.
 #pragma once
 
 #include "config/config.h"
@@ -14,6 +15,8 @@
 #include <cstdint>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace fsdp {
 namespace train {
@@ -54,6 +57,20 @@ class TensorBoardWriter {
   std::ofstream out_;
   std::string path_;
 };
+
+// The Event messages the writer frames, as bytes of tensorboard.Event (public for the tests, which
+// compare them with what protoc's code writes): each has `wall_time` (seconds since the epoch)
+// and `step`.
+namespace tensorboard_events {
+// The file's first event: file_version "brain.Event:2".
+std::string file_version(double wall_time, int64_t step);
+// A SessionLog START: TensorBoard drops what earlier files hold of steps at or after `step`.
+std::string session_start(double wall_time, int64_t step);
+// One Summary of simple_value scalars, in the order given.
+std::string scalars(double wall_time, int64_t step, const std::vector<std::pair<std::string, float>>& values);
+// The text plugin's summary: `markdown` as a scalar string tensor under `tag`.
+std::string text(double wall_time, int64_t step, const std::string& tag, const std::string& markdown);
+}  // namespace tensorboard_events
 
 // The run's configuration as markdown for the Text tab: the config file's path and text, and
 // the command-line overrides applied after it, in order.
