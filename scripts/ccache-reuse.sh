@@ -17,7 +17,7 @@ fi
 objects=("$@")
 if [[ ${#objects[@]} -eq 0 ]]; then
   objects=(tools/fsdprun/CMakeFiles/fsdprun.dir/options.cpp.o
-           tools/fsdp-train/CMakeFiles/fsdp_train_core.dir/run_lock.cpp.o
+           tools/fsdp-train/CMakeFiles/fsdp_train_checkpoints.dir/checkpoints/run_lock.cpp.o
            tests/CMakeFiles/fsdp_tests.dir/util/test_memory.cpp.o
            tests/CMakeFiles/fsdp_cuda_tests.dir/cuda/test_cuda_defects.cpp.o)
 fi

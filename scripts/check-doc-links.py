@@ -6,7 +6,7 @@ Checked, outside fenced code blocks:
   - every Markdown link and image, [text](target) and ![alt](target): the file or folder it
     names, relative to the page, and its #anchor, a heading of that page (or of this page for a
     bare #anchor) as GitHub slugs it;
-  - every repository path written as code, `include/fsdp/plan.h`, `tools/fsdp-train/data.h`,
+  - every repository path written as code, `include/fsdp/plan.h`, `tools/fsdp-train/data/data.h`,
     `<fsdp/call.h>`: the file or folder must exist. Paths with a placeholder or a pattern in them
     (`step_<N>`, `*.cmake`, `state.{h,cpp}`) and paths under build outputs are not checked.
 Links to other sites (http:, https:, mailto:) are not fetched.

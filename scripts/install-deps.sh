@@ -24,14 +24,14 @@ packages=(
   python3-venv                      # the virtual environment that holds the PyTorch wheel
   libgtest-dev libbenchmark-dev     # tests and benchmarks
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev zlib1g-dev
-  libprotobuf-dev protobuf-compiler # fsdp-train's TensorBoard event files (logging.tensorboard_dir)
   libopenmpi-dev openmpi-bin        # the MPI backend and mpirun (optional at build time)
   iproute2                          # ss, for the tests that look at listening sockets
   dpkg-dev file                     # cpack -G DEB's dependency list (dpkg-shlibdeps) and the package test
   clang-format clang-tidy           # the house format (scripts/check-format.sh) and lint (scripts/tidy.sh)
   ccache                            # the second build configuration reuses the first's object files
   doxygen                           # the API reference (docs/api/Doxyfile.in, ctest -L docs)
-  libsentencepiece-dev sentencepiece  # fsdp-train tokenize --tokenizer (the library) and spm_train (the demo, tests)
+  libsentencepiece-dev sentencepiece  # fsdp-train tokenize --tokenizer (the library; optional at build
+                                    # time: FSDP_WITH_SENTENCEPIECE) and spm_train (the demo, tests)
   stress-ng                         # scripts/under-load.sh: the suite beside CPU-bound neighbours
   slurmctld slurmd slurm-client munge  # the Slurm tests' cluster of their own (tests/multihost/slurm.py);
                                     # they start their own daemons and leave the system's services alone

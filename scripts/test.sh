@@ -2,10 +2,12 @@
 # test.sh — install, build, and run every test (GoogleTest under ctest), in both build
 # configurations: the CPU one (build/), and the CUDA one (build-cuda/: -DFSDP_USE_CUDA=ON against
 # the CUDA LibTorch and the CUDA toolkit, every target compiled and linked). Without a GPU the
-# CUDA tests report skipped with their reason.
+# CUDA tests report skipped with their reason. Between them, a small third one (build-minimal/):
+# the library and fsdp-train without the optional SentencePiece, with the tests of its refusals.
 #
-# Both configurations are built and tested even when the first fails; the script ends with one
-# summary line per configuration and exits 1 naming what failed (the format, a build, or tests).
+# Every configuration is built and tested even when an earlier one fails; the script ends with one
+# summary line per configuration and exits 1 naming what failed (the format, the GPU machine's
+# dependencies, a build, or tests).
 #   FSDP_TEST_JOBS   ctest's parallelism (default 2)
 #   FSDP_CTEST_ARGS  more ctest arguments for both configurations, e.g. "-L launcher"
 set -uo pipefail
@@ -24,13 +26,22 @@ else
   failed+=("the format")
 fi
 
-# configuration NAME BUILD_DIR "CMAKE ARGS" "CTEST ARGS": builds BUILD_DIR and runs its suite,
-# adding a summary line (and, on failure, what failed).
+# What a GPU machine without Debian's -dev packages can meet (scripts/check-gpu-deps.py, seconds): a
+# new find_package(... REQUIRED) fails here rather than in a device call.
+if python3 scripts/check-gpu-deps.py; then
+  summaries+=("GPU machine's dependencies: every REQUIRED find met (scripts/gpu-deps.txt)")
+else
+  summaries+=("GPU machine's dependencies: FAILED (scripts/check-gpu-deps.py names them above)")
+  failed+=("the GPU machine's dependencies")
+fi
+
+# configuration NAME BUILD_DIR "CMAKE ARGS" "CTEST ARGS" ["TARGETS"]: builds BUILD_DIR (only TARGETS
+# when given) and runs its suite, adding a summary line (and, on failure, what failed).
 configuration() {
-  local name=$1 dir=$2 cmake_args=$3 ctest_args=$4
+  local name=$1 dir=$2 cmake_args=$3 ctest_args=$4 targets=${5:-}
   local log="$dir/ctest-output.log"
   # shellcheck disable=SC2086  # the arguments are lists of words
-  if ! FSDP_BUILD_DIR="$dir" bash scripts/build.sh $cmake_args; then
+  if ! FSDP_BUILD_DIR="$dir" FSDP_BUILD_TARGETS="$targets" bash scripts/build.sh $cmake_args; then
     summaries+=("$name configuration ($dir/): BUILD FAILED, no tests run (its errors are above)")
     failed+=("the $name build")
     return
@@ -56,6 +67,15 @@ configuration() {
 # -Werror: the build stays free of warnings (CMakeLists.txt). run-demo.sh builds with the same
 # flags, so that its objects are this build's.
 configuration CPU build "-DFSDP_WERROR=ON" ""
+# fsdp-train without its optional package (SentencePiece: FSDP_WITH_SENTENCEPIECE=OFF), so that it
+# stays optional: the library, fsdp-train and the tests of the keys that need the package. Every
+# object but config.cpp's and tokenizer.cpp's is build/'s (ccache), so it costs the links and
+# seconds of tests. (MPI is optional as before; leaving it out changes a definition every library
+# object sees, so that configuration is the GPU machine's: scripts/gpu-prebuild.sh, gpu-check.sh.)
+configuration "no optional packages" build-minimal \
+  "-DFSDP_WERROR=ON -DFSDP_WITH_SENTENCEPIECE=OFF -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_BUILD_EXAMPLES=OFF" \
+  "-R ^train\.(TrainConfig\.|Tokenizer\.|WithoutSentencePiece\.)" \
+  "fsdp-train fsdp_train_config_tests fsdp_train_tokenizer_tests"
 # The CUDA configuration. Its object files are the CPU configuration's (ccache) but for the
 # CUDA path's, so it costs the CUDA sources, the links and its suite. The interop label (fsdp-train
 # against Python's FSDP2, the longest part of the suite) and the multihost one (network namespaces,

@@ -11,7 +11,7 @@ The file records the tokenizer's vocabulary size (get_vocab_size(with_added_toke
 fsdp-train checks it against model.vocab_size. Only the text is encoded: no BOS/EOS is added
 (add_special_tokens=False), as `fsdp-train tokenize` adds none.
 
-The format (tools/fsdp-train/data.h), little-endian: "FSDPTOK\\0", uint32 version 1, uint32 bytes
+The format (tools/fsdp-train/data/data.h), little-endian: "FSDPTOK\\0", uint32 version 1, uint32 bytes
 per token (2 when the vocabulary fits uint16, else 4), uint64 vocabulary size, uint64 count N,
 then N ids.
 """

@@ -9,7 +9,7 @@
 //          With tp > 1 the mesh is (dp, tp): the layers split by fsdp/models/llama_parallelize.h
 //          over tp, then sharded over dp.
 // Run it under fsdprun for more than one rank.
-#include "hf_checkpoint.h"
+#include "models/hf_checkpoint.h"
 
 #include <fsdp/call.h>
 #include <fsdp/device_mesh.h>

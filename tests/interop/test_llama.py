@@ -183,7 +183,7 @@ def test_fsdp_train_export(workdir: str):
 
 
 def write_token_file(path: str, ids: torch.Tensor, vocab_size: int) -> None:
-    """fsdp-train's token file (tools/fsdp-train/data.h): "FSDPTOK\\0", version 1, bytes per
+    """fsdp-train's token file (tools/fsdp-train/data/data.h): "FSDPTOK\\0", version 1, bytes per
     token, vocabulary size, count, then the ids, little-endian."""
     import struct
     width = 2 if vocab_size <= 65536 else 4

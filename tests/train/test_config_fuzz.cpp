@@ -3,7 +3,7 @@
 // Every input must either load (and then pass or fail validation with ConfigError) or fail
 // with the loader's ConfigError naming the file (or the command line): no crash, no hang, no
 // other exception. Meant to run under ASan/UBSan too; a few seconds in a Release build.
-#include "config.h"
+#include "config/config.h"
 
 #include <gtest/gtest.h>
 

@@ -1,8 +1,8 @@
 // Units of fsdp-train's token files (data.h): the project's own format, llm.c's .bin files, ids
 // beyond a model's vocabulary, and the evaluation windows. Files are written by hand here, byte
 // by byte, so that the readers are checked against the formats, not against their own writer.
-#include "config.h"
-#include "data.h"
+#include "config/config.h"
+#include "data/data.h"
 #include "error_of.h"
 
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
-// test_hardware.cpp — the start-up check of native bf16 (tools/fsdp-train/hardware.h): which
+// test_hardware.cpp — the start-up check of native bf16 (tools/fsdp-train/run/hardware.h): which
 // cpuinfo flags count, the line the trainer prints, and the probe's rates on this machine.
-#include "hardware.h"
+#include "run/hardware.h"
 
 #include <gtest/gtest.h>
 

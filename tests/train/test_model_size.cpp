@@ -1,7 +1,7 @@
 // test_model_size.cpp — the memory estimate that rejects, at configuration time, a model or
-// batch the machine cannot hold (tools/fsdp-train/model_size.h). No torch.
-#include "config.h"
-#include "model_size.h"
+// batch the machine cannot hold (tools/fsdp-train/models/model_size.h). No torch.
+#include "config/config.h"
+#include "models/model_size.h"
 
 #include <gtest/gtest.h>
 

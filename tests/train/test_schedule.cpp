@@ -1,9 +1,9 @@
-// Unit tests of fsdp-train's learning-rate schedule (tools/fsdp-train/schedule.h): linear
+// Unit tests of fsdp-train's learning-rate schedule (tools/fsdp-train/run/schedule.h): linear
 // warm-up to lr over warmup_steps, then cosine decay from lr to min_lr over decay_steps, then
 // min_lr. The expected values are worked out by hand from that definition:
 //   warm-up step s:  lr * s / warmup
 //   decay step s:    min_lr + (lr - min_lr) * (1 + cos(pi * t)) / 2, t = (s - warmup - 1) / decay
-#include "schedule.h"
+#include "run/schedule.h"
 
 #include <gtest/gtest.h>
 

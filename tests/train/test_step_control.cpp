@@ -1,6 +1,6 @@
-// The trainer's per-step decisions (tools/fsdp-train/step_control.h), from gathered numbers
+// The trainer's per-step decisions (tools/fsdp-train/run/step_control.h), from gathered numbers
 // written by hand: what every rank decides, without processes.
-#include "step_control.h"
+#include "run/step_control.h"
 
 #include <gtest/gtest.h>
 

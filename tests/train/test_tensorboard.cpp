@@ -2,9 +2,9 @@
 // standard test vectors (RFC 3720, B.4, and the common check value), the TFRecord mask and
 // layout, and the writer's file read back record by record with every CRC checked. That
 // TensorBoard itself reads the files is test_tensorboard.py's part.
-#include "config.h"
-#include "tensorboard.h"
-#include "tfrecord.h"
+#include "config/config.h"
+#include "outputs/tensorboard.h"
+#include "outputs/tfrecord.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -114,6 +114,35 @@ TEST(TfRecord, FramesLengthCrcPayloadCrc) {
   const std::string longer = tfrecord_frame(std::string(300, 'x'));
   EXPECT_EQ(read_le(longer, 0, 8), 300u);
   EXPECT_EQ(read_records(longer + record), (std::vector<std::string>{std::string(300, 'x'), payload}));
+}
+
+// Each event's bytes against what protoc's C++ code wrote for the same tensorboard.Event (from
+// .proto files with TensorBoard's field numbers, protobuf 3.21): field order, proto3's omitted
+// default step, oneof values written even at zero, the empty tensor shape and nested lengths.
+TEST(TensorBoardEvents, SameBytesAsProtobuf) {
+  const double t = 1700000000.25;
+  EXPECT_EQ(tensorboard_events::file_version(t, 7), from_hex("0900001040fc54d94110071a0d627261696e2e4576656e743a32"));
+  EXPECT_EQ(tensorboard_events::session_start(t, 300), from_hex("0900001040fc54d94110ac023a020801"));
+  EXPECT_EQ(tensorboard_events::session_start(t, 0), from_hex("0900001040fc54d9413a020801"));
+  EXPECT_EQ(tensorboard_events::scalars(t, 12, {{"train/loss", 2.5f}, {"train/lr", 0.0003f}}),
+            from_hex("0900001040fc54d941100c2a240a110a0a747261696e2f6c6f737315000020400a0f0a08747261696e2f6c721552"
+                     "499d39"));
+  EXPECT_EQ(tensorboard_events::scalars(t, 12, {{"x", 0.0f}}),
+            from_hex("0900001040fc54d941100c2a0a0a080a01781500000000"));
+  EXPECT_EQ(tensorboard_events::text(t, 3, "config", "some *markdown*"),
+            from_hex("0900001040fc54d94110032a2d0a2b0a06636f6e666967421508071200420f736f6d65202a6d61726b646f776e2a"
+                     "4a0a0a060a04746578742002"));
+}
+
+// A text longer than 127 bytes takes a two-byte length (varint), inside three nested messages.
+TEST(TensorBoardEvents, LongTextLengthsAreVarints) {
+  const std::string markdown(300, 'm');
+  const std::string bytes = tensorboard_events::text(1.0, 1, "config", markdown);
+  // The string_val field: key 0x42, then 300 as a varint (0xac 0x02), then the text.
+  EXPECT_NE(bytes.find(std::string("\x42\xac\x02") + markdown), std::string::npos);
+  // wall_time 9, step 2; the summary, its value and the tensor each a key and a two-byte length;
+  // the tag 8; dtype and shape 2 + 2; string_val 3 + 300; the metadata 12.
+  EXPECT_EQ(bytes.size(), 9u + 2u + 3u * 3u + 8u + 4u + 303u + 12u);
 }
 
 // The writer's file: the version event, the session start, then one record per write, each

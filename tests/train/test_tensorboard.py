@@ -23,7 +23,7 @@ FSDP_TRAIN = os.environ.get("FSDP_TRAIN_BIN", "")
 FSDPRUN = os.environ.get("FSDPRUN_BIN", "")
 CONFIGS = os.environ.get("FSDP_TRAIN_CONFIGS_DIR", "")
 
-# TensorBoard tag -> the JSONL key it mirrors (tools/fsdp-train/tensorboard.h).
+# TensorBoard tag -> the JSONL key it mirrors (tools/fsdp-train/outputs/tensorboard.h).
 TAGS = {
     "train/loss": "loss",
     "train/lr": "lr",

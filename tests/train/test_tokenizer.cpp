@@ -1,6 +1,8 @@
 // Units of fsdp-train's tokenizers (tokenizer.h): the byte-level one, and SentencePiece models
-// trained here by Debian's spm_train on a small text (skipped, saying why, without spm_train).
-#include "tokenizer.h"
+// trained here by Debian's spm_train on a small text (skipped, saying why, without spm_train or in
+// a build without SentencePiece, where the refusal is tested instead).
+#include "config/config.h"
+#include "data/tokenizer.h"
 #include "error_of.h"
 
 #include <gtest/gtest.h>
@@ -40,6 +42,9 @@ const std::string& trained_model() {
 
 #define SKIP_WITHOUT_SPM_TRAIN()                                                                        \
   do {                                                                                                  \
+    if (!built_with_sentencepiece())                                                                    \
+      GTEST_SKIP() << "this build has no SentencePiece (FSDP_WITH_SENTENCEPIECE=OFF, or AUTO without "  \
+                      "libsentencepiece-dev)";                                                          \
     if (trained_model().empty())                                                                        \
       GTEST_SKIP() << "spm_train (Debian's sentencepiece package, scripts/install-deps.sh) is missing " \
                       "or failed, so no SentencePiece model could be trained";                          \
@@ -77,6 +82,7 @@ TEST(Tokenizer, SentencePieceDecodeNamesIdsBeyondItsVocabulary) {
 }
 
 TEST(Tokenizer, AFileThatIsNotASentencePieceModelIsRefusedNamingTheFileAndKey) {
+  if (!built_with_sentencepiece()) GTEST_SKIP() << "this build has no SentencePiece (FSDP_WITH_SENTENCEPIECE)";
   const std::string text = scratch("not_a_model.txt");
   std::ofstream(text) << "just some text\nthat is not a protobuf\n";
   std::string e = error_of([&] { sentencepiece_tokenizer(text, "data.tokenizer"); });
@@ -87,6 +93,19 @@ TEST(Tokenizer, AFileThatIsNotASentencePieceModelIsRefusedNamingTheFileAndKey) {
   EXPECT_NE(e.find(empty + " (--tokenizer): not a SentencePiece model"), std::string::npos) << e;
   e = error_of([&] { sentencepiece_tokenizer(scratch("missing.model"), "--tokenizer"); });
   EXPECT_NE(e.find("missing.model (--tokenizer): cannot open"), std::string::npos) << e;
+}
+
+// A build without SentencePiece refuses a model by its key and the build option, before the
+// file is read; a build with it goes on to read the file.
+TEST(Tokenizer, WhetherSentencePieceIsBuiltInDecidesTheRefusal) {
+  const std::string missing = scratch("never_written.model");
+  const std::string e = error_of([&] { sentencepiece_tokenizer(missing, "--tokenizer"); });
+  if (built_with_sentencepiece()) {
+    EXPECT_NE(e.find("never_written.model (--tokenizer): cannot open"), std::string::npos) << e;
+  } else {
+    EXPECT_NE(e.find("--tokenizer: " + missing + " needs SentencePiece"), std::string::npos) << e;
+    EXPECT_NE(e.find("-DFSDP_WITH_SENTENCEPIECE=ON"), std::string::npos) << e;
+  }
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // End-to-end tests of fsdp-train: the real program, started directly or by fsdprun, with real
 // ranks on loopback. Losses come from the per-rank JSONL metrics.
-#include "model_size.h"
+#include "models/model_size.h"
 #include "process_harness.h"
 #include "trainer_runs.h"
 

@@ -1,6 +1,7 @@
 // End-to-end tests of `fsdp-train eval` and eval.interval, of SentencePiece tokens (`tokenize
 // --tokenizer`, data.tokenizer's sample), of tools/pretokenize.py and of llm.c's token files:
 // the real program, started directly or by fsdprun, with real ranks on loopback.
+#include "config/config.h"
 #include "process_harness.h"
 #include "trainer_runs.h"
 
@@ -225,6 +226,19 @@ TEST(TrainerEval, TrainsAndEvaluatesFromAnLlmcBinFile) {
 // A SentencePiece model trained here by Debian's spm_train; tokenize --tokenizer records its
 // vocabulary; training on the tokens prints a sample decoded with data.tokenizer.
 TEST(TrainerEval, TokenizeWithASentencePieceModelTrainAndDecodeTheSample) {
+  if (!fsdp::train::built_with_sentencepiece()) {
+    // A build without it refuses both by name and build option, before reading any file.
+    TempDir dir;
+    RunResult tok =
+        trainer.run({"tokenize", "--tokenizer", dir / "m.model", dir / "in.txt", dir / "out.tokens"}, {}, 30);
+    EXPECT_NE(tok.exit_code, 0);
+    EXPECT_TRUE(contains(tok, "--tokenizer: " + dir / "m.model" + " needs SentencePiece")) << describe(tok);
+    EXPECT_TRUE(contains(tok, "FSDP_WITH_SENTENCEPIECE")) << describe(tok);
+    RunResult key = trainer.run(with(base_args(dir.path(), 10), {"--data.tokenizer=" + dir / "m.model"}), {}, 30);
+    EXPECT_EQ(key.exit_code, 2) << describe(key);
+    EXPECT_TRUE(contains(key, "data.tokenizer: " + dir / "m.model" + " needs SentencePiece")) << describe(key);
+    GTEST_SKIP() << "this build has no SentencePiece (FSDP_WITH_SENTENCEPIECE): its refusal was checked instead";
+  }
   if (!have_spm_train())
     GTEST_SKIP() << "spm_train (Debian's sentencepiece package, scripts/install-deps.sh) is not installed";
   TempDir dir;

@@ -1,6 +1,6 @@
 // fsdp-train's sharding strategies end to end: each one trains like one process on the global
 // batch, and one checkpoint carries a run across strategies and world sizes.
-#include "model_size.h"
+#include "models/model_size.h"
 #include "process_harness.h"
 #include "trainer_runs.h"
 

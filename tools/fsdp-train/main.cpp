@@ -5,15 +5,15 @@
 //   fsdprun ... fsdp-train eval configs/small.yaml --eval.path=F.tokens  # prints `eval loss: <value>`
 //
 // Without a launcher it trains as one process (world size 1). See docs/trainer.md and configs/.
-#include "config.h"
-#include "data.h"
-#include "errors.h"
-#include "model_setup.h"
+#include "common/errors.h"
+#include "config/config.h"
+#include "config/read_file.h"
+#include "data/data.h"
+#include "data/tokenizer.h"
+#include "models/model_setup.h"
 #include "plan_command.h"
-#include "read_file.h"
-#include "stop_signal.h"
-#include "tokenizer.h"
-#include "trainer.h"
+#include "run/stop_signal.h"
+#include "run/trainer.h"
 
 #include <fsdp/distributed.h>
 #include <fsdp/flight_recorder.h>

@@ -3,10 +3,10 @@
 // no step time), and the largest model of the preset's shape that fits.
 #include "plan_command.h"
 
-#include "config.h"
-#include "errors.h"
-#include "model_setup.h"
-#include "read_file.h"
+#include "common/errors.h"
+#include "config/config.h"
+#include "config/read_file.h"
+#include "models/model_setup.h"
 
 #include <fsdp/models/transformer.h>
 #include <fsdp/plan.h>
@@ -160,7 +160,7 @@ struct Question {
 };
 
 // data.source: tokens: the trainer reads the token file whole into an int64 tensor on every rank
-// (data.cpp); its header (tools/fsdp-train/data.h) says how many tokens.
+// (data.cpp); its header (tools/fsdp-train/data/data.h) says how many tokens.
 double token_file_tensor_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   unsigned char header[32] = {};
