@@ -143,6 +143,30 @@ TEST(ToDtype, AfterFullyShardTrainsLikeAnUnshardedModelInTheNewDtypeAndBack) {
   }
 }
 
+// The other layouts convert alike: HSDP (a replicate group all-reduces the reduce-scattered
+// gradients) and reshard_after_forward = 2 (a post-forward shard among 2 of 4 ranks), converted
+// after two fp32 steps.
+TEST(ToDtype, HsdpAndAPostForwardShardConvertAfterTraining) {
+  for (bool hsdp : {true, false}) {
+    run_distributed(4, [hsdp] {
+      auto opts = fsdp::FullyShardOptions();
+      if (hsdp) {
+        opts.mesh(fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"}));
+      } else {
+        opts.mesh(world_mesh()).reshard_after_forward(2);
+      }
+      Mlp model, ref;
+      shard(model, opts);
+      torch::optim::AdamW opt(model->parameters(), adamw()), ref_opt(ref->parameters(), adamw());
+      train_both(model, opt, ref, ref_opt, 0, 2, at::kFloat);
+      model->to(at::kDouble);
+      ref->to(at::kDouble);
+      train_both(model, opt, ref, ref_opt, 2, 3, at::kDouble);
+      expect_follows_reference(model, ref, at::kDouble, 1e-5);
+    });
+  }
+}
+
 // A checkpoint written after the conversion holds the new dtype and loads into a model
 // converted the same way, before its first forward (the shards are re-laid there).
 TEST(ToDtype, ACheckpointSavedAfterTheConversionLoads) {

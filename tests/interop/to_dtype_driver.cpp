@@ -11,11 +11,11 @@
 // mean over the ranks of each step's loss), logging.jsonl (rank r's "grad_norm" per step, the
 // norm before clipping) and training.export (a torch.save file of the full parameters).
 // AdamW is torch's, with fsdp-train's options; one micro-batch per step, FULL_SHARD only.
-#include "config.h"
-#include "data.h"
-#include "initial_weights.h"
-#include "model_setup.h"
-#include "schedule.h"
+#include "config/config.h"
+#include "data/data.h"
+#include "models/initial_weights.h"
+#include "models/model_setup.h"
+#include "run/schedule.h"
 
 #include <fsdp/clip_grad.h>
 #include <fsdp/distributed.h>
