@@ -298,7 +298,9 @@ def test_a_host_that_comes_back_rejoins_and_the_run_resumes_from_its_last_checkp
     down, so that node 0 cannot notice the loss until the returning fsdprun says it is waiting.
     Either way every rank resumes from that checkpoint, and the losses equal an uninterrupted
     run's."""
-    steps, timeout_s = 200, 5
+    # Steps enough that the run is far from its end when the link goes down, after step 10's
+    # checkpoint; few enough for a loaded machine (the reference run and the resumed one each).
+    steps, timeout_s = 100, 5
     hold = setup_hold()
     with tempfile.TemporaryDirectory() as tmp, Hosts(2, impaired={1: hold}) as hosts:
         want = one_host(os.path.join(tmp, "one"), steps)
