@@ -75,10 +75,32 @@ def _open_tap(name):
 class Impairment:
     """What a host's cable does to every frame, each way: holds it `delay_s`, loses it with
     probability `loss` (in the manner of tc netem's delay and loss, done in user space because
-    these machines' kernels have no netem)."""
+    these machines' kernels have no netem). `way`: "both", or only the frames the host sends
+    ("out") or only those sent to it ("in"); `port`: only the TCP segments over IPv4 of the
+    connections to that port on the other side (e.g. a store's); the others pass at once. The
+    cable reads the fields for every frame, so a test may change them while the host runs (e.g.
+    lift a delay once the phase it must cover is over)."""
 
-    def __init__(self, delay_s=0.02, loss=0.01, seed=0):
-        self.delay_s, self.loss, self.seed = delay_s, loss, seed
+    def __init__(self, delay_s=0.02, loss=0.01, seed=0, way="both", port=None):
+        if way not in ("both", "in", "out"):
+            raise ValueError(f"Impairment: way is 'both', 'in' or 'out', got {way!r}")
+        self.delay_s, self.loss, self.seed, self.way, self.port = delay_s, loss, seed, way, port
+
+    def applies(self, way, frame):
+        """Whether the frame, going `way` ("in" or "out" of the host), is impaired."""
+        if self.way not in ("both", way):
+            return False
+        if self.port is None:
+            return True
+        # Ethernet, then IPv4 (type 0x0800) carrying TCP (protocol 6): the remote port is the
+        # destination of a segment going out, the source of one coming in.
+        if len(frame) < 34 or frame[12:14] != b"\x08\x00" or frame[23] != 6:
+            return False
+        tcp = 14 + (frame[14] & 0x0F) * 4
+        if len(frame) < tcp + 4:
+            return False
+        remote = struct.unpack("!H", frame[tcp + 2:tcp + 4] if way == "out" else frame[tcp:tcp + 2])[0]
+        return remote == self.port
 
 
 class _ImpairedCable(threading.Thread):
@@ -95,6 +117,7 @@ class _ImpairedCable(threading.Thread):
     def run(self):
         rng = random.Random(self.impairment.seed)
         due = []  # (when, order, descriptor to write, frame)
+        last = {}  # descriptor to write -> when its latest impaired frame is due
         order = 0
         while not self.stopping.is_set():
             wait = min(0.05, max(0.0, due[0][0] - time.monotonic())) if due else 0.05
@@ -102,16 +125,23 @@ class _ImpairedCable(threading.Thread):
             now = time.monotonic()
             for fd in readable:
                 other = self.fds[1] if fd == self.fds[0] else self.fds[0]
+                way = "out" if fd == self.fds[0] else "in"  # fds[0]: the host's side
                 while True:
                     try:
                         frame = os.read(fd, 65536)
                     except OSError:  # nothing more to read (EAGAIN), or the device is down
                         break
                     self.frames += 1
-                    if rng.random() < self.impairment.loss:
+                    impaired = self.impairment.applies(way, frame)
+                    if impaired and rng.random() < self.impairment.loss:
                         self.lost += 1
                         continue
-                    heapq.heappush(due, (now + self.impairment.delay_s, order, other, frame))
+                    # Never before an earlier impaired frame of the same way: a lifted delay
+                    # reorders nothing (frames that pass at once belong to other connections).
+                    when = now + (self.impairment.delay_s if impaired else 0.0)
+                    if impaired:
+                        when = last[other] = max(when, last.get(other, 0.0))
+                    heapq.heappush(due, (when, order, other, frame))
                     order += 1
             while due and due[0][0] <= now:
                 _, _, fd, frame = heapq.heappop(due)

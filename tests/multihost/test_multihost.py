@@ -256,29 +256,60 @@ class Lines:
             return self.process.returncode, "".join(self.lines)
 
 
+def wait_for_a_complete_checkpoint(ckpt, timeout):
+    """Until a checkpoint is complete: `latest` names it only then (the trainer's lock file and a
+    save in progress are in the folder long before)."""
+    latest = os.path.join(ckpt, "latest")
+    deadline = time.time() + timeout
+    while time.time() < deadline and not os.path.exists(latest):
+        time.sleep(0.05)
+    assert os.path.exists(latest), f"the run completed no checkpoint within {timeout} s"
+
+
+def setup_hold():
+    """For host 1's cable: what host 1 sends to the store is held 0.5 s (hold_setup_open)."""
+    return Impairment(delay_s=0.5, loss=0, way="out", port=port())
+
+
+def hold_setup_open(hold, node0):
+    """Host 1's cable holds what host 1 sends to the store (`hold`, from setup_hold) until rank 0
+    has logged its opening line (every group connected, the job set up), then lets it pass at
+    once. Rank 2's address for the mesh's group thus reaches the store at least that delay after
+    rank 0 took the checkpoint folder's lock (which rank 0 does just before the group is made), so
+    a link pulled before a complete checkpoint fails the setup every time, not only on a busy
+    machine: node 0's ranks report "could not connect process group 'g0[0,1,2,3]'", waiting for
+    rank 2's address."""
+    def lift():
+        node0.wait_for("collectives on", 180)
+        hold.delay_s = 0.0
+
+    threading.Thread(target=lift, daemon=True).start()
+
+
 @pytest.mark.parametrize("node0_moved_on", [
     pytest.param(True, id="after_node0_restarted"),
     pytest.param(False, id="while_node0_is_in_the_attempt"),
 ])
 def test_a_host_that_comes_back_rejoins_and_the_run_resumes_from_its_last_checkpoint(node0_moved_on):
-    """With --max-restarts, node 0 restarts the job when a host's link went down; the host, back,
-    runs fsdprun again, which joins node 0's next attempt: at once if node 0 has begun it, else
-    after waiting for node 0 to give up the attempt that lost the host. Both orders are driven on
-    purpose: node 0's ranks are frozen (SIGSTOP) before the link goes down, so that node 0 cannot
-    notice the loss until the returning fsdprun says it is waiting. Either way every rank resumes
-    from the last complete checkpoint, and the losses equal an uninterrupted run's."""
-    steps, timeout_s = 200, 5
-    with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
+    """With --max-restarts, node 0 restarts the job when a host's link went down after a complete
+    checkpoint; the host, back, runs fsdprun again, which joins node 0's next attempt: at once if
+    node 0 has begun it, else after waiting for node 0 to give up the attempt that lost the host.
+    Both orders are driven on purpose: node 0's ranks are frozen (SIGSTOP) before the link goes
+    down, so that node 0 cannot notice the loss until the returning fsdprun says it is waiting.
+    Either way every rank resumes from that checkpoint, and the losses equal an uninterrupted
+    run's."""
+    # Steps enough that the run is far from its end when the link goes down, after step 10's
+    # checkpoint; few enough for a loaded machine (the reference run and the resumed one each).
+    steps, timeout_s = 100, 5
+    hold = setup_hold()
+    with tempfile.TemporaryDirectory() as tmp, Hosts(2, impaired={1: hold}) as hosts:
         want = one_host(os.path.join(tmp, "one"), steps)
         out = os.path.join(tmp, "two")
         more = [f"--fsdp_config.collective_timeout_s={timeout_s}", "--fsdp_config.checkpoint_interval=10"]
         restarts = ["--max-restarts", "1"]
         node0, first1 = (Lines(a) for a in start_agents(hosts, out, steps, more, fsdprun_args=restarts))
-        deadline = time.time() + 120
-        ckpt = os.path.join(out, "ckpt")
-        while time.time() < deadline and not (os.path.isdir(ckpt) and os.listdir(ckpt)):
-            time.sleep(0.05)
-        assert os.path.isdir(ckpt) and os.listdir(ckpt), "the run wrote no checkpoint"
+        hold_setup_open(hold, node0)
+        wait_for_a_complete_checkpoint(os.path.join(out, "ckpt"), 180)
         if not node0_moved_on:
             # Frozen first, then the link: host 1's ranks, waiting on the frozen ones, time out only
             # after the link is down, so the failure never reaches the store from host 1 either.
@@ -300,8 +331,13 @@ def test_a_host_that_comes_back_rejoins_and_the_run_resumes_from_its_last_checkp
         assert "restarting the worker group: restart 1 of 1" in text0, text0
         assert "joining attempt 1" in text1, text1
         assert (waiting in text1) == (not node0_moved_on), text1
-        # Host 1's workers ran once, in attempt 1: none was started into the attempt that lost it.
+        # Attempt 0 lost host 1 while training, with its groups connected: node 0's ranks time out
+        # in a collective, and no group of either attempt fails to connect.
         assert "could not connect process group" not in text0 + text1, text0 + text1
+        # Host 1's workers ran once, in attempt 1: none was started into the attempt that lost it.
+        assert "worker failed" not in text1 and "restarting the worker group" not in text1, text1
+        # Attempt 1 resumed from the checkpoint that was complete before the link went down.
+        assert "resumed from" in text0, text0
         assert losses(out) == want
 
 
@@ -326,19 +362,21 @@ def test_a_host_killed_whole_is_named_by_the_others_within_the_timeout():
 
 def test_a_host_that_never_joins_is_named_at_the_join_timeout():
     with tempfile.TemporaryDirectory() as tmp, Hosts(2) as hosts:
-        started = time.time()
         # Host 1's fsdprun is never started.
         agent = start_agents(hosts, os.path.join(tmp, "run"), 2, join_timeout_s=3, on_hosts=[0])[0]
         # Meanwhile its store listens on host 0's address, where the others look for it, and
-        # nowhere else.
+        # nowhere else. Looked for as long as node 0's fsdprun runs: on a loaded machine, loading
+        # it can take longer than the join timeout, which counts from the store's start.
         listening = []
-        while not listening and time.time() - started < 3:
+        while not listening and agent.poll() is None:
             ss = subprocess.run(["ip", "netns", "exec", hosts.netns(0), "ss", "-Hltn", f"sport = :{port()}"],
                                 capture_output=True, text=True)
             listening = [line.split()[3] for line in ss.stdout.splitlines() if line.strip()]
             time.sleep(0.05)
+        seen = time.time()
         assert listening == [f"{hosts.address(0)}:{port()}"], listening
         rc, text = finish([agent], timeout=60)[0]
         assert rc != 0, text
-        assert time.time() - started < 3 + 10, text
+        # At the join timeout after the store started (so at most that long after it was seen).
+        assert time.time() - seen < 3 + 10, text
         assert "nodes to join attempt 0 (1 joined; never joined: node 1; see --join-timeout)" in text, text
