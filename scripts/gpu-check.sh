@@ -159,7 +159,19 @@ else
     why_not+="a file differs from its checksum in the manifest; "
   fi
 fi
-prebuilt_path="$repo/$prebuilt/lib:$repo/$prebuilt/build/src:$torch_libs"
+# The packed libraries this machine lacks, linked into a folder of their own: where it has a library
+# of the same SONAME (zlib, say), its own stays in use, by our binaries and by Python alike.
+lacking="$work/lacking-libs"
+rm -rf "$lacking" && mkdir -p "$lacking"
+machine_sonames=$(ldconfig -p 2>/dev/null | awk 'NR > 1 { print $1 }')
+own="" carried=""
+for lib in "$repo/$prebuilt"/lib/*; do
+  [[ -e "$lib" ]] || continue
+  if grep -qxF "${lib##*/}" <<< "$machine_sonames"; then own+="${lib##*/} "
+  else ln -s "$lib" "$lacking/"; carried+="${lib##*/} "; fi
+done
+[[ -n "$own$carried" ]] && preflight "libraries: carried ones used: ${carried:-none}; this machine's own: ${own:-none}"
+prebuilt_path="$lacking:$repo/$prebuilt/build/src:$torch_libs"
 if [[ -z "$why_not" ]]; then
   binaries=("$prebuilt"/build/tests/fsdp_cuda_tests "$prebuilt"/build/tools/*/* "$prebuilt"/build/src/*)
   missing=$(LD_LIBRARY_PATH="$prebuilt_path" ldd "${binaries[@]}" 2>&1 | grep 'not found' | sed 's/^[[:space:]]*//' | sort -u)
