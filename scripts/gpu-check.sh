@@ -159,7 +159,19 @@ else
     why_not+="a file differs from its checksum in the manifest; "
   fi
 fi
-prebuilt_path="$repo/$prebuilt/lib:$repo/$prebuilt/build/src:$torch_libs"
+# The packed libraries this machine lacks, linked into a folder of their own: where it has a library
+# of the same SONAME (zlib, say), its own stays in use, by our binaries and by Python alike.
+lacking="$work/lacking-libs"
+rm -rf "$lacking" && mkdir -p "$lacking"
+machine_sonames=$(ldconfig -p 2>/dev/null | awk 'NR > 1 { print $1 }')
+own="" carried=""
+for lib in "$repo/$prebuilt"/lib/*; do
+  [[ -e "$lib" ]] || continue
+  if grep -qxF "${lib##*/}" <<< "$machine_sonames"; then own+="${lib##*/} "
+  else ln -s "$lib" "$lacking/"; carried+="${lib##*/} "; fi
+done
+[[ -n "$own$carried" ]] && preflight "libraries: carried ones used: ${carried:-none}; this machine's own: ${own:-none}"
+prebuilt_path="$lacking:$repo/$prebuilt/build/src:$torch_libs"
 if [[ -z "$why_not" ]]; then
   binaries=("$prebuilt"/build/tests/fsdp_cuda_tests "$prebuilt"/build/tools/*/* "$prebuilt"/build/src/*)
   missing=$(LD_LIBRARY_PATH="$prebuilt_path" ldd "${binaries[@]}" 2>&1 | grep 'not found' | sed 's/^[[:space:]]*//' | sort -u)
@@ -167,6 +179,11 @@ if [[ -z "$why_not" ]]; then
     preflight "ldd: this machine's libstdc++ is older than the binaries need; with the carried one ($prebuilt/lib-cxx)"
     prebuilt_path="$repo/$prebuilt/lib-cxx:$prebuilt_path"
     missing=$(LD_LIBRARY_PATH="$prebuilt_path" ldd "${binaries[@]}" 2>&1 | grep 'not found' | sed 's/^[[:space:]]*//' | sort -u)
+  fi
+  # The GPU driver's own libraries exist only where a GPU does: a rehearsal without one goes on.
+  if (( cpu )) && grep -qE '^lib(cuda|nvidia-ml)\.so' <<< "$missing"; then
+    preflight "ldd: no GPU driver here: $(grep -E '^lib(cuda|nvidia-ml)\.so' <<< "$missing" | cut -d' ' -f1 | tr '\n' ' ')(--cpu goes on)"
+    missing=$(grep -vE '^lib(cuda|nvidia-ml)\.so' <<< "$missing")
   fi
   if [[ -n "$missing" ]]; then
     preflight "ldd: missing: $(head -8 <<< "$missing" | tr '\n' ';')"
@@ -196,7 +213,7 @@ publish() {
     echo "==== ${f##*/} (the last 60 lines)"; tail -n 60 "$f"
   done > "$out/results.txt" 2>/dev/null
   tar -czf /tmp/gpu-check-everything.tar.gz --exclude='*.pt' --exclude='*checkpoints*' --exclude='*ckpt*' \
-    --exclude='*.safetensors' --exclude='*.distcp' --exclude='*.tar.gz' --exclude='.*' -C "$work" . 2>/dev/null
+    --exclude='*.safetensors' --exclude='*.distcp' --exclude='*.tar.gz' --exclude='./.*' -C "$work" . 2>/dev/null
   cp -f /tmp/gpu-check-everything.tar.gz "$out/everything.tar.gz"
 }
 # live.txt: the tails of the steps running now, and the log, every 15 s.
@@ -208,7 +225,7 @@ live() {
         [[ -e "$f" ]] || continue
         echo "==== ${f##*/} (the last 40 lines)"; tail -n 40 "$work/${f##*/}.txt" 2>/dev/null
       done
-    } > "$out/live.txt.tmp" && mv -f "$out/live.txt.tmp" "$out/live.txt"
+    } > "$work/.live" && cp -f "$work/.live" "$out/live.txt"
     cp -f "$work/gpu-check.log" "$out/" 2>/dev/null
   done
 }

@@ -64,6 +64,8 @@ torch_libs="$torch_dir/lib$(for d in "$site"/nvidia/*/lib "$site"/nvidia/*/*/lib
 
 # ---------------------------------------------------------------- build
 if (( ! check )); then
+  # The sources as the build reads them; a change during the build makes the manifest's hash a lie.
+  sources=$(bash scripts/gpu-sources-hash.sh)
   nvcc_option=()
   if ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
     nvcc_option=(-DFSDP_CUDA_WITHOUT_NVCC=ON)
@@ -81,6 +83,10 @@ if (( ! check )); then
     -DFSDP_USE_CUDA=ON -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_BUILD_EXAMPLES=OFF -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON \
     -DFSDP_WITH_SENTENCEPIECE=ON "${nvcc_option[@]}"
   say "built"
+  if [[ "$(bash scripts/gpu-sources-hash.sh)" != "$sources" ]]; then
+    echo "gpu-prebuild.sh: the sources changed during the build: run it again (it rebuilds only what changed)" >&2
+    exit 1
+  fi
 
   # -------------------------------------------------------------- pack
   rm -rf "$pack" && mkdir -p "$pack/build/src" "$pack/build/tests" "$pack/build/tools/fsdp-train" \
@@ -127,7 +133,7 @@ if (( ! check )); then
     echo "torch $torch_version"
     echo "cuda $torch_cuda"
     echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
-    echo "sources $(bash scripts/gpu-sources-hash.sh)"
+    echo "sources $sources"
     echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(. /etc/os-release && echo "$PRETTY_NAME"), g++ $(g++ -dumpfullversion)"
     echo "needs GLIBC_$(highest GLIBC) GLIBCXX_$(highest GLIBCXX)"
     echo "configuration -DFSDP_USE_CUDA=ON -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DFSDP_WITH_SENTENCEPIECE=ON Release, stripped"
@@ -136,6 +142,9 @@ if (( ! check )); then
 fi
 
 [[ -f "$pack/manifest.txt" ]] || { echo "gpu-prebuild.sh: no $pack/manifest.txt: run without --check first" >&2; exit 1; }
+if [[ "$(awk '$1 == "sources" { print $2 }' "$pack/manifest.txt")" != "$(bash scripts/gpu-sources-hash.sh)" ]]; then
+  say "note: the tree's sources changed since $pack was built: gpu-check.sh will build instead of using it; run this script again"
+fi
 mib() { echo "$(( ($1 + 524288) / 1048576 ))"; }
 size=$(du -sb "$pack" | cut -f1)
 tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)

@@ -73,7 +73,7 @@ def from_output(suite: str, lines: list, status) -> dict:
                     t["skipped"] = [{"message": reason[running]}]
             t.setdefault("result", "COMPLETED")
             running = None
-        elif running and line.strip() and not line.startswith("["):
+        elif running and line.strip() and not line.startswith("[") and not line.endswith(": Skipped"):
             reason.setdefault(running, line.strip())
     for name in order:
         t = tests[name]
