@@ -177,6 +177,27 @@ TEST(TrainerFaults, ResumeFromAnIncompleteCheckpointPathIsAConfigurationError) {
       << describe(r);
 }
 
+// model.init_from decides the architecture: a path that does not exist is named first, by the
+// trainer, its eval and the plan alike, not reported as a sequence longer than the default
+// preset's model allows.
+TEST(TrainerFaults, AnInitFromThatDoesNotExistIsNamedBeforeAnythingItWouldShape) {
+  TempDir tmp;
+  const std::string missing = tmp / "no_such_model";
+  const std::vector<std::string> args =
+      with(base_args(tmp.path(), 1), {"--model.init_from=" + missing, "--training.seq_len=4096"});
+  std::vector<std::string> eval = {"eval"}, plan = {"plan"};
+  eval.insert(eval.end(), args.begin(), args.end());
+  plan.insert(plan.end(), args.begin(), args.end());
+  plan.insert(plan.end(), {"--world", "1"});
+  for (const auto& command : {args, eval, plan}) {
+    SCOPED_TRACE(command[0]);
+    const RunResult r = trainer.run(command, {}, 60);
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_TRUE(contains(r, "model.init_from: " + missing + " does not exist")) << describe(r);
+    EXPECT_FALSE(contains(r, "seq_len")) << describe(r);
+  }
+}
+
 // Node-local disks: rank 1 runs in another directory, so the relative checkpoint_dir that rank
 // 0 resumes from does not exist there. Every rank stops, naming rank 1 and the checkpoint.
 TEST(TrainerFaults, ARankThatCannotReadTheChosenCheckpointStopsEveryRankNamingIt) {

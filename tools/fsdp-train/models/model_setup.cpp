@@ -20,6 +20,7 @@
 
 #include <torch/utils.h>
 
+#include <filesystem>
 #include <optional>
 #include <set>
 
@@ -240,6 +241,13 @@ void check_llama_supported(const TrainConfig& cfg) {
 }
 
 bool is_llama(const ModelConfig& m) {
+  // init_from decides the architecture and shapes the model: a path that does not exist is said
+  // first, rather than as a size error against the default preset's model.
+  std::error_code ec;
+  if (!m.init_from.empty() && !std::filesystem::exists(m.init_from, ec))
+    throw ConfigError("model.init_from: " + terminal_safe(m.init_from) +
+                      " does not exist; give a torch.save file, a safetensors directory or a Hugging Face model "
+                      "directory");
   if (m.architecture == "transformer" && !m.init_from.empty() && is_hf_model_dir(m.init_from))
     throw ConfigError("model.init_from " + m.init_from +
                       " is a Hugging Face model directory (it has config.json), which is a Llama-family model, "

@@ -24,7 +24,8 @@ namespace train {
 // n_heads) from its config.json.
 models::ModelArgs model_args_of(const ModelConfig& m);
 // Whether the configuration trains the Llama family: model.architecture llama, or a Hugging Face
-// directory (with config.json) as model.init_from.
+// directory (with config.json) as model.init_from. Throws ConfigError naming model.init_from when
+// it names a path that does not exist (before any check that the model it would shape fails).
 bool is_llama(const ModelConfig& m);
 // What the trainer does with the Transformer and not (yet) with the Llama family (NO_SHARD,
 // activation checkpointing, an output head group): throws ConfigError naming the key. The trainer
