@@ -6,6 +6,7 @@
 #include "common/errors.h"
 #include "config/config.h"
 #include "config/read_file.h"
+#include "data/data.h"
 #include "models/model_setup.h"
 
 #include <fsdp/models/transformer.h>
@@ -160,17 +161,13 @@ struct Question {
 };
 
 // data.source: tokens: the trainer reads the token file whole into an int64 tensor on every rank
-// (data.cpp); its header (tools/fsdp-train/data/data.h) says how many tokens.
-double token_file_tensor_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  unsigned char header[32] = {};
-  if (!f || !f.read(reinterpret_cast<char*>(header), sizeof header) || std::memcmp(header, "FSDPTOK", 8) != 0)
-    throw ConfigError("data.path: " + path +
-                      " is not a readable token file (the plan counts its tokens, which "
-                      "every rank keeps in memory); make one with `fsdp-train tokenize`");
-  uint64_t tokens = 0;
-  for (int i = 0; i < 8; ++i) tokens |= static_cast<uint64_t>(header[24 + i]) << (8 * i);
-  return 8.0 * static_cast<double>(tokens);
+// (data.cpp); its header, read by the trainer's own reader, says how many tokens.
+double token_file_tensor_bytes(const std::string& path, const std::string& key) {
+  try {
+    return 8.0 * static_cast<double>(read_token_file_header(path, key).num_tokens);
+  } catch (const std::runtime_error& e) {
+    throw ConfigError(key + ": " + e.what() + " (the plan counts its tokens, which every rank keeps in memory)");
+  }
 }
 
 bool variable_is(const char* name, const std::string& value) {
@@ -263,7 +260,7 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   q.activations.compute = dtype_of(precision.param);
   q.activations.checkpoint_every = f.activation_checkpointing ? f.activation_checkpointing_every : 0;
   q.activations.loss_chunks = t.loss_chunks;
-  if (cfg.data.source == "tokens") q.resident_data_bytes = token_file_tensor_bytes(cfg.data.path);
+  if (cfg.data.source == "tokens") q.resident_data_bytes = token_file_tensor_bytes(cfg.data.path, "data.path");
   // The tp ranks of one dp rank train on the same rows.
   q.activations.global_rows =
       static_cast<int64_t>(a.world / f.model_parallel_size) * t.gradient_accumulation_steps * t.micro_batch_size;
