@@ -183,6 +183,7 @@ void Run::set_up() {
   checkpoints_ = std::make_unique<RunCheckpoints>(cfg_, run_identity(cfg_, args_),
                                                   [this](const std::string& line) { print(line); });
   checkpoints_->check_dir();
+  if (mode_ == RunMode::kTrain) check_output_destinations(cfg_);  // not hours later, at the end
   pm_ = parallelize_model(cfg_, args_, precision_, env.local_world_size);
   load_initial_weights(cfg_, pm_.module(), [this](const std::string& line) { print(line); });
   optimizer_ = optimizer_of(cfg_, pm_.parameters(), pm_.mesh.device());
@@ -501,7 +502,11 @@ int Run::stop(int64_t step, StepVerdict verdict, const StepVotes& votes) {
 }
 
 void Run::finish(int64_t last_step) {
-  if (final_save_needed(cfg_.fsdp_config.checkpoint_interval, checkpoints_->last_saved_step(), last_step))
+  // Without a checkpoint of the last step the export would be the only copy of what was trained:
+  // the checkpoint is written first, so that an export that fails (a full disk) loses nothing.
+  const bool export_only_copy = writes_export(cfg_) && checkpoints_->last_saved_step() != last_step;
+  if (export_only_copy ||
+      final_save_needed(cfg_.fsdp_config.checkpoint_interval, checkpoints_->last_saved_step(), last_step))
     checkpoints_->save(last_step, state(), counters());
   checkpoints_->wait();
   if (checkpoints_->last_saved_step() == last_step) print("checkpoint: " + checkpoints_->last_saved_dir());
@@ -512,7 +517,16 @@ void Run::finish(int64_t last_step) {
     record_.tokens_per_step = tokens_per_step();
     write_summary(cfg_, args_, pm_, precision_, record_, rank_ == 0 ? console_.get() : nullptr);
   }
-  export_and_sample(cfg_, args_, pm_, tokenizer_.get(), [this](const std::string& line) { print(line); });
+  try {
+    export_and_sample(cfg_, args_, pm_, tokenizer_.get(), [this](const std::string& line) { print(line); });
+  } catch (const std::exception& e) {
+    if (checkpoints_->last_saved_step() != last_step) throw;
+    throw std::runtime_error("training.export " + export_destination(cfg_) + " failed: " + error_text(e) +
+                             "; nothing trained is lost: the checkpoint " + checkpoints_->last_saved_dir() +
+                             " holds step " + std::to_string(last_step) +
+                             ". Free the space or fix the destination, then run again with --training.resume=" +
+                             checkpoints_->last_saved_dir() + ": it exports without training");
+  }
 }
 
 }  // namespace
