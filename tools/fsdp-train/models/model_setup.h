@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 namespace train {
@@ -34,6 +35,9 @@ void check_llama_supported(const TrainConfig& cfg);
 // The config.json that shapes a Llama: model.hf_config, else init_from's. Throws ConfigError when
 // neither names one, and (naming the file and key) what llama_args_from_hf_config throws.
 models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len);
+// What reading the Llama's config.json decided that the file does not say plainly (which of two
+// disagreeing rope objects is used), one line each; none for the Transformer.
+std::vector<std::string> llama_config_notes(const ModelConfig& m);
 // training.seq_len, or the model's max_seq_len when unset. Throws ConfigError naming where both
 // values come from when it is longer than max_seq_len, or when loss_chunks exceeds it.
 int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a);

@@ -180,6 +180,7 @@ void Run::set_up() {
   }
 
   join_job(env);
+  for (const std::string& note : llama_config_notes(cfg_.model)) print("fsdp-train: note: " + terminal_safe(note));
   checkpoints_ = std::make_unique<RunCheckpoints>(cfg_, run_identity(cfg_, args_),
                                                   [this](const std::string& line) { print(line); });
   checkpoints_->check_dir();
