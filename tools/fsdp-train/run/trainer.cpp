@@ -50,6 +50,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <iomanip>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -285,6 +286,15 @@ int Run::evaluate_only(const TrainerCounters& resumed) {
   print("eval: weights: " + weights);
   print("eval: " + evaluation_->describe() + " on " + std::to_string(world_) + " rank(s)");
   print("eval loss: " + eval_loss_text(evaluate()));
+  // Every rank's peak resident memory and peak tensors, as the training summary gives them.
+  const std::vector<double> peaks =
+      all_gather_numbers({memory::peak_rss_bytes() / kMiB, tensor_memory(pm_.mesh).peak_mib});
+  std::ostringstream line;
+  line << std::fixed << std::setprecision(1) << "eval: peak RSS per rank";
+  for (int q = 0; q < world_; ++q) line << (q ? ", " : " ") << peaks[2 * q] << " MiB";
+  line << "; peak tensors per rank";
+  for (int q = 0; q < world_; ++q) line << (q ? ", " : " ") << peaks[2 * q + 1] << " MiB";
+  print(line.str());
   return kExitOk;
 }
 
