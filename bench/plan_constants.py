@@ -25,8 +25,8 @@ from the trainer on tiny (whose collectives carry a few KiB): what its step gain
 and to W=4 on fewer cores (two ranks per core), per step of its collectives' rings. The optimizer's
 memory bandwidth: an in-place add of 64 MiB at one thread, the best of 7. The overheads
 beyond the arithmetic (per stage, per checkpointed stage): tiny at W=1 with one thread, plain and
-checkpointed. The runtime RSS: tiny at W=1; RSS per tensor byte: small
-at W=1, (peak RSS - runtime) / peak tensor bytes.
+checkpointed. The runtime RSS (part rss, apart from the rest: a machine's load does not change
+it): tiny at W=1; RSS per tensor byte: small at W=1, (peak RSS - runtime) / peak tensor bytes.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def latencies(build: str, backend: str, cores: int, alone_s: float) -> tuple[flo
     return per_step, per_step_over
 
 
-PARTS = ("compute", "overheads", "gloo", "mpi", "memory")
+PARTS = ("compute", "overheads", "gloo", "mpi", "memory", "rss")
 
 
 def measure(part: str, b: str, cores: int) -> dict:
@@ -208,10 +208,12 @@ def measure(part: str, b: str, cores: int) -> dict:
         latency, over = latencies(b, part, cores, tiny_step(b))
         return {f"{prefix}collective_bytes_per_s": round(bandwidth(b, part)), f"{prefix}collective_latency_s": latency,
                 f"{prefix}collective_latency_s_oversubscribed": over}
+    if part == "memory":
+        return {"memory_bytes_per_s": round(memory_bandwidth())}
+    # rss: what a rank holds besides its tensors, which the machine's load does not change.
     tiny, small = train(b, "tiny"), train(b, "small")
     runtime = tiny["rss"] - tiny["tensors"]
-    return {"memory_bytes_per_s": round(memory_bandwidth()), "runtime_rss_bytes": round(runtime),
-            "rss_per_tensor_byte": round((small["rss"] - runtime) / small["tensors"], 3)}
+    return {"runtime_rss_bytes": round(runtime), "rss_per_tensor_byte": round((small["rss"] - runtime) / small["tensors"], 3)}
 
 
 def main() -> None:

@@ -78,10 +78,10 @@ configuration "no optional packages" build-minimal \
   "fsdp-train fsdp_train_config_tests fsdp_train_tokenizer_tests"
 # The CUDA configuration. Its object files are the CPU configuration's (ccache) but for the
 # CUDA path's, so it costs the CUDA sources, the links and its suite. The interop label (fsdp-train
-# against Python's FSDP2, the longest part of the suite) and the multihost one (network namespaces,
-# fsdprun across hosts) run in the CPU configuration only: the code they drive is the same object
-# code in both.
-configuration CUDA build-cuda "-DFSDP_WERROR=ON -DFSDP_USE_CUDA=ON" "-LE interop|multihost"
+# against Python's FSDP2, the longest part of the suite), the multihost one (network namespaces,
+# fsdprun across hosts) and the memory one (a 0.2 B-parameter model's RSS against the plan) run in
+# the CPU configuration only: the code they drive is the same object code in both.
+configuration CUDA build-cuda "-DFSDP_WERROR=ON -DFSDP_USE_CUDA=ON" "-LE interop|multihost|memory"
 
 echo
 for line in "${summaries[@]}"; do echo "test.sh: $line"; done

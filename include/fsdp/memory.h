@@ -61,7 +61,13 @@ bool tracking_allocator_installed();
 /// back to glibc means faulting fresh pages in next time, which on some machines costs more than
 /// the work done on them. On by default; FSDP_CPU_CACHING=0 in the environment turns it off at
 /// start-up, and FSDP_CPU_CACHE_LIMIT_MB caps it (default: a quarter of physical memory).
-/// Cached bytes are not in allocated_bytes(); they are resident (RSS) until empty_cache().
+/// An allocation that no cached block fits first gives back cached blocks of at least its size,
+/// the longest unused first, so that the cache holds freed memory only in place of what the
+/// process would otherwise take anew: resident memory stays near the live tensors' peak. Blocks
+/// of 256 KiB or more are mapped by glibc one by one (its mmap threshold is set to that size when
+/// the library loads; FSDP_CPU_MALLOC_DEFAULTS=1 keeps glibc's own), so a block given back
+/// leaves the resident memory at once.
+/// Cached bytes are not in allocated_bytes(); they are resident (RSS) until given back.
 int64_t cached_bytes();
 /// allocated_bytes() + cached_bytes(): what the allocator holds (torch.cuda.memory_reserved).
 int64_t reserved_bytes();

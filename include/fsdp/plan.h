@@ -339,6 +339,16 @@ struct PlanOptions {
     background_checkpoints_ = v;
     return *this;
   }
+  /// The plan of an evaluation (`fsdp-train eval`) instead of a training step: forward passes
+  /// without grad over the sharded model, no gradients, no optimizer state. A stage's high point
+  /// is its no-grad forward's (a checkpointed stage's forward_extra_bytes; of any other stage its
+  /// saved and forward_extra bytes together, an upper bound), only the last stage's output is kept,
+  /// and the root keeps its gathered parameters from its first use on. No step time is modelled
+  /// and no collective is listed.
+  PlanOptions& evaluation(bool v) {
+    evaluation_ = v;
+    return *this;
+  }
   /// The measured rates (default: measured_constants(), the library's built-in ones).
   PlanOptions& constants(Constants v) {
     constants_ = std::move(v);
@@ -347,7 +357,8 @@ struct PlanOptions {
   /** @{ */
   /// The options as set, which plan() reads (set them with the setters above).
   int world_ = 1, replicate_ = 1, local_world_ = 0;
-  bool no_shard_ = false, reshard_after_forward_ = true, offload_ = false, background_checkpoints_ = false;
+  bool no_shard_ = false, reshard_after_forward_ = true, offload_ = false, background_checkpoints_ = false,
+       evaluation_ = false;
   Backend backend_ = Backend::kGloo;
   Device device_ = Device::kCpu;
   Threads threads_ = Threads::kAsLaunched;

@@ -38,6 +38,10 @@ struct SafetensorsOptions {
   /// Extra "__metadata__" entries of every file, next to "format": "pt" (a "format" entry here
   /// replaces it).
   TORCH_ARG(SafetensorsMetadata, metadata) = {};
+  /// load_safetensors_into only: a tensor stored in another floating dtype (F64, F32, F16,
+  /// BF16) than its target's is read as stored and converted (a Hugging Face checkpoint saved in
+  /// bf16 into an fp32 model); otherwise the dtypes must be equal.
+  TORCH_ARG(bool, convert_dtype) = false;
 };
 
 /// Writes `state_dict` under `dir` (created if missing) as one safetensors file per rank and, on
@@ -82,6 +86,15 @@ void save_safetensors(const ShardedStateDict& state_dict, const std::string& dir
 /// unreadable or malformed file.
 ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict& like,
                                   const SafetensorsOptions& options = SafetensorsOptions());
+
+/// Reads a safetensors directory as load_safetensors does (the same checks and errors), but
+/// straight into `targets` (e.g. fsdp::sharded_state_dict(*model), whose local tensors are the
+/// live shards), one tensor at a time: beside the model only the piece being read is allocated,
+/// so a model loads in its own memory, not in twice it. Every key is checked before anything is
+/// written; a tensor that cannot be read (a truncated file, a dtype or shape that differs) throws
+/// after the tensors before it were written. Not collective; no autograd history is recorded.
+void load_safetensors_into(const std::string& dir, const ShardedStateDict& targets,
+                           const SafetensorsOptions& options = SafetensorsOptions());
 
 /// Reads one safetensors file (written by save_safetensors or by anyone else) into name ->
 /// tensor, in the order of the tensors' data in the file. Not collective. Allocates a new CPU

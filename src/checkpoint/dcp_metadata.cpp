@@ -1,9 +1,11 @@
-// The `.metadata` pickle of a DCP checkpoint: a strict unpickler that builds a tree of plain
-// values and the few DCP classes (never importing or calling anything), the conversion of that
-// tree into checked records, and the writer of the same pickle for Python to read.
+// The `.metadata` pickle of a DCP checkpoint: a strict reader on the pickle machine of pickle.h
+// that builds a tree of plain values and the few DCP classes (never importing or calling
+// anything), the conversion of that tree into checked records, and the writer of the same
+// pickle for Python to read.
 #include "src/checkpoint/dcp_metadata.h"
 
 #include "src/checkpoint/checkpoint_metadata.h"  // printable()
+#include "src/checkpoint/pickle.h"
 
 #include <c10/util/Exception.h>
 
@@ -13,7 +15,6 @@
 #include <fstream>
 #include <memory>
 #include <set>
-#include <unordered_map>
 
 namespace fsdp {
 namespace detail {
@@ -54,342 +55,96 @@ bool allowed_global(const std::string& name) {
   return name.rfind("torch.", 0) == 0 && dtype_table().count(name.substr(6));
 }
 
-struct Val;
-using Ref = std::shared_ptr<Val>;
-struct Val {
-  enum class K { kNone, kBool, kInt, kFloat, kStr, kTuple, kList, kDict, kGlobal, kObject };
-  K k = K::kNone;
-  int64_t i = 0;
-  double f = 0;
-  std::string s;           // kStr; kGlobal and kObject: the class, "module.name"
-  std::vector<Ref> items;  // kTuple, kList; kDict: key, value, key, value, ...
-  Ref state;               // kObject: what BUILD gave it (null: none)
-  bool stored = false;     // inside another container: never changed again (no cycles)
-  int depth = 0;
-};
-using K = Val::K;
+using Val = PyValue;
+using Ref = PyRef;
+using K = PyValue::Kind;
 
-constexpr int kMaxDepth = 64;
-
-// The name of a kind of value, for a message that expects one.
-std::string kind_name(K k) {
-  switch (k) {
-    case K::kNone: return "None";
-    case K::kBool: return "bool";
-    case K::kInt: return "int";
-    case K::kFloat: return "float";
-    case K::kStr: return "str";
-    case K::kTuple: return "tuple";
-    case K::kList: return "list";
-    case K::kDict: return "dict";
-    case K::kGlobal: return "reference";
-    case K::kObject: return "object";
-  }
-  return "?";
+PickleMachine::Options metadata_options() {
+  PickleMachine::Options o;
+  o.min_protocol = 2;
+  o.max_protocol = 5;
+  o.max_depth = 64;
+  o.unknown_opcode = "is not one DCP metadata uses";
+  o.replace_repeated_keys = false;  // the converter refuses a key listed twice, naming it
+  return o;
 }
 
-// The name of a value's type: its class for a reference or an object.
-std::string type_name(const Val& v) {
-  if (v.k == K::kGlobal) return "reference to " + v.s;
-  if (v.k == K::kObject) return v.s;
-  return kind_name(v.k);
-}
-
-Ref make(K k) {
-  auto v = std::make_shared<Val>();
-  v->k = k;
-  return v;
-}
-
-// The unpickler. Errors say where (the byte of the opcode) and what.
-class Reader {
+// The .metadata pickle on the pickle machine (pickle.h): the DCP record classes are built as
+// inert objects, the few calls DCP makes are rebuilt, and every other GLOBAL is refused.
+class Reader : public PickleMachine {
  public:
   Reader(const std::string& who, const std::string& path, const std::string& data)
-      : who_(who), path_(path), data_(data) {}
-
-  Ref run() {
-    while (step()) {
-    }
-    if (stack_.size() != 1 || !marks_.empty())
-      fail("the pickle ends with " + std::to_string(stack_.size()) + " values");
-    return stack_.back();
-  }
+      : PickleMachine(data.data(), data.size(), metadata_options()), who_(who), path_(path) {}
 
  private:
-  [[noreturn]] void fail(const std::string& what) const {
-    TORCH_CHECK(false, who_, "'", path_, "' is not a DCP .metadata this reader accepts: ", what, " (at byte ", at_,
-                "); a checkpoint written by torch.distributed.checkpoint.save has none of this");
-  }
-  const char* take(uint64_t n) {
-    if (n > data_.size() - pos_) fail("the pickle is truncated");
-    const char* p = data_.data() + pos_;
-    pos_ += n;
-    return p;
-  }
-  uint64_t le(size_t n) {
-    const auto* p = reinterpret_cast<const unsigned char*>(take(n));
-    uint64_t v = 0;
-    for (size_t i = n; i-- > 0;) v = (v << 8) | p[i];
-    return v;
-  }
-  std::string text(uint64_t n) { return std::string(take(n), n); }
-  std::string line() {
-    const size_t nl = data_.find('\n', pos_);
-    if (nl == std::string::npos) fail("a GLOBAL name is not terminated");
-    std::string s = text(nl - pos_);
-    take(1);
-    return s;
+  std::string error_message(const std::string& what) const override {
+    return c10::str(who_, "'", path_, "' is not a DCP .metadata this reader accepts: ", what, " (at byte ", op_at(),
+                    "); a checkpoint written by torch.distributed.checkpoint.save has none of this");
   }
 
-  size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
-  void push(Ref v) { stack_.push_back(std::move(v)); }
-  Ref& top() {
-    if (stack_.size() <= floor()) fail("an opcode needs a value the stack does not hold");
-    return stack_.back();
-  }
-  Ref pop() {
-    Ref v = top();
-    stack_.pop_back();
-    return v;
-  }
-  std::vector<Ref> pop_n(size_t n) {
-    if (stack_.size() < floor() + n) fail("an opcode needs values the stack does not hold");
-    std::vector<Ref> out(stack_.end() - static_cast<std::ptrdiff_t>(n), stack_.end());
-    stack_.resize(stack_.size() - n);
-    return out;
-  }
-  std::vector<Ref> pop_mark() {
-    if (marks_.empty()) fail("an opcode needs a MARK that was never set");
-    const size_t m = marks_.back();
-    marks_.pop_back();
-    std::vector<Ref> out(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
-    stack_.resize(m);
-    return out;
-  }
-  void store(Val& container, Val& child) {
-    if (&container == &child) fail("a container holds itself");
-    child.stored = true;
-    container.depth = std::max(container.depth, child.depth + 1);
-    if (container.depth > kMaxDepth) fail("values nest deeper than " + std::to_string(kMaxDepth) + " levels");
-  }
-  Val& mutable_top(K k, const char* op) {
-    Val& c = *top();
-    if (c.k != k) fail(std::string(op) + " applied to a " + type_name(c));
-    if (c.stored) fail(std::string(op) + " changes a container already stored in another");
-    return c;
-  }
-  Ref sequence(K k, std::vector<Ref> items) {
-    Ref v = make(k);
-    for (const Ref& item : items) store(*v, *item);
-    v->items = std::move(items);
-    return v;
-  }
-  void append(std::vector<Ref> items, const char* op) {
-    Val& list = mutable_top(K::kList, op);
-    for (Ref& item : items) {
-      store(list, *item);
-      list.items.push_back(std::move(item));
-    }
-  }
-  void set_items(std::vector<Ref> items, const char* op) {
-    if (items.size() % 2 != 0) fail(std::string(op) + " with a key and no value");
-    Val& dict = mutable_top(K::kDict, op);
-    for (Ref& item : items) {
-      store(dict, *item);
-      dict.items.push_back(std::move(item));
-    }
-  }
-  Ref global(const std::string& module, const std::string& name) {
+  Ref global(const std::string& module, const std::string& name) override {
     const std::string full = module + "." + name;
     if (!allowed_global(full)) {
       fail("GLOBAL '" + printable(full) + "' is not a class DCP metadata holds; it is refused, never imported");
     }
-    Ref v = make(K::kGlobal);
-    v->s = full;
-    return v;
-  }
-  Ref memo_get(uint64_t index) {
-    const auto it = memo_.find(index);
-    if (it == memo_.end()) fail("a reference to memo entry " + std::to_string(index) + ", never stored");
-    return it->second;
-  }
-  void memo_put(uint64_t index) {
-    if (memo_.size() > data_.size()) fail("more memo entries than bytes");
-    memo_[index] = top();
-  }
-
-  bool step() {
-    at_ = pos_;
-    const auto op = static_cast<unsigned char>(*take(1));
-    switch (op) {
-      case '.': return false;  // STOP
-      case 0x80: {             // PROTO
-        const uint64_t p = le(1);
-        if (p < 2 || p > 5) fail("pickle protocol " + std::to_string(p));
-        return true;
-      }
-      case 0x95: le(8); return true;  // FRAME: a length hint; every read is bounds-checked anyway
-      case 'N': push(make(K::kNone)); return true;
-      case 0x88:
-      case 0x89: {  // NEWTRUE, NEWFALSE
-        Ref v = make(K::kBool);
-        v->i = op == 0x88;
-        push(v);
-        return true;
-      }
-      case 'K':
-      case 'M':
-      case 'J': {  // BININT1, BININT2, BININT
-        Ref v = make(K::kInt);
-        v->i = op == 'K'   ? static_cast<int64_t>(le(1))
-               : op == 'M' ? static_cast<int64_t>(le(2))
-                           : static_cast<int32_t>(le(4));
-        push(v);
-        return true;
-      }
-      case 0x8a: {  // LONG1
-        const size_t n = static_cast<size_t>(le(1));
-        if (n > 8) fail("an integer wider than 64 bits");
-        Ref v = make(K::kInt);
-        if (n > 0) {
-          const uint64_t raw = le(n);
-          const int shift = static_cast<int>(64 - 8 * n);
-          v->i = shift == 0 ? static_cast<int64_t>(raw) : static_cast<int64_t>(raw << shift) >> shift;
-        }
-        push(v);
-        return true;
-      }
-      case 'G': {  // BINFLOAT, big-endian
-        uint64_t bits = 0;
-        const auto* p = reinterpret_cast<const unsigned char*>(take(8));
-        for (int i = 0; i < 8; ++i) bits = (bits << 8) | p[i];
-        Ref v = make(K::kFloat);
-        std::memcpy(&v->f, &bits, sizeof bits);
-        push(v);
-        return true;
-      }
-      case 0x8c:
-      case 'X':
-      case 0x8d: {  // SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
-        Ref v = make(K::kStr);
-        v->s = text(le(op == 0x8c ? 1 : op == 'X' ? 4 : 8));
-        push(v);
-        return true;
-      }
-      case '(': marks_.push_back(stack_.size()); return true;
-      case ')': push(make(K::kTuple)); return true;
-      case 't': push(sequence(K::kTuple, pop_mark())); return true;
-      case 0x85:
-      case 0x86:
-      case 0x87: push(sequence(K::kTuple, pop_n(op - 0x84))); return true;
-      case ']': push(make(K::kList)); return true;
-      case 'l': push(sequence(K::kList, pop_mark())); return true;
-      case 'a': append(pop_n(1), "APPEND"); return true;
-      case 'e': append(pop_mark(), "APPENDS"); return true;
-      case '}': push(make(K::kDict)); return true;
-      case 'd': {
-        std::vector<Ref> items = pop_mark();
-        push(make(K::kDict));
-        set_items(std::move(items), "DICT");
-        return true;
-      }
-      case 's': set_items(pop_n(2), "SETITEM"); return true;
-      case 'u': set_items(pop_mark(), "SETITEMS"); return true;
-      case 0x94: memo_put(memo_.size()); return true;  // MEMOIZE
-      case 'q': memo_put(le(1)); return true;          // BINPUT
-      case 'r': memo_put(le(4)); return true;          // LONG_BINPUT
-      case 'h': push(memo_get(le(1))); return true;    // BINGET
-      case 'j': push(memo_get(le(4))); return true;    // LONG_BINGET
-      case 'c': {
-        const std::string module = line();
-        push(global(module, line()));
-        return true;
-      }
-      case 0x93: {  // STACK_GLOBAL
-        const std::vector<Ref> mn = pop_n(2);
-        if (mn[0]->k != K::kStr || mn[1]->k != K::kStr) fail("STACK_GLOBAL of a non-string name");
-        push(global(mn[0]->s, mn[1]->s));
-        return true;
-      }
-      case 0x81: newobj(); return true;
-      case 'b': build(); return true;
-      case 'R': reduce(); return true;
-      default: {
-        char hex[8];
-        std::snprintf(hex, sizeof hex, "0x%02x", op);
-        fail(std::string("opcode ") + hex + " is not one DCP metadata uses");
-      }
-    }
+    return make_named(K::kGlobal, full);
   }
 
   // NEWOBJ: cls.__new__(cls) of a DCP record class: an empty record BUILD fills in.
-  void newobj() {
-    const std::vector<Ref> ca = pop_n(2);
-    if (ca[0]->k != K::kGlobal || ca[1]->k != K::kTuple || !ca[1]->items.empty()) {
-      fail("NEWOBJ of a " + type_name(*ca[0]) + " with arguments");
+  Ref new_object(const Val& cls, const Val& args) override {
+    if (cls.kind != K::kGlobal || args.kind != K::kTuple || !args.items.empty()) {
+      fail("NEWOBJ of a " + py_type_name(cls) + " with arguments");
     }
-    const std::string& cls = ca[0]->s;
-    if (cls.rfind(kMeta, 0) != 0 && cls != kStorageInfo) fail("NEWOBJ of " + cls + ", which is no DCP record");
-    if (cls == kMeta + "_MEM_FORMAT_ENCODING") fail("NEWOBJ of an enum");
-    Ref v = make(K::kObject);
-    v->s = cls;
-    push(v);
+    if (cls.text.rfind(kMeta, 0) != 0 && cls.text != kStorageInfo)
+      fail("NEWOBJ of " + cls.text + ", which is no DCP record");
+    if (cls.text == kMeta + "_MEM_FORMAT_ENCODING") fail("NEWOBJ of an enum");
+    return make_named(K::kObject, cls.text);
   }
-  void build() {
-    Ref state = pop();
-    Val& obj = *top();
-    if (obj.k != K::kObject || obj.state || obj.stored) fail("BUILD applied to a " + type_name(obj));
+
+  void build(Val& obj, const Ref& state) override {
+    if (obj.kind != K::kObject || obj.state || obj.stored) fail("BUILD applied to a " + py_type_name(obj));
     store(obj, *state);
     obj.state = state;
   }
+
   // The only calls DCP metadata makes, rebuilt here without calling anything.
-  void reduce() {
-    const std::vector<Ref> fa = pop_n(2);
-    const Val& f = *fa[0];
-    const Val& args = *fa[1];
-    if (f.k != K::kGlobal || args.k != K::kTuple) fail("REDUCE of a " + type_name(f));
+  Ref reduce(const Val& f, const Val& args) override {
+    if (f.kind != K::kGlobal || args.kind != K::kTuple) fail("REDUCE of a " + py_type_name(f));
     const auto one = [&](K k) -> const Val& {
-      if (args.items.size() != 1 || args.items[0]->k != k) fail(f.s + " called with other arguments than DCP's");
+      if (args.items.size() != 1 || args.items[0]->kind != k) fail(f.text + " called with other arguments than DCP's");
       return *args.items[0];
     };
-    if (f.s == "torch.Size") {
+    if (f.text == "torch.Size") {
       const Val& dims = one(K::kTuple);
       for (const Ref& d : dims.items) {
-        if (d->k != K::kInt || d->i < 0) fail("a torch.Size holding a " + type_name(*d) + " or a negative size");
+        if (d->kind != K::kInt || d->integer < 0)
+          fail("a torch.Size holding a " + py_type_name(*d) + " or a negative size");
       }
-      return push(sequence(K::kTuple, dims.items));
+      return sequence(K::kTuple, dims.items);
     }
-    if (f.s == "torch.serialization._get_layout") {
-      if (one(K::kStr).s != "torch.strided")
-        fail("tensor layout '" + printable(one(K::kStr).s) + "' (only torch.strided is supported)");
-      Ref v = make(K::kGlobal);
-      v->s = "torch.strided";
-      return push(v);
+    if (f.text == "torch.serialization._get_layout") {
+      if (one(K::kStr).text != "torch.strided")
+        fail("tensor layout '" + printable(one(K::kStr).text) + "' (only torch.strided is supported)");
+      return make_named(K::kGlobal, "torch.strided");
     }
-    if (f.s == kMeta + "_MEM_FORMAT_ENCODING") {
-      Ref v = make(K::kObject);
-      v->s = f.s;
-      v->i = one(K::kInt).i;
-      return push(v);
+    if (f.text == kMeta + "_MEM_FORMAT_ENCODING") {
+      Ref v = make_named(K::kObject, f.text);
+      v->integer = one(K::kInt).integer;
+      return v;
     }
-    if (f.s == "pathlib.PosixPath" || f.s == "pathlib._local.PosixPath") {
+    if (f.text == "pathlib.PosixPath" || f.text == "pathlib._local.PosixPath") {
       Ref v = make(K::kStr);
       for (const Ref& part : args.items) {
-        if (part->k != K::kStr) fail("a PosixPath of a " + type_name(*part));
-        v->s += (v->s.empty() || v->s.back() == '/' ? "" : "/") + part->s;
+        if (part->kind != K::kStr) fail("a PosixPath of a " + py_type_name(*part));
+        v->text += (v->text.empty() || v->text.back() == '/' ? "" : "/") + part->text;
       }
-      return push(v);
+      return v;
     }
-    fail("REDUCE calls " + f.s + ", which DCP metadata never calls");
+    fail("REDUCE calls " + f.text + ", which DCP metadata never calls");
   }
 
   const std::string& who_;
   const std::string& path_;
-  const std::string& data_;
-  size_t pos_ = 0, at_ = 0;
-  std::vector<Ref> stack_;
-  std::vector<size_t> marks_;
-  std::unordered_map<uint64_t, Ref> memo_;
 };
 
 // ------------------------------------------------------------------ the tree -> records
@@ -403,7 +158,7 @@ class Converter {
     meta.path = path_;
     const Val& state = object_state(root, kMeta + "Metadata", "the top-level object");
     const Val* version = field(state, "version", "Metadata", false);
-    if (version && version->k != K::kNone && !(version->k == K::kStr && version->s == "1.0.0")) {
+    if (version && version->kind != K::kNone && !(version->kind == K::kStr && version->text == "1.0.0")) {
       fail("Metadata.version is " + describe(*version) +
            "; this reader knows DCP version 1.0.0 (torch 2.15 writes it) and checkpoints without a version");
     }
@@ -411,7 +166,7 @@ class Converter {
     expect(sdm, K::kDict, "Metadata.state_dict_metadata");
     for (size_t i = 0; i < sdm.items.size(); i += 2) {
       expect(*sdm.items[i], K::kStr, "a key of Metadata.state_dict_metadata");
-      const std::string& key = sdm.items[i]->s;
+      const std::string& key = sdm.items[i]->text;
       if (meta.entries.count(key)) fail("key '" + printable(key) + "' is listed twice");
       meta.entries[key] = entry(key, *sdm.items[i + 1]);
     }
@@ -425,12 +180,14 @@ class Converter {
 
  private:
   [[noreturn]] void fail(const std::string& what) const { TORCH_CHECK(false, who_, "'", path_, "': ", what); }
-  static std::string describe(const Val& v) { return v.k == K::kStr ? "'" + printable(v.s) + "'" : type_name(v); }
+  static std::string describe(const Val& v) {
+    return v.kind == K::kStr ? "'" + printable(v.text) + "'" : py_type_name(v);
+  }
   void expect(const Val& v, K k, const std::string& where) const {
-    if (v.k != k) fail(where + " is a " + type_name(v) + ", not a " + kind_name(k));
+    if (v.kind != k) fail(where + " is a " + py_type_name(v) + ", not a " + kind_name(k));
   }
   const Val& object_state(const Val& v, const std::string& cls, const std::string& where) const {
-    if (v.k != K::kObject || v.s != cls) fail(where + " is a " + type_name(v) + ", not a " + cls);
+    if (v.kind != K::kObject || v.text != cls) fail(where + " is a " + py_type_name(v) + ", not a " + cls);
     if (!v.state) fail(where + " (" + cls + ") has no fields");
     return *v.state;
   }
@@ -438,7 +195,7 @@ class Converter {
   const Val* field(const Val& state, const std::string& name, const std::string& cls, bool required) const {
     expect(state, K::kDict, "the fields of a " + cls);
     for (size_t i = 0; i < state.items.size(); i += 2) {
-      if (state.items[i]->k == K::kStr && state.items[i]->s == name) return state.items[i + 1].get();
+      if (state.items[i]->kind == K::kStr && state.items[i]->text == name) return state.items[i + 1].get();
     }
     if (required) fail(cls + " has no field '" + name + "'");
     return nullptr;
@@ -447,8 +204,8 @@ class Converter {
     expect(v, K::kTuple, where);
     std::vector<int64_t> out;
     for (const Ref& d : v.items) {
-      if (d->k != K::kInt || d->i < 0) fail(where + " holds a " + describe(*d) + ", not a size");
-      out.push_back(d->i);
+      if (d->kind != K::kInt || d->integer < 0) fail(where + " holds a " + describe(*d) + ", not a size");
+      out.push_back(d->integer);
     }
     return out;
   }
@@ -456,8 +213,8 @@ class Converter {
   DcpEntry entry(const std::string& key, const Val& v) const {
     DcpEntry e;
     const std::string where = "key '" + printable(key) + "'";
-    if (v.k == K::kObject && v.s == kMeta + "BytesStorageMetadata") {
-      if (v.state && !(v.state->k == K::kDict && v.state->items.empty()) && v.state->k != K::kNone) {
+    if (v.kind == K::kObject && v.text == kMeta + "BytesStorageMetadata") {
+      if (v.state && !(v.state->kind == K::kDict && v.state->items.empty()) && v.state->kind != K::kNone) {
         fail(where + ": a BytesStorageMetadata with fields");
       }
       e.is_bytes = true;
@@ -491,24 +248,25 @@ class Converter {
   }
 
   at::ScalarType properties_dtype(const Val& v, const std::string& where) const {
-    if (v.k != K::kObject || v.s != kMeta + "TensorProperties" || !v.state) {
-      fail(where + ": properties is a " + type_name(v) + ", not a TensorProperties");
+    if (v.kind != K::kObject || v.text != kMeta + "TensorProperties" || !v.state) {
+      fail(where + ": properties is a " + py_type_name(v) + ", not a TensorProperties");
     }
     const Val& t = *v.state;  // TensorProperties.__getstate__: (dtype, layout, requires_grad, format, pin[, strides])
-    if (t.k != K::kTuple || (t.items.size() != 5 && t.items.size() != 6)) {
-      fail(where + ": the TensorProperties state is a " + type_name(t) + " of other fields than DCP writes");
+    if (t.kind != K::kTuple || (t.items.size() != 5 && t.items.size() != 6)) {
+      fail(where + ": the TensorProperties state is a " + py_type_name(t) + " of other fields than DCP writes");
     }
     const Val& dtype = *t.items[0];
-    if (dtype.k != K::kGlobal || dtype.s.rfind("torch.", 0) != 0 || !dtype_table().count(dtype.s.substr(6))) {
-      fail(where + ": dtype is a " + type_name(dtype));
+    if (dtype.kind != K::kGlobal || dtype.text.rfind("torch.", 0) != 0 || !dtype_table().count(dtype.text.substr(6))) {
+      fail(where + ": dtype is a " + py_type_name(dtype));
     }
-    if (t.items[1]->k != K::kGlobal || t.items[1]->s != "torch.strided")
+    if (t.items[1]->kind != K::kGlobal || t.items[1]->text != "torch.strided")
       fail(where + ": a layout other than torch.strided");
     const Val& format = *t.items[3];
-    if (format.k != K::kObject || format.s != kMeta + "_MEM_FORMAT_ENCODING" || format.i < 0 || format.i > 2) {
-      fail(where + ": memory format is a " + type_name(format));
+    if (format.kind != K::kObject || format.text != kMeta + "_MEM_FORMAT_ENCODING" || format.integer < 0 ||
+        format.integer > 2) {
+      fail(where + ": memory format is a " + py_type_name(format));
     }
-    return dtype_table().at(dtype.s.substr(6));
+    return dtype_table().at(dtype.text.substr(6));
   }
 
   // Chunks with elements must not overlap and must cover the shape; empty ones hold nothing.
@@ -560,12 +318,12 @@ class Converter {
     const Val& is = object_state(index, kMeta + "MetadataIndex", "a key of Metadata.storage_data");
     const Val& fqn = *field(is, "fqn", "MetadataIndex", true);
     expect(fqn, K::kStr, "MetadataIndex.fqn");
-    const std::string where = "the storage record of key '" + printable(fqn.s) + "'";
+    const std::string where = "the storage record of key '" + printable(fqn.text) + "'";
     const Val* offset = field(is, "offset", "MetadataIndex", false);
-    const bool has_offset = offset && offset->k != K::kNone;
+    const bool has_offset = offset && offset->kind != K::kNone;
     const std::vector<int64_t> offsets = has_offset ? ints(*offset, where + ": offset") : std::vector<int64_t>{};
-    if (!seen->emplace(std::make_pair(fqn.s, offsets), has_offset).second) fail(where + " is listed twice");
-    const auto e = meta.entries.find(fqn.s);
+    if (!seen->emplace(std::make_pair(fqn.text, offsets), has_offset).second) fail(where + " is listed twice");
+    const auto e = meta.entries.find(fqn.text);
     if (e == meta.entries.end()) fail(where + ": no such key in state_dict_metadata");
     const DcpStorage storage = storage_info(info, where);
     if (e->second.is_bytes) {
@@ -588,20 +346,21 @@ class Converter {
     DcpStorage s;
     const Val& path = *field(st, "relative_path", "_StorageInfo", true);
     expect(path, K::kStr, where + ": relative_path");
-    if (!plain_data_file(path.s)) {
-      fail(where + ": relative_path '" + printable(path.s) +
+    if (!plain_data_file(path.text)) {
+      fail(where + ": relative_path '" + printable(path.text) +
            "' is not a data file __<rank>_<n>.distcp of the checkpoint");
     }
-    s.file = path.s;
+    s.file = path.text;
     const Val& off = *field(st, "offset", "_StorageInfo", true);
     const Val& len = *field(st, "length", "_StorageInfo", true);
-    if (off.k != K::kInt || len.k != K::kInt || off.i < 0 || len.i < 0 || off.i > INT64_MAX - len.i) {
+    if (off.kind != K::kInt || len.kind != K::kInt || off.integer < 0 || len.integer < 0 ||
+        off.integer > INT64_MAX - len.integer) {
       fail(where + ": offset " + describe(off) + " or length " + describe(len) + " out of range");
     }
-    s.offset = off.i;
-    s.length = len.i;
+    s.offset = off.integer;
+    s.length = len.integer;
     const Val* t = field(st, "transform_descriptors", "_StorageInfo", false);
-    if (t && t->k != K::kNone && !((t->k == K::kList || t->k == K::kTuple) && t->items.empty())) {
+    if (t && t->kind != K::kNone && !((t->kind == K::kList || t->kind == K::kTuple) && t->items.empty())) {
       fail(where +
            " has transform descriptors (a DCP saved with _extensions, e.g. compression), which this reader "
            "does not support: save it without _extensions");

@@ -405,11 +405,15 @@ std::map<std::string, std::string> weight_map_of(const std::string& dir, const s
 // row-major tensor split along dim 0 is one contiguous range per piece). A piece split along
 // another dim (a shard_placement_fn's Shard(d)) reads the whole rows it lies in, then keeps its
 // part of them.
+// The piece is read in the dtype stored; with `convert` a floating dtype other than the model's
+// is allowed (the caller converts), another is not.
 at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileIndex& index, const Entry& entry,
-                           const DTensor& target) {
+                           const DTensor& target, bool convert) {
   const std::string where = "fsdp::load_safetensors: '" + path + "': tensor '" + entry.name + "': ";
-  TORCH_CHECK(entry.dtype == target.scalar_type(), where, "has dtype ", entry.dtype, " but the model's is ",
-              target.scalar_type());
+  const bool floating = at::isFloatingType(entry.dtype) && at::isFloatingType(target.scalar_type());
+  TORCH_CHECK(entry.dtype == target.scalar_type() || (convert && floating), where, "has dtype ", entry.dtype,
+              " but the model's is ", target.scalar_type(),
+              convert ? " (a floating dtype converts to another, nothing else does)" : "");
   TORCH_CHECK(entry.shape == target.sizes(), where, "has shape ", c10::IntArrayRef(entry.shape), " but the model's is ",
               c10::IntArrayRef(target.sizes()));
   at::Tensor local = at::empty(target.to_local().sizes(), at::TensorOptions().dtype(entry.dtype));
@@ -441,10 +445,12 @@ at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileInde
   return local;
 }
 
-}  // namespace
-
-ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict& like,
-                                  const SafetensorsOptions& options) {
+// Reads this rank's piece of every entry of `like`, in order, and hands each to `use` (key, the
+// entry of `like`, the piece in the dtype stored) before reading the next. Every key is checked
+// against the directory first: nothing is read when one is missing or unexpected.
+template <typename Use>
+void for_each_piece(const std::string& dir, const ShardedStateDict& like, const SafetensorsOptions& options,
+                    bool convert, Use use) {
   const std::map<std::string, std::string> files = weight_map_of(dir, options.prefix());
   for (const auto& item : like) {
     TORCH_CHECK(files.count(item.key()), "fsdp::load_safetensors: '", dir, "' has no tensor '", item.key(),
@@ -460,7 +466,6 @@ ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict
     FileIndex index;
   };
   std::map<std::string, OpenFile> open;
-  ShardedStateDict out;
   for (const auto& item : like) {
     const std::string path = (std::filesystem::path(dir) / files.at(item.key())).string();
     auto it = open.find(path);
@@ -474,12 +479,31 @@ ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict
     const auto entry = it->second.index.entries.find(item.key());
     TORCH_CHECK(entry != it->second.index.entries.end(), "fsdp::load_safetensors: the index of '", dir, "' puts '",
                 item.key(), "' in '", path, "', which does not hold it");
-    const DTensor& target = item.value();
-    at::Tensor local = read_local_rows(path, it->second.f.get(), it->second.index, entry->second, target);
-    out.insert(item.key(),
-               DTensor::from_local(std::move(local), target.device_mesh(), target.placements(), target.sizes()));
+    use(item.key(), item.value(),
+        read_local_rows(path, it->second.f.get(), it->second.index, entry->second, item.value(), convert));
   }
+}
+
+}  // namespace
+
+ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict& like,
+                                  const SafetensorsOptions& options) {
+  ShardedStateDict out;
+  for_each_piece(
+      dir, like, options, /*convert=*/false, [&](const std::string& key, const DTensor& target, at::Tensor local) {
+        out.insert(key,
+                   DTensor::from_local(std::move(local), target.device_mesh(), target.placements(), target.sizes()));
+      });
   return out;
+}
+
+void load_safetensors_into(const std::string& dir, const ShardedStateDict& targets, const SafetensorsOptions& options) {
+  at::NoGradGuard no_grad;
+  for_each_piece(dir, targets, options, options.convert_dtype(),
+                 [&](const std::string&, const DTensor& target, const at::Tensor& local) {
+                   at::Tensor live = target.to_local();
+                   live.copy_(local.to(live.device()));
+                 });
 }
 
 TensorStateDict load_safetensors_file(const std::string& path) {

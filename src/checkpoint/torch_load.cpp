@@ -1,8 +1,10 @@
-// Reading torch.save files: the pickle machine for data.pkl (the subset of protocol 2 that
-// torch.save writes; see torch_load.h) and the zip archive around it. Every read is checked
-// against the bounds of the data, every opcode against the stack it needs, and every tensor
-// against the storage it views: a damaged or hostile file gives a c10::Error naming it.
+// Reading torch.save files: what data.pkl's GLOBALs, calls and persistent ids mean (the subset
+// of protocol 2 that torch.save writes; see torch_load.h), run on the pickle machine of
+// pickle.h, and the zip archive around it. Every tensor is checked against the storage it views:
+// a damaged or hostile file gives a c10::Error naming it.
 #include "src/checkpoint/torch_load.h"
+
+#include "src/checkpoint/checkpoint_metadata.h"  // printable()
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -21,26 +23,7 @@ namespace fsdp {
 namespace detail {
 namespace {
 
-using PyRef = std::shared_ptr<PyValue>;
 using Kind = PyValue::Kind;
-
-constexpr int kMaxDepth = 100;  // a state dict nests a few levels; this bounds any recursion
-
-PyRef make(Kind kind) {
-  auto v = std::make_shared<PyValue>();
-  v->kind = kind;
-  return v;
-}
-PyRef make_number(Kind kind, int64_t i) {
-  PyRef v = make(kind);
-  v->integer = i;
-  return v;
-}
-PyRef make_named(Kind kind, std::string text) {
-  PyRef v = make(kind);
-  v->text = std::move(text);
-  return v;
-}
 
 // The dtype of a storage class as torch.save names it ("torch.FloatStorage").
 std::optional<at::ScalarType> storage_dtype(const std::string& name) {
@@ -64,275 +47,77 @@ std::optional<at::ScalarType> storage_dtype(const std::string& name) {
 // Loads the storage with persistent key `key`: `numel` elements of `dtype`.
 using StorageLoader = std::function<at::Tensor(const std::string& key, at::ScalarType dtype, int64_t numel)>;
 
-// Runs data.pkl. Executes no Python: the callables it knows (OrderedDict, the tensor rebuild
-// functions, LibTorch's type tag) are rebuilt; any other becomes an opaque value.
-class Unpickler {
+PickleMachine::Options data_pkl_options() {
+  PickleMachine::Options o;
+  o.min_protocol = 0;
+  o.max_protocol = 2;
+  o.protocol_note = "torch.save writes protocol 2";
+  o.max_depth = 100;  // a state dict nests a few levels; this bounds any recursion
+  o.unknown_opcode = "is not one torch.save writes";
+  return o;
+}
+
+// Runs data.pkl on the pickle machine (pickle.h). Executes no Python: the callables it knows
+// (OrderedDict, the tensor rebuild functions, LibTorch's type tag) are rebuilt; any other
+// becomes an opaque value.
+class Unpickler : public PickleMachine {
  public:
   Unpickler(std::string path, const char* data, size_t size, StorageLoader load_storage,
             const TorchLoadOptions& options)
-      : path_(std::move(path)), data_(data), size_(size), load_storage_(std::move(load_storage)), options_(options) {}
-
-  PyRef run() {
-    while (step()) {
-    }
-    if (stack_.size() != 1 || !marks_.empty()) {
-      fail("the pickle stops with " + std::to_string(stack_.size()) + " values and " + std::to_string(marks_.size()) +
-           " marks left (one value expected)");
-    }
-    return stack_.back();
-  }
+      : PickleMachine(data, size, data_pkl_options()),
+        path_(std::move(path)),
+        load_storage_(std::move(load_storage)),
+        options_(options) {}
 
  private:
-  [[noreturn]] void fail(const std::string& what) const {
-    TORCH_CHECK(false, options_.who, path_, " is not a torch.save file this reader can read: ", what,
-                " (data.pkl, at byte ", op_at_, ")");
+  std::string error_message(const std::string& what) const override {
+    return c10::str(options_.who, path_, " is not a torch.save file this reader can read: ", what,
+                    " (data.pkl, at byte ", op_at(), ")");
   }
 
-  // ---------------------------------------------------------------- bytes
-  const char* take(size_t n) {
-    if (n > size_ - pos_) fail("the pickle is truncated");
-    const char* p = data_ + pos_;
-    pos_ += n;
-    return p;
-  }
-  uint64_t little_endian(size_t n) {
-    const auto* p = reinterpret_cast<const unsigned char*>(take(n));
-    uint64_t v = 0;
-    for (size_t i = n; i-- > 0;) v = (v << 8) | p[i];
-    return v;
-  }
-  std::string line() {
-    const void* nl = std::memchr(data_ + pos_, '\n', size_ - pos_);
-    if (!nl) fail("a GLOBAL name is not terminated");
-    const size_t n = static_cast<const char*>(nl) - (data_ + pos_);
-    std::string s(take(n), n);
-    take(1);
-    return s;
-  }
-
-  // ---------------------------------------------------------------- the stack
-  // Values below the innermost MARK belong to an outer construct: opcodes may not take them.
-  size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
-  void push(PyRef v) { stack_.push_back(std::move(v)); }
-  PyRef& top() {
-    if (stack_.size() <= floor()) fail("an opcode needs a value the stack does not hold");
-    return stack_.back();
-  }
-  PyRef pop() {
-    PyRef v = top();
-    stack_.pop_back();
-    return v;
-  }
-  std::vector<PyRef> pop_n(size_t n) {
-    if (stack_.size() < floor() + n) fail("an opcode needs values the stack does not hold");
-    std::vector<PyRef> out(stack_.end() - static_cast<std::ptrdiff_t>(n), stack_.end());
-    stack_.resize(stack_.size() - n);
-    return out;
-  }
-  std::vector<PyRef> pop_mark() {
-    if (marks_.empty()) fail("an opcode needs a MARK that was never set");
-    const size_t mark = marks_.back();
-    marks_.pop_back();
-    std::vector<PyRef> out(stack_.begin() + static_cast<std::ptrdiff_t>(mark), stack_.end());
-    stack_.resize(mark);
-    return out;
-  }
-
-  // ---------------------------------------------------------------- containers
-  // Records that `child` is stored in `container`: it never changes again, and nesting is bounded.
-  void store(PyValue& container, PyValue& child) {
-    if (&container == &child) fail("a container holds itself");
-    child.stored = true;
-    container.depth = std::max(container.depth, child.depth + 1);
-    if (container.depth > kMaxDepth) fail("values nest deeper than " + std::to_string(kMaxDepth) + " levels");
-  }
-  PyValue& mutable_container(Kind kind, const char* opcode) {
-    PyValue& c = *top();
-    if (c.kind != kind) fail(std::string(opcode) + " applied to a " + py_type_name(c));
-    if (c.stored) fail(std::string(opcode) + " changes a container already stored in another");
-    return c;
-  }
-  PyRef sequence(Kind kind, std::vector<PyRef> items) {
-    PyRef v = make(kind);
-    for (const PyRef& item : items) store(*v, *item);
-    v->items = std::move(items);
-    return v;
-  }
-  void append(std::vector<PyRef> items, const char* opcode) {
-    PyValue& list = mutable_container(Kind::kList, opcode);
-    for (PyRef& item : items) {
-      store(list, *item);
-      list.items.push_back(std::move(item));
+  PyRef global(const std::string& module, const std::string& qualname) override {
+    std::string name = module + "." + qualname;
+    if (options_.only_tensor_globals && !tensor_global(name)) {
+      fail("GLOBAL '" + printable(name) +
+           "' is not one a tensor or a plain value needs; it is refused, never imported");
     }
-  }
-  void set_items(std::vector<PyRef> items, const char* opcode) {
-    if (items.size() % 2 != 0) fail(std::string(opcode) + " with a key and no value");
-    PyValue& dict = mutable_container(Kind::kDict, opcode);
-    for (size_t i = 0; i < items.size(); i += 2) {
-      store(dict, *items[i]);
-      store(dict, *items[i + 1]);
-      const bool str_key = items[i]->kind == Kind::kStr;
-      const auto seen = str_key ? dict.str_keys.find(items[i]->text) : dict.str_keys.end();
-      if (seen != dict.str_keys.end()) {
-        dict.items[seen->second + 1] = items[i + 1];  // a repeated key keeps its place, as in Python
-        continue;
-      }
-      if (str_key) dict.str_keys[items[i]->text] = dict.items.size();
-      dict.items.push_back(items[i]);
-      dict.items.push_back(items[i + 1]);
-    }
-  }
-
-  // ---------------------------------------------------------------- opcodes
-  bool step() {
-    op_at_ = pos_;
-    const auto op = static_cast<unsigned char>(*take(1));
-    if (op == '.') return false;  // STOP
-    if (!scalar_op(op) && !container_op(op) && !object_op(op)) {
-      char hex[8];
-      std::snprintf(hex, sizeof hex, "0x%02x", op);
-      fail(std::string("opcode ") + hex + " is not one torch.save writes");
-    }
-    return true;
-  }
-
-  bool scalar_op(unsigned char op) {
-    switch (op) {
-      case 0x80: {  // PROTO
-        const uint64_t protocol = little_endian(1);
-        if (protocol > 2) fail("pickle protocol " + std::to_string(protocol) + " (torch.save writes protocol 2)");
-        return true;
-      }
-      case 'N': push(make(Kind::kNone)); return true;
-      case 0x88: push(make_number(Kind::kBool, 1)); return true;  // NEWTRUE
-      case 0x89: push(make_number(Kind::kBool, 0)); return true;  // NEWFALSE
-      case 'K': push(make_number(Kind::kInt, static_cast<int64_t>(little_endian(1)))); return true;
-      case 'M': push(make_number(Kind::kInt, static_cast<int64_t>(little_endian(2)))); return true;
-      case 'J': push(make_number(Kind::kInt, static_cast<int32_t>(little_endian(4)))); return true;
-      case 0x8a: push(make_number(Kind::kInt, long1())); return true;  // LONG1
-      case 'G': push(binfloat()); return true;
-      case 'X': push(make_named(Kind::kStr, binunicode())); return true;
-      default: return false;
-    }
-  }
-  std::string binunicode() {
-    const size_t n = static_cast<size_t>(little_endian(4));
-    return std::string(take(n), n);
-  }
-  int64_t long1() {
-    const size_t n = static_cast<size_t>(little_endian(1));
-    if (n > 8) fail("an integer wider than 64 bits");
-    if (n == 0) return 0;
-    const uint64_t raw = little_endian(n);
-    const int shift = static_cast<int>(64 - 8 * n);  // sign-extend from n bytes
-    return shift == 0 ? static_cast<int64_t>(raw) : static_cast<int64_t>(raw << shift) >> shift;
-  }
-  PyRef binfloat() {
-    const uint64_t big_endian = little_endian(8);
-    uint64_t bits = 0;
-    for (int i = 0; i < 8; ++i) bits = (bits << 8) | ((big_endian >> (8 * i)) & 0xff);
-    PyRef v = make(Kind::kFloat);
-    std::memcpy(&v->real, &bits, sizeof bits);
-    return v;
-  }
-
-  bool container_op(unsigned char op) {
-    switch (op) {
-      case '(': marks_.push_back(stack_.size()); return true;  // MARK
-      case '0': pop(); return true;                            // POP
-      case '1': pop_mark(); return true;                       // POP_MARK
-      case '2': push(top()); return true;                      // DUP
-      case ')': push(make(Kind::kTuple)); return true;         // EMPTY_TUPLE
-      case 't': push(sequence(Kind::kTuple, pop_mark())); return true;
-      case 0x85:
-      case 0x86:
-      case 0x87: push(sequence(Kind::kTuple, pop_n(op - 0x84))); return true;  // TUPLE1-3
-      case ']': push(make(Kind::kList)); return true;                          // EMPTY_LIST
-      case 'l': push(sequence(Kind::kList, pop_mark())); return true;
-      case 'a': append(pop_n(1), "APPEND"); return true;
-      case 'e': append(pop_mark(), "APPENDS"); return true;
-      case '}': push(make(Kind::kDict)); return true;  // EMPTY_DICT
-      case 'd': {  // DICT: the items above the mark become a new dict in the mark's place
-        std::vector<PyRef> items = pop_mark();
-        push(make(Kind::kDict));
-        set_items(std::move(items), "DICT");
-        return true;
-      }
-      case 's': set_items(pop_n(2), "SETITEM"); return true;
-      case 'u': set_items(pop_mark(), "SETITEMS"); return true;
-      default: return false;
-    }
-  }
-  bool object_op(unsigned char op) {
-    switch (op) {
-      case 'q': memo_[static_cast<uint32_t>(little_endian(1))] = top(); return true;   // BINPUT
-      case 'r': memo_[static_cast<uint32_t>(little_endian(4))] = top(); return true;   // LONG_BINPUT
-      case 'h': push(memo_get(static_cast<uint32_t>(little_endian(1)))); return true;  // BINGET
-      case 'j': push(memo_get(static_cast<uint32_t>(little_endian(4)))); return true;  // LONG_BINGET
-      case 'c': {                                                                      // GLOBAL
-        std::string module = line();
-        std::string name = module + "." + line();
-        if (options_.only_tensor_globals && !tensor_global(name)) {
-          fail("GLOBAL '" + name + "' is not one a tensor or a plain value needs; it is refused, never imported");
-        }
-        push(make_named(Kind::kGlobal, std::move(name)));
-        return true;
-      }
-      case 'R': reduce(); return true;
-      case 0x81: {  // NEWOBJ: an instance of a class; nothing a state dict is made of
-        const std::vector<PyRef> cls_args = pop_n(2);
-        push(make_named(Kind::kOpaque, cls_args[0]->text.empty() ? "object" : cls_args[0]->text));
-        return true;
-      }
-      case 'b': build(); return true;
-      case 'Q': push(persistent_load(*pop())); return true;  // BINPERSID
-      default: return false;
-    }
+    return make_named(Kind::kGlobal, std::move(name));
   }
   static bool tensor_global(const std::string& name) {
     return name == "torch._utils._rebuild_tensor_v2" || name == "collections.OrderedDict" ||
            storage_dtype(name).has_value();
   }
-  PyRef memo_get(uint32_t index) {
-    const auto it = memo_.find(index);
-    if (it == memo_.end()) fail("a reference to memo entry " + std::to_string(index) + ", which was never stored");
-    return it->second;
+
+  // NEWOBJ: an instance of a class; nothing a state dict is made of.
+  PyRef new_object(const PyValue& cls, const PyValue&) override {
+    return make_named(Kind::kOpaque, cls.text.empty() ? "object" : cls.text);
   }
 
   // BUILD sets an object's attributes from a state. An OrderedDict's attributes (a state dict's
   // _metadata: per-module versions that only Python's load_state_dict hooks read) and those of
   // an opaque object are not part of any tensor: dropped. Anything else is not torch.save's.
-  void build() {
-    pop();  // the state
-    const PyValue& target = *top();
-    if (target.kind != Kind::kDict && target.kind != Kind::kOpaque) {
-      fail("BUILD applied to a " + py_type_name(target));
-    }
+  void build(PyValue& target, const PyRef&) override {
+    if (target.kind != Kind::kDict && target.kind != Kind::kOpaque) fail("BUILD applied to a " + py_type_name(target));
   }
 
-  void reduce() {
-    const std::vector<PyRef> f_args = pop_n(2);
-    const PyValue& f = *f_args[0];
-    const PyValue& args = *f_args[1];
+  PyRef reduce(const PyValue& f, const PyValue& args) override {
     if (f.kind != Kind::kGlobal && f.kind != Kind::kOpaque) fail("REDUCE calls a " + py_type_name(f));
     if (args.kind != Kind::kTuple) fail("REDUCE passes a " + py_type_name(args) + " as the arguments");
     if (f.kind == Kind::kGlobal && f.text == "collections.OrderedDict") {
       if (!args.items.empty()) fail("OrderedDict is called with arguments");
-      return push(make(Kind::kDict));
+      return make(Kind::kDict);
     }
-    if (f.kind == Kind::kGlobal && f.text == "torch._utils._rebuild_tensor_v2") return push(rebuild_tensor(args.items));
-    if (f.kind == Kind::kGlobal && f.text == "torch._utils._rebuild_parameter") {
-      return push(rebuild_parameter(args.items));
-    }
+    if (f.kind == Kind::kGlobal && f.text == "torch._utils._rebuild_tensor_v2") return rebuild_tensor(args.items);
+    if (f.kind == Kind::kGlobal && f.text == "torch._utils._rebuild_parameter") return rebuild_parameter(args.items);
     if (f.kind == Kind::kGlobal && f.text == "torch.jit._pickle.restore_type_tag") {  // LibTorch's pickler
       if (args.items.size() != 2) fail("restore_type_tag takes 2 arguments");
-      return push(args.items[0]);
+      return args.items[0];
     }
-    push(make_named(Kind::kOpaque, f.text));  // e.g. a numpy array or an argparse.Namespace
+    return make_named(Kind::kOpaque, f.text);  // e.g. a numpy array or an argparse.Namespace
   }
 
   // ---------------------------------------------------------------- tensors
-  PyRef persistent_load(const PyValue& pid) {
+  PyRef persistent_load(const PyValue& pid) override {
     const auto& t = pid.items;
     if (pid.kind != Kind::kTuple || t.size() != 5 || t[0]->kind != Kind::kStr || t[0]->text != "storage" ||
         t[1]->kind != Kind::kGlobal || t[2]->kind != Kind::kStr || t[3]->kind != Kind::kStr ||
@@ -423,14 +208,8 @@ class Unpickler {
   }
 
   std::string path_;
-  const char* data_;
-  size_t size_;
-  size_t pos_ = 0, op_at_ = 0;
   StorageLoader load_storage_;
   const TorchLoadOptions& options_;
-  std::vector<PyRef> stack_;
-  std::vector<size_t> marks_;
-  std::unordered_map<uint32_t, PyRef> memo_;
   std::unordered_map<std::string, PyRef> storages_;
 };
 
@@ -540,29 +319,6 @@ std::shared_ptr<PyValue> guarded(const std::string& who, const std::string& name
 }
 
 }  // namespace
-
-std::string py_type_name(const PyValue& v) {
-  switch (v.kind) {
-    case Kind::kNone: return "None";
-    case Kind::kBool: return "bool";
-    case Kind::kInt: return "int";
-    case Kind::kFloat: return "float";
-    case Kind::kStr: return "str";
-    case Kind::kTuple: return "tuple";
-    case Kind::kList: return "list";
-    case Kind::kDict: return "dict";
-    case Kind::kTensor: return "Tensor";
-    case Kind::kStorage: return "storage";
-    case Kind::kGlobal: return "reference to " + v.text;
-    case Kind::kOpaque: return v.text;
-  }
-  return "?";
-}
-
-const PyValue* dict_find(const PyValue& d, const std::string& key) {
-  const auto it = d.str_keys.find(key);
-  return it == d.str_keys.end() ? nullptr : d.items[it->second + 1].get();
-}
 
 std::shared_ptr<PyValue> torch_load(const std::string& path) {
   const TorchLoadOptions options;

@@ -6,47 +6,25 @@
 // save: it turns every collections.OrderedDict into None (it expects one only as a tensor's empty
 // backward hooks), so loading model.state_dict() fails with "Expected GenericDict but got None"
 // (tests/checkpoint/test_pytorch_file.cpp checks that this is still so, and where). This reader
-// implements the subset of the protocol torch.save emits, checking every read against the
-// data's bounds. It executes nothing: the Python objects it rebuilds are dicts (plain and
-// OrderedDict), lists, tuples, None, bools, ints, floats, strings and tensors; any other
-// object (a class instance such as argparse.Namespace) becomes an opaque value that names its
-// Python type, an error only if a caller needs its content. LibTorch's PyTorchStreamReader
+// implements the subset of the protocol torch.save emits on the pickle machine of pickle.h,
+// which checks every read against the data's bounds. It executes nothing: the Python objects it
+// rebuilds are dicts (plain and OrderedDict), lists, tuples, None, bools, ints, floats, strings
+// and tensors; any other object (a class instance such as argparse.Namespace) becomes an opaque
+// value that names its Python type, an error only if a caller needs its content. LibTorch's PyTorchStreamReader
 // reads the zip archive.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "src/checkpoint/pickle.h"
 
 #include <memory>
 #include <string>
-#include <unordered_map>
-#include <vector>
 
 namespace fsdp {
 namespace detail {
 
-// One Python object of a torch.save file.
-struct PyValue {
-  enum class Kind { kNone, kBool, kInt, kFloat, kStr, kTuple, kList, kDict, kTensor, kStorage, kGlobal, kOpaque };
-  Kind kind = Kind::kNone;
-  int64_t integer = 0;  // kBool, kInt
-  double real = 0;      // kFloat
-  std::string text;     // kStr; kGlobal and kOpaque: the Python name, "module.qualname"
-  // kTuple, kList: the elements; kDict: key, value, key, value, ... in insertion order.
-  std::vector<std::shared_ptr<PyValue>> items;
-  at::Tensor tensor;  // kTensor; kStorage: a 1-D tensor of the storage's dtype over all of it
-  // Bookkeeping of the reader: a container stored inside another is never changed again (no
-  // cycles can form), and nesting is bounded (no deep recursion anywhere).
-  bool stored = false;
-  int depth = 0;
-  std::unordered_map<std::string, size_t> str_keys;  // kDict: string key -> index of its key in items
-};
-
-// Python's name of the value's type, for messages: "int", "str", "dict", "Tensor", or the
-// qualified name of an opaque object.
-std::string py_type_name(const PyValue& v);
-
-// The value of string key `key` of dict `d`; null when it has none.
-const PyValue* dict_find(const PyValue& d, const std::string& key);
+// The Python objects of a torch.save file are pickle.h's PyValue: dicts (plain and OrderedDict),
+// lists, tuples, None, bools, ints, floats, strings, tensors (kTensor), storages, and opaque
+// values naming their Python type; py_type_name and dict_find read them.
 
 // The object the torch.save file at `path` holds. Throws c10::Error naming `path`, and saying
 // what is wrong, on: a missing file or a directory, a file that is not a zip archive (including

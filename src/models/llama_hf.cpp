@@ -7,6 +7,7 @@
 
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 namespace fsdp {
 namespace models {
@@ -68,13 +69,55 @@ std::string architecture_of(const Reader& r) {
                               "MistralForCausalLM, Qwen2ForCausalLM");
 }
 
-// rope_parameters (transformers 5) or rope_theta + rope_scaling (the Hub's older configs).
-RopeArgs rope_of(const Reader& r) {
+// Python's truth value of a JSON value, which transformers' `rope_scaling or rope_parameters` tests.
+bool truthy(const Json& v) {
+  if (v.is_null()) return false;
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number()) return v.get<double>() != 0;
+  if (v.is_string() || v.is_array() || v.is_object()) return !v.empty();
+  return true;
+}
+
+// The rope object as transformers 5.25 completes it (standardize_rope_params): rope_type from
+// the older "type" key or "default", rope_theta from the top level or 10000, and
+// original_max_position_embeddings from max_position_embeddings for the scaled types.
+Json completed_rope(const Reader& r, Json p) {
+  if (!p.is_object()) return p;
+  if (!p.contains("rope_type")) p["rope_type"] = p.value("type", Json("default"));
+  p.erase("type");
+  if (!p.contains("rope_theta")) p["rope_theta"] = r.has("rope_theta") ? r.j.at("rope_theta") : Json(10000.0);
+  const Json& type = p.at("rope_type");
+  if (type == "llama3" || type == "yarn" || type == "longrope") {
+    if (!p.contains("original_max_position_embeddings") && r.has("max_position_embeddings"))
+      p["original_max_position_embeddings"] = r.j.at("max_position_embeddings");
+  }
+  return p;
+}
+
+// Which rope object transformers 5.25 reads (PreTrainedConfig.convert_rope_params_to_dict):
+// rope_scaling whenever it is set to anything Python counts as true, else rope_parameters, else
+// none. Where both are set and differ, `notes` is told which one is used.
+std::string rope_key_of(const Reader& r, std::vector<std::string>* notes) {
+  const bool old_style = r.j.contains("rope_scaling") && truthy(r.j.at("rope_scaling"));
+  const bool new_style = r.j.contains("rope_parameters") && truthy(r.j.at("rope_parameters"));
+  if (old_style && new_style && notes) {
+    const Json used = completed_rope(r, r.j.at("rope_scaling"));
+    const Json other = completed_rope(r, r.j.at("rope_parameters"));
+    if (used != other)
+      notes->push_back(r.path + ": rope_scaling " + used.dump() + " and rope_parameters " + other.dump() +
+                       " disagree; rope_scaling is used, as transformers' AutoConfig uses it when both are set "
+                       "(remove one of them to silence this note)");
+  }
+  return old_style ? "rope_scaling" : new_style ? "rope_parameters" : "";
+}
+
+// The rotary embeddings of rope_key_of's object: its rope_theta, else the top-level rope_theta
+// (the Hub's older configs), else 10000; its rope_type, else its older "type", else "default".
+RopeArgs rope_of(const Reader& r, std::vector<std::string>* notes) {
   RopeArgs rope;
-  const bool v5 = r.has("rope_parameters");
-  const std::string key = v5 ? "rope_parameters" : "rope_scaling";
+  const std::string key = rope_key_of(r, notes);
   rope.theta = r.number_or(r.j, "rope_theta", rope.theta);
-  if (!r.has(key)) return rope;
+  if (key.empty()) return rope;
   const Json& p = r.j.at(key);
   if (!p.is_object()) r.fail(key, "is " + p.dump() + ", not an object");
   rope.theta = r.number_or(p, "rope_theta", rope.theta);
@@ -84,13 +127,15 @@ RopeArgs rope_of(const Reader& r) {
   if (rope.type != "default" && rope.type != "llama3")
     r.fail(key + ".rope_type", "is \"" + rope.type + "\"; fsdp::models::Llama computes \"default\" and \"llama3\"");
   if (rope.type == "llama3") {
-    for (const char* field : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+    for (const char* field : {"factor", "low_freq_factor", "high_freq_factor"})
       if (!p.contains(field)) r.fail(key + "." + field, "is missing; llama3 rope scaling needs it");
     rope.factor = r.number_or(p, "factor", rope.factor);
     rope.low_freq_factor = r.number_or(p, "low_freq_factor", rope.low_freq_factor);
     rope.high_freq_factor = r.number_or(p, "high_freq_factor", rope.high_freq_factor);
-    rope.original_max_position_embeddings = static_cast<int64_t>(
-        r.number_or(p, "original_max_position_embeddings", double(rope.original_max_position_embeddings)));
+    // transformers fills a missing original_max_position_embeddings with max_position_embeddings.
+    const double original =
+        r.number_or(p, "original_max_position_embeddings", static_cast<double>(r.integer("max_position_embeddings")));
+    rope.original_max_position_embeddings = static_cast<int64_t>(original);
   }
   return rope;
 }
@@ -135,7 +180,7 @@ const char* dtype_name(at::ScalarType dtype) {
 
 }  // namespace
 
-LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len) {
+LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len, std::vector<std::string>* notes) {
   const Json j = read_json(config_path);
   const Reader r{config_path, j};
   LlamaArgs a;
@@ -151,7 +196,7 @@ LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_
   a.head_dim = r.integer_or("head_dim", a.hidden_size / a.num_attention_heads);
   a.max_position_embeddings = r.integer("max_position_embeddings");
   a.rms_norm_eps = r.number_or(j, "rms_norm_eps", a.rms_norm_eps);
-  a.rope = rope_of(r);
+  a.rope = rope_of(r, notes);
   // Qwen2's q/k/v always have biases; Llama's follow attention_bias.
   a.attention_bias = a.architecture == "Qwen2ForCausalLM" || r.flag_or("attention_bias", false);
   if (a.architecture == "Qwen2ForCausalLM" && r.has("attention_bias") && !r.flag_or("attention_bias", true))

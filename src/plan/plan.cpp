@@ -152,11 +152,15 @@ class StepReplay {
 
   RankPlan run(int rank) {
     floor();
-    for (int64_t micro = 0; micro < o_.micro_batches_; ++micro) {
-      forward(micro);
-      backward(micro);
+    if (o_.evaluation_) {
+      evaluation_forward();
+    } else {
+      for (int64_t micro = 0; micro < o_.micro_batches_; ++micro) {
+        forward(micro);
+        backward(micro);
+      }
+      optimizer_step();
     }
-    optimizer_step();
     RankPlan r;
     r.rank = rank;
     r.peak_tensor_bytes = ledger_.peak();
@@ -176,7 +180,7 @@ class StepReplay {
       states += 2 * (o_.no_shard_ ? l.unsharded_numel : l.real_numel) * 4;
     }
     r.params = {{Dtype::kFloat32, params}};
-    r.optimizer_state = {{Dtype::kFloat32, states}};
+    r.optimizer_state = {{Dtype::kFloat32, o_.evaluation_ ? 0 : states}};
     r.grads = {{Dtype::kFloat32, grad_bytes_}};
     const Staging staged = checkpoint_staging();
     r.checkpoint_staging_bytes = staged.device + staged.host;
@@ -233,6 +237,7 @@ class StepReplay {
       const int gi = static_cast<int>(g);
       if (o_.no_shard_) {
         ledger_.set(key("params", gi), gname(gi), "parameters (whole)", l.unsharded_numel * 4.0);
+        if (o_.evaluation_) continue;
         ledger_.set(key("state", gi), gname(gi), "optimizer state", 2.0 * l.unsharded_numel * 4);
         // replicate's gradients are views of its all-reduce buckets, allocated once.
         ledger_.set(key("sgrad", gi), gname(gi), "gradient buckets", l.unsharded_numel * 4.0);
@@ -240,7 +245,8 @@ class StepReplay {
         in(shards_on_host_)
             .set(key("params", gi), gname(gi), shards_on_host_ ? "sharded parameters (pinned)" : "sharded parameters",
                  l.row_numel * 4.0);
-        in(state_on_host_).set(key("state", gi), gname(gi), "optimizer state", 2.0 * l.real_numel * 4);
+        if (!o_.evaluation_)
+          in(state_on_host_).set(key("state", gi), gname(gi), "optimizer state", 2.0 * l.real_numel * 4);
       }
     }
     if (!cuda_) {
@@ -342,6 +348,34 @@ class StepReplay {
       if (last_stage_[st.group] == static_cast<int>(s) && reshards_after_forward(st.group)) reshard(st.group);
     }
     activation_bytes_ = ledger_.total_of("saved:");
+  }
+
+  // An evaluation's forward (no grad): each group gathered at its first stage (with the forward
+  // prefetch of the next), every stage at its no-grad high point beside the previous stage's
+  // output, nothing saved for a backward; the groups reshard after their last stage as in
+  // training, the root keeps its parameters.
+  void evaluation_forward() {
+    const std::string when = "evaluation forward";
+    int previous_group = -1;
+    double input = 0;  // the previous stage's output, this stage's input
+    for (size_t s = 0; s < m_.stages.size(); ++s) {
+      const StageSpec& st = m_.stages[s];
+      if (st.group != previous_group && first_stage_[st.group] == static_cast<int>(s)) {
+        unshard(st.group, when);
+        for (size_t n = s + 1; n < m_.stages.size(); ++n) {
+          if (m_.stages[n].group != st.group && first_stage_[m_.stages[n].group] == static_cast<int>(n)) {
+            issue_all_gather(m_.stages[n].group, " (forward prefetch)");
+            break;
+          }
+        }
+      }
+      previous_group = st.group;
+      const double high = st.checkpointed ? st.forward_extra_bytes : st.saved_bytes + st.forward_extra_bytes;
+      point(when + " of " + label(st.name), {{st.name, "stage input", static_cast<int64_t>(input)},
+                                             {st.name, "activations (no-grad forward)", static_cast<int64_t>(high)}});
+      input = st.output_bytes;
+      if (last_stage_[st.group] == static_cast<int>(s) && reshards_after_forward(st.group)) reshard(st.group);
+    }
   }
 
   // The group that finished forward just before g (its backward comes next): FSDP2's default
@@ -717,9 +751,16 @@ Plan plan(const ModelSpec& model, const PlanOptions& options) {
     rp.collectives = coll;
     p.ranks.push_back(std::move(rp));
   }
-  // The rates are CPU and Gloo measurements: no GPU step time is made of them.
-  if (options.device_ == Device::kCuda) p.step_time_modeled = false;
-  else step_time(model, options, coll, p);
+  // The rates are CPU and Gloo measurements: no GPU step time is made of them; an evaluation has
+  // no step.
+  if (options.evaluation_) {
+    p.step_time_modeled = false;
+    for (RankPlan& r : p.ranks) r.collectives.clear();
+  } else if (options.device_ == Device::kCuda) {
+    p.step_time_modeled = false;
+  } else {
+    step_time(model, options, coll, p);
+  }
   return p;
 }
 

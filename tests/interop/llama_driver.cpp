@@ -8,6 +8,9 @@
 //          to <out_dir>/losses-<rank>.json and the final model as a HF directory <out_dir>/final.
 //          With tp > 1 the mesh is (dp, tp): the layers split by fsdp/models/llama_parallelize.h
 //          over tp, then sharded over dp.
+//   rope   <config.json>                               the rotary embeddings read from config.json, as
+//          one JSON line {"rope_type", "rope_theta", llama3's fields, "notes": [...]}, without a
+//          process group.
 // Run it under fsdprun for more than one rank.
 #include "models/hf_checkpoint.h"
 
@@ -20,6 +23,7 @@
 #include <fsdp/models/llama_parallelize.h>
 #include <fsdp/safetensors.h>
 
+#include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
@@ -28,6 +32,7 @@
 #include <iomanip>
 #include <iostream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -110,13 +115,36 @@ void train(const std::string& hf, const std::string& batches_file, double lr, co
   fsdp::train::save_hf(out + "/final", *model, at::kFloat);
 }
 
+// The rope arguments config.json gives, for comparison with transformers' AutoConfig.
+void print_rope(const std::string& config) {
+  std::vector<std::string> notes;
+  const fsdp::models::RopeArgs rope = fsdp::models::llama_args_from_hf_config(config, 1, &notes).rope;
+  nlohmann::json j = {{"rope_type", rope.type}, {"rope_theta", rope.theta}, {"notes", notes}};
+  if (rope.type == "llama3") {
+    j["factor"] = rope.factor;
+    j["low_freq_factor"] = rope.low_freq_factor;
+    j["high_freq_factor"] = rope.high_freq_factor;
+    j["original_max_position_embeddings"] = rope.original_max_position_embeddings;
+  }
+  std::cout << j.dump() << "\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string usage =
       "usage: llama_driver logits <hf_dir> <tokens.safetensors> <out_dir> | export <hf_dir> <out_dir> <dtype> | "
-      "train <hf_dir> <batches.safetensors> <lr> <out_dir>";
+      "train <hf_dir> <batches.safetensors> <lr> <out_dir> | rope <config.json>";
   const std::string command = argc > 1 ? argv[1] : "";
+  if (command == "rope" && argc == 3) {
+    try {
+      print_rope(argv[2]);
+    } catch (const std::exception& e) {
+      std::cerr << "llama_driver: " << e.what() << "\n";
+      return 1;
+    }
+    return 0;
+  }
   if (argc != 5 && !(command == "train" && (argc == 6 || argc == 7))) {
     std::cerr << usage << "\n";
     return 2;

@@ -15,6 +15,10 @@ llama_driver.cpp) through config.json and the safetensors files.
   with the same plan;
 - eval_w2: `fsdp-train eval` at W = 2 of a save_pretrained directory prints transformers' mean
   cross-entropy over the same windows within 1e-5 relative;
+- rope_precedence: config.json with the older rope_scaling, the newer rope_parameters, both
+  agreeing and both disagreeing: the rotary embeddings read are AutoConfig's in every case (a
+  rope type not computed here is refused naming the key AutoConfig reads), and a disagreement is
+  said, naming rope_scaling as the one used;
 - bad_input: an unknown architecture, a missing field and a tensor of the wrong shape each stop
   the driver with an error naming the file and the key or tensor.
 
@@ -294,3 +298,65 @@ def test_bad_input(workdir: str):
     refused({**good, "hidden_act": "gelu"}, "config.json", "'hidden_act'")
     # The weights of another shape than config.json's model: the tensor is named.
     refused({**good, "intermediate_size": good["intermediate_size"] * 2}, "mlp.gate_proj.weight", "shape")
+
+
+ROPE_BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "max_position_embeddings": 64}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+ROPE_CASES = {
+    # name: (the config's rope keys, whether a disagreement note is expected)
+    "old style only": ({"rope_theta": 500000.0, "rope_scaling": {**LLAMA3, "type": "llama3"}}, False),
+    "old style, theta only": ({"rope_theta": 250000.0}, False),
+    "new style only": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}}, False),
+    "new style llama3": ({"rope_parameters": {**LLAMA3, "rope_theta": 500000.0}}, False),
+    "both agreeing": ({"rope_parameters": {**LLAMA3, "rope_theta": 8.0e5}, "rope_scaling": {**LLAMA3, "rope_theta": 8.0e5}},
+                      False),
+    "both agreeing, old keys": ({"rope_theta": 99.0, "rope_parameters": {"rope_type": "default", "rope_theta": 99.0},
+                                 "rope_scaling": {"type": "default"}}, False),
+    "both disagreeing": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}, "rope_scaling": LLAMA3},
+                         True),
+    "both disagreeing in theta": ({"rope_theta": 77.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1234.0},
+                                   "rope_scaling": {"rope_type": "default"}}, True),
+    "both disagreeing, new llama3": ({"rope_parameters": LLAMA3, "rope_scaling": {"rope_type": "default"}}, True),
+    "empty rope_scaling": ({"rope_scaling": {}, "rope_parameters": {**LLAMA3, "rope_theta": 3.0e5}}, False),
+    "null rope_parameters": ({"rope_theta": 42.0, "rope_parameters": None}, False),
+}
+
+
+def rope_of_autoconfig(path: str) -> dict:
+    from transformers import AutoConfig
+    p = dict(AutoConfig.from_pretrained(path).rope_parameters)
+    out = {"rope_type": p["rope_type"], "rope_theta": float(p["rope_theta"])}
+    if p["rope_type"] == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            out[key] = float(p[key])
+        out["original_max_position_embeddings"] = int(p["original_max_position_embeddings"])
+    return out
+
+
+def test_rope_precedence(workdir: str):
+    for name, (keys, disagree) in ROPE_CASES.items():
+        hf = os.path.join(workdir, name.replace(" ", "_").replace(",", ""))
+        os.makedirs(hf)
+        with open(os.path.join(hf, "config.json"), "w") as f:
+            json.dump({**ROPE_BASE, **keys}, f)
+        expected = rope_of_autoconfig(hf)
+        proc = driver(1, "rope", os.path.join(hf, "config.json"))
+        ours = json.loads(proc.stdout)
+        notes = ours.pop("notes")
+        assert ours == expected, f"{name}: ours {ours}, AutoConfig {expected}"
+        assert len(notes) == (1 if disagree else 0), f"{name}: notes {notes}"
+        if disagree:
+            assert "rope_scaling is used" in notes[0], notes[0]
+    # transformers reads the yarn rope_scaling beside a default rope_parameters: so a yarn model,
+    # which is refused by the key AutoConfig reads rather than trained as the default one.
+    hf = os.path.join(workdir, "yarn")
+    os.makedirs(hf)
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump({**ROPE_BASE, "rope_parameters": {"rope_type": "default"},
+                   "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, f)
+    assert rope_of_autoconfig(hf)["rope_type"] == "yarn"
+    proc = driver(1, "rope", os.path.join(hf, "config.json"), expect_ok=False)
+    assert proc.returncode != 0 and "key 'rope_scaling.rope_type' is \"yarn\"" in proc.stderr, proc.stderr

@@ -145,4 +145,49 @@ TEST(LlamaHf, ReadsTheHubsRopeScalingAndRefusesWhatItDoesNotComputeNamingFileAnd
   EXPECT_NE(yarn_error.find("rope_scaling.rope_type"), std::string::npos) << yarn_error;
 }
 
+// transformers 5.25 reads rope_scaling whenever it is set, even beside rope_parameters; the
+// rope_theta of the object it reads wins over the top-level one. Disagreeing objects are said.
+TEST(LlamaHf, RopeScalingWinsOverRopeParametersAsInTransformersAndADisagreementIsSaid) {
+  const std::string base =
+      R"("architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 64)";
+  const std::string llama3 =
+      R"({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})";
+  auto read = [&](const std::string& keys, std::vector<std::string>* notes) {
+    return fsdp::models::llama_args_from_hf_config(write_config("{" + base + ", " + keys + "}"), 16, notes).rope;
+  };
+  std::vector<std::string> notes;
+  // Both set, disagreeing: rope_scaling's llama3, the top-level rope_theta (rope_scaling has none),
+  // original_max_position_embeddings filled from max_position_embeddings; one note names both.
+  auto rope = read(R"("rope_theta": 77.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1234.0},
+                      "rope_scaling": )" +
+                       llama3,
+                   &notes);
+  EXPECT_EQ(rope.type, "llama3");
+  EXPECT_EQ(rope.theta, 77.0);
+  EXPECT_EQ(rope.original_max_position_embeddings, 64);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_NE(notes[0].find("rope_scaling is used"), std::string::npos) << notes[0];
+  EXPECT_NE(notes[0].find("\"rope_theta\":1234.0"), std::string::npos) << notes[0];
+  // Both set and agreeing (rope_scaling's older "type" key): no note.
+  notes.clear();
+  rope = read(R"("rope_parameters": {"rope_type": "default", "rope_theta": 99.0},
+                 "rope_scaling": {"type": "default", "rope_theta": 99.0})",
+              &notes);
+  EXPECT_EQ(rope.type, "default");
+  EXPECT_EQ(rope.theta, 99.0);
+  EXPECT_TRUE(notes.empty());
+  // An empty rope_scaling counts as unset (Python's truth value): rope_parameters is read.
+  rope = read(R"("rope_scaling": {}, "rope_parameters": )" + llama3, &notes);
+  EXPECT_EQ(rope.type, "llama3");
+  EXPECT_EQ(rope.theta, 10000.0);
+  EXPECT_TRUE(notes.empty());
+  // A yarn rope_scaling beside a default rope_parameters is the yarn model: refused, not trained as default.
+  const std::string yarn = error_of([&] {
+    read(R"("rope_parameters": {"rope_type": "default"}, "rope_scaling": {"rope_type": "yarn", "factor": 4.0})",
+         nullptr);
+  });
+  EXPECT_NE(yarn.find("key 'rope_scaling.rope_type' is \"yarn\""), std::string::npos) << yarn;
+}
+
 }  // namespace

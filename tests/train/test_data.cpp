@@ -100,6 +100,41 @@ TEST(TokenFiles, LlmcFileWithAnotherVersionOrAWrongCountIsRefusedNamingTheFile) 
   EXPECT_NE(e.find("cut short"), std::string::npos) << e;
 }
 
+// `fsdp-train plan` reads the header alone, with the trainer's checks: the same files pass, with
+// the same token count, and the same files fail, with the same message.
+TEST(TokenFiles, TheHeaderAloneIsCheckedAsTheWholeFileIs) {
+  ScratchDir dir;
+  write_token_file(dir / "own.tokens", {0, 5, 999, 3}, 1000);
+  write_token_file(dir / "wide.tokens", {70000, 1}, 100000);
+  write_bytes(dir / "train.bin", llmc_bytes({50256, 0, 17, 65535, 4}));
+  write_bytes(dir / "v2.bin", llmc_bytes({1, 2}, /*version=*/2));
+  write_bytes(dir / "short.bin", llmc_bytes({1, 2, 3}, 1, /*count=*/5));
+  write_bytes(dir / "cut.bin", llmc_bytes({}).substr(0, 100));
+  write_bytes(dir / "text.txt", "plain text, not tokens\n");
+  std::string own = "FSDPTOK";
+  own.push_back('\0');
+  write_bytes(dir / "cut.tokens", own + "\x01\x00\x00\x00\x02\x00");
+  std::string long_count;
+  {
+    std::ifstream in(dir / "own.tokens", std::ios::binary);
+    long_count.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    long_count[24] = 9;  // 9 tokens claimed, 4 present
+  }
+  write_bytes(dir / "long_count.tokens", long_count);
+  std::filesystem::create_directories(dir / "a_directory");
+  for (const std::string name : {"own.tokens", "wide.tokens", "train.bin", "v2.bin", "short.bin", "cut.bin", "text.txt",
+                                 "cut.tokens", "long_count.tokens", "a_directory", "missing.bin"}) {
+    SCOPED_TRACE(name);
+    const std::string path = dir / name;
+    const std::string whole = error_of([&] { read_token_file(path, "eval.path"); });
+    const std::string header = error_of([&] { read_token_file_header(path, "eval.path"); });
+    EXPECT_EQ(header, whole);
+    if (!whole.empty()) continue;
+    EXPECT_EQ(read_token_file_header(path).num_tokens, read_token_file(path).first.num_tokens);
+    EXPECT_EQ(read_token_file_header(path).format, read_token_file(path).first.format);
+  }
+}
+
 TEST(TokenFiles, NeitherFormatIsRefusedSayingHowToMakeOne) {
   ScratchDir dir;
   write_bytes(dir / "text.txt", "plain text, not tokens\n");

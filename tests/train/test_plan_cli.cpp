@@ -134,6 +134,32 @@ TEST(PlanCli, TheTrainersMemoryCheckCountsTheLlamasOwnParameters) {
   EXPECT_NE(r.err.find("Most of it is the decoder layers"), std::string::npos) << describe(r);
 }
 
+// The same tokens as an llm.c .bin file and as the project's own token file: the plan reads both,
+// as the trainer does, and counts the same resident bytes for them.
+TEST(PlanCli, ReadsEveryTokenFileTheTrainerReads) {
+  TempDir dir;
+  auto put = [](std::string& out, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  const uint64_t n = 5000;
+  std::string llmc, own = std::string("FSDPTOK") + '\0';
+  put(llmc, 20240520, 4), put(llmc, 1, 4), put(llmc, n, 4);
+  llmc.resize(256 * 4, '\0');
+  put(own, 1, 4), put(own, 2, 4), put(own, 64, 8), put(own, n, 8);
+  for (uint64_t i = 0; i < n; ++i) put(llmc, i % 64, 2), put(own, i % 64, 2);
+  std::ofstream(dir.path() + "/train.bin", std::ios::binary) << llmc;
+  std::ofstream(dir.path() + "/train.tokens", std::ios::binary) << own;
+  std::vector<double> peaks;
+  for (const std::string name : {"train.bin", "train.tokens"}) {
+    const nlohmann::json plan =
+        plan_json_of(2, config({"--data.source=tokens", "--data.path=" + dir.path() + "/" + name}));
+    peaks.push_back(plan["ranks"][0]["peak_tensor_bytes"].get<double>());
+  }
+  EXPECT_EQ(peaks[0], peaks[1]);
+  const nlohmann::json synthetic = plan_json_of(2, config({"--data.source=synthetic"}));
+  EXPECT_EQ(peaks[0] - synthetic["ranks"][0]["peak_tensor_bytes"].get<double>(), 8.0 * n);
+}
+
 TEST(PlanCli, RefusesWhatTheTrainerRefusesNamingTheKey) {
   std::vector<std::string> args = {"plan"};
   for (const auto& a : config({"--fsdp_config.model_parallel_size=2"})) args.push_back(a);

@@ -5,14 +5,17 @@
 #include "process_harness.h"
 #include "trainer_runs.h"
 
+#include "../file_size_limit.h"
 #include "../python_path.h"
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <regex>
 #include <string>
 #include <vector>
@@ -175,6 +178,130 @@ TEST(TrainerFaults, ResumeFromAnIncompleteCheckpointPathIsAConfigurationError) {
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_TRUE(contains(r, "training.resume: not a complete checkpoint: " + dir + "/ckpt/step_20 has no metadata.json"))
       << describe(r);
+}
+
+// model.init_from decides the architecture: a path that does not exist is named first, by the
+// trainer, its eval and the plan alike, not reported as a sequence longer than the default
+// preset's model allows.
+TEST(TrainerFaults, AnInitFromThatDoesNotExistIsNamedBeforeAnythingItWouldShape) {
+  TempDir tmp;
+  const std::string missing = tmp / "no_such_model";
+  const std::vector<std::string> args =
+      with(base_args(tmp.path(), 1), {"--model.init_from=" + missing, "--training.seq_len=4096"});
+  std::vector<std::string> eval = {"eval"}, plan = {"plan"};
+  eval.insert(eval.end(), args.begin(), args.end());
+  plan.insert(plan.end(), args.begin(), args.end());
+  plan.insert(plan.end(), {"--world", "1"});
+  for (const auto& command : {args, eval, plan}) {
+    SCOPED_TRACE(command[0]);
+    const RunResult r = trainer.run(command, {}, 60);
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_TRUE(contains(r, "model.init_from: " + missing + " does not exist")) << describe(r);
+    EXPECT_FALSE(contains(r, "seq_len")) << describe(r);
+  }
+}
+
+// Every destination the run writes is checked before the model is built: each case stops with a
+// configuration error naming the key and the path, and no step is trained (before, an export
+// that could not be written failed only after the whole run, its weights lost).
+TEST(TrainerFaults, AnOutputThatCannotBeWrittenStopsTheRunBeforeTheFirstStep) {
+  TempDir tmp;
+  const std::string file = tmp / "a_file";
+  write_text(file, "not a folder\n");
+  fs::create_directories(tmp / "a_folder");
+  const std::string llama_json = configs_dir() + "/llama/config.json";
+  struct Case {
+    std::string key, path;
+    std::vector<std::string> args;
+    std::string why;
+  };
+  const std::vector<Case> cases = {
+      {"training.export", file, {"--training.export=hf:" + file}, file + " exists and is not a folder"},
+      {"training.export",
+       file + "/model.pt",
+       {"--training.export=" + file + "/model.pt"},
+       file + "/model.pt cannot be created: " + file + " is not a folder"},
+      {"training.export",
+       "/proc/fsdp-train-export",
+       {"--training.export=/proc/fsdp-train-export/model.pt"},
+       "cannot be written: writing in /proc fails"},
+      {"training.export",
+       tmp / "a_folder",
+       {"--training.export=" + tmp / "a_folder"},
+       tmp / "a_folder is a folder, not a file"},
+      {"logging.jsonl", file, {"--logging.jsonl=" + file + "/m{rank}.jsonl"}, "is not a folder"},
+      {"logging.tensorboard_dir", file, {"--logging.tensorboard_dir=" + file}, "exists and is not a folder"},
+      {"logging.summary_json", tmp / "a_folder", {"--logging.summary_json=" + tmp / "a_folder"}, "is a folder"},
+      {"logging.trace_dir", file, {"--logging.trace=true", "--logging.trace_dir=" + file}, "is not a folder"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args[0]);
+    const std::string run = tmp / ("run" + std::to_string(&c - cases.data()));
+    std::vector<std::string> args = with(base_args(run, 3), {"--fsdp_config.checkpoint_interval=0"});
+    if (c.args[0].rfind("--training.export=hf:", 0) == 0) {
+      args = {configs_dir() + "/llama.yaml",
+              "--data.source=synthetic",
+              "--model.hf_config=" + llama_json,
+              "--training.steps=3",
+              "--training.micro_batch_size=1",
+              "--training.seq_len=32",
+              "--fsdp_config.checkpoint_interval=0",
+              "--fsdp_config.checkpoint_dir=" + run + "/ckpt",
+              "--logging.jsonl=" + run + "/m{rank}.jsonl",
+              "--logging.progress=off",
+              "--sample.length=0"};
+    }
+    args = with(args, c.args);
+    const RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
+    EXPECT_NE(r.exit_code, 0) << describe(r);
+    EXPECT_TRUE(contains(r, "configuration error: an output of the run cannot be written, found before the first step"))
+        << describe(r);
+    EXPECT_TRUE(contains(r, c.key + ": " + c.path)) << describe(r);
+    EXPECT_TRUE(contains(r, c.why)) << describe(r);
+    EXPECT_EQ(last_step_in(run + "/m0.jsonl"), 0) << describe(r);
+  }
+}
+
+// A full disk at the end: the checkpoint of the last step (which checkpoint_interval 0 would not
+// have written) goes first, the export then fails, and the error names the checkpoint, from
+// which the export is made again without training. W = 4, so that each rank's checkpoint file
+// (a quarter of the parameters and of AdamW's two moments) is smaller than the exported model;
+// the "disk" is a limit on the size of any file the run writes.
+TEST(TrainerFaults, AnExportThatFailsAtTheEndNamesTheCheckpointThatHoldsTheLastStep) {
+  TempDir tmp;
+  auto args = [&](const std::string& name) {
+    return with(base_args(tmp / name, 3),
+                {"--fsdp_config.checkpoint_interval=0", "--training.export=" + tmp / name + "/model.pt"});
+  };
+  const RunResult a = fsdprun.run(under_fsdprun(4, args("a")), {}, 240);
+  ASSERT_EQ(a.exit_code, 0) << describe(a);
+  const std::string step3 = tmp / "a/ckpt/step_3";
+  ASSERT_TRUE(fs::exists(step3 + "/metadata.json")) << "no checkpoint of the last step before the export\n"
+                                                    << describe(a);
+  const uintmax_t exported = fs::file_size(tmp / "a/model.pt");
+  uintmax_t largest = 0;
+  for (const auto& entry : fs::directory_iterator(step3)) largest = std::max(largest, fs::file_size(entry.path()));
+  ASSERT_LT(largest, exported * 85 / 100) << "the checkpoint's files must fit under the limit the export passes";
+
+  std::unique_ptr<Process> b;
+  {
+    fsdp_test::FileSizeLimit full(static_cast<rlim_t>((largest + exported) / 2));
+    b = std::make_unique<Process>(fsdprun.path(), under_fsdprun(4, args("b")));
+  }
+  const RunResult failed = b->wait(240);
+  EXPECT_EQ(failed.exit_code, 1) << describe(failed);
+  const std::string checkpoint = tmp / "b/ckpt/step_3";
+  EXPECT_TRUE(contains(failed, "training.export " + tmp / "b/model.pt failed: ")) << describe(failed);
+  EXPECT_TRUE(contains(failed, "nothing trained is lost: the checkpoint " + checkpoint + " holds step 3"))
+      << describe(failed);
+  EXPECT_TRUE(fs::exists(checkpoint + "/metadata.json")) << describe(failed);
+  EXPECT_FALSE(fs::exists(tmp / "b/model.pt"));
+
+  const RunResult again = fsdprun.run(under_fsdprun(4, with(args("b"), {"--training.resume=" + checkpoint})), {}, 240);
+  ASSERT_EQ(again.exit_code, 0) << describe(again);
+  EXPECT_TRUE(contains(again, "training already complete at step 3")) << describe(again);
+  ASSERT_TRUE(fs::exists(tmp / "b/model.pt"));
+  EXPECT_EQ(fs::file_size(tmp / "b/model.pt"), exported);
 }
 
 // Node-local disks: rank 1 runs in another directory, so the relative checkpoint_dir that rank

@@ -6,6 +6,7 @@
 #include "common/errors.h"
 #include "config/config.h"
 #include "config/read_file.h"
+#include "data/data.h"
 #include "models/model_setup.h"
 
 #include <fsdp/models/transformer.h>
@@ -33,14 +34,15 @@ namespace {
 
 const char* kPlanUsage =
     "usage: fsdp-train plan CONFIG.yaml [--section.key=value ...] [--world N] [--local-world N]\n"
-    "                       [--memory-per-rank SIZE] [--constants FILE] [--json]\n"
+    "                       [--memory-per-rank SIZE] [--constants FILE] [--eval] [--json]\n"
     "Prints, per rank, what one training step of CONFIG needs: sharded parameters, gradients and\n"
     "optimizer state, the buffers alive at the peak, the activations, the peak tensor bytes and RSS,\n"
     "the collectives, and a predicted step time. Runs nothing. With fsdp_config.device: cuda, the GPU's\n"
     "peak and the host's apart (a model; no step time). --world: the ranks (default: the config's\n"
     "fsdp_config.world_size when set). --memory-per-rank (e.g. 4GiB, 512MiB) also finds the largest\n"
     "n_layers and dim of the model that fit (peak RSS; on cuda the GPU's peak tensors). --local-world:\n"
-    "ranks per machine (default: the world).\n";
+    "ranks per machine (default: the world). --eval: what `fsdp-train eval` of CONFIG needs instead (forward\n"
+    "passes without grad over eval.path's windows; no gradients, optimizer state or step time).\n";
 
 struct PlanArgs {
   std::string config;
@@ -49,6 +51,7 @@ struct PlanArgs {
   double memory_per_rank = 0;
   std::string constants;
   bool json = false;
+  bool eval = false;  // `fsdp-train eval` rather than a training step
 };
 
 double parse_size(const std::string& s) {
@@ -95,12 +98,13 @@ PlanArgs parse(int argc, char** argv) {
     else if (is("--memory-per-rank")) a.memory_per_rank = parse_size(value("--memory-per-rank"));
     else if (is("--constants")) a.constants = value("--constants");
     else if (arg == "--json") a.json = true;
+    else if (arg == "--eval") a.eval = true;
     else if (arg == "-h" || arg == "--help") throw std::logic_error("help");
     else if (arg.rfind("--", 0) == 0 && arg.find('.') != std::string::npos) a.overrides.push_back(arg);
     else if (!arg.empty() && arg[0] == '-')
       throw ConfigError("command line: unknown option '" + arg +
                         "' (fsdp-train plan takes --world, --local-world, "
-                        "--memory-per-rank, --constants, --json and --section.key=value)");
+                        "--memory-per-rank, --constants, --eval, --json and --section.key=value)");
     else if (a.config.empty()) a.config = arg;
     else throw ConfigError("command line: a second config file '" + arg + "' (only one is read)");
   }
@@ -160,17 +164,13 @@ struct Question {
 };
 
 // data.source: tokens: the trainer reads the token file whole into an int64 tensor on every rank
-// (data.cpp); its header (tools/fsdp-train/data/data.h) says how many tokens.
-double token_file_tensor_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  unsigned char header[32] = {};
-  if (!f || !f.read(reinterpret_cast<char*>(header), sizeof header) || std::memcmp(header, "FSDPTOK", 8) != 0)
-    throw ConfigError("data.path: " + path +
-                      " is not a readable token file (the plan counts its tokens, which "
-                      "every rank keeps in memory); make one with `fsdp-train tokenize`");
-  uint64_t tokens = 0;
-  for (int i = 0; i < 8; ++i) tokens |= static_cast<uint64_t>(header[24 + i]) << (8 * i);
-  return 8.0 * static_cast<double>(tokens);
+// (data.cpp); its header, read by the trainer's own reader, says how many tokens.
+double token_file_tensor_bytes(const std::string& path, const std::string& key) {
+  try {
+    return 8.0 * static_cast<double>(read_token_file_header(path, key).num_tokens);
+  } catch (const std::runtime_error& e) {
+    throw ConfigError(key + ": " + e.what() + " (the plan counts its tokens, which every rank keeps in memory)");
+  }
 }
 
 bool variable_is(const char* name, const std::string& value) {
@@ -263,7 +263,17 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   q.activations.compute = dtype_of(precision.param);
   q.activations.checkpoint_every = f.activation_checkpointing ? f.activation_checkpointing_every : 0;
   q.activations.loss_chunks = t.loss_chunks;
-  if (cfg.data.source == "tokens") q.resident_data_bytes = token_file_tensor_bytes(cfg.data.path);
+  if (a.eval) {
+    // `fsdp-train eval` reads eval.path whole and no training data; every layer runs without
+    // grad, which is what a checkpointed layer's first forward does: its high point is the one.
+    if (cfg.eval.path.empty())
+      throw ConfigError("fsdp-train plan --eval: eval.path is empty; `fsdp-train eval` evaluates its windows");
+    q.resident_data_bytes = token_file_tensor_bytes(cfg.eval.path, "eval.path");
+    q.activations.checkpoint_every = 1;
+    q.options.evaluation(true);
+  } else if (cfg.data.source == "tokens") {
+    q.resident_data_bytes = token_file_tensor_bytes(cfg.data.path, "data.path");
+  }
   // The tp ranks of one dp rank train on the same rows.
   q.activations.global_rows =
       static_cast<int64_t>(a.world / f.model_parallel_size) * t.gradient_accumulation_steps * t.micro_batch_size;
@@ -445,6 +455,7 @@ std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& 
     << ", loss in " << act.loss_chunks << " piece(s)"
     << ", " << optimizer_name(q.options.optimizer_) << (on_gpu(q) ? ", device cuda" : "") << offload_described(q)
     << (q.sharding.output_head_group ? ", output head group" : "") << ", collectives on " << q.backend;
+  if (q.options.evaluation_) s << "; the evaluation (fsdp-train eval), not a training step";
   return s.str();
 }
 
@@ -515,7 +526,9 @@ void print_text(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
     i = j;
   }
   const auto& coll = p.ranks.front().collectives;
-  if (coll.empty()) {
+  if (q.options.evaluation_) {
+    s << "evaluation: each batch all-gathers every group once; no step time is modelled\n";
+  } else if (coll.empty()) {
     s << "collectives per step: none (nothing to gather or reduce at this world size)\n";
   } else {
     s << "collectives per step (bytes: the whole gathered / reduced buffers):\n";
@@ -523,7 +536,9 @@ void print_text(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
       s << "  " << c.group << ": " << c.kind << " on the " << c.mesh << " mesh x" << c.count << ", "
         << (gpu ? kib_or_mib(c.bytes) : mib(c.bytes)) << "\n";
   }
-  if (!p.step_time_modeled) {
+  if (q.options.evaluation_) {
+    // said with the collectives above
+  } else if (!p.step_time_modeled) {
     s << "step time: not modelled for GPUs (the planner's rates are CPU and Gloo measurements); measure it with "
          "fsdp-train on the GPU\n";
   } else {

@@ -20,13 +20,19 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 namespace models {
 
-/// Reads `config_path` (a config.json). The rotary embeddings come from transformers 5's
-/// "rope_parameters" or the older "rope_theta" + "rope_scaling" (rope_type or type "default" or
-/// "llama3"). seq_len is the longest sequence the caller will run, checked against a Mistral
+/// Reads `config_path` (a config.json). The rotary embeddings are read as transformers 5.25's
+/// AutoConfig reads them: the older "rope_scaling" when it is set (not null, not empty), else
+/// "rope_parameters"; the type from its "rope_type", else its older "type", else "default"
+/// ("default" and "llama3" are computed); the base from its "rope_theta", else the top-level
+/// "rope_theta", else 10000; a llama3 "original_max_position_embeddings" from
+/// max_position_embeddings when missing. Where both objects are set and differ, a line saying
+/// which one is used (rope_scaling, as transformers does) is appended to `notes` (when given).
+/// seq_len is the longest sequence the caller will run, checked against a Mistral
 /// sliding_window. Not collective; reads one file.
 /// Throws c10::Error naming the file and the key on: an unreadable file or one that is not a JSON
 /// object; "architectures" missing or naming another model; a required field missing or of the
@@ -34,7 +40,8 @@ namespace models {
 /// num_attention_heads, max_position_embeddings); an option the decoder does not compute
 /// (hidden_act other than silu, mlp_bias, another rope type, a sliding window shorter than
 /// seq_len, Qwen2's use_sliding_window); and what LlamaArgs::check throws.
-LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len);
+LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len,
+                                    std::vector<std::string>* notes = nullptr);
 
 /// The config.json of `args` (with "dtype" and "torch_dtype" naming `dtype`: float32, bfloat16 or
 /// float16) that transformers' AutoConfig reads back into the same model. Throws c10::Error for

@@ -111,7 +111,7 @@ struct FsdpConfig {
   // the logits; model.vocab_size must be divisible by k. false keeps both whole on every tp rank.
   // Without tensor parallelism there is nothing to split, and either value trains the same.
   bool vocab_parallel = true;
-  int64_t checkpoint_interval = 0;  // save every N steps; 0 = only the final export
+  int64_t checkpoint_interval = 0;  // save every N steps; 0 = only the last step, before an export
   // Created if needed and checked for writing at start-up (rank 0), before any training.
   std::string checkpoint_dir = "./checkpoints";
   // How checkpoint_dir/step_<N> is written: fsdp = the project's own format (fsdp/checkpoint.h:

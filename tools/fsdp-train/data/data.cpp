@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <string_view>
 
 namespace fsdp {
 namespace train {
@@ -120,16 +122,17 @@ std::string token_file_bytes(const std::string& path, const std::string& key) {
                           path + ": reading the token file failed (" + key + ")"});
 }
 
-bool is_llmc(const std::string& bytes) {
-  return bytes.size() >= 4 && get<uint32_t>(reinterpret_cast<const unsigned char*>(bytes.data())) == kLlmcMagic;
+bool is_llmc(std::string_view head) {
+  return head.size() >= 4 && get<uint32_t>(reinterpret_cast<const unsigned char*>(head.data())) == kLlmcMagic;
 }
 
-// llm.c's header: version 1, and a token count that matches the file's size.
-TokenFileHeader checked_llmc_header(const std::string& path, const std::string& bytes) {
-  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
-  if (bytes.size() < kLlmcHeaderBytes)
+// llm.c's header (from `head`, the file's first bytes): version 1, and a token count that matches
+// the file's size. The vocabulary is left 0: the file records none.
+TokenFileHeader checked_llmc_header(const std::string& path, std::string_view head, uint64_t file_size) {
+  const auto* p = reinterpret_cast<const unsigned char*>(head.data());
+  if (file_size < kLlmcHeaderBytes || head.size() < kLlmcHeaderBytes)
     throw std::runtime_error(path + ": an llm.c token file (magic 20240520) cut short: its header needs " +
-                             std::to_string(kLlmcHeaderBytes) + " bytes, the file has " + std::to_string(bytes.size()));
+                             std::to_string(kLlmcHeaderBytes) + " bytes, the file has " + std::to_string(file_size));
   TokenFileHeader h;
   h.format = TokenFileFormat::kLlmc;
   h.version = get<uint32_t>(p + 4);
@@ -138,7 +141,7 @@ TokenFileHeader checked_llmc_header(const std::string& path, const std::string& 
   if (h.version != 1)
     throw std::runtime_error(path + ": llm.c token file version " + std::to_string(h.version) +
                              " (this build reads version 1: uint16 ids)");
-  const uint64_t payload = bytes.size() - kLlmcHeaderBytes;
+  const uint64_t payload = file_size - kLlmcHeaderBytes;
   if (h.num_tokens * 2 != payload)
     throw std::runtime_error(path + ": the llm.c header's token count (int32 2) is " + std::to_string(h.num_tokens) +
                              " uint16 tokens but the file has " + std::to_string(payload) +
@@ -147,7 +150,7 @@ TokenFileHeader checked_llmc_header(const std::string& path, const std::string& 
 }
 
 std::pair<TokenFileHeader, at::Tensor> read_llmc(const std::string& path, const std::string& bytes) {
-  TokenFileHeader h = checked_llmc_header(path, bytes);
+  TokenFileHeader h = checked_llmc_header(path, bytes, bytes.size());
   at::Tensor ids = at::empty({static_cast<int64_t>(h.num_tokens)}, at::TensorOptions().dtype(at::kLong));
   int64_t* out = ids.data_ptr<int64_t>();
   const unsigned char* q = reinterpret_cast<const unsigned char*>(bytes.data()) + kLlmcHeaderBytes;
@@ -161,18 +164,18 @@ std::pair<TokenFileHeader, at::Tensor> read_llmc(const std::string& path, const 
   return {h, ids};
 }
 
-// The header's fields, checked against each other and the file's size without overflowing
-// (a damaged header can hold any 64-bit value).
-TokenFileHeader checked_header(const std::string& path, const std::string& bytes) {
-  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
-  if (bytes.size() < 8 || std::memcmp(p, kMagic, 8) != 0)
+// The header's fields (from `head`, the file's first bytes), checked against each other and the
+// file's size without overflowing (a damaged header can hold any 64-bit value).
+TokenFileHeader checked_header(const std::string& path, std::string_view head, uint64_t file_size) {
+  const auto* p = reinterpret_cast<const unsigned char*>(head.data());
+  if (head.size() < 8 || std::memcmp(p, kMagic, 8) != 0)
     throw std::runtime_error(path +
                              ": not a token file (neither an FSDPTOK header nor llm.c's magic 20240520); make one "
                              "with `fsdp-train tokenize` or tools/pretokenize.py");
   // The magic is there: a token file whose header was cut short (a copy that stopped early).
-  if (bytes.size() < kHeaderBytes)
+  if (head.size() < kHeaderBytes)
     throw std::runtime_error(path + ": the token file is truncated: its header needs " + std::to_string(kHeaderBytes) +
-                             " bytes, the file has " + std::to_string(bytes.size()) +
+                             " bytes, the file has " + std::to_string(file_size) +
                              "; copy it again or remake it with `fsdp-train tokenize`");
   TokenFileHeader h;
   h.version = get<uint32_t>(p + 8);
@@ -188,7 +191,7 @@ TokenFileHeader checked_header(const std::string& path, const std::string& bytes
     throw std::runtime_error(path + ": the header's vocabulary size (offset 16) is " + std::to_string(h.vocab_size) +
                              "; expected 1 to " + std::to_string(max_vocab) + " for " + std::to_string(h.token_bytes) +
                              "-byte ids (a damaged header?)");
-  const uint64_t payload = bytes.size() - kHeaderBytes;
+  const uint64_t payload = file_size - kHeaderBytes;
   if (h.num_tokens > payload / h.token_bytes || h.num_tokens * h.token_bytes != payload)
     throw std::runtime_error(path + ": the header's token count (offset 24) is " + std::to_string(h.num_tokens) +
                              " tokens of " + std::to_string(h.token_bytes) + " bytes but the file has " +
@@ -196,12 +199,29 @@ TokenFileHeader checked_header(const std::string& path, const std::string& bytes
   return h;
 }
 
+// The first `n` bytes of the file (fewer when it is shorter) and its size, with the messages
+// token_file_bytes gives.
+std::pair<std::string, uint64_t> token_file_head(const std::string& path, const std::string& key, size_t n) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::runtime_error(path + ": is a directory, not a token file (" + key + ")");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error(path + ": cannot open the token file (" + key + ")");
+  std::string head(n, '\0');
+  f.read(&head[0], static_cast<std::streamsize>(n));
+  if (f.bad()) throw std::runtime_error(path + ": reading the token file failed (" + key + ")");
+  head.resize(static_cast<size_t>(f.gcount()));
+  const uint64_t size = std::filesystem::file_size(path, ec);
+  if (ec) throw std::runtime_error(path + ": reading the token file failed (" + key + "): " + ec.message());
+  return {head, size};
+}
+
 }  // namespace
 
 std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path, const std::string& key) {
   const std::string bytes = token_file_bytes(path, key);
   if (is_llmc(bytes)) return read_llmc(path, bytes);
-  const TokenFileHeader h = checked_header(path, bytes);
+  const TokenFileHeader h = checked_header(path, bytes, bytes.size());
   at::Tensor ids = at::empty({static_cast<int64_t>(h.num_tokens)}, at::TensorOptions().dtype(at::kLong));
   int64_t* out = ids.data_ptr<int64_t>();
   const unsigned char* q = reinterpret_cast<const unsigned char*>(bytes.data()) + kHeaderBytes;
@@ -213,6 +233,11 @@ std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path, 
     out[i] = static_cast<int64_t>(id);
   }
   return {h, ids};
+}
+
+TokenFileHeader read_token_file_header(const std::string& path, const std::string& key) {
+  const auto [head, size] = token_file_head(path, key, std::max(kHeaderBytes, kLlmcHeaderBytes));
+  return is_llmc(head) ? checked_llmc_header(path, head, size) : checked_header(path, head, size);
 }
 
 void check_ids_below(const std::string& path, const at::Tensor& ids, int64_t vocab_size) {

@@ -54,6 +54,12 @@ void write_token_file(const std::string& path, const std::vector<uint32_t>& ids,
 // eval.path), for the messages.
 std::pair<TokenFileHeader, at::Tensor> read_token_file(const std::string& path, const std::string& key = "data.path");
 
+// The header of a token file in either format, checked as read_token_file checks it (the token
+// count against the file's size included) but without reading the ids: what `fsdp-train plan`
+// needs. An llm.c file's vocab_size is 0 here (the file records none; read_token_file takes the
+// largest id + 1). Throws what read_token_file throws for a header.
+TokenFileHeader read_token_file_header(const std::string& path, const std::string& key = "data.path");
+
 // Throws ConfigError naming `path`, the first token at or above `vocab_size`, its position and
 // model.vocab_size: a model cannot embed an id beyond its vocabulary.
 void check_ids_below(const std::string& path, const at::Tensor& ids, int64_t vocab_size);

@@ -95,34 +95,21 @@ bool is_hf_model_dir(const std::string& dir) {
   return fs::is_directory(dir, ec) && fs::exists(fs::path(dir) / "config.json", ec);
 }
 
-ShardedStateDict read_hf_weights(const std::string& dir, models::LlamaImpl& model) {
+void load_hf_weights(const std::string& dir, models::LlamaImpl& model) {
   const ShardedStateDict wanted = hf_state_dict(model);
   const std::map<std::string, at::ScalarType> stored = directory_dtypes(dir);
-  // Read each tensor in the dtype it is stored in, then convert.
-  ShardedStateDict like;
   for (const auto& item : wanted) {
-    auto it = stored.find(item.key());
-    TORCH_CHECK(it != stored.end(), dir, ": tensor '", item.key(),
+    TORCH_CHECK(stored.count(item.key()), dir, ": tensor '", item.key(),
                 "' is missing; config.json's model has it (is this directory the model config.json describes?)");
-    like.insert(item.key(), with_dtype(item.value(), it->second));
   }
   for (const auto& [name, dtype] : stored) {
     (void)dtype;
     TORCH_CHECK(wanted.find(name), dir, ": tensor '", name, "' is not a parameter of the model config.json describes",
                 model.args().tie_word_embeddings && name == kTiedHead ? " (tie_word_embeddings is true)" : "");
   }
-  const ShardedStateDict loaded = load_safetensors(dir, like);
-  ShardedStateDict converted;
-  for (const auto& item : loaded) {
-    converted.insert(item.key(), with_dtype(item.value(), wanted.find(item.key())->scalar_type()));
-  }
-  return converted;
-}
-
-void load_hf_weights(const std::string& dir, models::LlamaImpl& model) {
-  const ShardedStateDict converted = read_hf_weights(dir, model);
-  // The tied head is the embedding's tensor: loading the embedding loads it.
-  load_sharded_state_dict(model, converted, /*strict=*/!model.args().tie_word_embeddings);
+  // Each tensor read in the dtype it is stored in and converted into its parameter before the
+  // next is read. The tied head is the embedding's tensor: loading the embedding loads it.
+  load_safetensors_into(dir, wanted, SafetensorsOptions().convert_dtype(true));
 }
 
 void save_hf(const std::string& dir, models::LlamaImpl& model, at::ScalarType dtype) {

@@ -18,17 +18,16 @@ bool is_hf_model_dir(const std::string& dir);
 
 // Loads the weights of the Hugging Face directory `dir` (model.safetensors, or the files of
 // model.safetensors.index.json) into `model`, already built from dir/config.json and sharded
-// (fully_shard and/or tp): each rank reads only the byte ranges of its own pieces. Tensors
-// stored as bf16, fp16 or fp32 are converted to the parameters' dtype. With tied embeddings the
-// file holds model.embed_tokens.weight only (as transformers writes it), and lm_head.weight is
-// the same tensor. Not collective (file reads only); on error nothing has been written into the
-// model. Throws c10::Error naming the file and the tensor on a missing or unexpected tensor, a
-// shape that differs from config.json's model, or an unsupported dtype.
+// (fully_shard and/or tp): each rank reads only the byte ranges of its own pieces, one tensor at
+// a time, straight into its parameters (fsdp::load_safetensors_into), so that loading takes no
+// memory beside the model's but the tensor being read. Tensors stored as bf16, fp16 or fp32 are
+// converted to the parameters' dtype. With tied embeddings the file holds
+// model.embed_tokens.weight only (as transformers writes it), and lm_head.weight is the same
+// tensor. Not collective (file reads only). Throws c10::Error naming the file and the tensor on
+// a missing or unexpected tensor (before anything is written), a shape that differs from
+// config.json's model, an unsupported dtype or an unreadable file (the tensors before it are
+// then written: callers that must agree across ranks check afterwards and stop together).
 void load_hf_weights(const std::string& dir, models::LlamaImpl& model);
-// What load_hf_weights loads, read and converted but not yet written into the model (for callers
-// that agree across ranks first): load it with load_sharded_state_dict, strict unless tied.
-// Throws what load_hf_weights throws.
-ShardedStateDict read_hf_weights(const std::string& dir, models::LlamaImpl& model);
 
 // Writes `model` as a Hugging Face directory under `dir`: config.json (rank 0), one safetensors
 // file per rank and model.safetensors.index.json, every tensor in `dtype` (float32, bfloat16 or

@@ -10,6 +10,7 @@
 #include <fsdp/state_dict.h>
 
 #include <filesystem>
+#include <set>
 #include <stdexcept>
 #include <vector>
 
@@ -69,24 +70,28 @@ TensorStateDict init_state_dict(const std::string& path, std::vector<std::string
   throw std::runtime_error("model.init_from " + path + ": " + problem);
 }
 
-// Each rank reads its own rows and checks them; the ranks agree before any weight is replaced,
-// so that all stop together when one rank's rows are unreadable or not finite.
+// Each rank reads its own rows straight into its shards, a tensor at a time (the file's copy of
+// the weights never sits beside the model's), and checks them; the ranks then agree, so that
+// all stop together before training when one rank's rows are unreadable or not finite.
 void load_safetensors_rows(const std::string& path, torch::nn::Module& model) {
-  ShardedStateDict loaded;
   std::string problem;
   auto* llama = dynamic_cast<models::LlamaImpl*>(&model);
-  const bool hf = llama && is_hf_model_dir(path);
   try {
-    loaded = hf ? read_hf_weights(path, *llama) : load_safetensors(path, sharded_state_dict(model));
+    if (llama && is_hf_model_dir(path)) {
+      load_hf_weights(path, *llama);
+    } else {
+      load_safetensors_into(path, sharded_state_dict(model));
+    }
     TensorStateDict local;
-    for (const auto& item : loaded) local.insert(item.key(), item.value().to_local());
+    std::set<const c10::TensorImpl*> seen;  // a tied head is the embedding's tensor: checked once
+    for (const auto& item : sharded_state_dict(model))
+      if (seen.insert(item.value().to_local().unsafeGetTensorImpl()).second)
+        local.insert(item.key(), item.value().to_local());
     problem = non_finite_problem(local, " in this rank's rows");
   } catch (const std::exception& e) {
     problem = error_text(e);
   }
   throw_unless_every_rank_ok(problem, "model.init_from " + path);
-  // A tied head is the embedding's tensor, absent from a Hugging Face directory.
-  load_sharded_state_dict(model, loaded, /*strict=*/!(hf && llama->args().tie_word_embeddings));
 }
 
 }  // namespace

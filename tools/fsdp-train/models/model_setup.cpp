@@ -20,6 +20,7 @@
 
 #include <torch/utils.h>
 
+#include <filesystem>
 #include <optional>
 #include <set>
 
@@ -240,6 +241,13 @@ void check_llama_supported(const TrainConfig& cfg) {
 }
 
 bool is_llama(const ModelConfig& m) {
+  // init_from decides the architecture and shapes the model: a path that does not exist is said
+  // first, rather than as a size error against the default preset's model.
+  std::error_code ec;
+  if (!m.init_from.empty() && !std::filesystem::exists(m.init_from, ec))
+    throw ConfigError("model.init_from: " + terminal_safe(m.init_from) +
+                      " does not exist; give a torch.save file, a safetensors directory or a Hugging Face model "
+                      "directory");
   if (m.architecture == "transformer" && !m.init_from.empty() && is_hf_model_dir(m.init_from))
     throw ConfigError("model.init_from " + m.init_from +
                       " is a Hugging Face model directory (it has config.json), which is a Llama-family model, "
@@ -247,7 +255,9 @@ bool is_llama(const ModelConfig& m) {
   return m.architecture == "llama" || (m.architecture.empty() && !m.init_from.empty() && is_hf_model_dir(m.init_from));
 }
 
-models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len) {
+namespace {
+
+models::LlamaArgs read_llama_config(const ModelConfig& m, int64_t seq_len, std::vector<std::string>* notes) {
   std::string path = m.hf_config;
   if (path.empty() && !m.init_from.empty() && is_hf_model_dir(m.init_from)) path = m.init_from + "/config.json";
   if (path.empty())
@@ -255,10 +265,22 @@ models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len) {
         "model.architecture llama needs its shape from a Hugging Face config.json: set model.hf_config "
         "to one, or model.init_from to a Hugging Face model directory");
   try {
-    return models::llama_args_from_hf_config(path, seq_len);
+    return models::llama_args_from_hf_config(path, seq_len, notes);
   } catch (const c10::Error& e) {
     throw ConfigError(e.msg());
   }
+}
+
+}  // namespace
+
+models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len) {
+  return read_llama_config(m, seq_len, nullptr);
+}
+
+std::vector<std::string> llama_config_notes(const ModelConfig& m) {
+  std::vector<std::string> notes;
+  if (is_llama(m)) read_llama_config(m, 0, &notes);
+  return notes;
 }
 
 // The Llama's sizes where the trainer's checks and reports read the Transformer's.

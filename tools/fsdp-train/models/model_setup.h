@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 namespace train {
@@ -24,7 +25,8 @@ namespace train {
 // n_heads) from its config.json.
 models::ModelArgs model_args_of(const ModelConfig& m);
 // Whether the configuration trains the Llama family: model.architecture llama, or a Hugging Face
-// directory (with config.json) as model.init_from.
+// directory (with config.json) as model.init_from. Throws ConfigError naming model.init_from when
+// it names a path that does not exist (before any check that the model it would shape fails).
 bool is_llama(const ModelConfig& m);
 // What the trainer does with the Transformer and not (yet) with the Llama family (NO_SHARD,
 // activation checkpointing, an output head group): throws ConfigError naming the key. The trainer
@@ -33,6 +35,9 @@ void check_llama_supported(const TrainConfig& cfg);
 // The config.json that shapes a Llama: model.hf_config, else init_from's. Throws ConfigError when
 // neither names one, and (naming the file and key) what llama_args_from_hf_config throws.
 models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len);
+// What reading the Llama's config.json decided that the file does not say plainly (which of two
+// disagreeing rope objects is used), one line each; none for the Transformer.
+std::vector<std::string> llama_config_notes(const ModelConfig& m);
 // training.seq_len, or the model's max_seq_len when unset. Throws ConfigError naming where both
 // values come from when it is longer than max_seq_len, or when loss_chunks exceeds it.
 int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a);

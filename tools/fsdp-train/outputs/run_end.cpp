@@ -12,7 +12,12 @@
 
 #include <ATen/Parallel.h>
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 
 namespace fsdp {
@@ -106,7 +111,77 @@ RunShape run_shape(const TrainConfig& cfg, const models::ModelArgs& args, const 
   return s;
 }
 
+// Whether `path`, a folder (is_dir) or a file, can be written by this process, without creating
+// or changing it: it is a folder or a file as expected, and the folder that will hold it (itself
+// or the nearest existing folder above it, where the run would create the rest) takes a probe
+// file, written and removed. "" when it can; otherwise why not.
+std::string unwritable(const std::string& path, bool is_dir, int rank) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(path);
+  if (fs::exists(p, ec)) {
+    if (is_dir && !fs::is_directory(p, ec)) return path + " exists and is not a folder";
+    if (!is_dir && fs::is_directory(p, ec)) return path + " is a folder, not a file";
+  }
+  fs::path folder = is_dir ? p : p.parent_path();
+  if (folder.empty()) folder = ".";
+  while (!fs::exists(folder, ec) && folder.has_parent_path() && folder.parent_path() != folder)
+    folder = folder.parent_path();
+  if (!fs::is_directory(folder, ec)) return path + " cannot be created: " + folder.string() + " is not a folder";
+  const fs::path probe = folder / (".fsdp-train-probe-" + std::to_string(::getpid()) + "-" + std::to_string(rank));
+  bool written = false;
+  {
+    std::ofstream f(probe);
+    written = static_cast<bool>(f << "probe\n" << std::flush);
+  }
+  const int err = errno;
+  fs::remove(probe, ec);
+  if (!written)
+    return path + " cannot be written: writing in " + folder.string() + " fails (" + std::strerror(err) + ")";
+  if (!is_dir && fs::exists(p, ec) && ::access(path.c_str(), W_OK) != 0)
+    return path + " cannot be written (" + std::strerror(errno) + ")";
+  return "";
+}
+
 }  // namespace
+
+bool writes_export(const TrainConfig& cfg) { return !resolved_export_path(cfg).empty(); }
+
+std::string export_destination(const TrainConfig& cfg) { return resolved_export_path(cfg); }
+
+void check_output_destinations(const TrainConfig& cfg) {
+  const int rank = get_rank();
+  // key, path, folder (or file), and whether this rank writes it.
+  struct Destination {
+    std::string key, path;
+    bool is_dir, mine;
+  };
+  std::vector<Destination> all;
+  const std::string e = resolved_export_path(cfg);
+  if (!e.empty()) {
+    // safetensors and Hugging Face exports: a folder every rank writes its file into.
+    const bool folder = is_hf_export(cfg) || ends_with(e, ".safetensors");
+    all.push_back({"training.export", e, folder, folder || rank == 0});
+  }
+  const std::string jsonl = jsonl_path_for_rank(cfg.logging.jsonl, rank);
+  if (!jsonl.empty()) all.push_back({"logging.jsonl", jsonl, false, true});
+  if (!cfg.logging.tensorboard_dir.empty())
+    all.push_back({"logging.tensorboard_dir", cfg.logging.tensorboard_dir, true, rank == 0});
+  if (!cfg.logging.summary_json.empty())
+    all.push_back({"logging.summary_json", cfg.logging.summary_json, false, rank == 0});
+  if (cfg.logging.trace) all.push_back({"logging.trace_dir", cfg.logging.trace_dir, true, true});
+  std::string problem;
+  for (const Destination& d : all) {
+    if (!d.mine) continue;
+    const std::string why = unwritable(d.path, d.is_dir, rank);
+    if (!why.empty()) problem += (problem.empty() ? "" : "; ") + d.key + ": " + why;
+  }
+  try {
+    throw_unless_every_rank_ok(problem, "an output of the run cannot be written, found before the first step");
+  } catch (const std::runtime_error& error) {
+    throw ConfigError(error.what());
+  }
+}
 
 std::vector<CollectiveStats> mesh_dim_stats(const DeviceMesh& mesh) {
   std::vector<CollectiveStats> by_dim;

@@ -54,6 +54,19 @@ void write_summary(const TrainConfig& cfg, const models::ModelArgs& args, const 
 // print ("" when tracing is off).
 std::string write_trace(const TrainConfig& cfg, int rank);
 
+// Collective over the world, at start-up, before the model is built: every place a training run
+// writes besides fsdp_config.checkpoint_dir (RunCheckpoints::check_dir's) is checked by each rank
+// that writes it: training.export, logging.jsonl, logging.tensorboard_dir, logging.summary_json
+// and, with logging.trace, logging.trace_dir. A folder must be one (or creatable), a file must not
+// be a folder, and the folder that will hold it (or the nearest existing one above it) must take
+// a probe file, written and removed; nothing else is created. Throws ConfigError on every rank
+// naming each key, path and rank that cannot be written.
+void check_output_destinations(const TrainConfig& cfg);
+
+// Whether export_and_sample writes anything (training.export other than none), and where.
+bool writes_export(const TrainConfig& cfg);
+std::string export_destination(const TrainConfig& cfg);
+
 // Collective over the world: training.export (.safetensors: written by every rank from its
 // shards; hf or hf:<dir>: a Hugging Face directory of a Llama, every rank writing its file;
 // otherwise one PyTorch file written by rank 0), then rank 0's sample, its text that of

@@ -50,6 +50,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <iomanip>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -180,9 +181,11 @@ void Run::set_up() {
   }
 
   join_job(env);
+  for (const std::string& note : llama_config_notes(cfg_.model)) print("fsdp-train: note: " + terminal_safe(note));
   checkpoints_ = std::make_unique<RunCheckpoints>(cfg_, run_identity(cfg_, args_),
                                                   [this](const std::string& line) { print(line); });
   checkpoints_->check_dir();
+  if (mode_ == RunMode::kTrain) check_output_destinations(cfg_);  // not hours later, at the end
   pm_ = parallelize_model(cfg_, args_, precision_, env.local_world_size);
   load_initial_weights(cfg_, pm_.module(), [this](const std::string& line) { print(line); });
   optimizer_ = optimizer_of(cfg_, pm_.parameters(), pm_.mesh.device());
@@ -283,6 +286,15 @@ int Run::evaluate_only(const TrainerCounters& resumed) {
   print("eval: weights: " + weights);
   print("eval: " + evaluation_->describe() + " on " + std::to_string(world_) + " rank(s)");
   print("eval loss: " + eval_loss_text(evaluate()));
+  // Every rank's peak resident memory and peak tensors, as the training summary gives them.
+  const std::vector<double> peaks =
+      all_gather_numbers({memory::peak_rss_bytes() / kMiB, tensor_memory(pm_.mesh).peak_mib});
+  std::ostringstream line;
+  line << std::fixed << std::setprecision(1) << "eval: peak RSS per rank";
+  for (int q = 0; q < world_; ++q) line << (q ? ", " : " ") << peaks[2 * q] << " MiB";
+  line << "; peak tensors per rank";
+  for (int q = 0; q < world_; ++q) line << (q ? ", " : " ") << peaks[2 * q + 1] << " MiB";
+  print(line.str());
   return kExitOk;
 }
 
@@ -501,7 +513,11 @@ int Run::stop(int64_t step, StepVerdict verdict, const StepVotes& votes) {
 }
 
 void Run::finish(int64_t last_step) {
-  if (final_save_needed(cfg_.fsdp_config.checkpoint_interval, checkpoints_->last_saved_step(), last_step))
+  // Without a checkpoint of the last step the export would be the only copy of what was trained:
+  // the checkpoint is written first, so that an export that fails (a full disk) loses nothing.
+  const bool export_only_copy = writes_export(cfg_) && checkpoints_->last_saved_step() != last_step;
+  if (export_only_copy ||
+      final_save_needed(cfg_.fsdp_config.checkpoint_interval, checkpoints_->last_saved_step(), last_step))
     checkpoints_->save(last_step, state(), counters());
   checkpoints_->wait();
   if (checkpoints_->last_saved_step() == last_step) print("checkpoint: " + checkpoints_->last_saved_dir());
@@ -512,7 +528,16 @@ void Run::finish(int64_t last_step) {
     record_.tokens_per_step = tokens_per_step();
     write_summary(cfg_, args_, pm_, precision_, record_, rank_ == 0 ? console_.get() : nullptr);
   }
-  export_and_sample(cfg_, args_, pm_, tokenizer_.get(), [this](const std::string& line) { print(line); });
+  try {
+    export_and_sample(cfg_, args_, pm_, tokenizer_.get(), [this](const std::string& line) { print(line); });
+  } catch (const std::exception& e) {
+    if (checkpoints_->last_saved_step() != last_step) throw;
+    throw std::runtime_error("training.export " + export_destination(cfg_) + " failed: " + error_text(e) +
+                             "; nothing trained is lost: the checkpoint " + checkpoints_->last_saved_dir() +
+                             " holds step " + std::to_string(last_step) +
+                             ". Free the space or fix the destination, then run again with --training.resume=" +
+                             checkpoints_->last_saved_dir() + ": it exports without training");
+  }
 }
 
 }  // namespace
