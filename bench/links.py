@@ -42,8 +42,9 @@ What each cell reports (table.md, and the raw files beside it):
                           of every gradient) x (W-1)/W; HSDP (H hosts): the all-reduce of every
                           gradient across the hosts, 2 (H-1)/H of it (fp32 throughout);
   limit s                 max(compute, algorithm bytes / link rate), compute = ours' step on the
-                          bridge without tbf ("none", only the cable) in the same layout;
-  step / limit            how far from the physical limit;
+                          link without tbf ("none": only the cable) in the same layout (median);
+  step / limit            how far from the physical limit: per pair, the step / max(ours' step
+                          without tbf in the same pair, bytes / rate), median over the pairs;
   exposed s               ours: the time its training thread waited for all-gathers,
                           reduce-scatters and all-reduces (fsdp-train's summary: *_wait_s_per_rank,
                           run totals / steps, mean over ranks); both: step - compute of the same
@@ -224,6 +225,8 @@ def run_on_hosts(a, hosts: Hosts, side: Side, layout: str, steps: int, name: str
     env = host_env(side)
     argvs = [peer_argv(a, layout, steps, i, port, json_out) if side.is_peer
              else ours_argv(a, side, layout, steps, i, port, json_out, run_dir) for i in range(HOSTS)]
+    if a.nice:
+        argvs = [["nice", "-n", str(a.nice), *argv] for argv in argvs]
     before = [hosts.interface_counters(i) for i in range(HOSTS)]
     load_before = load_average()
     logs = [open(os.path.join(a.out, f"{name}.h{i}.log"), "w") for i in range(HOSTS)]
@@ -318,25 +321,30 @@ def make_hosts(a) -> Hosts:
 
 
 def run_all(a, sides: list[Side]) -> None:
-    cells = load_json(os.path.join(a.out, "cells.json")) if os.path.exists(os.path.join(a.out, "cells.json")) else {}
+    """Per layout one set of hosts; per pair every rate in turn (the tbf limit changed between
+    runs), each side once at each rate, in ABBA order, so that every cell of a pair, the compute
+    reference at "none" included, is measured in the same few minutes of the machine's load."""
+    path = os.path.join(a.out, "cells.json")
+    cells = load_json(path) if os.path.exists(path) else {}
     ports = Ports()
     for layout in a.layouts:
-        for rate in a.rates:
-            with make_hosts(a) as hosts:
-                a.master_addr = hosts.address(0)
-                for i in range(HOSTS):
-                    hosts.limit_rate(i, None if rate == UNLIMITED else rate)
-                probe = probe_link(a, hosts, rate, ports)
-                cells[f"{layout}_{rate}"] = {"probe_bytes_per_s": probe, "delay_ms": a.delay_ms, "mtu": a.mtu}
-                write_json(os.path.join(a.out, "cells.json"), cells)
-                print(f"[cell] {layout} {rate}: one TCP stream host 1 -> host 0 gets "
-                      f"{fmt(probe and probe / 1e6, '.1f')} MB/s", flush=True)
-                if rate == a.rates[0]:
-                    for side in sides:  # the short runs that the counters' fixed part comes from
-                        name = f"{layout}_calib_{side.name}"
-                        if not stored_ok(a, name, side, a.calibration_steps):
-                            run_on_hosts(a, hosts, side, layout, a.calibration_steps, name, ports)
-                for k in range(1, a.pairs + 1):
+        with make_hosts(a) as hosts:
+            a.master_addr = hosts.address(0)
+            for k in range(1, a.pairs + 1):
+                for rate in a.rates:
+                    for i in range(HOSTS):
+                        hosts.limit_rate(i, None if rate == UNLIMITED else rate)
+                    if k == 1:
+                        probe = probe_link(a, hosts, rate, ports)
+                        cells[f"{layout}_{rate}"] = {"probe_bytes_per_s": probe, "delay_ms": a.delay_ms, "mtu": a.mtu}
+                        write_json(path, cells)
+                        print(f"[cell] {layout} {rate}: one TCP stream host 1 -> host 0 gets "
+                              f"{fmt(probe and probe / 1e6, '.1f')} MB/s", flush=True)
+                        if rate == a.rates[0]:
+                            for side in sides:  # the short runs that the counters' fixed part comes from
+                                name = f"{layout}_calib_{side.name}"
+                                if not stored_ok(a, name, side, a.calibration_steps):
+                                    run_on_hosts(a, hosts, side, layout, a.calibration_steps, name, ports)
                     order = sides if k % 2 else list(reversed(sides))  # ABBA: drift cancels
                     for side in order:
                         name = f"{layout}_{rate}_p{k}_{side.name}"
@@ -410,10 +418,24 @@ def pair_ratios(out: str, meta: dict, layout: str, rate: str, side: str) -> list
 
 
 def compute_of(out: str, meta: dict, layout: str, side: str) -> float | None:
+    """The side's step on the link without tbf (median over the pairs)."""
     if UNLIMITED not in meta["rates"]:
         return None
     s = cell_stats(out, meta, layout, UNLIMITED, side)
     return s and s["step"]
+
+
+def limit_ratios(out: str, meta: dict, layout: str, rate: str, side: str, ours: str) -> list[float]:
+    """Per pair: the side's step / max(ours' step without tbf in the same pair, bytes / rate)."""
+    if UNLIMITED not in meta["rates"]:
+        return []
+    ratios = []
+    for k in range(1, meta["pairs"] + 1):
+        _, r = load_run(out, f"{layout}_{rate}_p{k}_{side}")
+        _, c = load_run(out, f"{layout}_{UNLIMITED}_p{k}_{ours}")
+        if r and c:
+            ratios.append(r["median_step_s"] / limit_of(meta, layout, rate, c["median_step_s"])[1])
+    return ratios
 
 
 def limit_of(meta: dict, layout: str, rate: str, compute: float | None) -> tuple:
@@ -453,6 +475,7 @@ def render(out: str) -> str:
                 if s is None:
                     continue
                 compute = compute_of(out, meta, layout, side)
+                to_limit = limit_ratios(out, meta, layout, rate, side, ours[0]) if ours else []
                 ratios = pair_ratios(out, meta, layout, rate, side) if side != PEER else []
                 rr = med(ratios) if ratios else None
                 waited = sum(s["waited"]) if s["waited"] else None
@@ -465,7 +488,7 @@ def render(out: str) -> str:
                     f"{s['tokens_per_s']:.0f} | "
                     f"{fmt(rr, '.3f') + (' (' + ', '.join(f'{x:.3f}' for x in ratios) + ')' if ratios else '')} | "
                     f"{fmt(1 / rr if rr else None, '.2f')} | {fmt(s['wire'] and s['wire'] / 1e6, '.1f')} | "
-                    f"{alg / 1e6:.1f} | {fmt(limit, '.3f')} | {fmt(limit and s['step'] / limit, '.2f')} | "
+                    f"{alg / 1e6:.1f} | {fmt(limit, '.3f')} | {fmt(med(to_limit), '.2f')} | "
                     f"{fmt(waited, '.3f')} / {fmt(over, '.3f')} | {s['losses'][-1]:.5f} | {fmt(dloss, '.1e')} | "
                     f"{fmt(s['load'], '.1f')} |")
     lines += ["", "fsdp-train's collectives per step (run totals / steps, mean over ranks, median over pairs): "
@@ -561,6 +584,8 @@ def parse_args(argv):
                    help="a fsdp-train side (repeatable; default 'ours'): see below")
     p.add_argument("--only", choices=("ours", "peer"), default=None, help="run one kind of side only")
     p.add_argument("--timeout", type=float, default=900, help="per run, seconds")
+    p.add_argument("--nice", type=int, default=0,
+                   help="both sides' niceness (negative: ahead of other work on a shared machine; needs root)")
     p.add_argument("--force", action="store_true", help="rerun runs already stored")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-plot", action="store_true")
@@ -601,7 +626,7 @@ def main(argv=None) -> int:
             "command": "python3 bench/links.py " + shlex.join(argv), "date": utc_now(), "machine": cpu_model(),
             "cores": os.cpu_count(), "commit": git_commit(dirty=True), "rates": a.rates, "layouts": a.layouts,
             "pairs": a.pairs, "steps": a.steps, "warmup": a.warmup, "calibration_steps": a.calibration_steps,
-            "batch": a.batch, "seq": a.seq, "delay_ms": a.delay_ms, "mtu": a.mtu,
+            "batch": a.batch, "seq": a.seq, "delay_ms": a.delay_ms, "mtu": a.mtu, "nice": a.nice,
             "sides": [s.describe() for s in sides], "param_counts": param_counts(HF_CONFIG),
             "load_at_start": load_average()})
         run_all(a, sides)
