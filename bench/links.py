@@ -79,6 +79,7 @@ from _common import (PY, REPO, cpu_model, fmt, fsdp_train, git_commit, load_aver
 
 sys.path.insert(0, os.path.join(REPO, "tests", "multihost"))
 from hosts import IFNAME, Hosts, Impairment, available  # noqa: E402
+from hosts import rate_bits as hosts_rate_bits  # noqa: E402
 
 PEER_SCRIPT = os.path.join(REPO, "bench", "peer", "peer_fsdp2.py")
 LLAMA_YAML = os.path.join(REPO, "bench", "peer", "llama.yaml")
@@ -159,11 +160,10 @@ def algorithm_bytes(layout: str, counts: dict, elem_bytes: int = 4) -> float:
 def rate_bits(rate: str) -> float | None:
     if rate == UNLIMITED:
         return None
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
-    for u, f in units.items():
-        if rate.endswith(u):
-            return float(rate[: -len(u)]) * f
-    raise SystemExit(f"--rates: {rate!r} is not NUMBER{{kbit,mbit,gbit}} or {UNLIMITED}")
+    try:
+        return hosts_rate_bits(rate)
+    except ValueError as e:
+        raise SystemExit(f"--rates: {e}, or {UNLIMITED}")
 
 
 # --------------------------------------------------------------------------- commands
@@ -204,6 +204,43 @@ def host_env(side: Side) -> dict:
 
 # --------------------------------------------------------------------------- running
 
+class Priority:
+    """While a run lasts, gives every process in the hosts the niceness --nice, as the weight of
+    its scheduling group (/proc/<pid>/autogroup): with the kernel's autogroups, a process's own
+    nice value only ranks it within its session, and the hosts' processes run in sessions of their
+    own, each of which otherwise gets the share of one session beside every other on the machine."""
+
+    def __init__(self, hosts: Hosts, nice: int):
+        import threading
+        self.hosts, self.nice, self.stop = hosts, nice, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def __enter__(self):
+        if self.nice:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def run(self):
+        done = set()
+        while not self.stop.wait(0.2):
+            for i in range(self.hosts.count):
+                r = subprocess.run(["ip", "netns", "pids", self.hosts.netns(i)], capture_output=True, text=True)
+                for pid in r.stdout.split():
+                    if pid in done:
+                        continue
+                    try:
+                        with open(f"/proc/{pid}/autogroup", "w") as f:
+                            f.write(str(self.nice))
+                        done.add(pid)
+                    except OSError:  # ended meanwhile
+                        pass
+
+
 class Ports:
     """A fresh store port for every run (the last one's may linger in TIME_WAIT)."""
 
@@ -225,8 +262,6 @@ def run_on_hosts(a, hosts: Hosts, side: Side, layout: str, steps: int, name: str
     env = host_env(side)
     argvs = [peer_argv(a, layout, steps, i, port, json_out) if side.is_peer
              else ours_argv(a, side, layout, steps, i, port, json_out, run_dir) for i in range(HOSTS)]
-    if a.nice:
-        argvs = [["nice", "-n", str(a.nice), *argv] for argv in argvs]
     before = [hosts.interface_counters(i) for i in range(HOSTS)]
     load_before = load_average()
     logs = [open(os.path.join(a.out, f"{name}.h{i}.log"), "w") for i in range(HOSTS)]
@@ -235,14 +270,15 @@ def run_on_hosts(a, hosts: Hosts, side: Side, layout: str, steps: int, name: str
                          cwd=os.path.dirname(PEER_SCRIPT) if side.is_peer else REPO) for i in range(HOSTS)]
     status, rcs = "ok", []
     deadline = started + a.timeout
-    for p in procs:
-        try:
-            rcs.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-            for i in range(HOSTS):
-                hosts.kill_host(i)
-            rcs.append(p.wait())
+    with Priority(hosts, a.nice):
+        for p in procs:
+            try:
+                rcs.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                status = "timeout"
+                for i in range(HOSTS):
+                    hosts.kill_host(i)
+                rcs.append(p.wait())
     wall = time.monotonic() - started
     for f in logs:
         f.close()
@@ -585,7 +621,8 @@ def parse_args(argv):
     p.add_argument("--only", choices=("ours", "peer"), default=None, help="run one kind of side only")
     p.add_argument("--timeout", type=float, default=900, help="per run, seconds")
     p.add_argument("--nice", type=int, default=0,
-                   help="both sides' niceness (negative: ahead of other work on a shared machine; needs root)")
+                   help="both sides' niceness, as their scheduling groups' (negative: ahead of other work on a "
+                        "shared machine; needs root)")
     p.add_argument("--force", action="store_true", help="rerun runs already stored")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-plot", action="store_true")
@@ -610,6 +647,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
+    if a.nice and not a.report_only and not a.plot_only and os.getsid(0) != os.getpid():
+        # A scheduling group of its own (the session's), so that --nice does not raise the
+        # caller's whole session with it.
+        os.execvp("setsid", ["setsid", "--wait", sys.executable, os.path.abspath(__file__), *argv])
     if a.plot_only:
         plot(a.out)
         return 0
@@ -621,6 +662,9 @@ def main(argv=None) -> int:
             print(f"links.py: no hosts here: {why}", file=sys.stderr)
             return 77
         os.makedirs(a.out, exist_ok=True)
+        if a.nice:  # the cable's thread runs in this process, now in a session of its own
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(a.nice))
         ensure_init(a)
         write_json(os.path.join(a.out, "meta.json"), {
             "command": "python3 bench/links.py " + shlex.join(argv), "date": utc_now(), "machine": cpu_model(),

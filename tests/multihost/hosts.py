@@ -77,6 +77,14 @@ def _open_tap(name):
     return fd
 
 
+def rate_bits(rate):
+    """Bits per second of a rate in tc's spelling ("10gbit", "200mbit", "64kbit")."""
+    for unit, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * factor
+    raise ValueError(f"{rate!r} is not a rate in tc's spelling (NUMBER followed by gbit, mbit, kbit or bit)")
+
+
 class Impairment:
     """What a host's cable does to every frame, each way: holds it `delay_s`, loses it with
     probability `loss` (in the manner of tc netem's delay and loss, done in user space because
@@ -218,16 +226,19 @@ class Hosts:
         self.processes.append(p)
         return p
 
-    def limit_rate(self, i, rate, burst="256kb", latency="100ms"):
+    def limit_rate(self, i, rate, burst=None, latency="100ms"):
         """Limits what host i sends to `rate` (tc's spelling: "1gbit", "200mbit") with the kernel's
-        token-bucket filter on its interface; None removes the limit. The bucket (`burst`) must
-        hold at least one frame of the MTU."""
+        token-bucket filter on its interface; None removes the limit. The bucket (`burst`, bytes;
+        default 4 ms at the rate, at least 256 KiB and two frames) must outlast the kernel's timer
+        tick at the rate, or tbf lets less through than it is set to."""
         if rate is None:
             subprocess.run(["ip", "netns", "exec", self.netns(i), "tc", "qdisc", "del", "dev", IFNAME, "root"],
                            capture_output=True)
             return
+        if burst is None:
+            burst = max(256 << 10, 2 * (self.mtu or 1500), int(rate_bits(rate) / 8 * 0.004))
         cmd = ["ip", "netns", "exec", self.netns(i), "tc", "qdisc", "replace", "dev", IFNAME, "root", "tbf",
-               "rate", rate, "burst", burst, "latency", latency]
+               "rate", rate, "burst", str(burst), "latency", latency]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
