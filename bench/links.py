@@ -551,6 +551,31 @@ def render(out: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compact_table(out: str) -> str:
+    """The docs' table: one row per cell and side, the columns that carry the comparison."""
+    meta = load_json(os.path.join(out, "meta.json"))
+    sides = [s["name"] for s in meta["sides"]]
+    ours = [s for s in sides if s != PEER]
+    lines = ["| layout | link | side | step s | tokens/s | step vs FSDP2 | wire MB/step/host | limit s | step / limit "
+             "| waited for comm s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for layout in meta["layouts"]:
+        compute = compute_of(out, meta, layout, ours[0]) if ours else None
+        for rate in meta["rates"]:
+            _, limit = limit_of(meta, layout, rate, compute)
+            for side in sides:
+                s = cell_stats(out, meta, layout, rate, side)
+                if s is None:
+                    continue
+                ratios = pair_ratios(out, meta, layout, rate, side) if side != PEER else []
+                to_limit = limit_ratios(out, meta, layout, rate, side, ours[0]) if ours else []
+                waited = sum(s["waited"]) if s["waited"] else None
+                lines.append(f"| {layout} | {rate} | {'FSDP2' if side == PEER else side} | {s['step']:.3f} | "
+                             f"{s['tokens_per_s']:.0f} | {fmt(med(ratios), '.3f')} | "
+                             f"{fmt(s['wire'] and s['wire'] / 1e6, '.1f')} | {fmt(limit, '.3f')} | "
+                             f"{fmt(med(to_limit), '.2f')} | {fmt(waited, '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(out: str) -> None:
     """links_step.png (step time against link rate, every side, and the physical limit) and
     links_loss.png (the loss curves); needs matplotlib (run under $FSDP_PYTHON)."""
@@ -676,6 +701,7 @@ def main(argv=None) -> int:
         run_all(a, sides)
     table = render(a.out)
     write_text(os.path.join(a.out, "table.md"), table)
+    write_text(os.path.join(a.out, "table_compact.md"), compact_table(a.out))
     print(table)
     if not a.no_plot:
         r = subprocess.run([PY, os.path.abspath(__file__), "--out", a.out, "--plot-only"])
