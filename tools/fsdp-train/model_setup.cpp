@@ -198,8 +198,10 @@ models::Llama sharded_llama(const TrainConfig& cfg, const ParallelModel& m, cons
 
 // fsdp_config.prefetch_depth k > 1: each group all-gathers the next k groups, in forward in the
 // order the groups start (the root, the blocks, the head group) and in backward in the reverse of
-// the order they finish forward (the root, the head group, the blocks from the last). Depth 1
-// keeps FSDP2's implicit prefetch, which does the same for one group.
+// the order they finish forward (the root, the head group, the blocks from the last). A head group,
+// last in forward, gathers the last k blocks for their backward while the loss is computed
+// (FSDPModule::set_modules_to_forward_prefetch keeps those for the backward). Depth 1 keeps
+// FSDP2's implicit prefetch, which does the same for one group.
 void prefetch_ahead(const FSDPModule& root, const std::vector<FSDPModule>& blocks, const FSDPModule& head,
                     int64_t depth) {
   if (depth <= 1) return;
@@ -216,6 +218,7 @@ void prefetch_ahead(const FSDPModule& root, const std::vector<FSDPModule>& block
                                    order.begin() + static_cast<std::ptrdiff_t>(end));
   };
   for (size_t i = 0; i < forward.size(); ++i) forward[i].set_modules_to_forward_prefetch(ahead(forward, i));
+  if (head.valid()) head.set_modules_to_forward_prefetch(ahead(backward, 1));
   for (size_t i = 0; i < backward.size(); ++i) backward[i].set_modules_to_backward_prefetch(ahead(backward, i));
 }
 
