@@ -69,6 +69,10 @@ class FSDPModule {
 
   /// After this module's all-gather in forward, also issue the all-gathers of `modules`
   /// (one = same overlap as the default, issued earlier; two or more = more aggressive, more memory).
+  /// A module in the list that already ran in this forward and resharded is gathered for its
+  /// backward: its pre-backward uses that all-gather (under no-grad, or if unused by the end of
+  /// the last backward, it is dropped). So the last module of a forward can start the first
+  /// backward all-gathers while the loss is computed.
   void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules);
   /// In backward, prefetch `modules` instead of the default (the module that ran forward before this one).
   void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules);

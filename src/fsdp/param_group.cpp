@@ -7,6 +7,7 @@
 
 #include <fsdp/trace.h>
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -523,10 +524,16 @@ void FSDPParamGroup::prefetch_in_forward() {
   prefetched_in_forward_ = true;
 }
 
+// A group that ran its forward before the prefetch was issued (it has a post-forward index not
+// yet taken by backward) was gathered for its backward, early: its pre-backward uses the pending
+// all-gather, as FSDP2 keeps such an unshard pending for its next wait, and the end of the last
+// backward drops it if unused. Without grad mode no backward follows, so it goes now, as does
+// the prefetch of a group that did not run.
 void FSDPParamGroup::drop_unused_forward_prefetch() {
   if (!prefetched_in_forward_) return;
   prefetched_in_forward_ = false;
   if (!reshards_after_forward()) return;
+  if (!post_forward_indices_.empty() && at::GradMode::is_enabled()) return;
   drop_pending_all_gather();
   reshard();
 }

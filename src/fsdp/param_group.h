@@ -218,7 +218,8 @@ class FSDPParamGroup {
   void reshard();
 
   // Forward prefetch: issues the all-gather ahead of this group's pre-forward. If that
-  // pre-forward does not come in this forward, drop_unused_forward_prefetch() undoes it.
+  // pre-forward does not come in this forward, drop_unused_forward_prefetch() undoes it, unless
+  // the group already ran its forward (under grad mode): then it was gathered for its backward.
   void prefetch_in_forward();
   void drop_unused_forward_prefetch();
 

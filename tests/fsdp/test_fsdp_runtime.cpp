@@ -388,6 +388,44 @@ TEST(FsdpRuntime, GroupOfModulesGathersOnceWhenItsFirstModuleRunsTwice) {
   });
 }
 
+// The head's forward prefetch names the blocks that ran before it: their all-gathers are issued
+// during the head's forward and kept for their backward, which uses them instead of gathering
+// again (FSDP2 keeps such an unshard pending too), so a step issues as many all-gathers as without
+// the list. A forward under no-grad has no backward to use them: they are dropped at its end.
+TEST(FsdpRuntime, AForwardPrefetchOfBlocksThatRanIsKeptForTheirBackward) {
+  run_distributed(2, [] {
+    auto mesh = fsdp::init_device_mesh("cpu", {2});
+    auto ref = make_model();
+    auto global = at::randint(0, 8, {4, 16}, at::make_generator<at::CPUGeneratorImpl>(17));
+    loss_of(ref, global).backward();
+    const int r = fsdp::get_rank();
+    const at::Tensor local = global.slice(0, 2 * r, 2 * r + 2);
+    auto opts = fsdp::FullyShardOptions().mesh(mesh);
+    int64_t calls[2] = {0, 0};
+    for (bool listed : {false, true}) {
+      auto model = make_model();
+      std::vector<fsdp::FSDPModule> blocks;
+      for (auto& block : model->blocks()) blocks.push_back(fsdp::fully_shard(block, opts));
+      auto head = fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->norm.ptr(), model->output.ptr()},
+                                    fsdp::FullyShardOptions().mesh(mesh).reshard_after_forward(false));
+      fsdp::fully_shard(model, opts);
+      if (listed) head.set_modules_to_forward_prefetch(std::vector<fsdp::FSDPModule>(blocks.rbegin(), blocks.rend()));
+      auto pg = mesh.get_group(0);
+      pg->reset_stats();
+      loss_of(model, local).backward();
+      calls[listed] = pg->stats()[CollectiveKind::kAllGather].calls;
+      expect_grads_match(*model, *ref);
+      for (auto& b : blocks) EXPECT_EQ(b.unsharded_parameter_bytes(), 0);
+      if (listed) {
+        torch::NoGradGuard no_grad;
+        loss_of(model, local);
+        for (auto& b : blocks) EXPECT_EQ(b.unsharded_parameter_bytes(), 0) << "no backward: dropped at the forward's end";
+      }
+    }
+    EXPECT_EQ(calls[1], calls[0]) << "the blocks' backward all-gathers were the head's forward prefetches";
+  });
+}
+
 TEST(FsdpRuntime, AHandleOutlivesItsModule) {
   run_distributed(2, [] {
     auto mesh = fsdp::init_device_mesh("cpu", {2});
