@@ -16,6 +16,10 @@ ROWS = {
     "full_shard_w2": dict(
         world=2, overrides=[], tolerance="fp32", plant="divide-factor",
         reference="fully_shard per block and on the root, 1-D mesh of 2"),
+    "prefetch_depth_3_w2": dict(
+        world=2, overrides=["--fsdp_config.prefetch_depth=3"], tolerance="fp32", plant="divide-factor",
+        reference="fully_shard per block and on the root with FSDP2's implicit prefetch (fsdp-train all-gathers "
+                  "3 groups ahead in forward and backward: the same numbers, issued earlier)"),
     "full_shard_w3_uneven": dict(
         world=3, overrides=[], tolerance="fp32", plant="divide-factor",
         reference="fully_shard over 3 ranks: dim-0 sizes 10, 16 and 24·k leave uneven shards"),

@@ -16,6 +16,11 @@ first. Each process started in a host also gets a pid namespace of its own, so t
 see each other's processes, the host's own name (its namespace's), and a TMPDIR of its host's own, as separate machines do not share
 /tmp (fsdprun's default flight-recorder folder is named by its pid, 1 in every host). Needs root (ip netns, ip link) and iproute2; `available()` says why not otherwise.
 
+`mtu` sets every interface's and the bridge's MTU (default: the kernel's, 1500): a user-space
+cable moves one frame per read, so big frames let it carry a faster link. `limit_rate(i, ...)`
+puts the kernel's token-bucket filter (tc qdisc tbf) on host i's interface, which limits what the
+host sends; `interface_counters(i)` reads that interface's byte counters.
+
 Given `names`, host i is also called names[i]: what it starts sees that name as its host name
 (instead of its namespace's), and every host's name resolves to its address inside the hosts
 (an /etc/hosts of their own, /etc/netns/<namespace>/hosts, which `ip netns exec` mounts over
@@ -70,6 +75,14 @@ def _open_tap(name):
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), IFF_TAP | IFF_NO_PI))
     return fd
+
+
+def rate_bits(rate):
+    """Bits per second of a rate in tc's spelling ("10gbit", "200mbit", "64kbit")."""
+    for unit, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * factor
+    raise ValueError(f"{rate!r} is not a rate in tc's spelling (NUMBER followed by gbit, mbit, kbit or bit)")
 
 
 class Impairment:
@@ -128,14 +141,16 @@ class _ImpairedCable(threading.Thread):
 
 
 class Hosts:
-    def __init__(self, count, impaired=None, names=None):
+    def __init__(self, count, impaired=None, names=None, mtu=None):
         """`impaired`: {host index: Impairment} for hosts whose cable delays and loses frames;
-        `names`: the hosts' names (default: their namespaces')."""
+        `names`: the hosts' names (default: their namespaces'); `mtu`: the links' MTU (default
+        the kernel's)."""
         if not 1 <= count <= 8:
             raise ValueError(f"Hosts: 1 to 8 hosts, got {count}")
         if names is not None and len(names) != count:
             raise ValueError(f"Hosts: {count} hosts, but {len(names)} names")
         self.names = names
+        self.mtu = mtu
         pid = os.getpid()
         self.count = count
         self.impaired = dict(impaired or {})
@@ -169,6 +184,9 @@ class Hosts:
                     cable.start()
                 else:
                     _ip("link", "add", veth, "type", "veth", "peer", "name", inner)
+                if self.mtu:
+                    _ip("link", "set", veth, "mtu", str(self.mtu))
+                    _ip("link", "set", inner, "mtu", str(self.mtu))
                 _ip("link", "set", inner, "netns", ns)
                 _ip("link", "set", inner, "name", IFNAME, netns=ns)
                 _ip("addr", "add", f"{self.address(i)}/24", "dev", IFNAME, netns=ns)
@@ -207,6 +225,32 @@ class Hosts:
                              start_new_session=True, **popen)
         self.processes.append(p)
         return p
+
+    def limit_rate(self, i, rate, burst=None, latency="100ms"):
+        """Limits what host i sends to `rate` (tc's spelling: "1gbit", "200mbit") with the kernel's
+        token-bucket filter on its interface; None removes the limit. The bucket (`burst`, bytes;
+        default 4 ms at the rate, at least 256 KiB and two frames) must outlast the kernel's timer
+        tick at the rate, or tbf lets less through than it is set to."""
+        if rate is None:
+            subprocess.run(["ip", "netns", "exec", self.netns(i), "tc", "qdisc", "del", "dev", IFNAME, "root"],
+                           capture_output=True)
+            return
+        if burst is None:
+            burst = max(256 << 10, 2 * (self.mtu or 1500), int(rate_bits(rate) / 8 * 0.004))
+        cmd = ["ip", "netns", "exec", self.netns(i), "tc", "qdisc", "replace", "dev", IFNAME, "root", "tbf",
+               "rate", rate, "burst", str(burst), "latency", latency]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}")
+
+    def interface_counters(self, i):
+        """Host i's interface's counters since it was made: {"tx_bytes", "rx_bytes", "tx_packets",
+        "rx_packets"} (what the kernel counts, headers included)."""
+        names = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+        r = subprocess.run(["ip", "netns", "exec", self.netns(i), "cat",
+                            *[f"/sys/class/net/{IFNAME}/statistics/{n}" for n in names]],
+                           capture_output=True, text=True, check=True)
+        return dict(zip(names, (int(v) for v in r.stdout.split())))
 
     def hostname(self, i):
         return self.names[i] if self.names else self.netns(i)

@@ -513,6 +513,11 @@ std::vector<BadCase> bad_cases() {
        "",
        {"--fsdp_config.output_head_group=true", "--fsdp_config.sharding_strategy=NO_SHARD"},
        "fsdp_config.output_head_group: true with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
+      {"PrefetchDepthWithNoShard",
+       "",
+       {"--fsdp_config.prefetch_depth=2", "--fsdp_config.sharding_strategy=NO_SHARD"},
+       "fsdp_config.prefetch_depth: 2 with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
+      {"PrefetchDepthZero", "", {"--fsdp_config.prefetch_depth=0"}, "fsdp_config.prefetch_depth: must be >= 1, got 0"},
       {"LossChunksMoreThanPositions",
        "",
        {"--training.seq_len=8", "--training.loss_chunks=9"},
@@ -699,6 +704,61 @@ TEST(Trainer, LossChunksTrainLikeTheWholeLogitsAndResumeBitwise) {
   const auto resumed = read_metrics(dir / "resumed/m0.jsonl");
   EXPECT_FALSE(resumed.empty());
   for (const auto& [step, m] : resumed) EXPECT_EQ(m.loss, got.at(step).loss) << "step " << step;
+}
+
+// The link's schedule changes when each collective is issued, never what it sums: a Llama with its
+// head as an FSDP group of its own and 3 groups all-gathered ahead trains with the default run's
+// losses, bit for bit, under FULL_SHARD and under HSDP (2 x 2); a tied head cannot be a group
+// of its own and is refused by name; the Transformer takes the same prefetch depth.
+TEST(Trainer, LinkSchedulingTrainsBitwiseLikeTheDefault) {
+  TempDir dir;
+  std::string json = read_file(configs_dir() + "/llama/config.json");
+  const std::string tied = "\"tie_word_embeddings\": true";
+  ASSERT_NE(json.find(tied), std::string::npos);
+  std::ofstream(dir / "tied.json") << json;
+  json.replace(json.find(tied), tied.size(), "\"tie_word_embeddings\": false");
+  std::ofstream(dir / "untied.json") << json;
+  const std::vector<std::string> scheduled = {"--fsdp_config.output_head_group=true", "--fsdp_config.prefetch_depth=3"};
+  auto llama = [&](const std::string& run, int world, const std::string& config, std::vector<std::string> more) {
+    std::vector<std::string> args = {configs_dir() + "/llama.yaml",
+                                     "--model.hf_config=" + dir / config,
+                                     "--data.source=synthetic",
+                                     "--training.steps=4",
+                                     "--training.seq_len=32",
+                                     "--training.micro_batch_size=2",
+                                     "--training.resume=never",
+                                     "--training.export=none",
+                                     "--fsdp_config.checkpoint_interval=0",
+                                     "--fsdp_config.checkpoint_dir=" + dir / run + "/ckpt",
+                                     "--logging.jsonl=" + dir / run + "/m{rank}.jsonl",
+                                     "--logging.progress=off"};
+    return fsdprun.run(under_fsdprun(world, with(args, more)), {}, 120);
+  };
+  const std::vector<std::string> hsdp = {"--fsdp_config.sharding_strategy=HYBRID_SHARD",
+                                         "--fsdp_config.replicate_degree=2"};
+  for (const auto& [name, world, strategy] : {std::tuple{std::string("full_shard"), 2, std::vector<std::string>{}},
+                                              std::tuple{std::string("hsdp"), 4, hsdp}}) {
+    SCOPED_TRACE(name);
+    const RunResult plain = llama(name + "_plain", world, "untied.json", strategy);
+    ASSERT_EQ(plain.exit_code, 0) << describe(plain);
+    const RunResult r = llama(name + "_scheduled", world, "untied.json", with(strategy, scheduled));
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    const auto want = read_metrics(dir / name + "_plain/m0.jsonl");
+    const auto got = read_metrics(dir / name + "_scheduled/m0.jsonl");
+    ASSERT_EQ(got.size(), 4u);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [step, m] : got) EXPECT_EQ(m.loss, want.at(step).loss) << "step " << step;
+  }
+  const RunResult refused = llama("tied", 2, "tied.json", scheduled);
+  EXPECT_NE(refused.exit_code, 0) << describe(refused);
+  EXPECT_NE((refused.out + refused.err).find("fsdp_config.output_head_group: true with a tied head"), std::string::npos)
+      << describe(refused);
+  train(dir / "transformer_plain", {});
+  train(dir / "transformer_scheduled", {"--fsdp_config.prefetch_depth=2"});
+  const auto want = read_metrics(dir / "transformer_plain/m0.jsonl");
+  for (const auto& [step, m] : read_metrics(dir / "transformer_scheduled/m0.jsonl")) {
+    EXPECT_EQ(m.loss, want.at(step).loss) << "Transformer, step " << step;
+  }
 }
 
 // optimizer.fused: FusedAdamW has AdamW's math (the losses agree to float rounding) and its

@@ -86,6 +86,14 @@ struct FsdpConfig {
   // gradients are freed right after the head's backward, before the blocks' backward. Not with
   // NO_SHARD (fsdp::replicate has no groups).
   bool output_head_group = false;
+  // How many FSDP groups ahead each group's all-gather is issued, in forward and in backward.
+  // 1: FSDP2's implicit prefetch (the next group). k > 1: each group prefetches the next k in
+  // forward order and the previous k in backward (FSDPModule::set_modules_to_forward_prefetch /
+  // set_modules_to_backward_prefetch, as a torchtitan user writes them), so that a slow link
+  // carries all-gathers while compute runs ahead, and a backward all-gather is queued before the
+  // reduce-scatters that the group's own backward then issues; each step ahead keeps one more
+  // group gathered. Not with NO_SHARD (no groups); fsdp-train plan models 1 only.
+  int64_t prefetch_depth = 1;
   std::string device = "cpu";  // cpu | cuda (cuda not supported by this CPU build)
   // Offload, on device cuda:
   //   offload_params: true, offload_optimizer_state: true   FSDP2's CPUOffloadPolicy: sharded

@@ -175,6 +175,18 @@ models::Llama sharded_llama(const TrainConfig& cfg, const ParallelModel& m, cons
   const models::LlamaArgs args = llama_args_of(cfg.model, seq);
   if (m.tp == 1) {
     models::Llama model(args, [&](models::LlamaDecoderLayer& layer) { fully_shard(layer, layer_options); });
+    if (f.output_head_group) {
+      if (args.tie_word_embeddings)
+        throw ConfigError(
+            "fsdp_config.output_head_group: true with a tied head (tie_word_embeddings in config.json) is not "
+            "supported: the head's weight is the embedding's, and one tensor cannot be in two FSDP groups; set "
+            "output_head_group: false");
+      // As the Transformer's head group: gathered from its forward to its backward, which comes first.
+      FullyShardOptions head_options = layer_options;
+      head_options.reshard_after_forward(false);
+      fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->model->norm.ptr(), model->lm_head.ptr()},
+                  head_options);
+    }
     fully_shard(model, root_options);
     return model;
   }
@@ -200,6 +212,37 @@ models::Llama sharded_llama(const TrainConfig& cfg, const ParallelModel& m, cons
   return model;
 }
 
+// fsdp_config.prefetch_depth k > 1: each group all-gathers the next k groups, in forward in the
+// order the groups start (the root, the blocks, the head group) and in backward in the reverse of
+// the order they finish forward (the root, the head group, the blocks from the last). Depth 1
+// keeps FSDP2's implicit prefetch, which does the same for one group.
+void prefetch_ahead(const FSDPModule& root, const std::vector<FSDPModule>& blocks, const FSDPModule& head,
+                    int64_t depth) {
+  if (depth <= 1) return;
+  std::vector<FSDPModule> forward{root}, backward{root};
+  forward.insert(forward.end(), blocks.begin(), blocks.end());
+  if (head.valid()) {
+    forward.push_back(head);
+    backward.push_back(head);
+  }
+  backward.insert(backward.end(), blocks.rbegin(), blocks.rend());
+  auto ahead = [depth](const std::vector<FSDPModule>& order, size_t i) {
+    const size_t end = std::min(order.size(), i + 1 + static_cast<size_t>(depth));
+    return std::vector<FSDPModule>(order.begin() + static_cast<std::ptrdiff_t>(i + 1),
+                                   order.begin() + static_cast<std::ptrdiff_t>(end));
+  };
+  for (size_t i = 0; i < forward.size(); ++i) forward[i].set_modules_to_forward_prefetch(ahead(forward, i));
+  for (size_t i = 0; i < backward.size(); ++i) backward[i].set_modules_to_backward_prefetch(ahead(backward, i));
+}
+
+// The FSDP groups of the sharded model, for prefetch_ahead.
+template <typename Blocks>
+void prefetch_ahead_in(const FsdpConfig& f, const FSDPModule& root, Blocks& blocks, const torch::nn::Module& head) {
+  std::vector<FSDPModule> groups;
+  for (auto& block : blocks) groups.push_back(get_fsdp_module(*block));
+  prefetch_ahead(root, groups, f.output_head_group ? get_fsdp_module(head) : FSDPModule(), f.prefetch_depth);
+}
+
 // The model as the strategy makes it, frozen where configured, with activation checkpointing.
 void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Precision& precision, ParallelModel& m) {
   const FsdpConfig& f = cfg.fsdp_config;
@@ -218,6 +261,7 @@ void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Pr
     check_llama_supported(cfg);
     m.llama = sharded_llama(cfg, m, policy, offload);
     m.root = get_fsdp_module(*m.llama);
+    prefetch_ahead_in(f, m.root, m.llama->decoder_layers(), *m.llama->model->norm);
     freeze_parameters(cfg.model, *m.llama);
     m.build_peak_tensor_bytes = static_cast<int64_t>(tensor_memory(m.mesh).peak_mib * kMiBBytes);
     return;
@@ -232,6 +276,7 @@ void build_model(const TrainConfig& cfg, const models::ModelArgs& args, const Pr
   } else {
     m.model = sharded_model(cfg, args, m, policy, offload);
     m.root = get_fsdp_module(*m.model);
+    prefetch_ahead_in(f, m.root, m.model->blocks(), *m.model->norm);
     freeze_parameters(cfg.model, *m.model);  // the shards: FSDP follows their requires_grad
   }
   if (f.activation_checkpointing) {
@@ -252,7 +297,6 @@ void check_llama_supported(const TrainConfig& cfg) {
   };
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) refuse("fsdp_config.sharding_strategy NO_SHARD");
   if (f.activation_checkpointing) refuse("fsdp_config.activation_checkpointing");
-  if (f.output_head_group) refuse("fsdp_config.output_head_group");
 }
 
 bool is_llama(const ModelConfig& m) {

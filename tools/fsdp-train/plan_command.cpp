@@ -227,6 +227,10 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   const auto& t = cfg.training;
   if (is_llama(cfg.model)) {
     check_llama_supported(cfg);
+    if (cfg.fsdp_config.output_head_group)
+      throw ConfigError(
+          "fsdp_config.output_head_group: true with model.architecture llama: fsdp-train plan does not model the "
+          "Llama's head group yet; plan it with output_head_group: false or measure a few steps");
     if (cfg.fsdp_config.model_parallel_size > 1)
       throw ConfigError("fsdp_config.model_parallel_size: " + std::to_string(cfg.fsdp_config.model_parallel_size) +
                         " with model.architecture llama: fsdp-train plan does not model the Llama family's tensor "
@@ -249,6 +253,9 @@ Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
   q.mesh = data_parallel_shape(cfg, a.world, local);
   q.strategy = to_string(f.sharding_strategy);
   // The planner counts every parameter as trained and every block as resharding fully.
+  if (f.prefetch_depth > 1)
+    throw ConfigError("fsdp-train plan does not model fsdp_config.prefetch_depth: " + std::to_string(f.prefetch_depth) +
+                      " (more groups gathered ahead) yet; plan with prefetch_depth: 1, FSDP2's implicit prefetch");
   if (f.reshard_after_forward)
     throw ConfigError(
         "fsdp-train plan does not model fsdp_config.reshard_after_forward (a group size) yet; unset "
