@@ -179,7 +179,8 @@ def ours_argv(a, side: Side, layout: str, steps: int, host: int, port: int, json
             f"--training.seed={SEED}", "--training.resume=never", "--training.export=none",
             f"--optimizer.lr={LR}", "--optimizer.weight_decay=0", "--optimizer.betas=[0.9,0.999]",
             "--optimizer.eps=1e-8", "--schedule.warmup_steps=0", f"--schedule.min_lr={LR}",
-            "--data.source=synthetic", f"--data.data_seed={DATA_SEED}",
+            *(["--data.source=tokens", f"--data.path={a.data_path}"] if a.data_path else ["--data.source=synthetic"]),
+            f"--data.data_seed={DATA_SEED}",
             "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={run_dir}/ckpt",
             "--logging.progress=off", "--logging.log_interval=1000000", f"--logging.summary_json={json_out}",
             f"--logging.summary_warmup={a.warmup}", *lay["ours"], *side.args]
@@ -191,7 +192,8 @@ def peer_argv(a, layout: str, steps: int, host: int, port: int, json_out: str):
             "--nproc-per-node", str(lay["nproc"]), "--master-addr", a.master_addr, "--master-port", str(port),
             PEER_SCRIPT, "--mode", lay["peer"], "--hf-model", a.init, "--batch", str(a.batch), "--seq", str(a.seq),
             "--steps", str(steps), "--warmup", str(a.warmup), "--lr", str(LR), "--seed", str(SEED),
-            "--data-seed", str(DATA_SEED), "--threads", "1", "--json-out", json_out]
+            "--data-seed", str(DATA_SEED), "--threads", "1", "--json-out", json_out,
+            *(["--data-path", a.data_path] if a.data_path else [])]
 
 
 def host_env(side: Side) -> dict:
@@ -637,6 +639,9 @@ def parse_args(argv):
                    help="steps of the short run per side and layout whose counters are subtracted")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--data-path", default=None,
+                   help="a token file (fsdp-train tokenize) both sides train on, the same windows each step "
+                        "(peer_fsdp2.py --data-path); default: uniform random tokens, whose loss cannot fall")
     p.add_argument("--delay-ms", type=float, default=0.5, help="host 1's cable: each frame's delay, each way")
     p.add_argument("--mtu", type=int, default=65000,
                    help="the links' MTU: the user-space cable moves a frame per read, so it carries more with big ones")
@@ -666,6 +671,8 @@ def parse_args(argv):
     a.out = os.path.abspath(a.out or os.path.join(REPO, "bench", "results", "links",
                                                   time.strftime("%Y%m%d-%H%M%S", time.gmtime())))
     a.init = os.path.join(a.out, "init_llama_small")
+    if a.data_path:
+        a.data_path = os.path.abspath(a.data_path)  # the peer's torchrun runs in another folder
     return a
 
 
@@ -695,7 +702,7 @@ def main(argv=None) -> int:
             "command": "python3 bench/links.py " + shlex.join(argv), "date": utc_now(), "machine": cpu_model(),
             "cores": os.cpu_count(), "commit": git_commit(dirty=True), "rates": a.rates, "layouts": a.layouts,
             "pairs": a.pairs, "steps": a.steps, "warmup": a.warmup, "calibration_steps": a.calibration_steps,
-            "batch": a.batch, "seq": a.seq, "delay_ms": a.delay_ms, "mtu": a.mtu, "nice": a.nice,
+            "batch": a.batch, "seq": a.seq, "data_path": a.data_path, "delay_ms": a.delay_ms, "mtu": a.mtu, "nice": a.nice,
             "sides": [s.describe() for s in sides], "param_counts": param_counts(HF_CONFIG),
             "load_at_start": load_average()})
         run_all(a, sides)

@@ -67,6 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model-init seed (same on every rank)")
     p.add_argument("--data-seed", type=int, default=1234,
                    help="global batch of step s is drawn from torch.Generator seeded data_seed + s")
+    p.add_argument("--data-path", default=None,
+                   help="a token file of fsdp-train's own format (fsdp-train tokenize): each step's rows are "
+                        "windows of seq + 1 tokens at offsets drawn as fsdp-train's data.source: tokens draws "
+                        "them (randint(0, n - seq) from the generator seeded data_seed + step), so both sides "
+                        "train on the same batches; default: uniform random tokens")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
                    help="cores shared by all ranks (threads per rank = max(1, cores // world))")
     p.add_argument("--threads", type=int, default=None, help="override torch intra-op threads per rank")
@@ -177,11 +182,35 @@ def _mib_ru_maxrss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: kB -> MiB
 
 
+_TOKEN_FILES = {}
+
+
+def read_token_file(path: str) -> torch.Tensor:
+    """fsdp-train's token file (tools/fsdp-train/data.cpp): 'FSDPTOK\0', version, bytes per token,
+    vocab size, token count (little-endian), then the tokens; as int64."""
+    if path not in _TOKEN_FILES:
+        with open(path, "rb") as f:
+            raw = f.read()
+        if raw[:8] != b"FSDPTOK\0":
+            raise SystemExit(f"--data-path {path}: not a token file of fsdp-train's format (fsdp-train tokenize)")
+        width = int.from_bytes(raw[12:16], "little")
+        count = int.from_bytes(raw[24:32], "little")
+        dtype = {2: torch.int16, 4: torch.int32}[width]
+        ids = torch.frombuffer(bytearray(raw[32:32 + width * count]), dtype=dtype).to(torch.int64)
+        _TOKEN_FILES[path] = ids & (0xFFFF if width == 2 else 0xFFFFFFFF)
+    return _TOKEN_FILES[path]
+
+
 def global_batch(step: int, args, world: int) -> torch.Tensor:
     """(world*B, seq+1) int64 tokens for this step; identical on every rank."""
     g = torch.Generator()
     g.manual_seed(args.data_seed + step)
-    return torch.randint(0, args.model_args.vocab_size, (world * args.batch, args.seq + 1), generator=g)
+    rows = world * args.batch
+    if getattr(args, "data_path", None):
+        tokens = read_token_file(args.data_path)
+        starts = torch.randint(0, tokens.numel() - args.seq, (rows, 1), generator=g)
+        return tokens[(starts + torch.arange(args.seq + 1)).reshape(-1)].reshape(rows, args.seq + 1)
+    return torch.randint(0, args.model_args.vocab_size, (rows, args.seq + 1), generator=g)
 
 
 def local_numel(p: torch.Tensor) -> int:

@@ -73,6 +73,7 @@
 #include <fsdp/fsdp_module.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/offload.h>
+#include <fsdp/quantized_comm.h>
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -170,6 +171,19 @@ struct FullyShardOptions {
   TORCH_ARG(std::vector<at::Tensor>, ignored_params);
   /// Per-parameter shard dim (see ShardPlacementFn). Default: none; every parameter is Shard(0).
   TORCH_ARG(ShardPlacementFn, shard_placement_fn) = nullptr;
+  /// ZeRO++'s quantized weights (qwZ; fsdp/quantized_comm.h): the all-gather over the shard
+  /// group carries the shards encoded (blockwise int8 by default), and every rank decodes the
+  /// same bytes into the unsharded parameters; the shards, the optimizer and checkpoints keep
+  /// the parameters' own dtype. Not FSDP2's: its unsharded parameters are exact. The backward
+  /// all-gather of reshard_after_forward = k (among k ranks, a host's) is not quantized.
+  /// error_feedback has no meaning here (weights are re-encoded from the exact shards each time).
+  /// Refused with set_custom_all_gather. Default: none.
+  TORCH_ARG(std::optional<QuantizedComm>, quantized_weights) = std::nullopt;
+  /// ZeRO++'s quantized gradients (qgZ; fsdp/quantized_comm.h), HSDP only: the all-reduce over
+  /// the replicate mesh dim carries the reduce-scatter's output encoded (int8 by default; bf16),
+  /// with error feedback by default. The reduce-scatter within a replica is unchanged (FSDP2's
+  /// MixedPrecisionPolicy::reduce_dtype halves it). A 1-D mesh is refused. Default: none.
+  TORCH_ARG(std::optional<QuantizedComm>, quantized_gradients) = std::nullopt;
 };
 
 /** @{ */

@@ -6,6 +6,7 @@
 #include "src/fsdp/collectives.h"
 
 #include "src/device/device_ops.h"
+#include "src/tensor/quantize.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -193,6 +194,38 @@ AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayou
   return AllGatherResult{std::move(work), std::move(output), layout, std::nullopt, std::nullopt};
 }
 
+AllGatherResult foreach_all_gather_quantized(const at::Tensor& input, const RankMajorLayout& layout,
+                                             ProcessGroup& group, const QuantizedComm& format,
+                                             const std::optional<c10::Stream>& issue_stream) {
+  TORCH_CHECK(layout.parts == group.size() && input.numel() == layout.row_numel && group.size() > 1,
+              "internal: quantized all-gather of ", input.numel(), " elements as one of ", layout.parts, " rows of ",
+              layout.row_numel, " over a group of ", group.size());
+  const int64_t row_bytes = encoded_bytes(layout.row_numel, format);
+  const auto bytes = input.options().dtype(at::kByte);
+  at::Tensor encoded = at::empty({row_bytes}, bytes);
+  encode(input, encoded, format);
+  at::Tensor output = at::empty({layout.parts * row_bytes}, bytes);
+  WorkHandle work = issue_on(issue_stream, [&] { return group.all_gather_into(output, encoded); });
+  return AllGatherResult{std::move(work), std::move(output), layout, std::nullopt, std::nullopt, format};
+}
+
+namespace {
+
+// The all-gather output as [parts, row_numel] in the unsharded dtype: a view of it, or, when it
+// was quantized, every rank's row decoded into a new buffer.
+at::Tensor gathered_rows(const AllGatherResult& result, at::ScalarType dtype) {
+  const RankMajorLayout& layout = result.layout;
+  if (!result.quantized) return result.output.view({layout.parts, layout.row_numel});
+  const int64_t row_bytes = encoded_bytes(layout.row_numel, *result.quantized);
+  at::Tensor rows = at::empty({layout.parts, layout.row_numel}, result.output.options().dtype(dtype));
+  for (int64_t q = 0; q < layout.parts; ++q) {
+    decode(result.output.narrow(0, q * row_bytes, row_bytes), rows.select(0, q), *result.quantized);
+  }
+  return rows;
+}
+
+}  // namespace
+
 // FSDP2's copy-out: the pieces of every parameter leave the all-gather output in one ATen op
 // (split_with_sizes_copy, one kernel on CUDA) when every parameter is sharded on dim 0, where
 // each parameter's unsharded storage is [parts, piece] row-major; else in one (strided) copy per
@@ -200,7 +233,7 @@ AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayou
 void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams& params) {
   const RankMajorLayout& layout = result.layout;
   at::NoGradGuard no_grad;
-  const at::Tensor rows = result.output.view({layout.parts, layout.row_numel});
+  const at::Tensor rows = gathered_rows(result, params.front()->unsharded_dtype());
   const bool all_dim0 = std::all_of(layout.runs.begin(), layout.runs.end(), [](int64_t r) { return r == 1; });
   if (!all_dim0) {
     for (size_t i = 0; i < params.size(); ++i) {
@@ -392,6 +425,53 @@ ReduceScatterResult foreach_reduce(const FSDPParams& params, const ReducedParams
 
 WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group, WorkHandle after) {
   return replicate_group.all_reduce(reduced.output, reduced.division.all_reduce_op, std::move(after));
+}
+
+namespace {
+
+// The pieces of the reduced parameters in the group's full shard layout, as one tensor: `full`
+// itself when every parameter is reduced, else a copy (write it back with scatter_reduced_pieces).
+bool reduces_every_piece(const ReduceScatterResult& reduced, const RankMajorLayout& full) {
+  return reduced.layout.row_numel == full.row_numel;
+}
+
+at::Tensor gather_reduced_pieces(const at::Tensor& full_row, const ReduceScatterResult& reduced,
+                                 const RankMajorLayout& full) {
+  if (reduces_every_piece(reduced, full)) return full_row;
+  at::Tensor out = at::empty({reduced.layout.row_numel}, full_row.options());
+  for (size_t k = 0; k < reduced.params.size(); ++k) {
+    const size_t i = reduced.params[k];
+    out.narrow(0, reduced.layout.offset[k], reduced.layout.piece_numel[k])
+        .copy_(full_row.narrow(0, full.offset[i], full.piece_numel[i]));
+  }
+  return out;
+}
+
+void scatter_reduced_pieces(const at::Tensor& pieces, const at::Tensor& full_row, const ReduceScatterResult& reduced,
+                            const RankMajorLayout& full) {
+  if (reduces_every_piece(reduced, full)) return;
+  for (size_t k = 0; k < reduced.params.size(); ++k) {
+    const size_t i = reduced.params[k];
+    full_row.narrow(0, full.offset[i], full.piece_numel[i])
+        .copy_(pieces.narrow(0, reduced.layout.offset[k], reduced.layout.piece_numel[k]));
+  }
+}
+
+}  // namespace
+
+QuantizedAllReduce foreach_all_reduce_quantized(const ReduceScatterResult& reduced, ProcessGroup& replicate_group,
+                                                const QuantizedComm& format, const at::Tensor& residual,
+                                                const RankMajorLayout& full) {
+  at::NoGradGuard no_grad;
+  const at::Tensor pieces = residual.defined() ? gather_reduced_pieces(residual, reduced, full) : at::Tensor();
+  QuantizedAllReduce q =
+      issue_quantized_all_reduce(reduced.output, replicate_group, format, reduced.division.all_reduce_op, pieces);
+  if (pieces.defined()) scatter_reduced_pieces(pieces, residual, reduced, full);
+  return q;
+}
+
+void finish_all_reduce_quantized(const QuantizedAllReduce& quantized, const ReduceScatterResult& reduced) {
+  finish_quantized_all_reduce(quantized, reduced.output);
 }
 
 void foreach_reduce_copy_out(const ReduceScatterResult& result, const FSDPParams& params, at::ScalarType orig_dtype,

@@ -34,9 +34,11 @@
 
 #include "src/fsdp/common.h"
 #include "src/fsdp/fsdp_param.h"
+#include "src/tensor/quantized_all_reduce.h"
 
 #include <fsdp/custom_comm.h>
 #include <fsdp/process_group.h>
+#include <fsdp/quantized_comm.h>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Stream.h>
@@ -86,6 +88,8 @@ struct AllGatherResult {
   // collective was issued from, whose event the compute stream waits for. Unset on the CPU.
   std::optional<c10::Stream> alloc_stream;
   std::optional<c10::Stream> issue_stream;
+  // quantized_weights: `output` holds every rank's encoded row (bytes), decoded by the copy-out.
+  std::optional<QuantizedComm> quantized = std::nullopt;
 };
 
 // The all-gather input of a flat shard: the shard itself, or its copy on the compute device
@@ -100,8 +104,16 @@ at::Tensor all_gather_input(const at::Tensor& flat_shard, at::ScalarType dtype, 
 AllGatherResult foreach_all_gather(const at::Tensor& input, const RankMajorLayout& layout, ProcessGroup& group,
                                    AllGather* custom = nullptr,
                                    const std::optional<c10::Stream>& issue_stream = std::nullopt);
+// The quantized all-gather (FullyShardOptions::quantized_weights): encodes `input` (this rank's
+// row, in the shards' dtype) as `format` says and all-gathers the encoded rows over `group` into
+// a new byte buffer; the copy-out decodes every row, this rank's included, so every rank holds
+// the same unsharded values. Collective over `group` (more than one rank); returns at once.
+AllGatherResult foreach_all_gather_quantized(const at::Tensor& input, const RankMajorLayout& layout,
+                                             ProcessGroup& group, const QuantizedComm& format,
+                                             const std::optional<c10::Stream>& issue_stream = std::nullopt);
 // After the all-gather finished: copies each parameter's pieces, in row order, into its
-// unsharded storage (which must be allocated, padded_full_numel elements).
+// unsharded storage (which must be allocated, padded_full_numel elements), decoding them first
+// when the all-gather was quantized.
 void foreach_all_gather_copy_out(const AllGatherResult& result, const FSDPParams& params);
 
 // Copies piece `index` of every unsharded parameter (as cut by `layout`, a post-forward layout)
@@ -201,6 +213,18 @@ at::Tensor foreach_reduce_copy_in(const FSDPParams& params, const ReducedParams&
 // backend it runs on that group's own communication thread, beside the shard group's).
 WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& replicate_group,
                               WorkHandle after = nullptr);
+// HSDP's all-reduce with FullyShardOptions::quantized_gradients, issued once the reduce-scatter
+// output is complete (its input is encoded first). bf16: an all-reduce (SUM) of the bf16 row;
+// int8 and fp8: an all-gather of every replica's encoded row, summed in fp32 in replica order by
+// finish_all_reduce_quantized, so every replica gets bitwise the same sum. `residual` (undefined:
+// no error feedback) is this rank's fp32 residual in the layout `full` (the group's shard
+// layout): the reduced parameters' pieces of it are added to the input and replaced by what the
+// encoding lost. Collective over `replicate_group`; returns at once.
+QuantizedAllReduce foreach_all_reduce_quantized(const ReduceScatterResult& reduced, ProcessGroup& replicate_group,
+                                                const QuantizedComm& format, const at::Tensor& residual,
+                                                const RankMajorLayout& full);
+// After its collective finished: writes the replicas' reduction into `reduced.output`.
+void finish_all_reduce_quantized(const QuantizedAllReduce& quantized, const ReduceScatterResult& reduced);
 // After the reduce-scatter finished: finishes the division, casts the output to `orig_dtype` on
 // the shards' device (host memory under CPU offload) and gives each parameter of
 // `result.params` a gradient that is a view of its piece (padding left out), or adds it to the

@@ -263,6 +263,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   const DeviceMesh& mesh = mesh_info.mesh;
   detail::check_mp_policy(options.mp_policy(), mesh);
   detail::check_offload_policy(options.offload_policy(), mesh);
+  detail::check_quantized_comm(options.quantized_weights(), options.quantized_gradients(), mesh_info);
   std::vector<std::shared_ptr<torch::nn::Module>> managed;
   std::set<const torch::nn::Module*> seen;
   for (const auto& m : modules) detail::collect_managed(m, true, managed, seen);
@@ -279,6 +280,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     group = std::make_unique<detail::FSDPParamGroup>(std::move(params), mesh_info, prefix.at(modules.front().get()),
                                                      std::move(post_forward), options.mp_policy(),
                                                      options.offload_policy());
+    group->set_quantized_weights(options.quantized_weights());
+    group->set_quantized_gradients(options.quantized_gradients());
   }
   auto state = std::make_shared<detail::FSDPState>(modules, std::move(group),
                                                    options.reshard_after_forward().is_unset(), options.mp_policy());

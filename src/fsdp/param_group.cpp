@@ -97,7 +97,8 @@ namespace {
 
 bool collectives_finished(const PendingReduction& r) {
   const WorkHandle& rs = r.reduce_scatter.work;
-  return (r.reduce_scattered || !rs || rs->is_completed()) && (!r.all_reduce || r.all_reduce->is_completed());
+  return !r.all_reduce_deferred && (r.reduce_scattered || !rs || rs->is_completed()) &&
+         (!r.all_reduce || r.all_reduce->is_completed());
 }
 
 }  // namespace
@@ -107,6 +108,7 @@ bool collectives_finished(const PendingReduction& r) {
 // finished collective at its own moment, and a hook that runs a blocking collective there could
 // wait for a rank that waits for this one; at the end of backward every rank is at the same point.
 void CommContext::finish_reductions(bool wait_all) {
+  if (wait_all) issue_deferred_all_reduces();
   while (!reductions.empty()) {
     PendingReduction& r = reductions.front();
     if (!wait_all && (r.group->has_all_reduce_hook() || !collectives_finished(r))) return;
@@ -115,6 +117,15 @@ void CommContext::finish_reductions(bool wait_all) {
     PendingReduction done = std::move(r);
     reductions.pop_front();
     write_gradients_of(done);
+  }
+}
+
+void CommContext::issue_deferred_all_reduces() {
+  for (PendingReduction& r : reductions) {
+    if (!r.all_reduce_deferred) continue;
+    complete_reduce_scatter(r);
+    r.all_reduce_deferred = false;
+    r.group->issue_quantized_all_reduce(r);
   }
 }
 
@@ -402,6 +413,13 @@ void FSDPParamGroup::unshard() {
     pending_all_gather_ =
         foreach_all_gather(post_forward_shard_, post_forward_layout(params_, post_forward_group_->size()),
                            *post_forward_group_, custom_all_gather_.get(), gather);
+  } else if (quantized_weights_ && shard_group_->size() > 1) {
+    TORCH_CHECK(!custom_all_gather_, "fsdp: FSDP module '", module_label(module_fqn_),
+                "' has both quantized_weights and a custom all-gather (set_custom_all_gather); the quantized "
+                "all-gather is FSDP's own: drop one of them");
+    // Encoded from the shards' own dtype (fp32 master weights), not from a param_dtype cast.
+    pending_all_gather_ = foreach_all_gather_quantized(all_gather_input(flat_shard_, dtypes_.orig, devices_),
+                                                       shard_layout_, *shard_group_, *quantized_weights_, gather);
   } else {
     pending_all_gather_ = foreach_all_gather(all_gather_input(flat_shard_, dtypes_.unsharded, devices_), shard_layout_,
                                              *shard_group_, custom_all_gather_.get(), gather);
@@ -697,6 +715,7 @@ void FSDPParamGroup::post_backward_ahead() {
 // and frees them; the division and the collective on the reduce-scatter stream.
 void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const GradientDivision& division) {
   comm_->make_room_for_reduction(max_reductions_in_flight_);
+  comm_->issue_deferred_all_reduces();
   ProcessGroup& group = *reduce_scatter_group();
   ReduceScatterInput prepared =
       foreach_reduce_prepare(params_, reduced, group.size(), dtypes_.reduce, custom_reduce_scatter_.get());
@@ -725,6 +744,12 @@ void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const Gr
 //   the host, after it waited for the reduce-scatter.
 void FSDPParamGroup::issue_all_reduce(PendingReduction& r) {
   const bool on_streams = comm_->streams.has_value();
+  if (quantized_gradients_ && !on_streams) {
+    // Encoding needs the reduce-scatter's output: rather than block backward for it here, the
+    // next post-backward (which waits for it anyway) or the end of backward issues it.
+    r.all_reduce_deferred = true;
+    return;
+  }
   WorkHandle after = r.reduce_scatter.work;
   if (on_streams || partial_reduce_output_.defined()) {
     comm_->complete_reduce_scatter(r);
@@ -742,7 +767,39 @@ void FSDPParamGroup::issue_all_reduce(PendingReduction& r) {
   }
   ops.wait(comm_->streams->all_reduce, ops.record(comm_->streams->reduce_scatter));
   device::StreamScope scope(comm_->streams->all_reduce);
+  if (quantized_gradients_) {
+    issue_quantized_all_reduce(r);
+    return;
+  }
   r.all_reduce = foreach_all_reduce(r.reduce_scatter, *replicate_group_);
+}
+
+void FSDPParamGroup::set_quantized_weights(std::optional<QuantizedComm> format) {
+  TORCH_CHECK(!format || at::isFloatingType(dtypes_.orig),
+              "fully_shard: quantized_weights encodes floating-point "
+              "parameters, but those of '",
+              module_label(module_fqn_), "' are ", dtypes_.orig,
+              "; shard them in a call of their own without quantized_weights");
+  quantized_weights_ = std::move(format);
+}
+
+void FSDPParamGroup::set_quantized_gradients(std::optional<QuantizedComm> format) {
+  TORCH_CHECK(!format || replicate_group_, "internal: quantized_gradients on FSDP module '", module_label(module_fqn_),
+              "' without a replicate group");
+  quantized_gradients_ = std::move(format);
+  replicate_residual_ = at::Tensor();
+}
+
+// On the CPU the host encodes (its reduce-scatter finished: issue_deferred_all_reduces waited);
+// on a device the all-reduce stream does, after it waited for the reduce-scatter stream.
+void FSDPParamGroup::issue_quantized_all_reduce(PendingReduction& r) {
+  if (!comm_->streams) add_partial_reduce_output(r.reduce_scatter.output);
+  if (quantized_gradients_->error_feedback() && !replicate_residual_.defined()) {
+    replicate_residual_ = at::zeros({shard_layout_.row_numel}, r.reduce_scatter.output.options().dtype(at::kFloat));
+  }
+  r.quantized_all_reduce = foreach_all_reduce_quantized(r.reduce_scatter, *replicate_group_, *quantized_gradients_,
+                                                        replicate_residual_, shard_layout_);
+  r.all_reduce = r.quantized_all_reduce->work;
 }
 
 void FSDPParamGroup::end_backward() {
@@ -786,6 +843,7 @@ void FSDPParamGroup::run_all_reduce_hook(at::Tensor& output) const {
 }
 
 void FSDPParamGroup::finish_reduction(PendingReduction& r) {
+  if (r.quantized_all_reduce) finish_all_reduce_quantized(*r.quantized_all_reduce, r.reduce_scatter);
   run_all_reduce_hook(r.reduce_scatter.output);
   foreach_reduce_copy_out(r.reduce_scatter, params_, dtypes_.orig, devices_);
   if (!r.reduce_scatter.params.empty()) {

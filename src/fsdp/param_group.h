@@ -18,7 +18,12 @@
 //                    all-reduce stream waits for the reduce-scatter stream, which waited for the
 //                    collective; on the CPU the replicate group's communication thread waits for
 //                    the reduce-scatter. finish_reductions() waits for it before
-//                    finish_reduction() writes the sharded gradients.
+//                    finish_reduction() writes the sharded gradients. With quantized_gradients
+//                    the input must be encoded first: on the CPU the all-reduce (an all-gather
+//                    of encoded rows, or a bf16 all-reduce) is deferred to the next post-backward
+//                    or the end of backward (CommContext::issue_deferred_all_reduces, which waits
+//                    for its reduce-scatter), in the same order on every rank; finish_reduction()
+//                    decodes it.
 //
 // Streams (a device only): the compute stream waits once per iteration's forward, at the root's
 // pre-forward (begin_forward()), before the all-gather streams read the shards; within backward
@@ -68,6 +73,11 @@ struct PendingReduction {
   // On a device: recorded on the reduce-scatter stream once it waited for the collective; the
   // compute stream waits for it before the reduce-scatter input (made there) is dropped.
   std::optional<device::Event> reduce_scattered_event;
+  // quantized_gradients on the CPU: the all-reduce waits to be issued until the reduce-scatter
+  // output can be encoded (CommContext::issue_deferred_all_reduces).
+  bool all_reduce_deferred = false;
+  // quantized_gradients: the encoded rows of the all-reduce (`all_reduce` is its Work).
+  std::optional<QuantizedAllReduce> quantized_all_reduce = std::nullopt;
 };
 
 // FSDP2's communication streams, made at the root's lazy init when its mesh is on a device
@@ -110,6 +120,11 @@ struct CommContext {
   std::vector<FSDPParamGroup*> post_forward_order;
   std::deque<PendingReduction> reductions;  // in issue order
 
+  // quantized_gradients on the CPU: issues, in issue order, the all-reduces deferred until their
+  // reduce-scatter finished (waiting for it). Called at every post-backward before its
+  // reduce-scatter, and at the end of the last backward: the same program points on every rank,
+  // so every rank issues them in the same order.
+  void issue_deferred_all_reduces();
   // Moves pending reductions on, in issue order: each one whose collectives finished writes its
   // gradients. With wait_all, waits for every one; otherwise waits for nothing.
   void finish_reductions(bool wait_all);
@@ -201,6 +216,11 @@ class FSDPParamGroup {
   void set_separate_reduce_scatter_group(std::shared_ptr<ProcessGroup> group);
   bool has_separate_reduce_scatter_group() const { return separate_reduce_scatter_group_ != nullptr; }
   const std::shared_ptr<ProcessGroup>& reduce_scatter_group() const;
+  // FullyShardOptions::quantized_weights and quantized_gradients (unset: none).
+  void set_quantized_weights(std::optional<QuantizedComm> format);
+  void set_quantized_gradients(std::optional<QuantizedComm> format);
+  // Issues `r`'s quantized all-reduce; its reduce-scatter must have finished.
+  void issue_quantized_all_reduce(PendingReduction& r);
   // At most this many reduce-scatters (>= 1) in flight when this group issues one.
   void set_max_reductions_in_flight(int64_t k);
   // FSDPModule::set_custom_all_gather / set_custom_reduce_scatter (null: FSDP's own).
@@ -325,6 +345,10 @@ class FSDPParamGroup {
   int64_t max_reductions_in_flight_ = 1;  // PyTorch FSDP's default: one reduce-scatter input alive
   std::shared_ptr<AllGather> custom_all_gather_;
   std::shared_ptr<ReduceScatter> custom_reduce_scatter_;
+  std::optional<QuantizedComm> quantized_weights_;
+  std::optional<QuantizedComm> quantized_gradients_;
+  // Error feedback of quantized_gradients: this rank's residual, fp32, in the shard layout.
+  at::Tensor replicate_residual_;
   bool reduced_in_this_backward_ = false;
   bool reduced_ahead_ = false;  // by post_backward_ahead, in this backward
 

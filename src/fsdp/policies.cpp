@@ -89,6 +89,19 @@ void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy, const D
               mesh.device().str(), "; pass fsdp::CPUOffloadPolicy().pin_memory(false) on a \"cpu\" mesh");
 }
 
+void check_quantized_comm(const std::optional<QuantizedComm>& weights, const std::optional<QuantizedComm>& gradients,
+                          const MeshInfo& mesh_info) {
+  if (weights) weights->check("fully_shard: quantized_weights");
+  if (!gradients) return;
+  gradients->check("fully_shard: quantized_gradients");
+  TORCH_CHECK(mesh_info.is_hsdp(),
+              "fully_shard: quantized_gradients quantizes HSDP's all-reduce over the replicate "
+              "mesh dim, but the mesh ",
+              mesh_info.mesh.str(),
+              " has none; pass a 2-D (replicate, shard) mesh, or "
+              "halve the reduce-scatter's bytes with MixedPrecisionPolicy().reduce_dtype(at::kBFloat16) instead");
+}
+
 GroupDevices resolve_group_devices(const DeviceMesh& mesh, const std::optional<CPUOffloadPolicy>& policy) {
   const c10::Device compute = mesh.device();
   const c10::Device shard = policy ? c10::Device(c10::kCPU) : compute;

@@ -4,10 +4,12 @@
 #pragma once
 
 #include "src/fsdp/common.h"
+#include "src/fsdp/mesh_info.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/mixed_precision.h>
 #include <fsdp/offload.h>
+#include <fsdp/quantized_comm.h>
 
 #include <ATen/core/Tensor.h>
 
@@ -26,6 +28,11 @@ void check_mp_policy(const MixedPrecisionPolicy& policy, const DeviceMesh& mesh)
 // param_dtype equal to `orig`, or any cast of integer/bool parameters, is no cast; an unset
 // reduce_dtype, or one equal to the requested param_dtype, reduces in the gradients' dtype.
 GroupDtypes resolve_group_dtypes(const MixedPrecisionPolicy& policy, at::ScalarType orig);
+
+// Throws, naming the option, when a QuantizedComm is out of range, or when quantized_gradients
+// is given without a replicate dim to quantize (a 1-D mesh).
+void check_quantized_comm(const std::optional<QuantizedComm>& weights, const std::optional<QuantizedComm>& gradients,
+                          const MeshInfo& mesh_info);
 
 // Throws when `policy` asks for what this build cannot do (pinned memory without CUDA).
 void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy, const DeviceMesh& mesh);

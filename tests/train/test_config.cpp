@@ -450,6 +450,41 @@ TEST(TrainConfig, ReshardAfterForwardTakesAGroupSizeThatDividesTheShardGroup) {
   expect_cli_error("--fsdp_config.reshard_after_forward=true", "fsdp_config.reshard_after_forward");
 }
 
+// The options that move fewer bytes between hosts: their values, and the strategies they need.
+TEST(TrainConfig, QuantizedCollectivesAndDiLoCoKeys) {
+  const std::vector<std::string> hybrid = {"--fsdp_config.sharding_strategy=HYBRID_SHARD",
+                                           "--fsdp_config.replicate_degree=2"};
+  const TrainConfig c = load_config(
+      "", with_args(hybrid, {"--fsdp_config.quantized_weights=int8", "--fsdp_config.quantized_gradients=bfloat16",
+                             "--fsdp_config.quantization_block_size=64"}));
+  EXPECT_EQ(c.fsdp_config.quantized_weights.value_or(""), "int8");
+  EXPECT_EQ(c.fsdp_config.quantized_gradients.value_or(""), "bfloat16");
+  EXPECT_EQ(c.fsdp_config.quantization_block_size, 64);
+  EXPECT_NO_THROW(check_supported(c));
+  EXPECT_FALSE(load_config("", {"--fsdp_config.quantized_weights=int8", "--fsdp_config.quantized_weights="})
+                   .fsdp_config.quantized_weights.has_value());
+  expect_error([] { check_supported(load_config("", {"--fsdp_config.quantized_gradients=int8"})); },
+               {"fsdp_config.quantized_gradients: int8 with fsdp_config.sharding_strategy: FULL_SHARD",
+                "fsdp_config.reduce_dtype: bfloat16"});
+  const TrainConfig diloco =
+      load_config("", with_args(hybrid, {"--fsdp_config.diloco_inner_steps=50", "--training.export=none",
+                                         "--fsdp_config.diloco_quantized=int8", "--fsdp_config.diloco_fragments=2"}));
+  EXPECT_EQ(diloco.fsdp_config.diloco_inner_steps, 50);
+  EXPECT_DOUBLE_EQ(diloco.fsdp_config.diloco_outer_lr, 0.7);
+  EXPECT_DOUBLE_EQ(diloco.fsdp_config.diloco_outer_momentum, 0.9);
+  EXPECT_NO_THROW(check_supported(diloco));
+  expect_error(
+      [] {
+        check_supported(load_config("", {"--fsdp_config.diloco_inner_steps=50", "--training.export=none"}));
+      },
+      {"fsdp_config.diloco_inner_steps: 50 needs sharding_strategy: HYBRID_SHARD"});
+  expect_error([&] { check_supported(load_config("", with_args(hybrid, {"--fsdp_config.diloco_inner_steps=5"}))); },
+               {"the outer state", "training.export: none"});
+  expect_cli_error("--fsdp_config.quantized_weights=int4", "fsdp_config.quantized_weights");
+  expect_cli_error("--fsdp_config.quantization_block_size=8", "fsdp_config.quantization_block_size");
+  expect_cli_error("--fsdp_config.diloco_outer_momentum=1", "fsdp_config.diloco_outer_momentum");
+}
+
 TEST(TrainConfig, FreezeIsAListOfNames) {
   const TrainConfig c = load_config("", {"--model.freeze=[tok_embeddings, layers.0.attention.wq.weight]"});
   EXPECT_EQ(c.model.freeze, (std::vector<std::string>{"tok_embeddings", "layers.0.attention.wq.weight"}));

@@ -176,6 +176,14 @@ Setter optional_dtype(std::optional<Dtype>& dst) {
   };
 }
 
+// A quantized collective's format; a null value (`key:` or `--key=`) turns it off.
+Setter optional_quantized_dtype(std::optional<std::string>& dst) {
+  return [&dst](const YAML::Node& n) {
+    if (n.IsNull()) return dst.reset();
+    dst = one_of(n, {"int8", "float8_e4m3", "bfloat16"});
+  };
+}
+
 std::vector<Field> fields_of(TrainConfig& c) {
   auto& f = c.fsdp_config;
   auto& m = c.model;
@@ -248,6 +256,24 @@ std::vector<Field> fields_of(TrainConfig& c) {
          require(v >= 1, "must be a group size >= 1 (the strategy decides true or false), got " + std::to_string(v));
          f.reshard_after_forward = v;
        }},
+      {"fsdp_config", "quantized_weights", optional_quantized_dtype(f.quantized_weights)},
+      {"fsdp_config", "quantized_gradients", optional_quantized_dtype(f.quantized_gradients)},
+      {"fsdp_config", "quantization_block_size",
+       [&f](const YAML::Node& n) {
+         const int v = to_int32(n);
+         require(v >= 16 && v <= 4096, "must be 16 to 4096 elements per scale, got " + std::to_string(v));
+         f.quantization_block_size = v;
+       }},
+      {"fsdp_config", "diloco_inner_steps", int_at_least(f.diloco_inner_steps, 0)},
+      {"fsdp_config", "diloco_outer_lr", number(f.diloco_outer_lr, 0.0, false)},
+      {"fsdp_config", "diloco_outer_momentum",
+       [&f](const YAML::Node& n) {
+         const double v = to_double(n);
+         require(v >= 0 && v < 1, "must be in [0, 1), got " + std::to_string(v));
+         f.diloco_outer_momentum = v;
+       }},
+      {"fsdp_config", "diloco_fragments", int_at_least(f.diloco_fragments, 1)},
+      {"fsdp_config", "diloco_quantized", optional_quantized_dtype(f.diloco_quantized)},
 
       {"model", "architecture", choice(m.architecture, {"transformer", "llama"})},
       {"model", "hf_config", string(m.hf_config)},
@@ -725,6 +751,36 @@ void check_supported(const TrainConfig& cfg, const DeviceSupport& devices) {
                   " with fsdp_config.sharding_strategy: " + to_string(f.sharding_strategy) +
                   " is not supported: only a strategy that reshards after forward (FULL_SHARD, HYBRID_SHARD) takes a "
                   "group size; unset the key");
+  }
+  const bool hybrid = f.sharding_strategy == ShardingStrategy::HYBRID_SHARD ||
+                      f.sharding_strategy == ShardingStrategy::HYBRID_SHARD_ZERO2;
+  if (f.quantized_gradients && !hybrid)
+    bad.push_back("fsdp_config.quantized_gradients: " + *f.quantized_gradients +
+                  " with fsdp_config.sharding_strategy: " + to_string(f.sharding_strategy) +
+                  " is not supported: it quantizes the all-reduce between replicas, which only HYBRID_SHARD and "
+                  "HYBRID_SHARD_ZERO2 have; for the reduce-scatter use fsdp_config.reduce_dtype: bfloat16");
+  if (f.quantized_weights && f.sharding_strategy == ShardingStrategy::NO_SHARD)
+    bad.push_back("fsdp_config.quantized_weights with sharding_strategy: NO_SHARD: nothing is all-gathered; unset it");
+  if (f.diloco_inner_steps > 0) {
+    const std::string key = "fsdp_config.diloco_inner_steps: " + std::to_string(f.diloco_inner_steps);
+    if (!hybrid)
+      bad.push_back(key +
+                    " needs sharding_strategy: HYBRID_SHARD or HYBRID_SHARD_ZERO2 (the replicas are the "
+                    "replicate dim), not " +
+                    to_string(f.sharding_strategy));
+    if (f.quantized_gradients)
+      bad.push_back(key +
+                    " with fsdp_config.quantized_gradients: DiLoCo replicas reduce no gradients between "
+                    "them; use fsdp_config.diloco_quantized for the outer step");
+    if (f.checkpoint_interval > 0 || cfg.training.export_path != "none")
+      bad.push_back(key +
+                    " with checkpoints or an export is not supported yet: the outer state (the parameters "
+                    "at the last outer step and the outer momentum) is not saved; set "
+                    "fsdp_config.checkpoint_interval: 0 and training.export: none");
+    if (f.model_parallel_size > 1) bad.push_back(key + " with model_parallel_size > 1 is not supported yet");
+    if (f.diloco_fragments > f.diloco_inner_steps)
+      bad.push_back("fsdp_config.diloco_fragments: " + std::to_string(f.diloco_fragments) +
+                    " must be at most diloco_inner_steps (" + std::to_string(f.diloco_inner_steps) + ")");
   }
   if (f.sharding_strategy == ShardingStrategy::NO_SHARD) {
     // fsdp::replicate keeps whole fp32 parameters on the device and has no policies.

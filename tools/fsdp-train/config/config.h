@@ -140,6 +140,24 @@ struct FsdpConfig {
   // the ZeRO-2 strategies not at all). Only with a strategy that reshards; k must divide the
   // ranks each parameter is sharded over. The root keeps FSDP2's default.
   std::optional<int> reshard_after_forward;
+  // Fewer bytes between hosts (fsdp/quantized_comm.h), each unset (off) by default:
+  //   quantized_weights: int8 | float8_e4m3 | bfloat16   ZeRO++'s qwZ: the all-gathers carry the
+  //     shards encoded; the shards and the optimizer stay in their dtype.
+  //   quantized_gradients: int8 | float8_e4m3 | bfloat16   ZeRO++'s qgZ, HYBRID_SHARD* only: the
+  //     all-reduce between replicas carries the gradient encoded, with error feedback.
+  //   quantization_block_size: elements per scale (16 to 4096), for both.
+  std::optional<std::string> quantized_weights;
+  std::optional<std::string> quantized_gradients;
+  int64_t quantization_block_size = 256;
+  // DiLoCo (fsdp/diloco.h), HYBRID_SHARD* only: diloco_inner_steps H > 0 shards each replica
+  // within itself only, and every H steps averages the replicas' pseudo-gradient with an outer
+  // Nesterov SGD (diloco_outer_lr, diloco_outer_momentum), in diloco_fragments fragments taking
+  // turns, encoded as diloco_quantized on the link (unset: fp32). 0 (the default): off.
+  int64_t diloco_inner_steps = 0;
+  double diloco_outer_lr = 0.7;
+  double diloco_outer_momentum = 0.9;
+  int64_t diloco_fragments = 1;
+  std::optional<std::string> diloco_quantized;
   // How long any collective (and the start-up rendezvous) may wait for the other ranks before
   // the run stops naming the ranks it waited for; in (0, kMaxCollectiveTimeoutS]. Unset = the
   // library's default (300 s), or FSDP_COLLECTIVE_TIMEOUT_MS from the environment, which the

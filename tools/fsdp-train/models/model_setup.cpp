@@ -98,6 +98,18 @@ void freeze_parameters(const ModelConfig& cfg, torch::nn::Module& model) {
   }
 }
 
+// The options that move fewer bytes between hosts: quantized all-gathers and replicate
+// all-reduces, and for DiLoCo a model sharded within each replica only (its shard dim), whose
+// replicas meet in DiLoCo's outer step instead of every backward.
+void add_link_options(const FsdpConfig& f, const ParallelModel& m, FullyShardOptions& o) {
+  const auto format = [&](const std::string& dtype) {
+    return QuantizedComm().dtype(quantized_dtype_from_string(dtype)).block_size(f.quantization_block_size);
+  };
+  if (f.quantized_weights) o.quantized_weights(format(*f.quantized_weights));
+  if (f.quantized_gradients) o.quantized_gradients(format(*f.quantized_gradients));
+  if (f.diloco_inner_steps > 0) o.mesh(m.mesh["shard"]);
+}
+
 // model_parallel_size k > 1: each block is split over tp as soon as it is built (the Megatron
 // plan: fsdp::models::parallelize), then sharded over dp; with vocab_parallel the token embedding
 // and the output head are split by vocabulary over tp; the root shards what it holds (the
@@ -133,6 +145,8 @@ models::Transformer sharded_model(const TrainConfig& cfg, const models::ModelArg
   // default for the root) unless SHARD_GRAD_OP says to keep everything anyway.
   FullyShardOptions root_options = FullyShardOptions().mesh(m.mesh).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
+  add_link_options(f, m, block_options);
+  add_link_options(f, m, root_options);
   if (m.tp > 1) return tensor_parallel_model(f, args, m.mesh, block_options, root_options);
   if (f.output_head_group) {
     // The head runs backward first, so keeping it gathered from forward saves an all-gather and
@@ -156,6 +170,8 @@ models::Llama sharded_llama(const TrainConfig& cfg, const ParallelModel& m, cons
   if (f.reshard_after_forward) layer_options.reshard_after_forward(*f.reshard_after_forward);
   FullyShardOptions root_options = FullyShardOptions().mesh(m.mesh).mp_policy(policy).offload_policy(offload);
   if (!reshard) root_options.reshard_after_forward(false);
+  add_link_options(f, m, layer_options);
+  add_link_options(f, m, root_options);
   const int64_t seq = seq_len_of(cfg, model_args_of(cfg.model));
   const models::LlamaArgs args = llama_args_of(cfg.model, seq);
   if (m.tp == 1) {

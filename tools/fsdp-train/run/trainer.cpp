@@ -39,6 +39,7 @@
 #include <fsdp/call.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/device_state_adamw.h>
+#include <fsdp/diloco.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fused_adamw.h>
 #include <fsdp/grad_scaler.h>
@@ -155,6 +156,7 @@ class Run {
   ParallelModel pm_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::unique_ptr<GradScaler> scaler_;  // fp16: true only
+  std::unique_ptr<DiLoCo> diloco_;      // fsdp_config.diloco_inner_steps > 0 only
   std::unique_ptr<RunCheckpoints> checkpoints_;
   std::unique_ptr<Console> console_;
   JsonlWriter jsonl_;
@@ -193,6 +195,21 @@ void Run::set_up() {
     evaluation_ = std::make_unique<Evaluation>(cfg_, args_.vocab_size, seq_, pm_.dp_world, pm_.dp_rank);
   // The world group agrees on overflows: every rank skips a step together.
   if (precision_.loss_scaling) scaler_ = std::make_unique<GradScaler>();
+  const FsdpConfig& f = cfg_.fsdp_config;
+  if (f.diloco_inner_steps > 0) {
+    DiLoCoOptions o = DiLoCoOptions()
+                          .inner_steps(f.diloco_inner_steps)
+                          .outer_lr(f.diloco_outer_lr)
+                          .outer_momentum(f.diloco_outer_momentum)
+                          .fragments(f.diloco_fragments)
+                          .process_group(pm_.mesh.get_group("replicate"));
+    if (f.diloco_quantized) {
+      o.quantized(QuantizedComm()
+                      .dtype(quantized_dtype_from_string(*f.diloco_quantized))
+                      .block_size(f.quantization_block_size));
+    }
+    diloco_ = std::make_unique<DiLoCo>(pm_.parameters(), o);
+  }
 }
 
 // The process group, with fsdp_config.collective_timeout_s; the library lets
@@ -443,6 +460,7 @@ bool Run::optimizer_step() {
   } else {
     optimizer_->step();
   }
+  if (diloco_) diloco_->step();  // every diloco_inner_steps-th step: the replicas' outer step
   // Drop the gradients rather than zeroing them (PyTorch's zero_grad(set_to_none=True)): the
   // next backward's reduce-scatter writes fresh ones, and forward runs without them in memory.
   // NO_SHARD's gradients are views of its all-reduce buckets, which stay allocated anyway:
