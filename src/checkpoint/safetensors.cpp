@@ -406,14 +406,16 @@ std::map<std::string, std::string> weight_map_of(const std::string& dir, const s
 // another dim (a shard_placement_fn's Shard(d)) reads the whole rows it lies in, then keeps its
 // part of them.
 at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileIndex& index, const Entry& entry,
-                           const DTensor& target) {
+                           const DTensor& target, bool convert_float_dtypes) {
   const std::string where = "fsdp::load_safetensors: '" + path + "': tensor '" + entry.name + "': ";
-  TORCH_CHECK(entry.dtype == target.scalar_type(), where, "has dtype ", entry.dtype, " but the model's is ",
-              target.scalar_type());
+  const bool converted = convert_float_dtypes && entry.dtype != target.scalar_type() &&
+                         at::isFloatingType(entry.dtype) && at::isFloatingType(target.scalar_type());
+  TORCH_CHECK(entry.dtype == target.scalar_type() || converted, where, "has dtype ", entry.dtype,
+              " but the model's is ", target.scalar_type());
   TORCH_CHECK(entry.shape == target.sizes(), where, "has shape ", c10::IntArrayRef(entry.shape), " but the model's is ",
               c10::IntArrayRef(target.sizes()));
   at::Tensor local = at::empty(target.to_local().sizes(), at::TensorOptions().dtype(entry.dtype));
-  if (local.numel() == 0) return local;
+  if (local.numel() == 0) return local.to(target.scalar_type());
   uint64_t offset = entry.begin;
   at::Tensor rows = local;  // what is read: the piece itself, or the whole rows holding it
   std::vector<ChunkBounds> bounds;
@@ -433,12 +435,13 @@ at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileInde
   TORCH_CHECK(std::fseek(f, static_cast<long>(index.data_start + offset), SEEK_SET) == 0 &&
                   std::fread(rows.data_ptr(), 1, rows.nbytes(), f) == rows.nbytes(),
               where, "reading its bytes failed (truncated file?)");
-  if (whole_rows) return local;
-  for (size_t d = 1; d < bounds.size(); ++d) {
-    rows = rows.narrow(static_cast<int64_t>(d), bounds[d].offset, bounds[d].length);
+  if (!whole_rows) {
+    for (size_t d = 1; d < bounds.size(); ++d) {
+      rows = rows.narrow(static_cast<int64_t>(d), bounds[d].offset, bounds[d].length);
+    }
+    local.copy_(rows);
   }
-  local.copy_(rows);
-  return local;
+  return converted ? local.to(target.scalar_type()) : local;
 }
 
 }  // namespace
@@ -475,7 +478,8 @@ ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict
     TORCH_CHECK(entry != it->second.index.entries.end(), "fsdp::load_safetensors: the index of '", dir, "' puts '",
                 item.key(), "' in '", path, "', which does not hold it");
     const DTensor& target = item.value();
-    at::Tensor local = read_local_rows(path, it->second.f.get(), it->second.index, entry->second, target);
+    at::Tensor local = read_local_rows(path, it->second.f.get(), it->second.index, entry->second, target,
+                                       options.convert_float_dtypes());
     out.insert(item.key(),
                DTensor::from_local(std::move(local), target.device_mesh(), target.placements(), target.sizes()));
   }

@@ -248,7 +248,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
          f.reshard_after_forward = v;
        }},
 
-      {"model", "architecture", choice(m.architecture, {"transformer", "llama"})},
+      {"model", "architecture", string(m.architecture)},  // a family of models/registry.cpp
       {"model", "hf_config", string(m.hf_config)},
       {"model", "preset", choice(m.preset, {"tiny", "small", "medium"})},
       {"model", "n_layers", opt_positive_int(m.n_layers)},

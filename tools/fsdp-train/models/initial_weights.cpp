@@ -4,6 +4,7 @@
 #include "common/agreement.h"
 #include "common/errors.h"
 #include "models/hf_checkpoint.h"
+#include "models/registry.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/safetensors.h>
@@ -71,13 +72,12 @@ TensorStateDict init_state_dict(const std::string& path, std::vector<std::string
 
 // Each rank reads its own rows and checks them; the ranks agree before any weight is replaced,
 // so that all stop together when one rank's rows are unreadable or not finite.
-void load_safetensors_rows(const std::string& path, torch::nn::Module& model) {
+void load_safetensors_rows(const std::string& path, const ModelFamily& family, torch::nn::Module& model) {
   ShardedStateDict loaded;
   std::string problem;
-  auto* llama = dynamic_cast<models::LlamaImpl*>(&model);
-  const bool hf = llama && is_hf_model_dir(path);
+  const bool hf = is_hf_model_dir(path);
   try {
-    loaded = hf ? read_hf_weights(path, *llama) : load_safetensors(path, sharded_state_dict(model));
+    loaded = hf ? read_hf_weights(path, family, model) : load_safetensors(path, sharded_state_dict(model));
     TensorStateDict local;
     for (const auto& item : loaded) local.insert(item.key(), item.value().to_local());
     problem = non_finite_problem(local, " in this rank's rows");
@@ -85,18 +85,18 @@ void load_safetensors_rows(const std::string& path, torch::nn::Module& model) {
     problem = error_text(e);
   }
   throw_unless_every_rank_ok(problem, "model.init_from " + path);
-  // A tied head is the embedding's tensor, absent from a Hugging Face directory.
-  load_sharded_state_dict(model, loaded, /*strict=*/!(hf && llama->args().tie_word_embeddings));
+  // A tensor a Hugging Face directory leaves out (a tied head) is another's: loading that one loads it.
+  load_sharded_state_dict(model, loaded, /*strict=*/!hf || family.hf_state_dict_is_whole());
 }
 
 }  // namespace
 
-void load_initial_weights(const TrainConfig& cfg, torch::nn::Module& model,
+void load_initial_weights(const TrainConfig& cfg, const ModelFamily& family, torch::nn::Module& model,
                           const std::function<void(const std::string&)>& note) {
   if (cfg.model.init_from.empty()) return;
   const std::string& path = cfg.model.init_from;
   if (is_safetensors_dir(path)) {
-    load_safetensors_rows(path, model);
+    load_safetensors_rows(path, family, model);
     return;
   }
   std::vector<std::string> ignored;
