@@ -30,10 +30,11 @@ struct PlanQuestion {
 
 // The question of `cfg` at sequence length `seq` (seq_len_of), `world` ranks of which
 // `local_world` share a machine. Throws ConfigError for what the trainer refuses (check_supported,
-// the data-parallel shape), a token file it cannot count, and an unreadable --constants file.
-// `strict`: also refuse what the planner does not model (fsdp_config.reshard_after_forward's
-// group size, model.freeze); without it, those are planned as their upper bound (full
-// resharding, every parameter trained) is not: the caller must treat the plan as an estimate.
+// the data-parallel shape) and an unreadable --constants file. `strict` (`fsdp-train plan`): also
+// for a token file it cannot count, and for what the planner does not model
+// (fsdp_config.reshard_after_forward's group size, model.freeze). Without it (the start-up memory
+// check) those are planned as if absent: no resident tokens, full resharding, every parameter
+// trained.
 PlanQuestion plan_question(const TrainConfig& cfg, const ModelFamily& family, int64_t seq, int world, int local_world,
                            bool strict, const std::string& constants_file = "");
 
