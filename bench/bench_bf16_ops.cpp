@@ -9,7 +9,7 @@
 // Defaults: --presets small,medium --threads 1 --reps 3 --min-time-ms 100, all ops.
 // Shapes per preset (bench/peer_ab.py's defaults: small B = 8, T = 256, d = 256, h = 8,
 // V = 8192; medium B = 2, T = 512, d = 768, h = 12, V = 32000), each op as the model in
-// src/models/transformer.cpp calls it:
+// src/models/transformer/transformer.cpp calls it:
 //   layer_norm     at::layer_norm over d of (B, T, d), bf16 weight and bias (params are bf16 too)
 //   softmax        at::softmax(-1) of the scores (B, h, T, T)
 //   masked_fill    scores.masked_fill(causal mask, -inf), (B, h, T, T)

@@ -57,7 +57,7 @@ Matmul fraction and MFU (both estimates). At the start of a run the script runs
 <build-dir>/bench/bench_matmul --json once per thread count a rank uses (OMP_NUM_THREADS =
 OPENBLAS_NUM_THREADS = cores / W) at the products of each preset's model (shapes below) and at
 2048^3, for each dtype, and records the GFLOP/s in meta.json (raw: matmul_t<T>.json). From the
-model in src/models/transformer.cpp (= bench/peer/model.py; the Llama presets have no such
+model in src/models/transformer/transformer.cpp (= bench/peer/model.py; the Llama presets have no such
 count here, so no matmul fraction or MFU), per rank and step, with B the
 per-rank batch, T the sequence length, M = B*T, d = dim, h = n_heads, d/h = head_dim, L = n_layers,
 V = vocab_size, the forward matmuls are

@@ -53,7 +53,7 @@ def main() -> None:
     w1, w2 = lin(D, F, True), lin(F, D, True)
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
 
-    def block(x):  # src/models/transformer.cpp, TransformerBlockImpl::forward
+    def block(x):  # src/models/transformer/transformer.cpp, TransformerBlockImpl::forward
         heads = lambda t: t.view(B, T, H, hd).transpose(1, 2)
         y = norm1(x)
         q, k, v = heads(wq(y)), heads(wk(y)), heads(wv(y))

@@ -189,9 +189,13 @@ struct LlamaShape {
 /// outputs and normalised inputs, the rotated queries, the (repeated) keys and values, the
 /// attention's output, the residual, SwiGLU's gate, up, SiLU and product, and its output. Throws
 /// std::invalid_argument for sizes the model refuses (n_heads not a multiple of n_kv_heads, an
-/// odd head_dim, seq beyond max_position_embeddings, loss_chunks outside [1, seq]); tensor
-/// parallelism and a head group of its own are not modelled for it and refused
-/// (tensor_parallel > 1, output_head_group).
+/// odd head_dim, seq beyond max_position_embeddings, loss_chunks outside [1, seq]). With
+/// output_head_group the final norm and the head are a last group (untied heads only), kept
+/// gathered from their forward to their backward. With tensor_parallel k each layer holds its
+/// Megatron pieces (fsdp/models/llama_parallelize.h: q, k, v, gate and up by rows, o and down by
+/// columns, the norms whole; k must divide n_kv_heads and intermediate_size) and all-reduces its
+/// activations twice in forward and twice in backward; vocab_parallel splits the embedding and an
+/// untied head by vocabulary as the Transformer's are.
 ModelSpec llama_spec(const LlamaShape& shape, const ActivationOptions& activations,
                      const TransformerSharding& sharding = {});
 

@@ -38,10 +38,11 @@ struct SafetensorsOptions {
   /// Extra "__metadata__" entries of every file, next to "format": "pt" (a "format" entry here
   /// replaces it).
   TORCH_ARG(SafetensorsMetadata, metadata) = {};
-  /// load_safetensors_into only: a tensor stored in another floating dtype (F64, F32, F16,
-  /// BF16) than its target's is read as stored and converted (a Hugging Face checkpoint saved in
-  /// bf16 into an fp32 model); otherwise the dtypes must be equal.
-  TORCH_ARG(bool, convert_dtype) = false;
+  /// load_safetensors and load_safetensors_into: a tensor stored in another floating dtype (F64,
+  /// F32, BF16, F16) than its key's in `like` is read as stored and converted to `like`'s (a
+  /// Hugging Face checkpoint in bf16 loaded into an fp32 model). false: the difference is
+  /// refused, naming the tensor.
+  TORCH_ARG(bool, convert_float_dtypes) = false;
 };
 
 /// Writes `state_dict` under `dir` (created if missing) as one safetensors file per rank and, on
@@ -82,8 +83,8 @@ void save_safetensors(const ShardedStateDict& state_dict, const std::string& dir
 /// Not collective (file reads only). Every header is checked as load_safetensors_file checks it.
 /// Throws c10::Error, naming the directory or file and the tensor, on: neither an index nor the
 /// single file, an index that is not JSON or names a file outside `dir`, a key of `like` missing
-/// or a tensor `like` does not have, a dtype or shape that differs from the model's, an
-/// unreadable or malformed file.
+/// or a tensor `like` does not have, a dtype (unless options.convert_float_dtypes() and both are
+/// floating) or shape that differs from the model's, an unreadable or malformed file.
 ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict& like,
                                   const SafetensorsOptions& options = SafetensorsOptions());
 

@@ -405,19 +405,19 @@ std::map<std::string, std::string> weight_map_of(const std::string& dir, const s
 // row-major tensor split along dim 0 is one contiguous range per piece). A piece split along
 // another dim (a shard_placement_fn's Shard(d)) reads the whole rows it lies in, then keeps its
 // part of them.
-// The piece is read in the dtype stored; with `convert` a floating dtype other than the model's
-// is allowed (the caller converts), another is not.
+// The piece is read in the dtype stored; with `convert_float_dtypes` a floating dtype other than
+// the model's is allowed and converted to it, another is not.
 at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileIndex& index, const Entry& entry,
-                           const DTensor& target, bool convert) {
+                           const DTensor& target, bool convert_float_dtypes) {
   const std::string where = "fsdp::load_safetensors: '" + path + "': tensor '" + entry.name + "': ";
-  const bool floating = at::isFloatingType(entry.dtype) && at::isFloatingType(target.scalar_type());
-  TORCH_CHECK(entry.dtype == target.scalar_type() || (convert && floating), where, "has dtype ", entry.dtype,
-              " but the model's is ", target.scalar_type(),
-              convert ? " (a floating dtype converts to another, nothing else does)" : "");
+  const bool converted = convert_float_dtypes && entry.dtype != target.scalar_type() &&
+                         at::isFloatingType(entry.dtype) && at::isFloatingType(target.scalar_type());
+  TORCH_CHECK(entry.dtype == target.scalar_type() || converted, where, "has dtype ", entry.dtype,
+              " but the model's is ", target.scalar_type());
   TORCH_CHECK(entry.shape == target.sizes(), where, "has shape ", c10::IntArrayRef(entry.shape), " but the model's is ",
               c10::IntArrayRef(target.sizes()));
   at::Tensor local = at::empty(target.to_local().sizes(), at::TensorOptions().dtype(entry.dtype));
-  if (local.numel() == 0) return local;
+  if (local.numel() == 0) return local.to(target.scalar_type());
   uint64_t offset = entry.begin;
   at::Tensor rows = local;  // what is read: the piece itself, or the whole rows holding it
   std::vector<ChunkBounds> bounds;
@@ -437,20 +437,21 @@ at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileInde
   TORCH_CHECK(std::fseek(f, static_cast<long>(index.data_start + offset), SEEK_SET) == 0 &&
                   std::fread(rows.data_ptr(), 1, rows.nbytes(), f) == rows.nbytes(),
               where, "reading its bytes failed (truncated file?)");
-  if (whole_rows) return local;
-  for (size_t d = 1; d < bounds.size(); ++d) {
-    rows = rows.narrow(static_cast<int64_t>(d), bounds[d].offset, bounds[d].length);
+  if (!whole_rows) {
+    for (size_t d = 1; d < bounds.size(); ++d) {
+      rows = rows.narrow(static_cast<int64_t>(d), bounds[d].offset, bounds[d].length);
+    }
+    local.copy_(rows);
   }
-  local.copy_(rows);
-  return local;
+  return converted ? local.to(target.scalar_type()) : local;
 }
 
 // Reads this rank's piece of every entry of `like`, in order, and hands each to `use` (key, the
-// entry of `like`, the piece in the dtype stored) before reading the next. Every key is checked
+// entry of `like`, the piece in `like`'s dtype) before reading the next. Every key is checked
 // against the directory first: nothing is read when one is missing or unexpected.
 template <typename Use>
 void for_each_piece(const std::string& dir, const ShardedStateDict& like, const SafetensorsOptions& options,
-                    bool convert, Use use) {
+                    Use use) {
   const std::map<std::string, std::string> files = weight_map_of(dir, options.prefix());
   for (const auto& item : like) {
     TORCH_CHECK(files.count(item.key()), "fsdp::load_safetensors: '", dir, "' has no tensor '", item.key(),
@@ -480,7 +481,8 @@ void for_each_piece(const std::string& dir, const ShardedStateDict& like, const 
     TORCH_CHECK(entry != it->second.index.entries.end(), "fsdp::load_safetensors: the index of '", dir, "' puts '",
                 item.key(), "' in '", path, "', which does not hold it");
     use(item.key(), item.value(),
-        read_local_rows(path, it->second.f.get(), it->second.index, entry->second, item.value(), convert));
+        read_local_rows(path, it->second.f.get(), it->second.index, entry->second, item.value(),
+                        options.convert_float_dtypes()));
   }
 }
 
@@ -490,7 +492,7 @@ ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict
                                   const SafetensorsOptions& options) {
   ShardedStateDict out;
   for_each_piece(
-      dir, like, options, /*convert=*/false, [&](const std::string& key, const DTensor& target, at::Tensor local) {
+      dir, like, options, [&](const std::string& key, const DTensor& target, at::Tensor local) {
         out.insert(key,
                    DTensor::from_local(std::move(local), target.device_mesh(), target.placements(), target.sizes()));
       });
@@ -499,7 +501,7 @@ ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict
 
 void load_safetensors_into(const std::string& dir, const ShardedStateDict& targets, const SafetensorsOptions& options) {
   at::NoGradGuard no_grad;
-  for_each_piece(dir, targets, options, options.convert_dtype(),
+  for_each_piece(dir, targets, options,
                  [&](const std::string&, const DTensor& target, const at::Tensor& local) {
                    at::Tensor live = target.to_local();
                    live.copy_(local.to(live.device()));

@@ -45,5 +45,23 @@ inline void set_loss_head(StageSpec& head, const ActivationOptions& a, double c,
   head.elementwise_in_fp32 = true;
 }
 
+// A head split by vocabulary over tp (after set_loss_head): the vocab-parallel loss keeps the
+// fp32 logits of the rank's slice and each row's log-sum-exp instead of a log-softmax; its
+// backward makes one fp32 gradient of the logits (below fp32 its cast to the compute dtype comes
+// once the kept logits are freed, which is no higher). Forward all-reduces each row's maximum (4
+// bytes) and its sum of exponentials with its target's logit (8 bytes), once, outside any
+// recomputation; backward all-reduces the head input's gradient (one more copy of it). N rows,
+// ND = N x dim, V the rank's slice of the vocabulary, c compute bytes per element.
+inline void set_vocab_parallel_loss(StageSpec& head, double c, double N, double ND, double V) {
+  if (!head.checkpointed) {
+    head.saved_bytes += 4 * N;
+    head.backward_extra_bytes = 4 * N * V;
+  }
+  if (head.checkpointed) head.backward_extra_bytes += c * ND;
+  head.tp_all_reduces.push_back({0, 1, c * ND, false});
+  head.tp_all_reduces.push_back({1, 0, 4 * N, false});
+  head.tp_all_reduces.push_back({1, 0, 8 * N, false});
+}
+
 }  // namespace plan
 }  // namespace fsdp

@@ -1,7 +1,7 @@
 // transformer_spec.cpp — fsdp::models::Transformer as a ModelSpec: its FSDP groups as the trainer
 // shards them and what each part of its forward keeps for backward.
 //
-// The activation bytes follow the operations of src/models/transformer.cpp one by one, with
+// The activation bytes follow the operations of src/models/transformer/transformer.cpp one by one, with
 // N = batch x seq rows, D = dim, F = 4 D, and P = batch x heads x seq x seq attention scores, in
 // the compute dtype c (bytes):
 //   a block keeps its LayerNorms' outputs (2 N D), the contiguous copies of q, k and v that the
@@ -174,22 +174,7 @@ ModelSpec transformer_spec(const TransformerShape& t, const ActivationOptions& a
   head.group = s.output_head_group ? static_cast<int>(m.groups.size()) - 1 : 0;
   head.grads = s.output_head_group ? std::vector<int>{0, 1, 2} : std::vector<int>{2, 3, 4};
   set_loss_head(head, a, c, D, V, /*saved_input_bytes=*/c * B * std::ceil(T / static_cast<double>(a.loss_chunks)) * D);
-  if (split_vocab) {
-    // The vocab-parallel loss keeps the fp32 logits of the rank's slice and each row's
-    // log-sum-exp instead of a log-softmax; its backward makes one fp32 gradient of the logits
-    // (below fp32 its cast to the compute dtype comes once the kept logits are freed, which is
-    // no higher). Forward all-reduces each row's maximum (4 bytes)
-    // and its sum of exponentials with its target's logit (8 bytes), once, outside any
-    // recomputation; backward all-reduces the head input's gradient (one more copy of it).
-    if (!head.checkpointed) {
-      head.saved_bytes += 4 * N;
-      head.backward_extra_bytes = 4 * N * V;
-    }
-    if (head.checkpointed) head.backward_extra_bytes += c * ND;
-    head.tp_all_reduces.push_back({0, 1, c * ND, false});
-    head.tp_all_reduces.push_back({1, 0, 4 * N, false});
-    head.tp_all_reduces.push_back({1, 0, 8 * N, false});
-  }
+  if (split_vocab) set_vocab_parallel_loss(head, c, N, ND, V);
   // In pieces, forward keeps the final norm's whole output, its statistics and each row's
   // log-sum-exp (chunked_linear_cross_entropy), and recomputes the logits piece by piece.
   head.output_bytes = head.checkpointed ? c * ND + 4 * N + 2 * N * 4 : 0;

@@ -287,3 +287,42 @@ TEST(Safetensors, LoadsIntoAModelShardedOverAnotherWorldSize) {
   }
   if (!fsdp::testing::is_child()) fs::remove_all(dir);
 }
+
+// A file in bf16 (as Hugging Face checkpoints often are) read into an fp32 model sharded over two
+// ranks: refused naming both dtypes, unless SafetensorsOptions::convert_float_dtypes, which reads
+// each rank's rows as stored and converts them; an integer tensor is never converted.
+TEST(Safetensors, FloatDtypesAreConvertedOnlyWhenAskedAndOnlyBetweenFloats) {
+  const std::string dir = fsdp::testing::shared_temp_path("st_convert");
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
+  run_distributed(2, [dir] {
+    auto m = make_sharded(1);
+    fsdp::ShardedStateDict bf16;
+    for (const auto& item : fsdp::sharded_state_dict(*m)) {
+      const fsdp::DTensor& d = item.value();
+      bf16.insert(item.key(), fsdp::DTensor::from_local(d.to_local().to(at::kBFloat16), d.device_mesh(), d.placements(),
+                                                        d.sizes()));
+    }
+    fsdp::save_safetensors(bf16, dir);
+    auto fresh = make_sharded(2);
+    try {
+      fsdp::load_safetensors(dir, fsdp::sharded_state_dict(*fresh));
+      ADD_FAILURE() << "loaded bf16 into fp32 without being asked to convert";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("has dtype BFloat16 but the model's is Float"), std::string::npos)
+          << e.what();
+    }
+    fsdp::ShardedStateDict loaded = fsdp::load_safetensors(dir, fsdp::sharded_state_dict(*fresh),
+                                                           fsdp::SafetensorsOptions().convert_float_dtypes(true));
+    for (const auto& item : bf16) {
+      EXPECT_EQ(loaded[item.key()].scalar_type(), at::kFloat) << item.key();
+      EXPECT_TRUE(loaded[item.key()].to_local().equal(item.value().to_local().to(at::kFloat))) << item.key();
+    }
+    fsdp::ShardedStateDict integer = fsdp::sharded_state_dict(*fresh);
+    const fsdp::DTensor& scale = integer["scale"];
+    integer["scale"] = fsdp::DTensor::from_local(at::zeros(scale.to_local().sizes(), at::kLong), scale.device_mesh(),
+                                                 scale.placements(), scale.sizes());
+    EXPECT_THROW(fsdp::load_safetensors(dir, integer, fsdp::SafetensorsOptions().convert_float_dtypes(true)),
+                 c10::Error);
+  });
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
+}

@@ -3,21 +3,25 @@
 // one of
 //   logits <hf_dir> <tokens.safetensors> <out_dir>     the logits of "tokens" (int64 [batch, seq])
 //   export <hf_dir> <out_dir> <float32|bfloat16|float16>  the model written back as a HF directory
-//   train  <hf_dir> <batches.safetensors> <lr> <out_dir> [tp]  AdamW on "batches" (int64 [steps,
-//          global rows, seq + 1]), each data-parallel rank its consecutive rows; per-rank losses
-//          to <out_dir>/losses-<rank>.json and the final model as a HF directory <out_dir>/final.
+//   train  <hf_dir> <batches.safetensors> <lr> <out_dir> [tp [ac]]  AdamW on "batches" (int64
+//          [steps, global rows, seq + 1]), each data-parallel rank its consecutive rows; per-rank
+//          losses to <out_dir>/losses-<rank>.json, the peak tensor bytes and RSS of the steps to
+//          <out_dir>/peak-<rank>.json, and the final model as a HF directory <out_dir>/final.
 //          With tp > 1 the mesh is (dp, tp): the layers split by fsdp/models/llama_parallelize.h
-//          over tp, then sharded over dp.
+//          over tp, then sharded over dp. With ac, every decoder layer checkpointed
+//          (CausalLM::set_activation_checkpointing(1)).
 //   rope   <config.json>                               the rotary embeddings read from config.json, as
 //          one JSON line {"rope_type", "rope_theta", llama3's fields, "notes": [...]}, without a
 //          process group.
 // Run it under fsdprun for more than one rank.
 #include "models/hf_checkpoint.h"
+#include "models/registry.h"
 
 #include <fsdp/call.h>
 #include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
 #include <fsdp/models/llama.h>
 #include <fsdp/models/llama_hf.h>
 #include <fsdp/models/llama_parallelize.h>
@@ -38,6 +42,14 @@ namespace {
 
 using fsdp::models::Llama;
 
+// The trainer's family for the Hugging Face directory `hf`, chosen from its config.json as
+// fsdp-train chooses it: its names and its config.json in and out.
+std::unique_ptr<const fsdp::train::ModelFamily> family_of(const std::string& hf) {
+  fsdp::train::TrainConfig cfg;
+  cfg.model.init_from = hf;
+  return fsdp::train::choose_family(cfg);
+}
+
 Llama load_sharded(const std::string& hf, int64_t seq, const fsdp::DeviceMesh& mesh) {
   const fsdp::models::LlamaArgs args = fsdp::models::llama_args_from_hf_config(hf + "/config.json", seq);
   auto options = fsdp::FullyShardOptions().mesh(mesh);
@@ -45,7 +57,7 @@ Llama load_sharded(const std::string& hf, int64_t seq, const fsdp::DeviceMesh& m
   if (mesh.ndim() == 1) {
     Llama model(args, [&](fsdp::models::LlamaDecoderLayer& layer) { fsdp::fully_shard(layer, options); });
     fsdp::fully_shard(model, options);
-    fsdp::train::load_hf_weights(hf, *model);
+    fsdp::train::load_hf_weights(hf, *family_of(hf), *model);
     return model;
   }
   options.dp_mesh_dims(fsdp::DataParallelMeshDims().shard("dp"));
@@ -56,7 +68,7 @@ Llama load_sharded(const std::string& hf, int64_t seq, const fsdp::DeviceMesh& m
   });
   fsdp::models::parallelize_llama_rest(*model, tp, fsdp::models::ParallelizeOptions());
   fsdp::fully_shard(model, options);
-  fsdp::train::load_hf_weights(hf, *model);
+  fsdp::train::load_hf_weights(hf, *family_of(hf), *model);
   return model;
 }
 
@@ -87,13 +99,16 @@ void logits(const std::string& hf, const std::string& tokens_file, const std::st
 }
 
 void train(const std::string& hf, const std::string& batches_file, double lr, const std::string& out,
-           const fsdp::DeviceMesh& mesh) {
+           const fsdp::DeviceMesh& mesh, bool checkpointing) {
   const at::Tensor batches = read_tensor(batches_file, "batches");
   const int64_t rank = fsdp::get_rank();
   const int64_t dp_world = mesh.ndim() == 1 ? fsdp::get_world_size() : mesh.size(0);
   const int64_t dp_rank = mesh.ndim() == 1 ? rank : mesh.get_local_rank(0);
   const int64_t rows = batches.size(1) / dp_world;
   Llama model = load_sharded(hf, batches.size(2) - 1, mesh);
+  if (checkpointing) model->set_activation_checkpointing(1);
+  fsdp::memory::reset_peak_allocated();
+  fsdp::memory::reset_peak_rss();
   torch::optim::AdamW optimizer(model->unique_parameters(),
                                 torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1));
   std::vector<double> losses;
@@ -112,7 +127,10 @@ void train(const std::string& hf, const std::string& batches_file, double lr, co
   f << std::setprecision(17) << "[";
   for (size_t i = 0; i < losses.size(); ++i) f << (i ? ", " : "") << losses[i];
   f << "]\n";
-  fsdp::train::save_hf(out + "/final", *model, at::kFloat);
+  std::ofstream(out + "/peak-" + std::to_string(rank) + ".json")
+      << "{\"peak_tensor_bytes\": " << fsdp::memory::max_allocated_bytes()
+      << ", \"peak_rss_bytes\": " << fsdp::memory::peak_rss_bytes() << "}\n";
+  fsdp::train::save_hf(out + "/final", *family_of(hf), *model, at::kFloat);
 }
 
 // The rope arguments config.json gives, for comparison with transformers' AutoConfig.
@@ -134,7 +152,7 @@ void print_rope(const std::string& config) {
 int main(int argc, char** argv) {
   const std::string usage =
       "usage: llama_driver logits <hf_dir> <tokens.safetensors> <out_dir> | export <hf_dir> <out_dir> <dtype> | "
-      "train <hf_dir> <batches.safetensors> <lr> <out_dir> | rope <config.json>";
+      "train <hf_dir> <batches.safetensors> <lr> <out_dir> [tp [ac]] | rope <config.json>";
   const std::string command = argc > 1 ? argv[1] : "";
   if (command == "rope" && argc == 3) {
     try {
@@ -145,13 +163,15 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (argc != 5 && !(command == "train" && (argc == 6 || argc == 7))) {
+  if (argc != 5 && !(command == "train" && argc >= 6 && argc <= 8)) {
     std::cerr << usage << "\n";
     return 2;
   }
   try {
+    fsdp::memory::install_tracking_allocator();  // the peak tensor bytes of peak-<rank>.json
     fsdp::init_process_group();
-    const int64_t tp = command == "train" && argc == 7 ? std::stoll(argv[6]) : 1;
+    const int64_t tp = command == "train" && argc >= 7 ? std::stoll(argv[6]) : 1;
+    const bool checkpointing = command == "train" && argc == 8 && std::string(argv[7]) == "ac";
     const int world = fsdp::get_world_size();
     const fsdp::DeviceMesh mesh = tp == 1 ? fsdp::init_device_mesh("cpu", {world})
                                           : fsdp::init_device_mesh("cpu", {world / tp, tp}, {"dp", "tp"});
@@ -159,9 +179,9 @@ int main(int argc, char** argv) {
       logits(argv[2], argv[3], argv[4], mesh);
     } else if (command == "export") {
       Llama model = load_sharded(argv[2], 1, mesh);
-      fsdp::train::save_hf(argv[3], *model, dtype_named(argv[4]));
+      fsdp::train::save_hf(argv[3], *family_of(argv[2]), *model, dtype_named(argv[4]));
     } else if (command == "train") {
-      train(argv[2], argv[3], std::stod(argv[4]), argv[5], mesh);
+      train(argv[2], argv[3], std::stod(argv[4]), argv[5], mesh, checkpointing);
     } else {
       std::cerr << usage << "\n";
       return 2;

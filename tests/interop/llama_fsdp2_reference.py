@@ -3,10 +3,13 @@ directory under PyTorch's fully_shard (one call per decoder layer, then the root
 same batches as llama_driver's train: each data-parallel rank its consecutive rows of every
 global batch. With --tp k > 1, a (dp, tp) mesh: each decoder layer first split over tp by
 parallelize_module with the plan of fsdp/models/llama_parallelize.h (q/k/v/gate/up Colwise,
-o/down Rowwise; embedding, head and norms whole), then fully_shard over dp.
-Writes <out>/losses-<rank>.json and the final full parameters as <out>/model.safetensors.
+o/down Rowwise; embedding, head and norms whole), then fully_shard over dp. With --ac, each
+decoder layer wrapped by checkpoint_wrapper (activation checkpointing per layer, as torchtitan
+applies it) before its fully_shard.
+Writes <out>/losses-<rank>.json, the peak RSS of the steps as <out>/peak-<rank>.json (VmHWM,
+reset before the first step) and the final full parameters as <out>/model.safetensors.
 
-    python llama_fsdp2_reference.py <hf_dir> <batches.safetensors> <lr> <out> --world 2 [--tp 2]
+    python llama_fsdp2_reference.py <hf_dir> <batches.safetensors> <lr> <out> --world 2 [--tp 2] [--ac]
 """
 
 from __future__ import annotations
@@ -21,6 +24,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp2_train import free_port  # the same folder: the port the ranks meet on
+
+
+def reset_peak_rss() -> None:
+    """Starts a new VmHWM (Linux: writing 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def worker(rank: int, world: int, ns, port: int) -> None:
@@ -43,6 +60,10 @@ def worker(rank: int, world: int, ns, port: int) -> None:
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], plan)
         dp_rank, dp_world, fsdp_kwargs = mesh["dp"].get_local_rank(), world // ns.tp, {"mesh": mesh["dp"]}
+    if ns.ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(layer)
     for layer in model.model.layers:
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
@@ -50,6 +71,7 @@ def worker(rank: int, world: int, ns, port: int) -> None:
     batches = load_file(ns.batches)["batches"]
     rows = batches.size(1) // dp_world
     losses = []
+    reset_peak_rss()
     for step in range(batches.size(0)):
         mine = batches[step].narrow(0, dp_rank * rows, rows)
         inputs, targets = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
@@ -68,6 +90,8 @@ def worker(rank: int, world: int, ns, port: int) -> None:
     os.makedirs(ns.out, exist_ok=True)
     with open(os.path.join(ns.out, f"losses-{rank}.json"), "w") as f:
         json.dump(losses, f)
+    with open(os.path.join(ns.out, f"peak-{rank}.json"), "w") as f:
+        json.dump({"peak_rss_bytes": peak_rss_bytes()}, f)
     if rank == 0:
         save_file(full, os.path.join(ns.out, "model.safetensors"))
     dist.barrier()
@@ -82,6 +106,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ac", action="store_true", help="checkpoint_wrapper around each decoder layer")
     ns = p.parse_args()
     torch.multiprocessing.spawn(worker, args=(ns.world, ns, free_port()), nprocs=ns.world, join=True)
 

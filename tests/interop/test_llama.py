@@ -13,6 +13,10 @@ llama_driver.cpp) through config.json and the safetensors files.
   the same weights and batches: per-rank losses within 1e-5 relative, final parameters within 1e-5;
 - dp2_tp2_w4: the same at W = 4 on a (dp 2, tp 2) mesh, the reference split by parallelize_module
   with the same plan;
+- activation_checkpointing_w2: the same at W = 2 with every decoder layer checkpointed, against
+  transformers' model with checkpoint_wrapper around each layer under fully_shard: the same
+  losses, and a lower measured peak on both sides (ours: peak tensor bytes of the steps; the
+  reference's: peak RSS); the four peaks are printed;
 - eval_w2: `fsdp-train eval` at W = 2 of a save_pretrained directory prints transformers' mean
   cross-entropy over the same windows within 1e-5 relative;
 - rope_precedence: config.json with the older rope_scaling, the newer rope_parameters, both
@@ -239,26 +243,49 @@ def test_dp2_tp2_w4(workdir: str):
     check_training(workdir, world=4, tp=2, num_attention_heads=8, num_key_value_heads=4, head_dim=4)
 
 
-def check_training(workdir: str, world: int, tp: int, **overrides):
+def test_activation_checkpointing_w2(workdir: str):
+    # Wide enough that the activations dominate the peak: 4 layers of 4 x 256 rows per rank.
+    shape = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, head_dim=16,
+                 max_position_embeddings=256)
+    plain = check_training(os.path.join(workdir, "plain"), world=2, tp=1, rows=4, seq=256, **shape)
+    checkpointed = check_training(os.path.join(workdir, "ac"), world=2, tp=1, rows=4, seq=256, ac=True, **shape)
+    for key, side in (("peak_tensor_bytes", "ours"), ("peak_rss_bytes", "ours"), ("peak_rss_bytes", "reference")):
+        without, with_ac = plain[side][key], checkpointed[side][key]
+        print(f"{side} {key}: {without / 2**20:.1f} MiB without activation checkpointing, "
+              f"{with_ac / 2**20:.1f} MiB with it")
+    assert checkpointed["ours"]["peak_tensor_bytes"] < plain["ours"]["peak_tensor_bytes"], (plain, checkpointed)
+    assert checkpointed["reference"]["peak_rss_bytes"] < plain["reference"]["peak_rss_bytes"], (plain, checkpointed)
+    # Checkpointing recomputes the same operations: our losses are those without it.
+    for rank in range(2):
+        for x, y in zip(checkpointed["losses"][rank], plain["losses"][rank]):
+            assert abs(x - y) <= RTOL * abs(y), (checkpointed["losses"], plain["losses"])
+
+
+def check_training(workdir: str, world: int, tp: int, rows: int = 2, seq: int = 16, ac: bool = False,
+                   **overrides) -> dict:
+    """Trains both sides and compares them; returns each side's largest peak over the ranks
+    ({"ours": {...}, "reference": {...}}) and our per-rank losses."""
+    os.makedirs(workdir, exist_ok=True)
     from safetensors.torch import save_file
     model = make_model("llama", **overrides)
     hf = os.path.join(workdir, "hf")
     model.save_pretrained(hf)
-    rows, seq, lr = 2, 16, 1e-2
+    lr = 1e-2
     g = torch.Generator().manual_seed(7)
     batches = torch.randint(0, model.config.vocab_size, (STEPS, world * rows, seq + 1), generator=g)
     batches_file = os.path.join(workdir, "batches.safetensors")
     save_file({"batches": batches}, batches_file)
     ours, ref = os.path.join(workdir, "ours"), os.path.join(workdir, "reference")
-    driver(world, "train", hf, batches_file, str(lr), ours, str(tp))
+    driver(world, "train", hf, batches_file, str(lr), ours, str(tp), *(["ac"] if ac else []))
     proc = subprocess.run([sys.executable, os.path.join(_HERE, "llama_fsdp2_reference.py"), hf, batches_file, str(lr),
-                           ref, "--world", str(world), "--tp", str(tp)], capture_output=True, text=True,
-                          env=environment(), timeout=300)
+                           ref, "--world", str(world), "--tp", str(tp), *(["--ac"] if ac else [])],
+                          capture_output=True, text=True, env=environment(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    found = []
+    found, losses = [], []
     for rank in range(world):
         with open(os.path.join(ours, f"losses-{rank}.json")) as f:
             a = json.load(f)
+        losses.append(a)
         with open(os.path.join(ref, f"losses-{rank}.json")) as f:
             b = json.load(f)
         assert len(a) == len(b) == STEPS
@@ -272,6 +299,13 @@ def check_training(workdir: str, world: int, tp: int, **overrides):
         if worst > 1e-5:
             found.append(f"{name}: max |difference| {worst:.3g} > 1e-5")
     assert not found, "\n".join(found)
+    peaks = {}
+    for side, folder in (("ours", ours), ("reference", ref)):
+        for rank in range(world):
+            with open(os.path.join(folder, f"peak-{rank}.json")) as f:
+                for key, value in json.load(f).items():
+                    peaks.setdefault(side, {})[key] = max(peaks.get(side, {}).get(key, 0), value)
+    return {**peaks, "losses": losses}
 
 
 def test_bad_input(workdir: str):

@@ -15,6 +15,7 @@
 #include "data/data.h"
 #include "models/initial_weights.h"
 #include "models/model_setup.h"
+#include "models/registry.h"
 #include "run/schedule.h"
 
 #include <fsdp/clip_grad.h>
@@ -47,7 +48,7 @@ void check_modelled(const TrainConfig& cfg) {
   const bool plain = cfg.fsdp_config.sharding_strategy == ShardingStrategy::FULL_SHARD &&
                      cfg.training.gradient_accumulation_steps == 1 && cfg.fsdp_config.model_parallel_size == 1 &&
                      !cfg.fsdp_config.fp16 && !cfg.fsdp_config.mixed_precision && !cfg.fsdp_config.param_dtype &&
-                     !cfg.fsdp_config.reduce_dtype && !is_llama(cfg.model);
+                     !cfg.fsdp_config.reduce_dtype && choose_family(cfg)->name() == "transformer";
   if (!plain)
     throw std::invalid_argument(
         "to_dtype_driver trains FULL_SHARD with one micro-batch, no tensor parallelism, no mixed precision and "
@@ -84,11 +85,11 @@ void write_outputs(const TrainConfig& cfg, const std::vector<double>& losses, co
 }
 
 void train_converted(const TrainConfig& cfg, at::ScalarType dtype) {
-  const models::ModelArgs args = model_args_of(cfg.model);
-  const int64_t seq = seq_len_of(cfg, args);
+  const auto family = choose_family(cfg);
+  const int64_t seq = seq_len_of(cfg, *family);
   const RendezvousInfo env = rendezvous_info_from_env();
-  ParallelModel pm = parallelize_model(cfg, args, precision_of(cfg.fsdp_config), env.local_world_size);
-  load_initial_weights(cfg, pm.module(), [](const std::string& line) { std::cout << line << "\n"; });
+  ParallelModel pm = parallelize_model(cfg, *family, precision_of(cfg.fsdp_config), env.local_world_size);
+  load_initial_weights(cfg, *family, pm.module(), [](const std::string& line) { std::cout << line << "\n"; });
   pm.module().to(dtype);  // after fully_shard: FSDP re-lays the shards at the first forward
 
   const OptimizerConfig& o = cfg.optimizer;
@@ -96,7 +97,7 @@ void train_converted(const TrainConfig& cfg, at::ScalarType dtype) {
       pm.parameters(),
       torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
   const LrSchedule schedule = lr_schedule(cfg);
-  const auto data = synthetic_data(args.vocab_size, cfg.data.data_seed);
+  const auto data = synthetic_data(family->shape().vocab_size, cfg.data.data_seed);
   const int64_t batch = cfg.training.micro_batch_size;
   const double max_norm = cfg.training.max_grad_norm;
   std::vector<double> losses, norms;

@@ -76,6 +76,30 @@ TEST(Llama, ChunkedLossEqualsTheWholeLogitsLoss) {
   EXPECT_NE(error_of([&] { model->forward_loss(tokens, targets, 13); }).find("chunks=13"), std::string::npos);
 }
 
+// Activation checkpointing per decoder layer (CausalLM, written once for every family): the same
+// loss and the same gradients, each layer's forward run again in backward.
+TEST(Llama, CheckpointingEachDecoderLayerGivesTheSameLossAndGradients) {
+  const at::Tensor tokens = at::randint(0, 64, {2, 12}, at::kLong), targets = at::randint(0, 64, {2, 12}, at::kLong);
+  auto run = [&](int64_t every) {
+    torch::manual_seed(0);
+    Llama model(tied_args());
+    model->set_activation_checkpointing(every);
+    EXPECT_EQ(model->is_layer_checkpointed(0), every == 1);
+    at::Tensor loss = model->forward_loss(tokens, targets, 1);
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model->unique_parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(loss.item<double>(), grads);
+  };
+  const auto [plain, plain_grads] = run(0);
+  const auto [checkpointed, grads] = run(1);
+  EXPECT_EQ(checkpointed, plain);
+  ASSERT_EQ(grads.size(), plain_grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(grads[i].allclose(plain_grads[i], 1e-6, 1e-7)) << i;
+  EXPECT_NE(error_of([] { Llama(tied_args())->set_activation_checkpointing(-1); }).find("every_k=-1"),
+            std::string::npos);
+}
+
 TEST(Llama, RootHoldsTheTiedWeightAndTrainsItOnceAtTwoRanks) {
   fsdp::testing::run_distributed(2, [] {
     torch::manual_seed(0);

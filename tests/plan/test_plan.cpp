@@ -607,19 +607,49 @@ TEST(PlanLlama, ALayerKeepsItsNormsRotatedQueriesRepeatedKeysAndValuesAndSwiGlu)
                    4 * (4 * N * D + 2 * N + 4 * N * q8 + 2 * 8 * 10 + 2 * N * D + 4 * N * I));
 }
 
-TEST(PlanLlama, RefusesSizesTheModelRefusesAndWhatItDoesNotModel) {
+TEST(PlanLlama, RefusesSizesTheModelRefusesAndSplitsWhatItsPlanSplits) {
   LlamaShape l = shipped_llama();
   l.n_kv_heads = 3;
   EXPECT_THROW(llama_spec(l, ActivationOptions{1, 8}), std::invalid_argument);
   EXPECT_THROW(llama_spec(shipped_llama(), ActivationOptions{1, 257}), std::invalid_argument);
   TransformerSharding tp;
-  tp.tensor_parallel = 2;
+  tp.tensor_parallel = 3;  // divides neither n_kv_heads 2 nor intermediate_size 352
   try {
     llama_spec(shipped_llama(), ActivationOptions{1, 8}, tp);
-    ADD_FAILURE() << "tensor_parallel 2 accepted";
+    ADD_FAILURE() << "tensor_parallel 3 accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("tensor_parallel 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("tensor_parallel 3"), std::string::npos) << e.what();
   }
+  tp.tensor_parallel = 2;
+  tp.vocab_parallel = true;  // a tied head cannot be split by vocabulary
+  EXPECT_THROW(llama_spec(shipped_llama(), ActivationOptions{1, 8}, tp), std::invalid_argument);
+  tp.vocab_parallel = false;
+  const ModelSpec split = llama_spec(shipped_llama(), ActivationOptions{2, 10}, tp);
+  const ModelSpec whole = llama_spec(shipped_llama(), ActivationOptions{2, 10});
+  EXPECT_EQ(split.tensor_parallel, 2);
+  // Each tp rank holds half of every projection of a layer, and the norms whole.
+  const int64_t layer_whole = [&] {
+    int64_t n = 0;
+    for (const ParamSpec& p : whole.groups[1].params) n += p.numel();
+    return n;
+  }();
+  int64_t layer_split = 0;
+  for (const ParamSpec& p : split.groups[1].params) layer_split += p.numel();
+  EXPECT_EQ(layer_split, (layer_whole - 2 * 128) / 2 + 2 * 128);
+  ASSERT_EQ(split.stages[1].tp_all_reduces.size(), 1u);  // two in forward, two in backward
+  EXPECT_EQ(split.stages[1].tp_all_reduces[0].forward, 2);
+  // A head of its own: untied only, the last group, kept gathered from its forward.
+  TransformerSharding head;
+  head.output_head_group = true;
+  EXPECT_THROW(llama_spec(shipped_llama(), ActivationOptions{1, 8}, head), std::invalid_argument);
+  LlamaShape untied = shipped_llama();
+  untied.tie_word_embeddings = false;
+  const ModelSpec grouped = llama_spec(untied, ActivationOptions{2, 10}, head);
+  ASSERT_EQ(grouped.groups.size(), 6u);
+  EXPECT_FALSE(grouped.groups.back().reshard_after_forward);
+  EXPECT_EQ(grouped.groups[0].params.size(), 1u);  // the root keeps the embedding alone
+  EXPECT_EQ(grouped.stages.back().group, 5);
+  EXPECT_EQ(parameters_of(grouped), parameters_of(llama_spec(untied, ActivationOptions{2, 10})));
 }
 
 TEST(PlanConstants, BuiltInConstantsParseAndAMissingKeyIsNamed) {

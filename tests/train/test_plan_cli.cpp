@@ -91,27 +91,33 @@ TEST(PlanCli, PredictsTheTrainersPeakWithTheOutputHeadAsAGroupOfItsOwn) {
 }
 
 // The Llama family: GQA, SwiGLU, RMSNorm's fp32 tensors and the tied head in the root, at W=2 in
-// fp32, in bf16 (the norms' fp32 copies) and with the loss in pieces; the plan counts the
-// parameters the trainer builds, and refuses what the trainer refuses for it.
+// fp32, in bf16 (the norms' fp32 copies), with the loss in pieces, with every decoder layer
+// checkpointed and under NO_SHARD; the plan counts the parameters the trainer builds.
 TEST(PlanCli, PredictsTheLlamasPeakAtTwoRanksWithinTenPercent) {
   expect_within_ten_percent_of(2, llama_config({}));
   expect_within_ten_percent_of(2, llama_config({"--fsdp_config.mixed_precision=true"}));
   expect_within_ten_percent_of(2, llama_config({"--training.loss_chunks=4"}));
+  expect_within_ten_percent_of(2, llama_config({"--fsdp_config.activation_checkpointing=true"}));
+  expect_within_ten_percent_of(2, llama_config({"--fsdp_config.sharding_strategy=NO_SHARD"}));
   EXPECT_EQ(plan_json_of(2, llama_config({}))["parameters"].get<int64_t>(), 771200);
-  std::vector<std::string> args = {"plan"};
-  for (const auto& a : llama_config({"--fsdp_config.activation_checkpointing=true"})) args.push_back(a);
-  args.insert(args.end(), {"--world", "2"});
-  const RunResult r = trainer.run(args, {}, 60);
-  EXPECT_EQ(r.exit_code, 2) << describe(r);
-  EXPECT_NE(r.err.find("fsdp_config.activation_checkpointing is not supported with model.architecture llama"),
-            std::string::npos)
-      << describe(r);
-  args = {"plan"};
-  for (const auto& a : llama_config({"--fsdp_config.model_parallel_size=2"})) args.push_back(a);
-  args.insert(args.end(), {"--world", "2"});
-  const RunResult tp = trainer.run(args, {}, 60);
-  EXPECT_EQ(tp.exit_code, 2) << describe(tp);
-  EXPECT_EQ(tp.err.find("fsdp-train: configuration error: fsdp_config.model_parallel_size: 2"), 0u) << describe(tp);
+}
+
+// Tensor parallelism of the Llama family (the shipped config's tied head stays whole), and what
+// the trainer refuses for it refused by the plan with the same key: a tied head split by
+// vocabulary, or in a group of its own.
+TEST(PlanCli, PredictsTheLlamasPeakWithTensorParallelismAndRefusesWhatTheTrainerRefuses) {
+  expect_within_ten_percent_of(
+      2, llama_config({"--fsdp_config.model_parallel_size=2", "--fsdp_config.vocab_parallel=false"}));
+  for (const auto& [overrides, key] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--fsdp_config.model_parallel_size=2"}, "fsdp_config.vocab_parallel"},
+           {{"--fsdp_config.output_head_group=true"}, "fsdp_config.output_head_group"}}) {
+    std::vector<std::string> args = {"plan"};
+    for (const auto& a : llama_config(overrides)) args.push_back(a);
+    args.insert(args.end(), {"--world", "2"});
+    const RunResult r = trainer.run(args, {}, 60);
+    EXPECT_EQ(r.exit_code, 2) << describe(r);
+    EXPECT_EQ(r.err.find("fsdp-train: configuration error: " + key), 0u) << describe(r);
+  }
 }
 
 // The trainer's check before a run counts the Llama's own parameters: a SwiGLU too wide for the
@@ -131,7 +137,7 @@ TEST(PlanCli, TheTrainersMemoryCheckCountsTheLlamasOwnParameters) {
   EXPECT_NE(r.err.find("configuration error: intermediate_size (config.json): this run needs at least"),
             std::string::npos)
       << describe(r);
-  EXPECT_NE(r.err.find("Most of it is the decoder layers"), std::string::npos) << describe(r);
+  EXPECT_NE(r.err.find("Most of it is the sharded parameters"), std::string::npos) << describe(r);
 }
 
 // The same tokens as an llm.c .bin file and as the project's own token file: the plan reads both,

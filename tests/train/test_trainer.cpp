@@ -1,6 +1,5 @@
 // End-to-end tests of fsdp-train: the real program, started directly or by fsdprun, with real
 // ranks on loopback. Losses come from the per-rank JSONL metrics.
-#include "models/model_size.h"
 #include "process_harness.h"
 #include "trainer_runs.h"
 
@@ -287,8 +286,8 @@ TEST(Trainer, TraceHasSpansForComputeCollectivesAndWaitsAndSafetensorsExport) {
 // ------------------------------------------------------------------ the parameter count
 
 // The count of the first line and of logging.summary_json is the whole model's, not a rank's
-// shards, and the one model_size.h's formula gives (test_model_size.cpp checks the formula for
-// the presets; the memory estimate is built on it). Sizes of no preset, so that nothing cancels.
+// shards, and the one the Transformer's shapes give (test_memory_check.cpp checks the planner's
+// count of the presets, which the memory check prints). Sizes of no preset, so that nothing cancels.
 TEST(Trainer, PrintsTheWholeModelsParameterCountWhichTheFormulaGives) {
   TempDir dir;
   const auto args = with(base_args(dir.path(), 1),
@@ -297,7 +296,7 @@ TEST(Trainer, PrintsTheWholeModelsParameterCountWhichTheFormulaGives) {
                           "--logging.summary_json=" + dir / "summary.json"});
   RunResult r = fsdprun.run(under_fsdprun(2, args), {}, 120);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
-  const auto want = static_cast<int64_t>(fsdp::train::transformer_parameters({3, 40, 24, 32, 4}));
+  const auto want = static_cast<int64_t>(transformer_parameter_count(3, 40, 24, 32));
   EXPECT_NE(r.out.find("fsdp-train: " + std::to_string(want) + " parameters (3 layers, dim 32, 4 heads, vocab 40"),
             std::string::npos)
       << "expected " << want << " parameters\n"

@@ -1,6 +1,5 @@
 // fsdp-train's sharding strategies end to end: each one trains like one process on the global
 // batch, and one checkpoint carries a run across strategies and world sizes.
-#include "models/model_size.h"
 #include "process_harness.h"
 #include "trainer_runs.h"
 
@@ -103,8 +102,7 @@ TEST(TrainerStrategies, StartLineNamesTheDataParallelLayout) {
 // takes the whole model's parameters on any rank; NO_SHARD holds them whole (each rank has a
 // full replica). Mostly blocks, so that a block is small next to the model.
 TEST(TrainerStrategies, ShardedStrategiesNeverHoldTheWholeModelWhileBuildingIt) {
-  const fsdp::train::ModelSizes sizes{16, 64, 64, 64, 4};
-  const double full_mib = 4 * fsdp::train::transformer_parameters(sizes) / (1024.0 * 1024.0);
+  const double full_mib = 4 * transformer_parameter_count(16, 64, 64, 64) / (1024.0 * 1024.0);
   auto build_peaks = [&](const std::string& strategy) {
     TempDir dir;
     const auto args =

@@ -17,6 +17,13 @@ extern const process_test::Program trainer;
 extern const process_test::Program fsdprun;
 std::string configs_dir();
 
+// The reference Transformer's parameter count (fsdp/models/transformer.h), by its shapes: the
+// embeddings and the head 2 V D, the position embeddings S D, each block's four attention
+// projections, two norms and its MLP 12 D^2 + 9 D, the final norm 2 D.
+inline double transformer_parameter_count(double n_layers, double vocab, double max_seq_len, double dim) {
+  return 2 * vocab * dim + max_seq_len * dim + n_layers * (12 * dim * dim + 9 * dim) + 2 * dim;
+}
+
 // A small model that still takes a few milliseconds per step, so that a test can stop a run in
 // the middle; checkpoints every 5 steps under dir/ckpt, metrics per rank in dir/m<rank>.jsonl.
 std::vector<std::string> base_args(const std::string& dir, int steps);

@@ -1,4 +1,4 @@
-// fsdp-train — the config-driven Transformer trainer of fsdp-cpp.
+// fsdp-train — the config-driven trainer of fsdp-cpp.
 //
 //   fsdprun --standalone --nproc-per-node 2 fsdp-train configs/small.yaml [--section.key=value ...] [--trace]
 //   fsdp-train tokenize [--tokenizer M.model] INPUT.txt OUTPUT.tokens   # a token file for data.source: tokens
@@ -32,7 +32,7 @@ const char* kUsage =
     "       fsdp-train tokenize [--tokenizer MODEL] INPUT OUTPUT\n"
     "       fsdp-train eval [CONFIG.yaml] [--section.key=value ...]\n"
     "       fsdp-train plan CONFIG.yaml [--section.key=value ...] [--world N] [--memory-per-rank SIZE] [--json]\n"
-    "Trains the Transformer as CONFIG.yaml says (see configs/); every key can be overridden on the\n"
+    "Trains the model CONFIG.yaml names (see configs/, docs/models.md); every key can be overridden on the\n"
     "command line, e.g. --training.steps=20 --optimizer.betas=[0.9,0.95]. --trace is\n"
     "--logging.trace=true. Start it with fsdprun for several ranks.\n"
     "tokenize: turns any file into a token file: byte-level (vocabulary 256), or with --tokenizer the\n"

@@ -6,10 +6,10 @@
 #include "common/errors.h"
 #include "config/config.h"
 #include "config/read_file.h"
-#include "data/data.h"
 #include "models/model_setup.h"
+#include "models/plan_question.h"
+#include "models/registry.h"
 
-#include <fsdp/models/transformer.h>
 #include <fsdp/plan.h>
 
 #include <nlohmann/json.hpp>
@@ -125,223 +125,14 @@ int world_of(const PlanArgs& a, const TrainConfig& cfg) {
   return a.world;
 }
 
-plan::Dtype dtype_of(Dtype d) {
-  switch (d) {
-    case Dtype::kFloat32: return plan::Dtype::kFloat32;
-    case Dtype::kBFloat16: return plan::Dtype::kBFloat16;
-    case Dtype::kFloat16: return plan::Dtype::kFloat16;
-  }
-  return plan::Dtype::kFloat32;
-}
-
-plan::LlamaShape llama_shape_of(const models::LlamaArgs& l) {
-  plan::LlamaShape s;
-  s.n_layers = l.num_hidden_layers;
-  s.vocab_size = l.vocab_size;
-  s.hidden_size = l.hidden_size;
-  s.intermediate_size = l.intermediate_size;
-  s.n_heads = l.num_attention_heads;
-  s.n_kv_heads = l.num_key_value_heads;
-  s.head_dim = l.head_dim;
-  s.max_position_embeddings = l.max_position_embeddings;
-  s.attention_bias = l.attention_bias;
-  s.tie_word_embeddings = l.tie_word_embeddings;
-  return s;
-}
-
-// What the planner is asked: the trainer's configuration, as the trainer would run it.
-struct Question {
-  plan::TransformerShape shape;  // architecture llama: its n_layers, vocab, hidden_size and heads
-  std::optional<plan::LlamaShape> llama;
-  plan::ActivationOptions activations;
-  plan::TransformerSharding sharding;
-  plan::PlanOptions options;
-  std::string strategy;
-  DataParallelShape mesh;
-  std::string backend;             // and why: "gloo", "mpi (FSDP_BACKEND)", ...
-  std::string threads;             // how the ranks' threads are set, for the step time
-  double resident_data_bytes = 0;  // a token file, held whole by every rank for the whole run
+// The trainer's question, and the family that answers for the model.
+struct Question : PlanQuestion {
+  const ModelFamily* family = nullptr;
 };
 
-// data.source: tokens: the trainer reads the token file whole into an int64 tensor on every rank
-// (data.cpp); its header, read by the trainer's own reader, says how many tokens.
-double token_file_tensor_bytes(const std::string& path, const std::string& key) {
-  try {
-    return 8.0 * static_cast<double>(read_token_file_header(path, key).num_tokens);
-  } catch (const std::runtime_error& e) {
-    throw ConfigError(key + ": " + e.what() + " (the plan counts its tokens, which every rank keeps in memory)");
-  }
-}
-
-bool variable_is(const char* name, const std::string& value) {
-  const char* v = std::getenv(name);
-  return v && value == v;
-}
-
-// The ranks' threads, as the launcher and this environment set them: fsdprun gives each of
-// several workers OMP_NUM_THREADS=1 (and OPENBLAS_NUM_THREADS as OMP's) unless they are set; a
-// rank alone keeps the libraries' defaults unless both variables say 1.
-plan::Threads threads_of(int local_world, std::string& described) {
-  const char* omp = std::getenv("OMP_NUM_THREADS");
-  const bool blas_one = !std::getenv("OPENBLAS_NUM_THREADS") || variable_is("OPENBLAS_NUM_THREADS", "1");
-  if (local_world > 1 ? (!omp || variable_is("OMP_NUM_THREADS", "1")) && blas_one
-                      : variable_is("OMP_NUM_THREADS", "1") && variable_is("OPENBLAS_NUM_THREADS", "1")) {
-    described = "one thread per rank";
-    return plan::Threads::kOnePerRank;
-  }
-  described = "the libraries' own threads (no OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1)";
-  return plan::Threads::kLibraryDefaults;
-}
-
-// The backend the trainer's collectives would run on. auto is mpi only when mpirun or srun starts
-// the job, which a plan cannot know: it plans fsdprun's gloo. FSDP_BACKEND wins, as in the trainer.
-plan::Backend backend_of(const FsdpConfig& f, std::string& described) {
-  const char* env = std::getenv("FSDP_BACKEND");
-  std::string name = f.backend;
-  described = f.backend == "auto" ? "gloo (backend: auto under fsdprun; plan mpirun's with "
-                                    "--fsdp_config.backend=mpi)"
-                                  : f.backend;
-  if (env && *env) {
-    name = env;
-    if (name != "gloo" && name != "mpi")
-      throw ConfigError("FSDP_BACKEND=" + name + " in the environment: expected gloo or mpi");
-    described = name + " (FSDP_BACKEND in the environment)";
-  }
-  return name == "mpi" ? plan::Backend::kMpi : plan::Backend::kGloo;
-}
-
-// The optimizer the trainer builds (trainer.cpp's optimizer_of).
-plan::Optimizer optimizer_of(const TrainConfig& cfg) {
-  if (steps_with_device_state_adamw(cfg)) return plan::Optimizer::kDeviceStateAdamW;
-  return cfg.optimizer.fused ? plan::Optimizer::kFusedAdamW : plan::Optimizer::kAdamW;
-}
-
-Question question_of(const TrainConfig& cfg, const PlanArgs& a) {
-  const auto& f = cfg.fsdp_config;
-  // What the trainer refuses (fp16 on cpu, the optimizer state offloaded alone on cuda, ...),
-  // named. A plan for a GPU needs none here: it is checked as if this machine had one.
-  DeviceSupport planned = device_support_for(cfg);
-  if (f.device == "cuda") planned.cuda = true;
-  check_supported(cfg, planned);
-  Question q;
-  const auto& t = cfg.training;
-  if (is_llama(cfg.model)) {
-    check_llama_supported(cfg);
-    if (cfg.fsdp_config.output_head_group)
-      throw ConfigError(
-          "fsdp_config.output_head_group: true with model.architecture llama: fsdp-train plan does not model the "
-          "Llama's head group yet; plan it with output_head_group: false or measure a few steps");
-    if (cfg.fsdp_config.model_parallel_size > 1)
-      throw ConfigError("fsdp_config.model_parallel_size: " + std::to_string(cfg.fsdp_config.model_parallel_size) +
-                        " with model.architecture llama: fsdp-train plan does not model the Llama family's tensor "
-                        "parallelism yet; plan it with model_parallel_size 1 (FSDP alone) or measure a few steps");
-    q.llama = llama_shape_of(llama_args_of(cfg.model, t.seq_len));
-    q.shape = {q.llama->n_layers, q.llama->vocab_size, q.llama->max_position_embeddings, q.llama->hidden_size,
-               q.llama->n_heads};
-  } else {
-    const models::ModelArgs preset = models::ModelArgs::preset(cfg.model.preset);
-    const auto& m = cfg.model;
-    q.shape = {m.n_layers.value_or(preset.n_layers),       m.vocab_size.value_or(preset.vocab_size),
-               m.max_seq_len.value_or(preset.max_seq_len), m.dim.value_or(preset.dim),
-               m.n_heads.value_or(preset.n_heads),         m.dropout_p.value_or(preset.dropout_p)};
-    check_model_parallel(cfg, a.world, q.shape.n_heads, q.shape.dim, q.shape.vocab_size);
-  }
-  const int local = a.local_world > 0 ? a.local_world : a.world;
-  q.sharding.tensor_parallel = f.model_parallel_size;
-  q.sharding.vocab_parallel = f.vocab_parallel;
-  q.sharding.output_head_group = f.output_head_group;
-  q.mesh = data_parallel_shape(cfg, a.world, local);
-  q.strategy = to_string(f.sharding_strategy);
-  // The planner counts every parameter as trained and every block as resharding fully.
-  if (f.prefetch_depth > 1)
-    throw ConfigError("fsdp-train plan does not model fsdp_config.prefetch_depth: " + std::to_string(f.prefetch_depth) +
-                      " (more groups gathered ahead) yet; plan with prefetch_depth: 1, FSDP2's implicit prefetch");
-  if (f.reshard_after_forward)
-    throw ConfigError(
-        "fsdp-train plan does not model fsdp_config.reshard_after_forward (a group size) yet; unset "
-        "it to plan the strategy's full resharding");
-  if (!cfg.model.freeze.empty())
-    throw ConfigError(
-        "fsdp-train plan does not model model.freeze yet (frozen parameters have no gradient or "
-        "optimizer state); leave it out to plan with every parameter trained, an upper bound");
-  const Precision precision = precision_of(f);
-  q.activations.micro_batch = t.micro_batch_size;
-  q.activations.seq = t.seq_len > 0 ? t.seq_len : q.shape.max_seq_len;
-  q.activations.compute = dtype_of(precision.param);
-  q.activations.checkpoint_every = f.activation_checkpointing ? f.activation_checkpointing_every : 0;
-  q.activations.loss_chunks = t.loss_chunks;
-  if (a.eval) {
-    // `fsdp-train eval` reads eval.path whole and no training data; every layer runs without
-    // grad, which is what a checkpointed layer's first forward does: its high point is the one.
-    if (cfg.eval.path.empty())
-      throw ConfigError("fsdp-train plan --eval: eval.path is empty; `fsdp-train eval` evaluates its windows");
-    q.resident_data_bytes = token_file_tensor_bytes(cfg.eval.path, "eval.path");
-    q.activations.checkpoint_every = 1;
-    q.options.evaluation(true);
-  } else if (cfg.data.source == "tokens") {
-    q.resident_data_bytes = token_file_tensor_bytes(cfg.data.path, "data.path");
-  }
-  // The tp ranks of one dp rank train on the same rows.
-  q.activations.global_rows =
-      static_cast<int64_t>(a.world / f.model_parallel_size) * t.gradient_accumulation_steps * t.micro_batch_size;
-  const bool no_shard = f.sharding_strategy == ShardingStrategy::NO_SHARD;
-  q.options.world(a.world)
-      .local_world(local)
-      .replicate(no_shard ? 1 : q.mesh.replicate)
-      .no_shard(no_shard)
-      .reshard_after_forward(no_shard || reshard_after_forward(cfg))
-      .param_dtype(dtype_of(precision.param))
-      .reduce_dtype(dtype_of(precision.reduce))
-      .device(f.device == "cuda" ? plan::Device::kCuda : plan::Device::kCpu)
-      .offload(f.offload_params)
-      .optimizer(optimizer_of(cfg))
-      .micro_batches(t.gradient_accumulation_steps)
-      .backend(backend_of(f, q.backend))
-      .threads(threads_of(local, q.threads))
-      // train() saves in the background every checkpoint_interval steps before the last.
-      .background_checkpoints(f.checkpoint_interval > 0 && f.checkpoint_interval < t.steps);
-  // A cuda mesh's groups run on NCCL (src/tensor/device_mesh.cpp), whatever fsdp_config.backend says.
-  if (f.device == "cuda")
-    q.backend = "nccl (a cuda mesh's groups; FSDP_CUDA_BACKEND=gloo would stage them through host memory, not planned)";
-  if (!a.constants.empty()) {
-    const std::string text = read_file(a.constants, {a.constants + " is a directory", "cannot open " + a.constants,
-                                                     "reading " + a.constants + " failed"});
-    try {
-      q.options.constants(plan::constants_from_json(text));
-    } catch (const std::invalid_argument& e) {
-      throw ConfigError("--constants " + a.constants + ": " + e.what());
-    }
-  }
-  return q;
-}
-
-// The model as the planner sees it; for the Llama family, n_layers and dim (hidden_size) come from
-// q.shape, which largest_fitting varies.
-plan::ModelSpec model_spec_of(const Question& q, const plan::ActivationOptions& activations) {
-  if (!q.llama) return plan::transformer_spec(q.shape, activations, q.sharding);
-  plan::LlamaShape l = *q.llama;
-  l.n_layers = q.shape.n_layers;
-  l.hidden_size = q.shape.dim;
-  return plan::llama_spec(l, activations, q.sharding);
-}
-
-plan::Plan plan_of(const Question& q) {
-  try {
-    plan::ModelSpec model = model_spec_of(q, q.activations);
-    model.input_bytes += q.resident_data_bytes;
-    return plan::plan(model, q.options);
-  } catch (const std::invalid_argument& e) {
-    throw ConfigError(e.what());
-  }
-}
-
-int64_t parameter_count(const Question& q) {
-  const plan::ModelSpec m = model_spec_of(q, plan::ActivationOptions{1, 1});
-  int64_t n = 0;
-  for (const auto& g : m.groups)
-    for (const auto& p : g.params) n += p.numel();
-  return n;
-}
+int64_t size(const Question& q, const char* name) { return size_named(q.sizes, name); }
+plan::Plan plan_of(const Question& q) { return plan_of(*q.family, q); }
+int64_t parameter_count(const Question& q) { return parameter_count(*q.family, q); }
 
 bool on_gpu(const Question& q) { return q.options.device_ == plan::Device::kCuda; }
 
@@ -356,10 +147,9 @@ double peak_memory(const plan::Plan& p, bool gpu) {
 // The largest value of one size (n_layers, or dim in steps of n_heads) whose plan's peak memory
 // fits `memory`; 0 when even the smallest does not. Peak memory grows with both.
 int64_t largest_fitting(Question q, bool layers, double memory) {
-  const int64_t step = layers ? 1 : q.shape.n_heads;
+  const int64_t step = layers ? 1 : size(q, "n_heads");
   auto fits = [&](int64_t k) {
-    if (layers) q.shape.n_layers = k;
-    else q.shape.dim = k * step;
+    q.sizes = with_size(q.sizes, layers ? "n_layers" : "dim", layers ? k : k * step);
     return peak_memory(plan_of(q), on_gpu(q)) <= memory;
   };
   if (!fits(1)) return 0;
@@ -447,9 +237,9 @@ std::string describe(const Question& q, const TrainConfig& cfg, const PlanArgs& 
   std::ostringstream s;
   const auto& act = q.activations;
   s << "fsdp-train plan: " << (a.config.empty() ? "defaults" : a.config) << " at W=" << a.world << ": "
-    << parameter_count(q) << " parameters (" << q.shape.n_layers << " layers, dim " << q.shape.dim << ", "
-    << q.shape.n_heads << " heads, vocab " << q.shape.vocab_size << "), " << q.strategy << " (" << q.mesh.replicate
-    << " x " << q.mesh.shard << ")"
+    << parameter_count(q) << " parameters (" << size(q, "n_layers") << " layers, dim " << size(q, "dim") << ", "
+    << size(q, "n_heads") << " heads, vocab " << size(q, "vocab_size") << "), " << q.strategy << " ("
+    << q.mesh.replicate << " x " << q.mesh.shard << ")"
     << (q.sharding.tensor_parallel > 1
             ? " x tensor-parallel " + std::to_string(q.sharding.tensor_parallel) +
                   (q.sharding.vocab_parallel ? " (vocabulary split too)" : " (embedding and head whole)")
@@ -559,8 +349,8 @@ void print_text(const plan::Plan& p, const Question& q, const TrainConfig& cfg, 
     const int64_t layers = largest_fitting(q, true, a.memory_per_rank);
     const int64_t dim = largest_fitting(q, false, a.memory_per_rank);
     s << "fits " << mib(a.memory_per_rank) << " per rank (" << (gpu ? "GPU peak tensors" : "peak RSS")
-      << "): up to n_layers " << layers << " at dim " << q.shape.dim << ", or up to dim " << dim << " at n_layers "
-      << q.shape.n_layers << (layers == 0 ? " (not even 1 layer fits)" : "") << "\n";
+      << "): up to n_layers " << layers << " at dim " << size(q, "dim") << ", or up to dim " << dim << " at n_layers "
+      << size(q, "n_layers") << (layers == 0 ? " (not even 1 layer fits)" : "") << "\n";
   }
   std::cout << s.str();
 }
@@ -640,7 +430,11 @@ int plan_command(int argc, char** argv) {
   }
   const TrainConfig cfg = load_config(a.config, a.overrides);
   a.world = world_of(a, cfg);
-  const Question q = question_of(cfg, a);
+  const std::unique_ptr<const ModelFamily> family = choose_family(cfg);
+  Question q;
+  static_cast<PlanQuestion&>(q) = plan_question(cfg, *family, seq_len_of(cfg, *family), a.world, a.local_world,
+                                                /*strict=*/true, a.constants, a.eval);
+  q.family = family.get();
   const plan::Plan p = plan_of(q);
   if (a.json) print_json(p, q, cfg, a);
   else print_text(p, q, cfg, a);

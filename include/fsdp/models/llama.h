@@ -42,6 +42,8 @@
 /// \endcode
 #pragma once
 
+#include <fsdp/models/causal_lm.h>
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -89,6 +91,9 @@ struct LlamaArgs {
   RopeArgs rope;                          ///< the rotary embeddings' frequencies
   bool attention_bias = false;            ///< Qwen2: q/k/v have biases (o_proj never has one)
   bool tie_word_embeddings = false;       ///< lm_head's weight is the embedding's tensor
+  /// Mistral's sliding_window (0: none). The decoder computes full attention, which is the
+  /// window's only for sequences no longer than it (check_sequence_length).
+  int64_t sliding_window = 0;
   /// The standard deviation of the initial weights (transformers' initializer_range): every
   /// projection and the embedding drawn from N(0, initializer_range^2), biases 0, norms 1.
   double initializer_range = 0.02;
@@ -96,6 +101,9 @@ struct LlamaArgs {
   /// Throws c10::Error naming the field when a size is not positive, num_attention_heads is not a
   /// multiple of num_key_value_heads, head_dim is odd (rotary pairs), or the rope type is unknown.
   void check() const;
+  /// Throws c10::Error when a sequence of seq_len tokens is longer than sliding_window (the
+  /// decoder computes full attention, not the window's).
+  void check_sequence_length(int64_t seq_len) const;
 };
 
 /// Root-mean-square norm in fp32: weight * x / sqrt(mean(x^2) + eps), as transformers' LlamaRMSNorm.
@@ -190,7 +198,9 @@ TORCH_MODULE(LlamaModel);
 using LlamaLayerBuiltHook = std::function<void(LlamaDecoderLayer& layer)>;
 
 /// transformers' LlamaForCausalLM: the LlamaModel and the output head (see the top of this file).
-class LlamaImpl : public torch::nn::Module {
+/// The logits, the loss and activation checkpointing per decoder layer are CausalLM's
+/// (fsdp/models/causal_lm.h).
+class LlamaImpl : public torch::nn::Module, public CausalLM {
  public:
   /// Builds embed_tokens, the layers, norm and lm_head, drawing initial values from the global
   /// generator (seed it the same on every rank) as transformers initialises them (see
@@ -198,28 +208,32 @@ class LlamaImpl : public torch::nn::Module {
   /// LlamaArgs::check throws.
   explicit LlamaImpl(const LlamaArgs& args, const LlamaLayerBuiltHook& on_layer_built = nullptr);
   /// tokens: int64 [batch, seq] with seq <= max_position_embeddings. Returns float32 logits
-  /// [batch, seq, vocab_size].
-  at::Tensor forward(const at::Tensor& tokens);
-  /// The mean fp32 cross-entropy of forward(tokens) against targets (same shape; -100 ignored).
-  /// chunks > 1 computes the head and the loss a piece of the rows at a time, as
-  /// TransformerImpl::forward_loss does (fsdp/models/linear_cross_entropy.h). Call it through
-  /// fsdp::call_method on an FSDP root. Throws c10::Error unless 1 <= chunks <= seq or when the
-  /// shapes differ.
-  at::Tensor forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks);
+  /// [batch, seq, vocab_size] (CausalLM::logits).
+  at::Tensor forward(const at::Tensor& tokens) { return logits(tokens); }
 
   const LlamaArgs& args() const { return args_; }  ///< the shape it was built with
   /// Each parameter once: parameters() lists the tied embedding twice (as model.embed_tokens
   /// and lm_head), and an optimizer given it twice would step it twice.
-  std::vector<at::Tensor> unique_parameters() const;
+  std::vector<at::Tensor> unique_parameters() const { return models::unique_parameters(*this); }
   /// The decoder layers, typed (the FSDP groups of fsdp-train).
   std::vector<LlamaDecoderLayer>& decoder_layers() { return model->decoder_layers; }
+
+  /** @{ */
+  /// CausalLM's parts: the decoder layers, the final norm, lm_head, the vocabulary.
+  std::vector<std::shared_ptr<torch::nn::Module>> decoder_layer_modules() override;
+  std::shared_ptr<torch::nn::Module> final_norm_module() override { return model->norm.ptr(); }
+  torch::nn::Linear& output_head() override { return lm_head; }
+  int64_t vocab_size() const override { return args_.vocab_size; }
+  /** @} */
 
   LlamaModel model{nullptr};           ///< transformers' `model`
   torch::nn::Linear lm_head{nullptr};  ///< the output head (its weight the embedding's when tied)
 
+ protected:
+  /// The final norm's output.
+  at::Tensor normed_hidden_states(const at::Tensor& tokens) override;
+
  private:
-  /// The final norm's input.
-  at::Tensor hidden_states(const at::Tensor& tokens);
   /// cos and sin [seq, head_dim] of positions 0 .. seq-1, on `device`.
   std::pair<at::Tensor, at::Tensor> rotary(int64_t seq, const at::Device& device);
 

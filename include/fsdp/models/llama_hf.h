@@ -32,7 +32,8 @@ namespace models {
 /// "rope_theta", else 10000; a llama3 "original_max_position_embeddings" from
 /// max_position_embeddings when missing. Where both objects are set and differ, a line saying
 /// which one is used (rope_scaling, as transformers does) is appended to `notes` (when given).
-/// seq_len is the longest sequence the caller will run, checked against a Mistral
+/// seq_len is the longest sequence the caller will run (0: not known yet; check it later with
+/// LlamaArgs::check_sequence_length), checked against a Mistral
 /// sliding_window. Not collective; reads one file.
 /// Throws c10::Error naming the file and the key on: an unreadable file or one that is not a JSON
 /// object; "architectures" missing or naming another model; a required field missing or of the
@@ -42,6 +43,15 @@ namespace models {
 /// seq_len, Qwen2's use_sliding_window); and what LlamaArgs::check throws.
 LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len,
                                     std::vector<std::string>* notes = nullptr);
+
+/// llama_args_from_hf_config of config.json's text, already read; `config_path` names it in the
+/// errors. Throws what llama_args_from_hf_config throws, but never reads a file.
+LlamaArgs llama_args_from_hf_config_text(const std::string& text, const std::string& config_path, int64_t seq_len,
+                                         std::vector<std::string>* notes = nullptr);
+
+/// The "architectures" a config.json may name for this decoder: LlamaForCausalLM,
+/// MistralForCausalLM, Qwen2ForCausalLM.
+const std::vector<std::string>& llama_hf_architectures();
 
 /// The config.json of `args` (with "dtype" and "torch_dtype" naming `dtype`: float32, bfloat16 or
 /// float16) that transformers' AutoConfig reads back into the same model. Throws c10::Error for

@@ -47,6 +47,7 @@
 #pragma once
 
 #include <fsdp/checkpoint_activations.h>
+#include <fsdp/models/causal_lm.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -150,7 +151,7 @@ using BlockBuiltHook = std::function<void(TransformerBlock& block)>;
 
 /// The reference Transformer that fsdp-train trains: token and position embeddings, n_layers
 /// blocks, a final LayerNorm and the output head.
-class TransformerImpl : public torch::nn::Module {
+class TransformerImpl : public torch::nn::Module, public CausalLM {
  public:
   /// Builds, in this order: tok_embeddings, pos_embeddings, the blocks layers.0 .. `layers.<n-1>`,
   /// norm, output; each module draws its initial values from the global generator when it is
@@ -160,40 +161,25 @@ class TransformerImpl : public torch::nn::Module {
   /// A hook that draws no random numbers (fully_shard draws none) leaves every value as it is
   /// without a hook, bit for bit. An exception from the hook propagates out of the constructor.
   explicit TransformerImpl(const ModelArgs& args, const BlockBuiltHook& on_block_built = nullptr);
-  /// tokens: int64 [batch, seq] with seq <= max_seq_len. Returns float32 logits [batch, seq, vocab].
-  at::Tensor forward(const at::Tensor& tokens);
-  /// The mean fp32 cross-entropy of forward(tokens) against targets (int64 [batch, seq] class
-  /// indices; -100 is ignored, as cross_entropy's default ignore_index), computed in `chunks`
-  /// pieces of the batch x seq rows: rows / chunks each, the first rows % chunks one longer.
-  /// chunks = 1 is exactly cross_entropy(forward(tokens).reshape({-1, vocab}), targets.reshape({-1})).
-  /// With chunks > 1 the final norm runs on the whole hidden states, then the output head and the
-  /// loss run as one autograd node, chunked_linear_cross_entropy, called through
-  /// fsdp::call_as_forward on `output` (so an FSDP group holding the head gathers, and hooks its
-  /// backward, around it): only one piece's logits and their gradient exist at a time, in forward
-  /// and in backward, and the head's weight gets one gradient. The loss and gradients are those of
-  /// chunks = 1 up to float rounding; the backward computes the head's matmul once more. It draws
-  /// no random numbers. Call it through fsdp::call_method on an FSDP root so that FSDP's hooks run
-  /// as for forward. Throws c10::Error unless 1 <= chunks <= seq, or when targets' shape differs
-  /// from tokens'.
-  at::Tensor forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks);
+  /// tokens: int64 [batch, seq] with seq <= max_seq_len. Returns float32 logits [batch, seq, vocab]
+  /// (CausalLM::logits). The loss is CausalLM::forward_loss (fsdp/models/causal_lm.h), the
+  /// blocks' activation checkpointing CausalLM::set_activation_checkpointing.
+  at::Tensor forward(const at::Tensor& tokens) { return logits(tokens); }
 
   const ModelArgs& args() const { return args_; }  ///< the shape it was built with
   /// The blocks, typed (they are also registered as "`layers.<i>`").
   std::vector<TransformerBlock>& blocks() { return blocks_; }
+  /// Whether block `index` is called through fsdp::call_checkpointed under the current setting
+  /// (CausalLM::is_layer_checkpointed).
+  bool is_block_checkpointed(int64_t index) const { return is_layer_checkpointed(index); }
 
-  /// Activation checkpointing of the blocks: block i (from 0) is called through
-  /// fsdp::call_checkpointed(options, block, h) when every_k > 0 and (i + 1) % every_k == 0, so 1
-  /// checkpoints every block and 2 blocks 1, 3, 5, ... (torchtitan's selective layer
-  /// checkpointing counts the same way); 0, the default, none. Results and gradients are those of
-  /// the model without checkpointing; forward keeps less memory, backward computes the
-  /// checkpointed blocks' forward again. Not collective, but under FSDP every rank must choose
-  /// the same. Throws c10::Error for a negative every_k, and for options checkpoint() refuses
-  /// (use_reentrant(false)) when every_k > 0.
-  void set_activation_checkpointing(int64_t every_k, const CheckpointOptions& options = CheckpointOptions());
-  /// Whether block `index` is called through fsdp::call_checkpointed under the current setting.
-  bool is_block_checkpointed(int64_t index) const {
-    return checkpoint_every_k_ > 0 && (index + 1) % checkpoint_every_k_ == 0;
-  }
+  /** @{ */
+  /// CausalLM's parts: the blocks, the final norm, the output head, the vocabulary.
+  std::vector<std::shared_ptr<torch::nn::Module>> decoder_layer_modules() override;
+  std::shared_ptr<torch::nn::Module> final_norm_module() override { return norm.ptr(); }
+  torch::nn::Linear& output_head() override { return output; }
+  int64_t vocab_size() const override { return args_.vocab_size; }
+  /** @} */
 
   /** @{ */
   /// Its submodules, under these names (the blocks are `layers`).
@@ -204,14 +190,13 @@ class TransformerImpl : public torch::nn::Module {
   torch::nn::Linear output{nullptr};
   /** @} */
 
- private:
-  /// Embeddings and blocks: the input of the final norm.
-  at::Tensor hidden_states(const at::Tensor& tokens);
+ protected:
+  /// Embeddings, blocks and the final norm.
+  at::Tensor normed_hidden_states(const at::Tensor& tokens) override;
 
+ private:
   ModelArgs args_;
   std::vector<TransformerBlock> blocks_;
-  int64_t checkpoint_every_k_ = 0;
-  CheckpointOptions checkpoint_options_;
 };
 TORCH_MODULE(Transformer);
 

@@ -11,7 +11,7 @@
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/device_mesh.h>
-#include <fsdp/models/transformer.h>
+#include <torch/nn/module.h>
 
 #include <torch/optim/optimizer.h>
 

@@ -34,7 +34,7 @@ std::string shown(const std::string& v) {
 
 }  // namespace
 
-std::map<std::string, std::string> run_identity(const TrainConfig& cfg, const models::ModelArgs& a) {
+std::map<std::string, std::string> run_identity(const TrainConfig& cfg, const ModelShape& a) {
   std::map<std::string, std::string> id = {
       {"model.n_layers", std::to_string(a.n_layers)},
       {"model.vocab_size", std::to_string(a.vocab_size)},

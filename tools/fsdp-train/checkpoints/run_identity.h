@@ -8,8 +8,7 @@
 #pragma once
 
 #include "config/config.h"
-
-#include <fsdp/models/transformer.h>
+#include "models/model_shape.h"
 
 #include <map>
 #include <string>
@@ -20,7 +19,7 @@ namespace train {
 
 // Config key -> value, as the configuration resolves it (model.* after the preset, data.path
 // made absolute). Attribute names are the config keys prefixed with "fsdp-train.".
-std::map<std::string, std::string> run_identity(const TrainConfig& cfg, const models::ModelArgs& args);
+std::map<std::string, std::string> run_identity(const TrainConfig& cfg, const ModelShape& shape);
 
 // One line per key whose value differs, e.g. "checkpoint step_40 was written with
 // training.seed 1, this config has training.seed 2"; a key the checkpoint does not record

@@ -275,7 +275,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"fsdp_config", "diloco_fragments", int_at_least(f.diloco_fragments, 1)},
       {"fsdp_config", "diloco_quantized", optional_quantized_dtype(f.diloco_quantized)},
 
-      {"model", "architecture", choice(m.architecture, {"transformer", "llama"})},
+      {"model", "architecture", string(m.architecture)},  // a family of models/registry.cpp
       {"model", "hf_config", string(m.hf_config)},
       {"model", "preset", choice(m.preset, {"tiny", "small", "medium"})},
       {"model", "n_layers", opt_positive_int(m.n_layers)},

@@ -170,16 +170,17 @@ struct FsdpConfig {
 };
 constexpr double kMaxCollectiveTimeoutS = 30.0 * 24 * 3600;  // 30 days
 
-// The model: a preset (tiny | small | medium, as fsdp::models::ModelArgs::preset) and optional
-// overrides of each ModelArgs field; an unset override keeps the preset's value.
+// The model: its family (architecture) and what shapes it: for fsdp-cpp's own model a preset
+// (tiny | small | medium, as fsdp::models::ModelArgs::preset) and optional overrides of each size
+// (an unset override keeps the preset's value); for one of transformers' models a Hugging Face
+// config.json. The families and which keys apply to each are models/registry.cpp's and
+// docs/models.md's; a key that does not apply to the chosen family stops the run.
 struct ModelConfig {
-  // transformer: the reference Transformer (fsdp/models/transformer.h), shaped by preset and the
-  // keys below. llama: the Llama family's decoder (fsdp/models/llama.h), shaped by a Hugging
-  // Face config.json: hf_config's, or init_from's when init_from is a Hugging Face directory
-  // (which selects llama by itself when architecture is not given); preset and the size keys do
-  // not apply to it. Empty: not given (transformer unless init_from is a Hugging Face directory).
+  // The model family (models/registry.cpp). Empty: not given: the family whose config.json
+  // "architectures" names, when a config.json shapes the model (hf_config, or init_from when it
+  // is a Hugging Face directory), else fsdp-cpp's own model.
   std::string architecture;
-  std::string hf_config;  // a config.json for architecture llama without a Hugging Face init_from
+  std::string hf_config;  // a config.json that shapes the model, without a Hugging Face init_from
   std::string preset = "tiny";
   std::optional<int64_t> n_layers;     // > 0
   std::optional<int64_t> vocab_size;   // > 0
@@ -191,7 +192,8 @@ struct ModelConfig {
   // PyTorch state dict file (Python's torch.save(model.state_dict(), path)), read whole on every
   // rank, or a safetensors directory (training.export=<name>.safetensors writes one), of which
   // each rank reads only its shards' rows, or a Hugging Face model directory (config.json and
-  // safetensors: architecture llama, its shape from config.json, each rank reading its rows).
+  // safetensors: the family config.json names, its shape from config.json, each rank reading its
+  // rows).
   std::string init_from;
   // Parameters that do not train, each entry a parameter or module FQN (tok_embeddings,
   // layers.0.attention.wq.weight): their parameters get requires_grad = false, so they have no
@@ -249,7 +251,7 @@ struct TrainingConfig {
   int64_t gradient_accumulation_steps = 1;  // > 0, micro-batches per optimizer step
   int64_t seq_len = 0;                      // 0 = the model's max_seq_len, else > 0
   // The loss over the sequence in this many pieces (in [1, seq_len]), each one's final norm,
-  // output head and fp32 cross-entropy checkpointed (TransformerImpl::forward_loss): the whole
+  // output head and fp32 cross-entropy checkpointed (fsdp/models/causal_lm.h's forward_loss): the whole
   // [micro_batch_size, seq_len, vocab] logits, their log-softmax and gradient are never in
   // memory, one piece's at a time instead, for one more forward of the output head in backward.
   // The loss and gradients are the same up to float rounding. 1 = the whole logits at once.
@@ -272,7 +274,7 @@ struct TrainingConfig {
   int64_t keep_checkpoints = 2;  // >= 0; newest checkpoints kept (0 = all)
   // The trained model as one file: auto = <checkpoint_dir>/model.pt (PyTorch format), none, or a
   // path (ending in .safetensors: a safetensors directory of that name; else PyTorch format).
-  // hf (architecture llama): a Hugging Face directory <checkpoint_dir>/hf (config.json, sharded
+  // hf (a family of transformers' models): a Hugging Face directory <checkpoint_dir>/hf (config.json, sharded
   // safetensors and the index) that transformers' from_pretrained loads; hf:<dir> the same in
   // <dir>.
   std::string export_path = "auto";      // key: training.export

@@ -1,8 +1,8 @@
 // tokenizer.h — text to token ids and back: the byte-level tokenizer (every byte one token,
-// vocabulary 256) and SentencePiece models (the tokenizers of Llama 2, Mistral and Gemma), read
+// vocabulary 256) and SentencePiece models (the tokenizers of many Hugging Face models), read
 // through Debian's libsentencepiece. `fsdp-train tokenize` encodes a text with one, and the
 // sample after a run decodes with the same one (data.tokenizer). Byte-level BPE tokenizers
-// (Llama 3, Qwen: tokenizer.json) are Python's `tokenizers` package's: tools/pretokenize.py
+// (tokenizer.json) are Python's `tokenizers` package's: tools/pretokenize.py
 // writes the same token files. No torch here.
 #pragma once
 

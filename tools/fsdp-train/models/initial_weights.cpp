@@ -4,6 +4,7 @@
 #include "common/agreement.h"
 #include "common/errors.h"
 #include "models/hf_checkpoint.h"
+#include "models/registry.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/safetensors.h>
@@ -73,12 +74,11 @@ TensorStateDict init_state_dict(const std::string& path, std::vector<std::string
 // Each rank reads its own rows straight into its shards, a tensor at a time (the file's copy of
 // the weights never sits beside the model's), and checks them; the ranks then agree, so that
 // all stop together before training when one rank's rows are unreadable or not finite.
-void load_safetensors_rows(const std::string& path, torch::nn::Module& model) {
+void load_safetensors_rows(const std::string& path, const ModelFamily& family, torch::nn::Module& model) {
   std::string problem;
-  auto* llama = dynamic_cast<models::LlamaImpl*>(&model);
   try {
-    if (llama && is_hf_model_dir(path)) {
-      load_hf_weights(path, *llama);
+    if (is_hf_model_dir(path)) {
+      load_hf_weights(path, family, model);
     } else {
       load_safetensors_into(path, sharded_state_dict(model));
     }
@@ -96,12 +96,12 @@ void load_safetensors_rows(const std::string& path, torch::nn::Module& model) {
 
 }  // namespace
 
-void load_initial_weights(const TrainConfig& cfg, torch::nn::Module& model,
+void load_initial_weights(const TrainConfig& cfg, const ModelFamily& family, torch::nn::Module& model,
                           const std::function<void(const std::string&)>& note) {
   if (cfg.model.init_from.empty()) return;
   const std::string& path = cfg.model.init_from;
   if (is_safetensors_dir(path)) {
-    load_safetensors_rows(path, model);
+    load_safetensors_rows(path, family, model);
     return;
   }
   std::vector<std::string> ignored;

@@ -1,15 +1,17 @@
-// model_setup.h — the configuration turned into a model on its mesh: the model's sizes and the
-// checks on them, the device mesh, and the model built, split over tp, sharded or replicated,
-// and frozen where configured. The initial weights are initial_weights.h's.
+// model_setup.h — the configuration turned into a model on its mesh: the family's model built
+// layer by layer, each decoder layer split over tp by the family's plan and sharded as soon as it
+// is built (or the whole model replicated under NO_SHARD), an output head group of its own,
+// activation checkpointing per decoder layer, and frozen parameters. Nothing here names a
+// family: what differs between them is models/family.h's. The initial weights are
+// initial_weights.h's.
 #pragma once
 
 #include "config/config.h"
+#include "models/family.h"
 
 #include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fsdp_module.h>
-#include <fsdp/models/llama.h>
-#include <fsdp/models/transformer.h>
 #include <fsdp/replicate.h>
 
 #include <cstdint>
@@ -19,36 +21,14 @@
 namespace fsdp {
 namespace train {
 
-// The model's sizes: the preset with the configured keys over it. Throws ConfigError when dim
-// is not a multiple of n_heads. For architecture llama, the sizes the trainer's checks and
-// reports read (n_layers, vocab_size, max_seq_len = max_position_embeddings, dim = hidden_size,
-// n_heads) from its config.json.
-models::ModelArgs model_args_of(const ModelConfig& m);
-// Whether the configuration trains the Llama family: model.architecture llama, or a Hugging Face
-// directory (with config.json) as model.init_from. Throws ConfigError naming model.init_from when
-// it names a path that does not exist (before any check that the model it would shape fails).
-bool is_llama(const ModelConfig& m);
-// What the trainer does with the Transformer and not (yet) with the Llama family (NO_SHARD,
-// activation checkpointing, an output head group): throws ConfigError naming the key. The trainer
-// and `fsdp-train plan` both ask.
-void check_llama_supported(const TrainConfig& cfg);
-// The config.json that shapes a Llama: model.hf_config, else init_from's. Throws ConfigError when
-// neither names one, and (naming the file and key) what llama_args_from_hf_config throws.
-models::LlamaArgs llama_args_of(const ModelConfig& m, int64_t seq_len);
-// What reading the Llama's config.json decided that the file does not say plainly (which of two
-// disagreeing rope objects is used), one line each; none for the Transformer.
-std::vector<std::string> llama_config_notes(const ModelConfig& m);
 // training.seq_len, or the model's max_seq_len when unset. Throws ConfigError naming where both
-// values come from when it is longer than max_seq_len, or when loss_chunks exceeds it.
-int64_t seq_len_of(const TrainConfig& cfg, const models::ModelArgs& a);
-// Before anything is allocated: throws ConfigError for a model or batch this machine cannot
-// hold (model_size.h).
-void check_memory(const TrainConfig& cfg, const models::ModelArgs& a, int64_t seq, const RendezvousInfo& env);
+// values come from when it is longer than max_seq_len, or when loss_chunks exceeds it, and what
+// the family refuses at that length (ModelFamily::check).
+int64_t seq_len_of(const TrainConfig& cfg, const ModelFamily& family);
 
 // A model on its mesh, as the strategy made it.
 struct ParallelModel {
-  models::Transformer model{nullptr};  // architecture transformer
-  models::Llama llama{nullptr};        // architecture llama (model is then null)
+  BuiltModel built;  // the family's model: the root module, and it as a language model
   DeviceMesh mesh;
   FSDPModule root;              // FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD*
   ReplicatedModule replicated;  // NO_SHARD
@@ -60,13 +40,13 @@ struct ParallelModel {
   int64_t build_peak_tensor_bytes = 0;  // the peak of tensor bytes while building and sharding
 
   DataParallelKind kind() const;
-  // The model, whichever architecture it is.
-  torch::nn::Module& module() const;
+  // The model, whichever family it is.
+  torch::nn::Module& module() const { return *built.module; }
   // Its parameters, each once (a tied embedding is registered under two names).
   std::vector<at::Tensor> parameters() const;
   // The mean cross-entropy of the model's prediction of targets from inputs (int64 [rows, seq]),
-  // computed in `chunks` pieces (TransformerImpl::forward_loss, LlamaImpl::forward_loss), through
-  // the FSDP root's hooks.
+  // computed in `chunks` pieces (fsdp/models/causal_lm.h's forward_loss), through the FSDP root's
+  // (or replicate's) hooks.
   at::Tensor forward_loss(const at::Tensor& inputs, const at::Tensor& targets, int64_t chunks);
   // "sharded over 4 rank(s), FULL_SHARD", "replicated on 4 rank(s), NO_SHARD", or for HSDP
   // "sharded over 2 rank(s) in each of 2 replicas, HYBRID_SHARD".
@@ -75,10 +55,11 @@ struct ParallelModel {
 
 // Collective over the world (creates the mesh's groups; fully_shard and replicate
 // communicate): every rank calls it after init_process_group, with the same configuration.
-// Every block is its own FSDP group and the root holds the rest; each block is split over tp
-// and sharded as soon as it is built, so no rank ever holds the whole model. Throws ConfigError
-// for a strategy, replicate degree or model-parallel size the world does not allow.
-ParallelModel parallelize_model(const TrainConfig& cfg, const models::ModelArgs& args, const Precision& precision,
+// Every decoder layer is its own FSDP group and the root holds the rest; each layer is split
+// over tp and sharded as soon as it is built, so no rank ever holds the whole model. Throws
+// ConfigError for a strategy, replicate degree or model-parallel size the world does not allow,
+// and what the family refuses.
+ParallelModel parallelize_model(const TrainConfig& cfg, const ModelFamily& family, const Precision& precision,
                                 int local_world_size);
 
 // What check_supported needs to know of this machine. CUDA is probed only when the

@@ -91,8 +91,8 @@ RankTotals my_totals(const ParallelModel& pm, const RunRecord& record, size_t wa
   return mine;
 }
 
-RunShape run_shape(const TrainConfig& cfg, const models::ModelArgs& args, const ParallelModel& pm,
-                   const Precision& precision, int64_t seq) {
+RunShape run_shape(const TrainConfig& cfg, const ModelShape& args, const ParallelModel& pm, const Precision& precision,
+                   int64_t seq) {
   RunShape s;
   s.world = get_world_size();
   s.preset = cfg.model.preset;
@@ -218,8 +218,8 @@ CommSeconds::CommSeconds(const CollectiveStats& before, const CollectiveStats& a
   all_reduce_bytes = sent(CollectiveKind::kAllReduce);
 }
 
-void write_summary(const TrainConfig& cfg, const models::ModelArgs& args, const ParallelModel& pm,
-                   const Precision& precision, const RunRecord& record, Console* console) {
+void write_summary(const TrainConfig& cfg, const ModelShape& args, const ParallelModel& pm, const Precision& precision,
+                   const RunRecord& record, Console* console) {
   RunSummary s;
   s.steps_run = record.steps_run;
   s.precision = precision.describe();
@@ -248,16 +248,12 @@ std::string write_trace(const TrainConfig& cfg, int rank) {
   return "trace: " + path + " (" + std::to_string(n) + " spans; one file per rank, open in ui.perfetto.dev)";
 }
 
-void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm,
-                       const Tokenizer* tokenizer, const std::function<void(const std::string&)>& print) {
+void export_and_sample(const TrainConfig& cfg, const ModelFamily& family, ParallelModel& pm, const Tokenizer* tokenizer,
+                       const std::function<void(const std::string&)>& print) {
   torch::nn::Module& model = pm.module();
   const std::string path = resolved_export_path(cfg);
   if (is_hf_export(cfg)) {
-    if (!pm.llama)
-      throw ConfigError("training.export " + cfg.training.export_path +
-                        " writes a Hugging Face Llama-family directory; model.architecture is transformer, so "
-                        "export auto, none or a path");
-    save_hf(path, *pm.llama, hf_export_dtype(cfg));
+    save_hf(path, family, model, hf_export_dtype(cfg));
     print("export: " + path + " (Hugging Face directory, " + cfg.training.export_dtype +
           ": transformers.AutoModelForCausalLM.from_pretrained)");
   }
@@ -276,9 +272,7 @@ void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, Pa
     save_pytorch_state_dict(full, path);
     print("export: " + path + " (PyTorch state dict: torch.load() in Python)");
   }
-  if (cfg.sample.length > 0)
-    print(pm.llama ? generate_sample(pm.llama->args(), full, cfg.sample, tokenizer)
-                   : generate_sample(args, full, cfg.sample, tokenizer));
+  if (cfg.sample.length > 0) print(generate_sample(family, full, cfg.sample, tokenizer));
 }
 
 }  // namespace train

@@ -47,8 +47,8 @@ struct RunRecord {
 
 // Collective over the world: every rank's totals go to rank 0, which prints the summary (after
 // `console`'s bar is removed) and writes logging.summary_json.
-void write_summary(const TrainConfig& cfg, const models::ModelArgs& args, const ParallelModel& pm,
-                   const Precision& precision, const RunRecord& record, Console* console);
+void write_summary(const TrainConfig& cfg, const ModelShape& shape, const ParallelModel& pm, const Precision& precision,
+                   const RunRecord& record, Console* console);
 
 // When logging.trace is on: stops the trace and writes this rank's file; returns the line to
 // print ("" when tracing is off).
@@ -68,12 +68,12 @@ bool writes_export(const TrainConfig& cfg);
 std::string export_destination(const TrainConfig& cfg);
 
 // Collective over the world: training.export (.safetensors: written by every rank from its
-// shards; hf or hf:<dir>: a Hugging Face directory of a Llama, every rank writing its file;
+// shards; hf or hf:<dir>: a Hugging Face directory of the family's, every rank writing its file;
 // otherwise one PyTorch file written by rank 0), then rank 0's sample, its text that of
 // `tokenizer` (nullptr: token ids). `print` shows rank 0's lines. Throws ConfigError for hf with
-// a model that is not a Llama.
-void export_and_sample(const TrainConfig& cfg, const models::ModelArgs& args, ParallelModel& pm,
-                       const Tokenizer* tokenizer, const std::function<void(const std::string&)>& print);
+// a family that has no Hugging Face format.
+void export_and_sample(const TrainConfig& cfg, const ModelFamily& family, ParallelModel& pm, const Tokenizer* tokenizer,
+                       const std::function<void(const std::string&)>& print);
 
 }  // namespace train
 }  // namespace fsdp

@@ -14,22 +14,12 @@ namespace train {
 namespace {
 
 // The whole model on this process alone, in eval mode.
-models::Transformer unsharded_copy(models::ModelArgs args, const TensorStateDict& full) {
-  args.dropout_p = 0;
-  models::Transformer local(args);
+BuiltModel unsharded_copy(const ModelFamily& family, const TensorStateDict& full) {
+  BuiltModel local = family.build(nullptr);
   at::NoGradGuard no_grad;
-  auto params = local->named_parameters();
+  auto params = local.module->named_parameters();
   for (const auto& item : full) params[item.key()].copy_(item.value());
-  local->eval();
-  return local;
-}
-
-models::Llama unsharded_copy(const models::LlamaArgs& args, const TensorStateDict& full) {
-  models::Llama local(args);
-  at::NoGradGuard no_grad;
-  auto params = local->named_parameters();
-  for (const auto& item : full) params[item.key()].copy_(item.value());
-  local->eval();
+  local.module->eval();
   return local;
 }
 
@@ -43,18 +33,17 @@ std::vector<int64_t> prompt_ids(const std::string& prompt_text, const Tokenizer*
 }
 
 // The next token after `ids`, drawn from the model's distribution at the last position.
-template <typename Model>
-int64_t next_token(Model& model, const std::vector<int64_t>& ids, int64_t max_seq_len, double temperature,
+int64_t next_token(models::CausalLM& model, const std::vector<int64_t>& ids, int64_t max_seq_len, double temperature,
                    at::Generator& gen) {
   at::NoGradGuard no_grad;
   const int64_t n = std::min<int64_t>(static_cast<int64_t>(ids.size()), max_seq_len);
   at::Tensor context = at::tensor(std::vector<int64_t>(ids.end() - n, ids.end()), at::kLong).unsqueeze(0);
-  at::Tensor logits = model->forward(context).select(1, n - 1).squeeze(0) / temperature;
+  at::Tensor logits = model.logits(context).select(1, n - 1).squeeze(0) / temperature;
   return at::multinomial(at::softmax(logits, -1), 1, false, gen).item<int64_t>();
 }
 
-template <typename Model>
-std::string sample_from(Model& model, int64_t max_seq_len, const SampleConfig& cfg, const Tokenizer* tokenizer) {
+std::string sample_from(models::CausalLM& model, int64_t max_seq_len, const SampleConfig& cfg,
+                        const Tokenizer* tokenizer) {
   std::vector<int64_t> ids = prompt_ids(cfg.prompt, tokenizer);
   const size_t prompt_len = ids.size();
   at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(cfg.seed));
@@ -72,16 +61,10 @@ std::string sample_from(Model& model, int64_t max_seq_len, const SampleConfig& c
 
 }  // namespace
 
-std::string generate_sample(const models::ModelArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
+std::string generate_sample(const ModelFamily& family, const TensorStateDict& full, const SampleConfig& cfg,
                             const Tokenizer* tokenizer) {
-  models::Transformer model = unsharded_copy(args, full);
-  return sample_from(model, args.max_seq_len, cfg, tokenizer);
-}
-
-std::string generate_sample(const models::LlamaArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
-                            const Tokenizer* tokenizer) {
-  models::Llama model = unsharded_copy(args, full);
-  return sample_from(model, args.max_position_embeddings, cfg, tokenizer);
+  const BuiltModel model = unsharded_copy(family, full);
+  return sample_from(*model.lm, family.shape().max_seq_len, cfg, tokenizer);
 }
 
 }  // namespace train

@@ -3,9 +3,8 @@
 
 #include "config/config.h"
 #include "data/tokenizer.h"
+#include "models/family.h"
 
-#include <fsdp/models/llama.h>
-#include <fsdp/models/transformer.h>
 #include <fsdp/state_dict.h>
 
 #include <string>
@@ -14,16 +13,14 @@ namespace fsdp {
 namespace train {
 
 // Generates cfg.length tokens from cfg.prompt, one at a time, on an unsharded copy of the model
-// built from `args` (dropout off) and loaded from `full` (the whole model's tensors): no
-// collectives, so rank 0 calls it alone. Each token is drawn from softmax(logits / temperature)
-// with a generator seeded cfg.seed; the context is the last max_seq_len tokens.
-// With a tokenizer (data.tokenizer's, or the byte-level one for byte-level data) the prompt is
-// encoded with it and the sample printed as its text; without one (nullptr) the prompt is
-// token 0 and the sample is printed as token ids. Returns the text to print, header included.
-std::string generate_sample(const models::ModelArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
-                            const Tokenizer* tokenizer);
-// The same for the Llama family (the context is the last max_position_embeddings tokens).
-std::string generate_sample(const models::LlamaArgs& args, const TensorStateDict& full, const SampleConfig& cfg,
+// built by `family` (in eval mode: no dropout) and loaded from `full` (the whole model's
+// tensors): no collectives, so rank 0 calls it alone. Each token is drawn from
+// softmax(logits / temperature) with a generator seeded cfg.seed; the context is the last
+// max_seq_len tokens. With a tokenizer (data.tokenizer's, or the byte-level one for byte-level
+// data) the prompt is encoded with it and the sample printed as its text; without one (nullptr)
+// the prompt is token 0 and the sample is printed as token ids. Returns the text to print,
+// header included.
+std::string generate_sample(const ModelFamily& family, const TensorStateDict& full, const SampleConfig& cfg,
                             const Tokenizer* tokenizer);
 
 }  // namespace train

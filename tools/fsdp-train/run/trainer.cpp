@@ -26,7 +26,9 @@
 #include "data/data.h"
 #include "data/tokenizer.h"
 #include "models/initial_weights.h"
+#include "models/memory_check.h"
 #include "models/model_setup.h"
+#include "models/registry.h"
 #include "outputs/report.h"
 #include "outputs/run_end.h"
 #include "outputs/tensorboard.h"
@@ -73,15 +75,14 @@ InitOptions init_options(const FsdpConfig& f) {
   return o;
 }
 
-std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const models::ModelArgs& a) {
+std::unique_ptr<DataSource> data_of(const TrainConfig& cfg, const ModelShape& a) {
   if (cfg.data.source == "synthetic") return synthetic_data(a.vocab_size, cfg.data.data_seed);
   return token_file_data(cfg.data.path, cfg.data.data_seed, a.vocab_size);
 }
 
 // data.tokenizer's SentencePiece model (loaded at start-up, so that a wrong file stops the run
 // before training), else the byte-level tokenizer for byte-level data, else none (token ids).
-std::unique_ptr<Tokenizer> sample_tokenizer(const TrainConfig& cfg, const models::ModelArgs& a,
-                                            const DataSource& data) {
+std::unique_ptr<Tokenizer> sample_tokenizer(const TrainConfig& cfg, const ModelShape& a, const DataSource& data) {
   if (cfg.data.tokenizer.empty()) return cfg.data.source == "tokens" && data.byte_level() ? byte_tokenizer() : nullptr;
   std::unique_ptr<Tokenizer> t = sentencepiece_tokenizer(cfg.data.tokenizer, "data.tokenizer");
   if (static_cast<int64_t>(t->vocab_size()) > a.vocab_size)
@@ -147,7 +148,8 @@ class Run {
   const RunMode mode_;
   const Precision precision_;
   int rank_ = 0, world_ = 1;
-  models::ModelArgs args_;
+  std::unique_ptr<const ModelFamily> family_;  // chosen once, from model.architecture or config.json
+  ModelShape shape_;
   int64_t seq_ = 0, batch_ = 0, accumulation_ = 1;
   LrSchedule schedule_;
   std::unique_ptr<DataSource> data_;
@@ -171,28 +173,29 @@ class Run {
 void Run::set_up() {
   const RendezvousInfo env = rendezvous_info_from_env();
   check_against_launcher(cfg_, env.world_size, env.local_rank);
-  args_ = model_args_of(cfg_.model);
-  seq_ = seq_len_of(cfg_, args_);
-  check_memory(cfg_, args_, seq_, env);
+  family_ = choose_family(cfg_);
+  shape_ = family_->shape();
+  seq_ = seq_len_of(cfg_, *family_);
+  check_memory(cfg_, *family_, seq_, env);
   batch_ = cfg_.training.micro_batch_size;
   accumulation_ = cfg_.training.gradient_accumulation_steps;
   schedule_ = lr_schedule(cfg_);
   if (mode_ == RunMode::kTrain) {  // evaluation reads eval.path only
-    data_ = data_of(cfg_, args_);
-    tokenizer_ = sample_tokenizer(cfg_, args_, *data_);
+    data_ = data_of(cfg_, shape_);
+    tokenizer_ = sample_tokenizer(cfg_, shape_, *data_);
   }
 
   join_job(env);
-  for (const std::string& note : llama_config_notes(cfg_.model)) print("fsdp-train: note: " + terminal_safe(note));
-  checkpoints_ = std::make_unique<RunCheckpoints>(cfg_, run_identity(cfg_, args_),
+  for (const std::string& note : family_->config_notes()) print("fsdp-train: note: " + terminal_safe(note));
+  checkpoints_ = std::make_unique<RunCheckpoints>(cfg_, run_identity(cfg_, shape_),
                                                   [this](const std::string& line) { print(line); });
   checkpoints_->check_dir();
   if (mode_ == RunMode::kTrain) check_output_destinations(cfg_);  // not hours later, at the end
-  pm_ = parallelize_model(cfg_, args_, precision_, env.local_world_size);
-  load_initial_weights(cfg_, pm_.module(), [this](const std::string& line) { print(line); });
+  pm_ = parallelize_model(cfg_, *family_, precision_, env.local_world_size);
+  load_initial_weights(cfg_, *family_, pm_.module(), [this](const std::string& line) { print(line); });
   optimizer_ = optimizer_of(cfg_, pm_.parameters(), pm_.mesh.device());
   if (mode_ == RunMode::kEvaluate || cfg_.eval.interval > 0)
-    evaluation_ = std::make_unique<Evaluation>(cfg_, args_.vocab_size, seq_, pm_.dp_world, pm_.dp_rank);
+    evaluation_ = std::make_unique<Evaluation>(cfg_, shape_.vocab_size, seq_, pm_.dp_world, pm_.dp_rank);
   // The world group agrees on overflows: every rank skips a step together.
   if (precision_.loss_scaling) scaler_ = std::make_unique<GradScaler>();
   const FsdpConfig& f = cfg_.fsdp_config;
@@ -250,8 +253,8 @@ void Run::start_logging() {
     tensorboard_.text(kConfigTag, start_step_, config_markdown(cfg_));
   }
   std::ostringstream hello;
-  hello << "fsdp-train: " << pm_.parameter_count << " parameters (" << args_.n_layers << " layers, dim " << args_.dim
-        << ", " << args_.n_heads << " heads, vocab " << args_.vocab_size << ", max_seq_len " << args_.max_seq_len
+  hello << "fsdp-train: " << pm_.parameter_count << " parameters (" << shape_.n_layers << " layers, dim " << shape_.dim
+        << ", " << shape_.n_heads << " heads, vocab " << shape_.vocab_size << ", max_seq_len " << shape_.max_seq_len
         << ") " << pm_.description(cfg_.fsdp_config, world_) << ", " << precision_.describe() << "; "
         << data_->describe() << "; global batch " << pm_.dp_world * accumulation_ * batch_ << " x " << seq_
         << " tokens; collectives on " << backend();
@@ -544,10 +547,10 @@ void Run::finish(int64_t last_step) {
     record_.steps_run = last_step - start_step_;
     record_.seq = seq_;
     record_.tokens_per_step = tokens_per_step();
-    write_summary(cfg_, args_, pm_, precision_, record_, rank_ == 0 ? console_.get() : nullptr);
+    write_summary(cfg_, shape_, pm_, precision_, record_, rank_ == 0 ? console_.get() : nullptr);
   }
   try {
-    export_and_sample(cfg_, args_, pm_, tokenizer_.get(), [this](const std::string& line) { print(line); });
+    export_and_sample(cfg_, *family_, pm_, tokenizer_.get(), [this](const std::string& line) { print(line); });
   } catch (const std::exception& e) {
     if (checkpoints_->last_saved_step() != last_step) throw;
     throw std::runtime_error("training.export " + export_destination(cfg_) + " failed: " + error_text(e) +

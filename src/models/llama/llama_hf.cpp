@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <vector>
 
@@ -43,13 +44,17 @@ struct Reader {
   }
 };
 
-Json read_json(const std::string& path) {
+std::string read_text(const std::string& path) {
   std::ifstream in(path);
   TORCH_CHECK(in, path, ": cannot be read; a Hugging Face model directory holds config.json");
   std::stringstream text;
   text << in.rdbuf();
-  Json j = Json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(j.is_object(), path, ": is not a JSON object; expected a transformers config.json");
+  return text.str();
+}
+
+Json parse_json(const std::string& text, const std::string& source) {
+  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(j.is_object(), source, ": is not a JSON object; expected a transformers config.json");
   return j;
 }
 
@@ -180,8 +185,18 @@ const char* dtype_name(at::ScalarType dtype) {
 
 }  // namespace
 
+const std::vector<std::string>& llama_hf_architectures() {
+  static const std::vector<std::string> names(std::begin(kArchitectures), std::end(kArchitectures));
+  return names;
+}
+
 LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len, std::vector<std::string>* notes) {
-  const Json j = read_json(config_path);
+  return llama_args_from_hf_config_text(read_text(config_path), config_path, seq_len, notes);
+}
+
+LlamaArgs llama_args_from_hf_config_text(const std::string& text, const std::string& config_path, int64_t seq_len,
+                                         std::vector<std::string>* notes) {
+  const Json j = parse_json(text, config_path);
   const Reader r{config_path, j};
   LlamaArgs a;
   a.architecture = architecture_of(r);
@@ -202,6 +217,7 @@ LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_
   if (a.architecture == "Qwen2ForCausalLM" && r.has("attention_bias") && !r.flag_or("attention_bias", true))
     r.fail("attention_bias", "is false, but Qwen2ForCausalLM's q/k/v projections always have biases");
   a.tie_word_embeddings = r.flag_or("tie_word_embeddings", false);
+  if (a.architecture == "MistralForCausalLM" && r.has("sliding_window")) a.sliding_window = r.integer("sliding_window");
   a.initializer_range = r.number_or(j, "initializer_range", a.initializer_range);
   try {
     a.check();

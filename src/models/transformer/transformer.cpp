@@ -2,15 +2,12 @@
 // that any of them may be fully_shard()ed.
 #include <fsdp/models/transformer.h>
 
-#include <fsdp/models/linear_cross_entropy.h>
-
 #include <fsdp/call.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/nn/functional/loss.h>
 
 #include <cmath>
 #include <limits>
@@ -105,76 +102,19 @@ TransformerImpl::TransformerImpl(const ModelArgs& args, const BlockBuiltHook& on
       register_module("output", torch::nn::Linear(torch::nn::LinearOptions(args.dim, args.vocab_size).bias(false)));
 }
 
-at::Tensor TransformerImpl::hidden_states(const at::Tensor& tokens) {
+at::Tensor TransformerImpl::normed_hidden_states(const at::Tensor& tokens) {
   const int64_t seq = tokens.size(1);
   TORCH_CHECK(seq <= args_.max_seq_len, "sequence length ", seq, " > max_seq_len ", args_.max_seq_len);
   at::Tensor pos = at::arange(seq, tokens.options().dtype(at::kLong));
   at::Tensor h = fsdp::call(dropout, tp::call_embedding(tok_embeddings, tokens) + fsdp::call(pos_embeddings, pos));
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    TransformerBlock& block = blocks_[i];
-    h = is_block_checkpointed(static_cast<int64_t>(i)) ? fsdp::call_checkpointed(checkpoint_options_, block, h)
-                                                       : fsdp::call(block, h);
-  }
-  return h;
+  for (size_t i = 0; i < blocks_.size(); ++i) h = call_layer(static_cast<int64_t>(i), blocks_[i], h);
+  return fsdp::call(norm, h);
 }
 
-namespace {
-
-// The logits of hidden states h: final norm, output head, in fp32 whatever the compute dtype.
-// A vocab-parallel head gives this rank's slice of the vocabulary.
-at::Tensor head_logits(torch::nn::LayerNorm& norm, torch::nn::Linear& output, const at::Tensor& h) {
-  return tp::call_linear(output, fsdp::call(norm, h)).to(at::kFloat);
-}
-
-constexpr int64_t kIgnoreIndex = -100;  // cross_entropy's default
-
-}  // namespace
-
-at::Tensor TransformerImpl::forward(const at::Tensor& tokens) {
-  const at::Tensor logits = head_logits(norm, output, hidden_states(tokens));
-  const std::optional<tp::VocabSlice> slice = tp::vocab_slice_of(output);
-  return slice ? tp::gather_from_tp_region(logits, slice->group) : logits;
-}
-
-at::Tensor TransformerImpl::forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks) {
-  TORCH_CHECK(targets.sizes() == tokens.sizes(), "forward_loss: targets have shape ", targets.sizes(), " but tokens ",
-              tokens.sizes(), "; give one target per token");
-  const int64_t seq = tokens.size(1), vocab = args_.vocab_size;
-  TORCH_CHECK(chunks >= 1 && chunks <= seq, "forward_loss: chunks=", chunks, " must be in [1, ", seq,
-              "] (at most one piece per position of the sequence)");
-  at::Tensor h = hidden_states(tokens);
-  // A vocab-parallel head: this rank's logits are a slice of the vocabulary, and the loss reads
-  // the slices where they are (the logits are never gathered).
-  const std::optional<tp::VocabSlice> slice = tp::vocab_slice_of(output);
-  if (chunks == 1) {
-    const at::Tensor logits = head_logits(norm, output, h);
-    if (slice)
-      return tp::vocab_parallel_cross_entropy(logits.reshape({-1, slice->size}), targets.reshape({-1}), *slice);
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), targets.reshape({-1}));
-  }
-  // The output head and the loss in one autograd node (the head's weight gets one gradient),
-  // run as the head's forward so that an FSDP group holding it gathers and reduces around it.
-  const at::Tensor normed = fsdp::call(norm, h);
-  const at::Tensor total = fsdp::call_as_forward(
-      output,
-      [&output = output, chunks, &slice](const at::Tensor& x, const at::Tensor& t) {
-        if (!slice) return chunked_linear_cross_entropy(x, output->weight, t, chunks, kIgnoreIndex);
-        // Each rank's piece of x's gradient comes from its slice: copy_to_tp_region sums them.
-        return chunked_linear_cross_entropy(tp::copy_to_tp_region(x, slice->group), output->weight, t, chunks, *slice,
-                                            kIgnoreIndex);
-      },
-      normed, targets);
-  const double counted = (targets != kIgnoreIndex).sum().item<double>();
-  return total / counted;
-}
-
-void TransformerImpl::set_activation_checkpointing(int64_t every_k, const CheckpointOptions& options) {
-  TORCH_CHECK(every_k >= 0, "set_activation_checkpointing: every_k=", every_k,
-              " must be >= 0 (0 turns "
-              "checkpointing off, 1 checkpoints every block, k every k-th)");
-  if (every_k > 0) fsdp::detail::check_checkpoint_options(options);  // now, not at the first forward
-  checkpoint_every_k_ = every_k;
-  checkpoint_options_ = options;
+std::vector<std::shared_ptr<torch::nn::Module>> TransformerImpl::decoder_layer_modules() {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (auto& block : blocks_) out.push_back(block.ptr());
+  return out;
 }
 
 Transformer sharded_transformer(const ModelArgs& args, const FullyShardOptions& block_options,

@@ -2,7 +2,7 @@
 // The replacement layers copy their piece of the whole layer (tp_replace.h).
 #include <fsdp/models/llama_parallelize.h>
 
-#include "tp_replace.h"
+#include "src/models/tp_replace.h"
 
 namespace fsdp {
 namespace models {

@@ -3,7 +3,7 @@
 // the layout record of every parameter, split or whole. Built from tp's layers; tp knows no model.
 #include <fsdp/models/parallelize.h>
 
-#include "tp_replace.h"
+#include "src/models/tp_replace.h"
 
 namespace fsdp {
 namespace models {

@@ -4,25 +4,18 @@
 // table in float32, RMSNorm in float32, the key/value heads repeated for consecutive query heads.
 #include <fsdp/models/llama.h>
 
-#include <fsdp/models/linear_cross_entropy.h>
-
 #include <fsdp/call.h>
 #include <fsdp/tensor_parallel.h>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/nn/functional/loss.h>
 
 #include <cmath>
-#include <optional>
-#include <set>
 #include <utility>
 
 namespace fsdp {
 namespace models {
 namespace {
-
-constexpr int64_t kIgnoreIndex = -100;  // cross_entropy's default
 
 // The output head whose weight is the embedding's tensor: registered as its own "weight", so
 // that the state dict names it lm_head.weight too, and FSDP sees one tensor in two modules.
@@ -76,6 +69,12 @@ void LlamaArgs::check() const {
               "' is not supported; use \"default\" or \"llama3\"");
   TORCH_CHECK(initializer_range >= 0, "fsdp::models::Llama: initializer_range=", initializer_range, " must be >= 0");
   TORCH_CHECK(rms_norm_eps > 0, "fsdp::models::Llama: rms_norm_eps=", rms_norm_eps, " must be positive");
+}
+
+void LlamaArgs::check_sequence_length(int64_t seq_len) const {
+  TORCH_CHECK(sliding_window == 0 || seq_len <= sliding_window, "sliding_window is ", sliding_window,
+              ", shorter than the sequence length ", seq_len,
+              "; sliding-window attention is not computed here, so use a sequence no longer than the window");
 }
 
 at::Tensor rope_inverse_frequencies(const RopeArgs& rope, int64_t head_dim) {
@@ -192,12 +191,9 @@ LlamaImpl::LlamaImpl(const LlamaArgs& args, const LlamaLayerBuiltHook& on_layer_
   inv_freq_ = rope_inverse_frequencies(args_.rope, args_.head_dim);
 }
 
-std::vector<at::Tensor> LlamaImpl::unique_parameters() const {
-  std::vector<at::Tensor> out;
-  std::set<const c10::TensorImpl*> seen;
-  for (const auto& p : parameters()) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
-  }
+std::vector<std::shared_ptr<torch::nn::Module>> LlamaImpl::decoder_layer_modules() {
+  std::vector<std::shared_ptr<torch::nn::Module>> out;
+  for (auto& layer : model->decoder_layers) out.push_back(layer.ptr());
   return out;
 }
 
@@ -209,45 +205,15 @@ std::pair<at::Tensor, at::Tensor> LlamaImpl::rotary(int64_t seq, const at::Devic
   return {angles.cos(), angles.sin()};
 }
 
-at::Tensor LlamaImpl::hidden_states(const at::Tensor& tokens) {
+at::Tensor LlamaImpl::normed_hidden_states(const at::Tensor& tokens) {
   const int64_t seq = tokens.size(1);
   TORCH_CHECK(seq <= args_.max_position_embeddings, "fsdp::models::Llama: sequence length ", seq,
               " > max_position_embeddings ", args_.max_position_embeddings);
   at::Tensor h = tp::call_embedding(model->embed_tokens, tokens);
   const auto [cos, sin] = rotary(seq, h.device());
-  for (auto& layer : model->decoder_layers) h = fsdp::call(layer, h, cos, sin);
+  std::vector<LlamaDecoderLayer>& layers = model->decoder_layers;
+  for (size_t i = 0; i < layers.size(); ++i) h = call_layer(static_cast<int64_t>(i), layers[i], h, cos, sin);
   return fsdp::call(model->norm, h);
-}
-
-at::Tensor LlamaImpl::forward(const at::Tensor& tokens) {
-  const at::Tensor logits = tp::call_linear(lm_head, hidden_states(tokens)).to(at::kFloat);
-  const std::optional<tp::VocabSlice> slice = tp::vocab_slice_of(lm_head);
-  return slice ? tp::gather_from_tp_region(logits, slice->group) : logits;
-}
-
-at::Tensor LlamaImpl::forward_loss(const at::Tensor& tokens, const at::Tensor& targets, int64_t chunks) {
-  TORCH_CHECK(targets.sizes() == tokens.sizes(), "fsdp::models::Llama::forward_loss: targets have shape ",
-              targets.sizes(), " but tokens ", tokens.sizes(), "; give one target per token");
-  const int64_t seq = tokens.size(1);
-  TORCH_CHECK(chunks >= 1 && chunks <= seq, "fsdp::models::Llama::forward_loss: chunks=", chunks, " must be in [1, ",
-              seq, "] (at most one piece per position of the sequence)");
-  const at::Tensor normed = hidden_states(tokens);
-  const std::optional<tp::VocabSlice> slice = tp::vocab_slice_of(lm_head);
-  if (chunks == 1) {
-    const at::Tensor logits = tp::call_linear(lm_head, normed).to(at::kFloat);
-    if (slice)
-      return tp::vocab_parallel_cross_entropy(logits.reshape({-1, slice->size}), targets.reshape({-1}), *slice);
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, args_.vocab_size}), targets.reshape({-1}));
-  }
-  const at::Tensor total = fsdp::call_as_forward(
-      lm_head,
-      [&head = lm_head, chunks, &slice](const at::Tensor& x, const at::Tensor& t) {
-        if (!slice) return chunked_linear_cross_entropy(x, head->weight, t, chunks, kIgnoreIndex);
-        return chunked_linear_cross_entropy(tp::copy_to_tp_region(x, slice->group), head->weight, t, chunks, *slice,
-                                            kIgnoreIndex);
-      },
-      normed, targets);
-  return total / (targets != kIgnoreIndex).sum().item<double>();
 }
 
 }  // namespace models
