@@ -103,7 +103,7 @@ if (( ! check )); then
 
   # The closure under ldd, with the machine's libraries (torch, nvidia-*, glibc, libstdc++)
   # resolved from the venv and left out.
-  machine_lib='^(libc|libm|libdl|librt|libpthread|libresolv|libutil|ld-linux-x86-64|libstdc\+\+|libgcc_s|libtorch[a-z_]*|libc10[a-z_]*|libshm|libgomp|libcaffe2_nvrtc|libcu[a-z0-9_]*|libnccl|libnvrtc[a-z0-9_-]*|libnvJitLink|libnvshmem[a-z0-9_]*|libnvToolsExt|libnvtx[a-z0-9_]*|libcufile[a-z0-9_]*|libcusparseLt|libcudnn[a-z0-9_]*|libgfortran)\.so'
+  machine_lib='^(libc|libm|libdl|librt|libpthread|libresolv|libutil|ld-linux-x86-64|libstdc\+\+|libgcc_s|libtorch[a-z_]*|libc10[a-z_]*|libshm|libgomp|libcaffe2_nvrtc|libcu[A-Za-z0-9_]*|libnccl|libnvrtc[a-z0-9_-]*|libnvJitLink|libnvshmem[a-z0-9_]*|libnvToolsExt|libnvtx[a-z0-9_]*|libcufile[a-z0-9_]*|libcusparseLt|libcudnn[a-z0-9_]*|libgfortran)\.so'
   export LD_LIBRARY_PATH="$repo/$pack/build/src:$torch_libs"
   todo=("${binaries[@]}")
   while ((${#todo[@]})); do
@@ -152,6 +152,11 @@ bundle=$(du -sb .gpu-bundle 2>/dev/null | cut -f1 || echo 0)
 say "$pack: $(mib "$size") MiB ($(grep -c '^sha256 ' "$pack/manifest.txt") files); the working tree $(mib "$tree") MiB," \
     ".gpu-bundle $(mib "${bundle:-0}") MiB: $(mib $((size + tree + ${bundle:-0}))) MiB of the device call's 64"
 du -sh "$pack"/build/*/* "$pack"/build/tools/*/* "$pack"/lib/* 2>/dev/null | grep -v '/tools$' | sed 's/^/  /'
+if (( size + tree + ${bundle:-0} >= 64 * 1048576 )); then
+  echo "gpu-prebuild.sh: what the device call would send is over its 64 MiB (the largest files above): a" \
+       "library the GPU machine has is packed? (machine_lib in $0, lib lines in scripts/gpu-deps.txt)" >&2
+  exit 1
+fi
 
 # ---------------------------------------------------------------- the binaries, here
 # The packed binaries against the scratch venv's torch, with nothing of the build tree: every CUDA
