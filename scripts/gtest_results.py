@@ -125,7 +125,7 @@ def main() -> int:
                if isinstance(m, dict)]
     if not any(reasons):  # gtest prints a skip's message on the line after "<file>:<line>: Skipped"
         lines = text.splitlines()
-        reasons = [lines[i + 1] for i, l in enumerate(lines[:-1]) if l.endswith(": Skipped")][:1]
+        reasons = [lines[i + 1] for i, l in enumerate(lines[:-1]) if l.endswith(": Skipped")]
     result = {"tests": sum(counts.values()), "failures": counts.get("FAILED", 0) + counts.get("CRASHED", 0),
               "counts": counts, "suites_not_started": not_started, "testsuites": suites}
     with open(a.out, "w") as fh:
@@ -133,8 +133,15 @@ def main() -> int:
     line = (f"passed {counts.get('PASSED', 0)}, failed {counts.get('FAILED', 0) + counts.get('CRASHED', 0)}, "
             f"skipped {counts.get('SKIPPED', 0)}, cut off {counts.get('CUT OFF', 0)}, "
             f"not run {counts.get('NOT RUN', 0)}{' + suites ' + ','.join(not_started) if not_started else ''}")
-    if reasons and reasons[0]:
-        line += f"; skipped because: {reasons[0].splitlines()[0][:200]}"
+    # Each distinct reason once, the most frequent first, with how many tests gave it.
+    tally = {}
+    for reason in reasons:
+        first = next((l for l in reason.splitlines() if l.strip() and not re.match(r"^\S+:\d+$", l.strip())), "")
+        if first:
+            tally[first[:160]] = tally.get(first[:160], 0) + 1
+    if tally:
+        line += "; skipped because: " + "; ".join(
+            f"{r} ({n})" for r, n in sorted(tally.items(), key=lambda kv: -kv[1])[:3])
     print(line)
     return 0
 
