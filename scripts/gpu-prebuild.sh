@@ -119,7 +119,7 @@ if (( ! check )); then
     todo=("${next[@]}")
   done
   for name in libstdc++.so.6 libgcc_s.so.1; do
-    path=$(ldd "${binaries[@]}" | sed -n "s/^[[:space:]]*${name//+/\\+} => \([^ ]*\) .*/\1/p" | head -1)
+    path=$(ldd "${binaries[@]}" | sed -n "s/^[[:space:]]*${name//+/[+]} => \([^ ]*\) .*/\1/p" | head -1)
     [[ -n "$path" ]] && install -m 644 "$(readlink -f "$path")" "$pack/lib-cxx/$name"
   done
   unset LD_LIBRARY_PATH
