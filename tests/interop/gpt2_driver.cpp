@@ -2,9 +2,11 @@
 // fsdp::models::Gpt2, sharded with fully_shard per block and root over every rank, then one of
 //   logits <hf_dir> <tokens.safetensors> <out_dir>       the logits of "tokens" (int64 [batch, seq])
 //   export <hf_dir> <out_dir> <float32|bfloat16|float16>  the model written back as a HF directory
-//   train  <hf_dir> <batches.safetensors> <lr> <out_dir>  AdamW on "batches" (int64 [steps, global
-//          rows, seq + 1]), each rank its consecutive rows; per-rank losses to
-//          <out_dir>/losses-<rank>.json and the final model as a HF directory <out_dir>/final.
+//   train  <hf_dir> <batches.safetensors> <lr> <out_dir> [ac]  AdamW on "batches" (int64 [steps,
+//          global rows, seq + 1]), each rank its consecutive rows; per-rank losses to
+//          <out_dir>/losses-<rank>.json, the peak tensor bytes and RSS of the steps to
+//          <out_dir>/peak-<rank>.json, and the final model as a HF directory <out_dir>/final. With
+//          ac, every block checkpointed (CausalLM::set_activation_checkpointing(1)).
 // The family (its names, its config.json in and out) is the trainer's, chosen from config.json as
 // fsdp-train chooses it. Run it under fsdprun for more than one rank.
 #include "models/hf_checkpoint.h"
@@ -14,6 +16,7 @@
 #include <fsdp/device_mesh.h>
 #include <fsdp/distributed.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
 #include <fsdp/models/gpt2.h>
 #include <fsdp/models/gpt2_hf.h>
 #include <fsdp/safetensors.h>
@@ -79,11 +82,14 @@ void logits(const std::string& hf, const std::string& tokens_file, const std::st
 }
 
 void train(const std::string& hf, const std::string& batches_file, double lr, const std::string& out,
-           const fsdp::DeviceMesh& mesh) {
+           const fsdp::DeviceMesh& mesh, bool checkpointing) {
   const at::Tensor batches = read_tensor(batches_file, "batches");
   const int64_t rank = fsdp::get_rank();
   const int64_t rows = batches.size(1) / fsdp::get_world_size();
   Gpt2 model = load_sharded(hf, mesh);
+  if (checkpointing) model->set_activation_checkpointing(1);
+  fsdp::memory::reset_peak_allocated();
+  fsdp::memory::reset_peak_rss();
   torch::optim::AdamW optimizer(model->unique_parameters(),
                                 torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1));
   std::vector<double> losses;
@@ -102,6 +108,9 @@ void train(const std::string& hf, const std::string& batches_file, double lr, co
   f << std::setprecision(17) << "[";
   for (size_t i = 0; i < losses.size(); ++i) f << (i ? ", " : "") << losses[i];
   f << "]\n";
+  std::ofstream(out + "/peak-" + std::to_string(rank) + ".json")
+      << "{\"peak_tensor_bytes\": " << fsdp::memory::max_allocated_bytes()
+      << ", \"peak_rss_bytes\": " << fsdp::memory::peak_rss_bytes() << "}\n";
   fsdp::train::save_hf(out + "/final", *family_of(hf), *model, at::kFloat);
 }
 
@@ -110,13 +119,15 @@ void train(const std::string& hf, const std::string& batches_file, double lr, co
 int main(int argc, char** argv) {
   const std::string usage =
       "usage: gpt2_driver logits <hf_dir> <tokens.safetensors> <out_dir> | export <hf_dir> <out_dir> <dtype> | "
-      "train <hf_dir> <batches.safetensors> <lr> <out_dir>";
+      "train <hf_dir> <batches.safetensors> <lr> <out_dir> [ac]";
   const std::string command = argc > 1 ? argv[1] : "";
-  if (!(argc == 5 && (command == "logits" || command == "export")) && !(argc == 6 && command == "train")) {
+  if (!(argc == 5 && (command == "logits" || command == "export")) &&
+      !((argc == 6 || argc == 7) && command == "train")) {
     std::cerr << usage << "\n";
     return 2;
   }
   try {
+    fsdp::memory::install_tracking_allocator();  // the peak tensor bytes of peak-<rank>.json
     fsdp::init_process_group();
     const fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {fsdp::get_world_size()});
     if (command == "logits") {
@@ -125,7 +136,7 @@ int main(int argc, char** argv) {
       Gpt2 model = load_sharded(argv[2], mesh);
       fsdp::train::save_hf(argv[3], *family_of(argv[2]), *model, dtype_named(argv[4]));
     } else {
-      train(argv[2], argv[3], std::stod(argv[4]), argv[5], mesh);
+      train(argv[2], argv[3], std::stod(argv[4]), argv[5], mesh, argc == 7 && std::string(argv[6]) == "ac");
     }
   } catch (const std::exception& e) {
     std::cerr << "gpt2_driver: " << e.what() << "\n";

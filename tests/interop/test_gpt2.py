@@ -14,6 +14,9 @@ random-initialized config (no downloads) written with save_pretrained, read by g
   (one call per block and the root, llama_fsdp2_reference.py), from the same weights and batches:
   per-rank losses within 1e-5 relative, final parameters within 1e-5 (the keys' third of
   c_attn.bias, whose gradient is only rounding noise, within AdamW's 2 lr x steps);
+- activation_checkpointing_w2: the same with every block checkpointed, against transformers' model
+  with checkpoint_wrapper around each block under fully_shard: the same losses, and a lower
+  measured peak on both sides (ours: peak tensor bytes of the steps; the reference's: peak RSS);
 - bad_input: options the model does not compute, a tensor of the wrong shape and tensor
   parallelism each stop with an error naming the key, the tensor or the option.
 
@@ -53,12 +56,12 @@ VARIANTS = {
 }
 
 
-def make_model(variant: str = "default", seed: int = 0):
+def make_model(variant: str = "default", seed: int = 0, **overrides):
     """Every weight drawn (the LayerNorms' weights around 1) so that no part of the model is an
     identity that hides an error."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    config = GPT2Config(**COMMON, **VARIANTS[variant])
+    config = GPT2Config(**{**COMMON, **VARIANTS[variant], **overrides})
     config._attn_implementation = "eager"
     model = GPT2LMHeadModel(config).to(torch.float32)
     with torch.no_grad():
@@ -204,26 +207,59 @@ def test_eval_w2(workdir: str):
 
 
 def test_full_shard_w2(workdir: str):
+    check_training(workdir)
+
+
+def test_activation_checkpointing_w2(workdir: str):
+    # Wide enough that the activations dominate the peak: 4 blocks of 4 x 128 rows per rank.
+    shape = dict(n_embd=64, n_layer=4, n_positions=128)
+    # At this size AdamW's normalised step turns the rounding noise of gradients near zero into
+    # moves of up to lr for single elements (as for the keys' bias), on both sides alike: the
+    # parameters are compared as whole tensors, the losses step by step.
+    plain = check_training(os.path.join(workdir, "plain"), rows=4, seq=128, whole_tensors=True, **shape)
+    checkpointed = check_training(os.path.join(workdir, "ac"), rows=4, seq=128, ac=True, whole_tensors=True, **shape)
+    for key, side in (("peak_tensor_bytes", "ours"), ("peak_rss_bytes", "ours"), ("peak_rss_bytes", "reference")):
+        without, with_ac = plain[side][key], checkpointed[side][key]
+        print(f"{side} {key}: {without / 2**20:.1f} MiB without activation checkpointing, "
+              f"{with_ac / 2**20:.1f} MiB with it")
+    assert checkpointed["ours"]["peak_tensor_bytes"] < plain["ours"]["peak_tensor_bytes"], (plain, checkpointed)
+    assert checkpointed["reference"]["peak_rss_bytes"] < plain["reference"]["peak_rss_bytes"], (plain, checkpointed)
+    # Checkpointing recomputes the same operations: our losses are those without it.
+    for rank in range(2):
+        for x, y in zip(checkpointed["losses"][rank], plain["losses"][rank]):
+            assert abs(x - y) <= RTOL * abs(y), (checkpointed["losses"], plain["losses"])
+
+
+def check_training(workdir: str, rows: int = 2, seq: int = 16, ac: bool = False, whole_tensors: bool = False,
+                   **overrides) -> dict:
+    """5 AdamW steps at W = 2 on both sides from the same weights and batches (with ac, every
+    block checkpointed: ours by CausalLM, transformers' by checkpoint_wrapper); compares them and
+    returns each side's largest peak over the ranks and our per-rank losses. The losses within
+    1e-5 relative; each final parameter element within 1e-5, or with whole_tensors each tensor
+    within 1e-4 relative (the norm of the difference over the reference's)."""
     from safetensors.torch import save_file
-    world, rows, seq, lr = 2, 2, 16, 1e-2
-    model = make_model()
+    os.makedirs(workdir, exist_ok=True)
+    world, lr = 2, 1e-2
+    model = make_model(**overrides)
     hf = saved(model, workdir)
     g = torch.Generator().manual_seed(7)
     batches = torch.randint(0, model.config.vocab_size, (STEPS, world * rows, seq + 1), generator=g)
     batches_file = os.path.join(workdir, "batches.safetensors")
     save_file({"batches": batches}, batches_file)
     ours, ref = os.path.join(workdir, "ours"), os.path.join(workdir, "reference")
-    driver(world, "train", hf, batches_file, str(lr), ours)
+    driver(world, "train", hf, batches_file, str(lr), ours, *(["ac"] if ac else []))
     proc = subprocess.run([sys.executable, os.path.join(_HERE, "llama_fsdp2_reference.py"), hf, batches_file, str(lr),
-                           ref, "--world", str(world)], capture_output=True, text=True, env=environment(), timeout=300)
+                           ref, "--world", str(world), *(["--ac"] if ac else [])],
+                          capture_output=True, text=True, env=environment(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    found = []
+    found, losses = [], []
     for rank in range(world):
         with open(os.path.join(ours, f"losses-{rank}.json")) as f:
             a = json.load(f)
         with open(os.path.join(ref, f"losses-{rank}.json")) as f:
             b = json.load(f)
         assert len(a) == len(b) == STEPS
+        losses.append(a)
         print(f"rank {rank} losses: ours {a}, FSDP2 {b}")
         for step, (x, y) in enumerate(zip(a, b), start=1):
             if abs(x - y) > RTOL * abs(y):
@@ -232,21 +268,33 @@ def test_full_shard_w2(workdir: str):
     assert set(our_params) == set(ref_params), sorted(set(our_params) ^ set(ref_params))
     dim = model.config.n_embd
     for name in sorted(ref_params):
-        diff = (our_params[name].float() - ref_params[name].float()).abs()
+        ours_t, ref_t = our_params[name].double(), ref_params[name].double()
         if name.endswith("attn.c_attn.bias"):
             # The keys' bias has no gradient in exact arithmetic: q . (k + b) moves every score of
             # a query by the same q . b, which the softmax cancels. Its gradient is rounding noise,
             # which AdamW's normalised step turns into moves of up to lr per step on either side:
             # bounded by that; the queries' and values' biases are compared as every parameter.
-            keys = diff[dim:2 * dim].max().item()
+            keys = (ours_t[dim:2 * dim] - ref_t[dim:2 * dim]).abs().max().item()
             print(f"{name}: keys' bias max |difference| {keys:.3g} (rounding noise, bound {2 * lr * STEPS})")
             if keys > 2 * lr * STEPS:
                 found.append(f"{name}: the keys' bias moved {keys:.3g} > {2 * lr * STEPS} apart")
-            diff = torch.cat([diff[:dim], diff[2 * dim:]])
-        worst = diff.max().item()
+            ours_t, ref_t = torch.cat([ours_t[:dim], ours_t[2 * dim:]]), torch.cat([ref_t[:dim], ref_t[2 * dim:]])
+        if whole_tensors:
+            err = ((ours_t - ref_t).norm() / ref_t.norm()).item()
+            if err > 1e-4:
+                found.append(f"{name}: |difference| / |reference| {err:.3g} > 1e-4")
+            continue
+        worst = (ours_t - ref_t).abs().max().item()
         if worst > 1e-5:
             found.append(f"{name}: max |difference| {worst:.3g} > 1e-5")
     assert not found, "\n".join(found)
+    peaks = {}
+    for side, folder in (("ours", ours), ("reference", ref)):
+        for rank in range(world):
+            with open(os.path.join(folder, f"peak-{rank}.json")) as f:
+                for key, value in json.load(f).items():
+                    peaks.setdefault(side, {})[key] = max(peaks.get(side, {}).get(key, 0), value)
+    return {**peaks, "losses": losses}
 
 
 def test_bad_input(workdir: str):
