@@ -92,9 +92,11 @@ class DiLoCo {
   /// step in this call (0 on most calls).
   int64_t step();
 
-  /// Inner steps counted so far, and outer steps taken (fragments counted one each).
+  /// Inner steps counted so far.
   int64_t inner_step_count() const { return inner_steps_; }
+  /// Outer steps taken so far, each fragment's counted as one.
   int64_t outer_step_count() const { return outer_steps_; }
+  /// The options it was made with.
   const DiLoCoOptions& options() const { return options_; }
 
  private:

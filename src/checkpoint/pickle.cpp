@@ -234,20 +234,21 @@ bool PickleMachine::value_op(unsigned char op) {
   switch (op) {
     case 0x80: {  // PROTO
       const uint64_t protocol = little_endian(1);
-      if (protocol < static_cast<uint64_t>(options_.min_protocol) || protocol > static_cast<uint64_t>(options_.max_protocol))
+      if (protocol < static_cast<uint64_t>(options_.min_protocol) ||
+          protocol > static_cast<uint64_t>(options_.max_protocol))
         fail("pickle protocol " + std::to_string(protocol) +
              (options_.protocol_note.empty() ? "" : " (" + options_.protocol_note + ")"));
       return true;
     }
     case 0x95: little_endian(8); return true;  // FRAME: a length hint; every read is bounds-checked anyway
     case 'N': push(make(Kind::kNone)); return true;
-    case 0x88: push(make_number(Kind::kBool, 1)); return true;  // NEWTRUE
-    case 0x89: push(make_number(Kind::kBool, 0)); return true;  // NEWFALSE
+    case 0x88: push(make_number(Kind::kBool, 1)); return true;                                     // NEWTRUE
+    case 0x89: push(make_number(Kind::kBool, 0)); return true;                                     // NEWFALSE
     case 'K': push(make_number(Kind::kInt, static_cast<int64_t>(little_endian(1)))); return true;  // BININT1
     case 'M': push(make_number(Kind::kInt, static_cast<int64_t>(little_endian(2)))); return true;  // BININT2
     case 'J': push(make_number(Kind::kInt, static_cast<int32_t>(little_endian(4)))); return true;  // BININT
     case 0x8a: push(make_number(Kind::kInt, long1())); return true;                                // LONG1
-    case 'G': {                                                                                     // BINFLOAT
+    case 'G': {                                                                                    // BINFLOAT
       PyRef v = make(Kind::kFloat);
       v->real = binfloat();
       push(v);
@@ -284,11 +285,11 @@ bool PickleMachine::container_op(unsigned char op) {
     }
     case 's': set_items(pop_n(2), "SETITEM"); return true;
     case 'u': set_items(pop_mark(), "SETITEMS"); return true;
-    case 0x94: memo_put(memo_.size()); return true;                // MEMOIZE
-    case 'q': memo_put(little_endian(1)); return true;             // BINPUT
-    case 'r': memo_put(little_endian(4)); return true;             // LONG_BINPUT
-    case 'h': push(memo_get(little_endian(1))); return true;       // BINGET
-    case 'j': push(memo_get(little_endian(4))); return true;       // LONG_BINGET
+    case 0x94: memo_put(memo_.size()); return true;           // MEMOIZE
+    case 'q': memo_put(little_endian(1)); return true;        // BINPUT
+    case 'r': memo_put(little_endian(4)); return true;        // LONG_BINPUT
+    case 'h': push(memo_get(little_endian(1))); return true;  // BINGET
+    case 'j': push(memo_get(little_endian(4))); return true;  // LONG_BINGET
     default: return false;
   }
 }

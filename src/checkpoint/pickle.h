@@ -24,15 +24,29 @@ namespace detail {
 
 // One Python object of a pickle.
 struct PyValue {
-  enum class Kind { kNone, kBool, kInt, kFloat, kStr, kTuple, kList, kDict, kTensor, kStorage, kGlobal, kOpaque, kObject };
+  enum class Kind {
+    kNone,
+    kBool,
+    kInt,
+    kFloat,
+    kStr,
+    kTuple,
+    kList,
+    kDict,
+    kTensor,
+    kStorage,
+    kGlobal,
+    kOpaque,
+    kObject
+  };
   Kind kind = Kind::kNone;
   int64_t integer = 0;  // kBool, kInt; kObject: an enum member's value
   double real = 0;      // kFloat
   std::string text;     // kStr; kGlobal, kOpaque and kObject: the Python name, "module.qualname"
   // kTuple, kList: the elements; kDict: key, value, key, value, ... in insertion order.
   std::vector<std::shared_ptr<PyValue>> items;
-  at::Tensor tensor;                     // kTensor; kStorage: a 1-D tensor of the storage's dtype over all of it
-  std::shared_ptr<PyValue> state;        // kObject: what BUILD gave it (null: none)
+  at::Tensor tensor;               // kTensor; kStorage: a 1-D tensor of the storage's dtype over all of it
+  std::shared_ptr<PyValue> state;  // kObject: what BUILD gave it (null: none)
   // Bookkeeping of the machine: a container stored inside another is never changed again (no
   // cycles can form), and nesting is bounded.
   bool stored = false;

@@ -450,8 +450,7 @@ at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileInde
 // entry of `like`, the piece in `like`'s dtype) before reading the next. Every key is checked
 // against the directory first: nothing is read when one is missing or unexpected.
 template <typename Use>
-void for_each_piece(const std::string& dir, const ShardedStateDict& like, const SafetensorsOptions& options,
-                    Use use) {
+void for_each_piece(const std::string& dir, const ShardedStateDict& like, const SafetensorsOptions& options, Use use) {
   const std::map<std::string, std::string> files = weight_map_of(dir, options.prefix());
   for (const auto& item : like) {
     TORCH_CHECK(files.count(item.key()), "fsdp::load_safetensors: '", dir, "' has no tensor '", item.key(),
@@ -491,21 +490,18 @@ void for_each_piece(const std::string& dir, const ShardedStateDict& like, const 
 ShardedStateDict load_safetensors(const std::string& dir, const ShardedStateDict& like,
                                   const SafetensorsOptions& options) {
   ShardedStateDict out;
-  for_each_piece(
-      dir, like, options, [&](const std::string& key, const DTensor& target, at::Tensor local) {
-        out.insert(key,
-                   DTensor::from_local(std::move(local), target.device_mesh(), target.placements(), target.sizes()));
-      });
+  for_each_piece(dir, like, options, [&](const std::string& key, const DTensor& target, at::Tensor local) {
+    out.insert(key, DTensor::from_local(std::move(local), target.device_mesh(), target.placements(), target.sizes()));
+  });
   return out;
 }
 
 void load_safetensors_into(const std::string& dir, const ShardedStateDict& targets, const SafetensorsOptions& options) {
   at::NoGradGuard no_grad;
-  for_each_piece(dir, targets, options,
-                 [&](const std::string&, const DTensor& target, const at::Tensor& local) {
-                   at::Tensor live = target.to_local();
-                   live.copy_(local.to(live.device()));
-                 });
+  for_each_piece(dir, targets, options, [&](const std::string&, const DTensor& target, const at::Tensor& local) {
+    at::Tensor live = target.to_local();
+    live.copy_(local.to(live.device()));
+  });
 }
 
 TensorStateDict load_safetensors_file(const std::string& path) {

@@ -11,8 +11,10 @@
 //   (N Q, which o_proj reads too: the CPU kernel writes it heads-last, so the transpose's
 //   contiguous copy is the same tensor) and its log-sum-exp (fp32, per row and head);
 //   the residual h (N D); SwiGLU's gate, up, SiLU and their product (4 N I); the output (N D).
-//   Backward peaks in SwiGLU (the incoming gradient and three N I gradients) or in attention
-//   (the gradients of the queries, keys and values and the output's).
+//   Backward peaks in SwiGLU (the incoming gradient and two N I gradients: the product's
+//   gradient is made as down_proj releases the product, and the gradients of gate's SiLU and of
+//   up are made as the product's is freed) or in attention (the gradients of the queries, keys
+//   and values and the output's).
 //   The head keeps the final norm's tensors as above and the fp32 log-softmax (4 N V), as the
 //   Transformer's does; its backward adds the loss's and the log-softmax's gradients (8 N V).
 // A tied embedding is one parameter of the root, listed once; its gradient is made by the head's
@@ -124,7 +126,7 @@ StageSpec layer_stage(const LlamaShape& l, const ActivationOptions& a, int64_t i
   s.saved_bytes = 2 * rms_norm_bytes(c, N, D) + attention + c * (2 * ND + 4 * N * I);
   // Under tp the all-reduced gradient of a column-parallel layer's input is one more copy.
   const double all_reduced = k > 1 ? ND : 0;
-  s.backward_extra_bytes = c * (std::max(ND + 3 * N * I, ND + 2 * N * Q + 2 * N * kv) + all_reduced);
+  s.backward_extra_bytes = c * (std::max(ND + 2 * N * I, ND + 2 * N * Q + 2 * N * kv) + all_reduced);
   s.checkpointed = a.checkpoint_every > 0 && (i + 1) % a.checkpoint_every == 0;
   // The rotary embedding's temporaries; without grad, SwiGLU's or attention's working set.
   s.forward_extra_bytes = s.checkpointed ? c * std::max(ND + 3 * N * I, ND + 3 * N * Q + 2 * N * kv) : c * 2 * N * Q;

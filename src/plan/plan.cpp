@@ -321,21 +321,25 @@ class StepReplay {
     ledger_.drop(key("ag", g));
   }
 
+  // Stage s starts its group in forward: the group is unsharded, and the forward prefetch issues
+  // the all-gather of the group that starts next (the one that ran next in the previous iteration).
+  void gather_for_forward(size_t s, const std::string& when) {
+    const int group = m_.stages[s].group;
+    unshard(group, when);
+    for (size_t n = s + 1; n < m_.stages.size(); ++n) {
+      if (m_.stages[n].group != group && first_stage_[m_.stages[n].group] == static_cast<int>(n)) {
+        issue_all_gather(m_.stages[n].group, " (forward prefetch)");
+        return;
+      }
+    }
+  }
+
   void forward(int64_t micro) {
     const std::string when = "micro-batch " + std::to_string(micro + 1) + " forward";
     int previous_group = -1;
     for (size_t s = 0; s < m_.stages.size(); ++s) {
       const StageSpec& st = m_.stages[s];
-      if (st.group != previous_group && first_stage_[st.group] == static_cast<int>(s)) {
-        unshard(st.group, when);
-        // The forward prefetch: the group that ran next in the previous iteration.
-        for (size_t n = s + 1; n < m_.stages.size(); ++n) {
-          if (m_.stages[n].group != st.group && first_stage_[m_.stages[n].group] == static_cast<int>(n)) {
-            issue_all_gather(m_.stages[n].group, " (forward prefetch)");
-            break;
-          }
-        }
-      }
+      if (st.group != previous_group && first_stage_[st.group] == static_cast<int>(s)) gather_for_forward(s, when);
       previous_group = st.group;
       const std::string at = when + " of " + label(st.name);
       if (st.checkpointed) {
@@ -360,15 +364,7 @@ class StepReplay {
     double input = 0;  // the previous stage's output, this stage's input
     for (size_t s = 0; s < m_.stages.size(); ++s) {
       const StageSpec& st = m_.stages[s];
-      if (st.group != previous_group && first_stage_[st.group] == static_cast<int>(s)) {
-        unshard(st.group, when);
-        for (size_t n = s + 1; n < m_.stages.size(); ++n) {
-          if (m_.stages[n].group != st.group && first_stage_[m_.stages[n].group] == static_cast<int>(n)) {
-            issue_all_gather(m_.stages[n].group, " (forward prefetch)");
-            break;
-          }
-        }
-      }
+      if (st.group != previous_group && first_stage_[st.group] == static_cast<int>(s)) gather_for_forward(s, when);
       previous_group = st.group;
       const double high = st.checkpointed ? st.forward_extra_bytes : st.saved_bytes + st.forward_extra_bytes;
       point(when + " of " + label(st.name), {{st.name, "stage input", static_cast<int64_t>(input)},
@@ -414,6 +410,9 @@ class StepReplay {
       const std::string saved = "saved:" + std::to_string(s);
       const std::vector<Buffer> grads = stage_grads(st);
       if (st.checkpointed) {
+        // The region's output was the next stage's saved input, released by that stage's
+        // backward, which has run: the recomputed forward makes its own (in saved_bytes).
+        ledger_.drop(saved);
         for (int64_t piece = 0; piece < std::min<int64_t>(st.pieces, 2); ++piece) {
           const std::string where = at + (st.pieces > 1 ? " (piece " + std::to_string(piece + 1) + ")" : "");
           std::vector<Buffer> extra = {

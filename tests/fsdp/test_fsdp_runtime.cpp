@@ -406,8 +406,9 @@ TEST(FsdpRuntime, AForwardPrefetchOfBlocksThatRanIsKeptForTheirBackward) {
       auto model = make_model();
       std::vector<fsdp::FSDPModule> blocks;
       for (auto& block : model->blocks()) blocks.push_back(fsdp::fully_shard(block, opts));
-      auto head = fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->norm.ptr(), model->output.ptr()},
-                                    fsdp::FullyShardOptions().mesh(mesh).reshard_after_forward(false));
+      auto head =
+          fsdp::fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{model->norm.ptr(), model->output.ptr()},
+                            fsdp::FullyShardOptions().mesh(mesh).reshard_after_forward(false));
       fsdp::fully_shard(model, opts);
       if (listed) head.set_modules_to_forward_prefetch(std::vector<fsdp::FSDPModule>(blocks.rbegin(), blocks.rend()));
       auto pg = mesh.get_group(0);
@@ -419,7 +420,8 @@ TEST(FsdpRuntime, AForwardPrefetchOfBlocksThatRanIsKeptForTheirBackward) {
       if (listed) {
         torch::NoGradGuard no_grad;
         loss_of(model, local);
-        for (auto& b : blocks) EXPECT_EQ(b.unsharded_parameter_bytes(), 0) << "no backward: dropped at the forward's end";
+        for (auto& b : blocks)
+          EXPECT_EQ(b.unsharded_parameter_bytes(), 0) << "no backward: dropped at the forward's end";
       }
     }
     EXPECT_EQ(calls[1], calls[0]) << "the blocks' backward all-gathers were the head's forward prefetches";

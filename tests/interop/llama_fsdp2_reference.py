@@ -81,8 +81,8 @@ def worker(rank: int, world: int, ns, port: int) -> None:
     for step in range(batches.size(0)):
         mine = batches[step].narrow(0, dp_rank * rows, rows)
         inputs, targets = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
-        # use_cache=False: a training step keeps no key/value cache (GPT-2 under checkpoint_wrapper
-        # would otherwise append its recomputed keys to the cache a second time)
+        # No KV cache in training: a checkpointed layer's recompute would append its keys and
+        # values to the cache a second time.
         logits = model(input_ids=inputs, use_cache=False).logits.float()
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()

@@ -247,8 +247,18 @@ def test_activation_checkpointing_w2(workdir: str):
     # Wide enough that the activations dominate the peak: 4 layers of 4 x 256 rows per rank.
     shape = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, head_dim=16,
                  max_position_embeddings=256)
-    plain = check_training(os.path.join(workdir, "plain"), world=2, tp=1, rows=4, seq=256, **shape)
-    checkpointed = check_training(os.path.join(workdir, "ac"), world=2, tp=1, rows=4, seq=256, ac=True, **shape)
+    # At 4 x 256 rows per rank the two sides' sums over 1024 rows round differently (transformers'
+    # eager attention against ours), and five AdamW steps at lr 1e-2 turn those last bits into
+    # parameter differences of up to 5e-4 (measured, with and without checkpointing alike); the
+    # losses still agree to RTOL. What checkpointing must not change is checked exactly below:
+    # each side's parameters with it are those without it.
+    plain = check_training(os.path.join(workdir, "plain"), world=2, tp=1, rows=4, seq=256, param_atol=1e-3, **shape)
+    checkpointed = check_training(os.path.join(workdir, "ac"), world=2, tp=1, rows=4, seq=256, ac=True,
+                                  param_atol=1e-3, **shape)
+    for side in ("ours", "reference"):
+        for name, value in plain["params"][side].items():
+            worst = (checkpointed["params"][side][name].float() - value.float()).abs().max().item()
+            assert worst <= 1e-7, f"{side}: {name} differs by {worst:.3g} with activation checkpointing"
     for key, side in (("peak_tensor_bytes", "ours"), ("peak_rss_bytes", "ours"), ("peak_rss_bytes", "reference")):
         without, with_ac = plain[side][key], checkpointed[side][key]
         print(f"{side} {key}: {without / 2**20:.1f} MiB without activation checkpointing, "
@@ -262,9 +272,10 @@ def test_activation_checkpointing_w2(workdir: str):
 
 
 def check_training(workdir: str, world: int, tp: int, rows: int = 2, seq: int = 16, ac: bool = False,
-                   **overrides) -> dict:
-    """Trains both sides and compares them; returns each side's largest peak over the ranks
-    ({"ours": {...}, "reference": {...}}) and our per-rank losses."""
+                   param_atol: float = 1e-5, **overrides) -> dict:
+    """Trains both sides and compares them (losses to RTOL, final parameters to param_atol);
+    returns each side's largest peak over the ranks ({"ours": {...}, "reference": {...}}), our
+    per-rank losses and both sides' final parameters."""
     os.makedirs(workdir, exist_ok=True)
     from safetensors.torch import save_file
     model = make_model("llama", **overrides)
@@ -296,8 +307,8 @@ def check_training(workdir: str, world: int, tp: int, rows: int = 2, seq: int = 
     assert set(our_params) == set(ref_params), sorted(set(our_params) ^ set(ref_params))
     for name in sorted(ref_params):
         worst = (our_params[name].float() - ref_params[name].float()).abs().max().item()
-        if worst > 1e-5:
-            found.append(f"{name}: max |difference| {worst:.3g} > 1e-5")
+        if worst > param_atol:
+            found.append(f"{name}: max |difference| {worst:.3g} > {param_atol:g}")
     assert not found, "\n".join(found)
     peaks = {}
     for side, folder in (("ours", ours), ("reference", ref)):
@@ -305,7 +316,7 @@ def check_training(workdir: str, world: int, tp: int, rows: int = 2, seq: int = 
             with open(os.path.join(folder, f"peak-{rank}.json")) as f:
                 for key, value in json.load(f).items():
                     peaks.setdefault(side, {})[key] = max(peaks.get(side, {}).get(key, 0), value)
-    return {**peaks, "losses": losses}
+    return {**peaks, "losses": losses, "params": {"ours": our_params, "reference": ref_params}}
 
 
 def test_bad_input(workdir: str):

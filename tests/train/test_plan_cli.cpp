@@ -166,7 +166,9 @@ TEST(PlanCli, TheTrainersMemoryCheckCountsTheLlamasOwnParameters) {
   EXPECT_NE(r.err.find("configuration error: intermediate_size (config.json): this run needs at least"),
             std::string::npos)
       << describe(r);
-  EXPECT_NE(r.err.find("Most of it is the sharded parameters"), std::string::npos) << describe(r);
+  // SwiGLU's three matrices of 17179869184 columns are nearly all of the model; the check counts
+  // them (which part of the step dominates is the planner's answer, here the activations).
+  EXPECT_NE(r.err.find("The model has 32985"), std::string::npos) << describe(r);
 }
 
 // The same tokens as an llm.c .bin file and as the project's own token file: the plan reads both,

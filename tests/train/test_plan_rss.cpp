@@ -69,15 +69,22 @@ TEST(PlanRss, TrainingAndEvaluationOfATwoHundredMillionParameterLlamaStayWithinT
   TempDir dir;
   write_text(dir / "config.json", kConfigJson);
   write_tokens(dir / "eval.tokens", 4096);
-  const std::vector<std::string> common = {
-      "--training.seq_len=128",        "--training.micro_batch_size=1",
-      "--fsdp_config.checkpoint_interval=0", "--fsdp_config.checkpoint_dir=" + dir / "ckpt",
-      "--training.resume=never",       "--logging.progress=off",
-      "--sample.length=0",             "--eval.path=" + dir / "eval.tokens"};
-  std::vector<std::string> train = {configs_dir() + "/llama.yaml", "--model.hf_config=" + dir / "config.json",
-                                    "--data.source=synthetic", "--training.steps=2",
-                                    "--training.export=hf:" + dir / "hf", "--training.export_dtype=bfloat16",
-                                    "--logging.jsonl=", "--logging.summary_json=" + dir / "summary.json"};
+  const std::vector<std::string> common = {"--training.seq_len=128",
+                                           "--training.micro_batch_size=1",
+                                           "--fsdp_config.checkpoint_interval=0",
+                                           "--fsdp_config.checkpoint_dir=" + dir / "ckpt",
+                                           "--training.resume=never",
+                                           "--logging.progress=off",
+                                           "--sample.length=0",
+                                           "--eval.path=" + dir / "eval.tokens"};
+  std::vector<std::string> train = {configs_dir() + "/llama.yaml",
+                                    "--model.hf_config=" + dir / "config.json",
+                                    "--data.source=synthetic",
+                                    "--training.steps=2",
+                                    "--training.export=hf:" + dir / "hf",
+                                    "--training.export_dtype=bfloat16",
+                                    "--logging.jsonl=",
+                                    "--logging.summary_json=" + dir / "summary.json"};
   train.insert(train.end(), common.begin(), common.end());
 
   const double planned_train = planned_rss_mib(train, false);
@@ -88,8 +95,8 @@ TEST(PlanRss, TrainingAndEvaluationOfATwoHundredMillionParameterLlamaStayWithinT
                             "2 training steps");
 
   // The export read back a tensor at a time, converted from bf16 into the fp32 shards.
-  std::vector<std::string> eval = {configs_dir() + "/llama.yaml", "--model.hf_config=",
-                                   "--model.init_from=" + dir / "hf", "--data.source=synthetic"};
+  std::vector<std::string> eval = {configs_dir() + "/llama.yaml",
+                                   "--model.hf_config=", "--model.init_from=" + dir / "hf", "--data.source=synthetic"};
   eval.insert(eval.end(), common.begin(), common.end());
   const double planned_eval = planned_rss_mib(eval, true);
   std::vector<std::string> eval_command = {"eval"};

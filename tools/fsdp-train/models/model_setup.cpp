@@ -175,8 +175,7 @@ BuiltModel sharded_model(const TrainConfig& cfg, const ModelFamily& family, cons
 // last in forward, gathers the last k blocks for their backward while the loss is computed
 // (FSDPModule::set_modules_to_forward_prefetch keeps those for the backward). Depth 1 keeps
 // FSDP2's implicit prefetch, which does the same for one group.
-void prefetch_ahead(const FSDPModule& root, const std::vector<FSDPModule>& blocks, FSDPModule head,
-                    int64_t depth) {
+void prefetch_ahead(const FSDPModule& root, const std::vector<FSDPModule>& blocks, FSDPModule head, int64_t depth) {
   if (depth <= 1) return;
   std::vector<FSDPModule> forward{root}, backward{root};
   forward.insert(forward.end(), blocks.begin(), blocks.end());
