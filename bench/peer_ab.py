@@ -19,10 +19,13 @@ also saved as <out>/table.md. The peer is bench/peer/peer_fsdp2.py (--peer-dir).
     python3 bench/peer_ab.py --strategy ddp --presets tiny,small --worlds 2   # vs PyTorch DDP
     python3 bench/peer_ab.py --backends gloo,mpi --presets tiny,small --worlds 2
     python3 bench/peer_ab.py --presets llama_small --worlds 2 --dtypes fp32,bf16 --no-matmul   # Llama
+    python3 bench/peer_ab.py --presets gpt2_small --worlds 2 --no-matmul                        # GPT-2
 
 The Llama family (--presets llama_small): the peer is transformers' LlamaForCausalLM under
 fully_shard (per decoder layer and root), ours fsdp-train with model.init_from of the same
 Hugging Face directory; targets at W = 2: 0.85x the peer's step time, 0.7x its peak RSS.
+GPT-2 (--presets gpt2_small) the same way: transformers' GPT2LMHeadModel under fully_shard (per
+block and root) against fsdp-train with bench/peer/gpt2.yaml; no target yet (measured, not judged).
 
 Backends (--backends gloo,mpi; default gloo). Ours runs once per backend in every pair, gloo
 first: under fsdprun for gloo, under `mpirun -np W` (MPIRUN below) with
@@ -135,13 +138,16 @@ PRESETS = {
     "small": dict(batch=8, steps=8, warmup=2, seq=256, timeout=1800),
     "medium": dict(batch=2, steps=4, warmup=1, seq=512, timeout=3600),
     "llama_small": dict(batch=8, steps=8, warmup=2, seq=256, timeout=1800),
+    "gpt2_small": dict(batch=8, steps=8, warmup=2, seq=256, timeout=1800),
 }
-INIT_TIMEOUT = {"tiny": 300, "small": 600, "medium": 1800, "llama_small": 600}
-# The Llama family: preset -> its Hugging Face config.json (under --peer-dir). Both sides train the
-# same Hugging Face directory, written once per --out by transformers from that config.json with
-# the seed: ours fsdp-train with bench/peer/llama.yaml and --model.init_from=<dir>, the peer
-# transformers' AutoModelForCausalLM under fully_shard (peer_fsdp2.py --hf-model <dir>).
-LLAMA_PRESETS = {"llama_small": os.path.join("llama_small", "config.json")}
+INIT_TIMEOUT = {"tiny": 300, "small": 600, "medium": 1800, "llama_small": 600, "gpt2_small": 600}
+# The Hugging Face families: preset -> its config.json (under --peer-dir) and fsdp-train's YAML
+# (under bench/peer). Both sides train the same Hugging Face directory, written once per --out by
+# transformers from that config.json with the seed: ours fsdp-train with the YAML and
+# --model.init_from=<dir>, the peer transformers' AutoModelForCausalLM under fully_shard
+# (peer_fsdp2.py --hf-model <dir>).
+HF_PRESETS = {"llama_small": (os.path.join("llama_small", "config.json"), "llama.yaml"),
+              "gpt2_small": (os.path.join("gpt2_small", "config.json"), "gpt2.yaml")}
 
 DTYPES = ("fp32", "bf16")
 OURS_DTYPE_OVERRIDES = {"fp32": [], "bf16": ["--fsdp_config.mixed_precision=true"]}
@@ -177,12 +183,17 @@ ENV_KEYS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPE
 
 # --------------------------------------------------------------------------- commands
 
+def is_hf(preset: str) -> bool:
+    """A Hugging Face family's preset (llama_small, gpt2_small): both sides train its directory."""
+    return preset in HF_PRESETS
+
+
 def is_llama(preset: str) -> bool:
-    return preset in LLAMA_PRESETS
+    return preset == "llama_small"
 
 
 def peer_cmd(a, cell: dict, json_out: str, dtype: str = "fp32") -> list[str]:
-    model = (["--hf-model", cell["init"]] if is_llama(cell["preset"])
+    model = (["--hf-model", cell["init"]] if is_hf(cell["preset"])
              else ["--preset", cell["preset"], "--init-from", cell["init"]])
     return [PY, os.path.join(a.peer_dir, PEER_SCRIPT),
             "--mode", STRATEGIES[a.strategy]["peer_mode"], "--world", str(cell["world"]), *model,
@@ -223,7 +234,7 @@ def launcher(build_dir: str, world: int, backend: str) -> list[str]:
 def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype: str = "fp32",
              backend: str = "gloo") -> list[str]:
     p = cell["preset"]
-    model = ([os.path.join(REPO, "bench", "peer", "llama.yaml")] if is_llama(p)
+    model = ([os.path.join(REPO, "bench", "peer", HF_PRESETS[p][1])] if is_hf(p)
              else [os.path.join(REPO, "configs", f"{p}.yaml"), f"--model.preset={p}", "--model.dropout_p=0"])
     return [*launcher(build_dir, cell["world"], backend),
             fsdp_train(build_dir),
@@ -244,9 +255,9 @@ def ours_cmd(a, cell: dict, json_out: str, ckpt_dir: str, build_dir: str, dtype:
 
 
 def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
-    if is_llama(preset):
+    if is_hf(preset):
         return [PY, os.path.join(a.peer_dir, PEER_SCRIPT), "--hf-config",
-                os.path.join(a.peer_dir, LLAMA_PRESETS[preset]), "--seed", str(SEED), "--save-init", path]
+                os.path.join(a.peer_dir, HF_PRESETS[preset][0]), "--seed", str(SEED), "--save-init", path]
     return [PY, os.path.join(a.peer_dir, PEER_SCRIPT), "--mode", "single", "--preset", preset,
             "--steps", "3", "--warmup", "2", "--batch", "1", "--seq", str(seq), "--seed", str(SEED),
             "--save-init", path]
@@ -257,8 +268,8 @@ def init_cmd(a, preset: str, seq: int, path: str) -> list[str]:
 def matmul_products(preset: str, batch: int, seq: int) -> list[dict]:
     """The forward matmuls of one rank's training step (see the module docstring): count per
     forward, and the product as bench_matmul takes it (batch 0 = a 2-D product); none for the
-    Llama presets (their FLOP are not counted here)."""
-    if is_llama(preset):
+    Hugging Face presets (their FLOP are not counted here)."""
+    if is_hf(preset):
         return []
     m = MODEL[preset]
     L, d, h, V = m["n_layers"], m["dim"], m["n_heads"], m["vocab_size"]
@@ -282,8 +293,8 @@ def product_flop(p: dict) -> int:
 
 
 def step_flop(preset: str, batch: int, seq: int) -> int | None:
-    """FLOP_step = 3 * (L * (24 M d^2 + 4 B T^2 d) + 2 M d V), per rank; None for the Llama presets."""
-    if is_llama(preset):
+    """FLOP_step = 3 * (L * (24 M d^2 + 4 B T^2 d) + 2 M d V), per rank; None for the Hugging Face presets."""
+    if is_hf(preset):
         return None
     flop = 3 * sum(p["count"] * product_flop(p) for p in matmul_products(preset, batch, seq))
     m = MODEL[preset]
@@ -379,7 +390,7 @@ def matmul_estimate(out: str, meta: dict, cell: dict, dtype: str, step_s: float 
     flop = step_flop(cell["preset"], cell["batch"], cell["seq"])
     est = {"flop": flop, "mm_s": None, "frac": None, "mfu": None, "peak": None, "note": ""}
     if flop is None:
-        est["note"] = "Llama: FLOP not counted"
+        est["note"] = "Hugging Face family: FLOP not counted"
         return est
     t = (meta.get("threads_per_rank") or {}).get(str(cell["world"]))
     mm = load_matmul(out, t) if t is not None else None
@@ -428,7 +439,7 @@ def run_order(sides, dtypes) -> list[tuple[str, str]]:
 def init_path(out: str, preset: str) -> str:
     """The starting weights: a torch.save'd state dict, or for the Llama presets a Hugging Face
     directory (config.json, model.safetensors)."""
-    return os.path.join(out, f"init_{preset}" if is_llama(preset) else f"init_{preset}.pt")
+    return os.path.join(out, f"init_{preset}" if is_hf(preset) else f"init_{preset}.pt")
 
 
 def init_digest(path: str) -> str:
@@ -921,7 +932,7 @@ def comm_table(out: str, cells: list, pairs: int, dtypes=("fp32",), ours=("ours"
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--presets", default="tiny,small", help="comma list of tiny,small,medium,llama_small (default tiny,small)")
+    p.add_argument("--presets", default="tiny,small", help="comma list of tiny,small,medium,llama_small,gpt2_small (default tiny,small)")
     p.add_argument("--worlds", default="1,2", help="comma list of world sizes (default 1,2)")
     p.add_argument("--pairs", type=int, default=3, help="A/B pairs per cell (default 3)")
     p.add_argument("--batch", type=int, default=None, help="per-rank batch for all presets "

@@ -127,15 +127,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def hf_model_args(hf_dir: str) -> argparse.Namespace:
-    """The sizes of a Hugging Face directory's config.json that the run and its JSON use."""
-    with open(os.path.join(hf_dir, "config.json")) as fh:
-        c = json.load(fh)
-    return argparse.Namespace(architecture=(c.get("architectures") or ["?"])[0], vocab_size=c["vocab_size"],
-                              max_seq_len=c["max_position_embeddings"], dim=c["hidden_size"],
-                              n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
-                              n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-                              intermediate_size=c["intermediate_size"],
-                              tie_word_embeddings=c.get("tie_word_embeddings", False))
+    """The sizes of a Hugging Face directory's config.json that the run and its JSON use, under
+    transformers' common names (AutoConfig maps GPT-2's n_embd, n_layer, ... onto them)."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(hf_dir)
+    intermediate = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+    return argparse.Namespace(architecture=(c.architectures or ["?"])[0], vocab_size=c.vocab_size,
+                              max_seq_len=c.max_position_embeddings, dim=c.hidden_size,
+                              n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
+                              n_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                              intermediate_size=intermediate,
+                              tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
 
 
 def save_hf_init(config_json: str, out_dir: str, seed: int) -> None:
@@ -165,9 +167,12 @@ def logits_of(forward, inputs: torch.Tensor, hf: bool) -> torch.Tensor:
 
 def decoder_layers(model) -> list:
     """The blocks that get a fully_shard each: model.Transformer's layers, or transformers'
-    decoder layers (model.model.layers)."""
+    decoder layers (a Llama's model.model.layers, GPT-2's model.transformer.h)."""
     inner = getattr(model, "model", None)
-    return list(inner.layers) if inner is not None and hasattr(inner, "layers") else list(model.layers)
+    if inner is not None and hasattr(inner, "layers"):
+        return list(inner.layers)
+    gpt2 = getattr(model, "transformer", None)
+    return list(gpt2.h) if gpt2 is not None and hasattr(gpt2, "h") else list(model.layers)
 
 
 def _mib_vmhwm() -> float:

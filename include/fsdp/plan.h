@@ -199,6 +199,31 @@ struct LlamaShape {
 ModelSpec llama_spec(const LlamaShape& shape, const ActivationOptions& activations,
                      const TransformerSharding& sharding = {});
 
+/// The shape of fsdp::models::Gpt2 (include/fsdp/models/gpt2.h), as its config.json gives it.
+struct Gpt2Shape {
+  int64_t n_layers = 2;             ///< n_layer
+  int64_t vocab_size = 64;          ///< vocab_size
+  int64_t n_embd = 32;              ///< n_embd
+  int64_t n_inner = 128;            ///< the MLP's width
+  int64_t n_heads = 4;              ///< n_head
+  int64_t n_positions = 128;        ///< rows of wpe: the longest sequence
+  bool tie_word_embeddings = true;  ///< one weight for wte and the head, counted once
+  double embd_pdrop = 0.0;          ///< dropout after the embeddings
+  double attn_pdrop = 0.0;          ///< dropout on the attention's probabilities
+  double resid_pdrop = 0.0;         ///< dropout after each residual branch
+};
+/// GPT-2 as the trainer shards it: one group per block, the root holding wte, wpe, ln_f and the
+/// head (the tied weight once). A block keeps its LayerNorms' outputs and statistics, c_attn's
+/// output (whose q, k and v views the attention reads), the attention's output and log-sum-exp,
+/// c_proj's contiguous input, the residual, c_fc's and GELU's outputs and its own output; with
+/// dropout, each site's mask and output (the attention's: its scores and probabilities too, which
+/// the attention then keeps). With output_head_group ln_f and the head are a last group (untied
+/// heads only). Tensor parallelism is not planned: throws std::invalid_argument for
+/// tensor_parallel > 1, and for sizes the model refuses (n_embd not a multiple of n_heads, seq
+/// beyond n_positions, loss_chunks outside [1, seq]).
+ModelSpec gpt2_spec(const Gpt2Shape& shape, const ActivationOptions& activations,
+                    const TransformerSharding& sharding = {});
+
 /// The process-group backend the collectives run on: its rates, and whether its scratch is in
 /// tensor bytes (Gloo's always; MPI's for the collectives from 256 KiB that run on fsdp-cpp's
 /// rings, while OpenMPI allocates its own for the smaller ones outside LibTorch).

@@ -1,5 +1,6 @@
-"""The reference side of test_llama.py's training check: transformers' model from a Hugging Face
-directory under PyTorch's fully_shard (one call per decoder layer, then the root), AdamW on the
+"""The reference side of test_llama.py's and test_gpt2.py's training checks: transformers' model
+from a Hugging Face directory under PyTorch's fully_shard (one call per decoder layer, then the
+root; GPT-2's blocks are its decoder layers), AdamW on the
 same batches as llama_driver's train: each data-parallel rank its consecutive rows of every
 global batch. With --tp k > 1, a (dp, tp) mesh: each decoder layer first split over tp by
 parallelize_module with the plan of fsdp/models/llama_parallelize.h (q/k/v/gate/up Colwise,
@@ -40,6 +41,11 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers: a Llama's model.layers, GPT-2's transformer.h."""
+    return model.model.layers if hasattr(model, "model") else model.transformer.h
+
+
 def worker(rank: int, world: int, ns, port: int) -> None:
     from safetensors.torch import load_file, save_file
     from torch.distributed.fsdp import fully_shard
@@ -57,14 +63,14 @@ def worker(rank: int, world: int, ns, port: int) -> None:
                 "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
                 "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel()}
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             parallelize_module(layer, mesh["tp"], plan)
         dp_rank, dp_world, fsdp_kwargs = mesh["dp"].get_local_rank(), world // ns.tp, {"mesh": mesh["dp"]}
     if ns.ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        for i, layer in enumerate(model.model.layers):
-            model.model.layers[i] = checkpoint_wrapper(layer)
-    for layer in model.model.layers:
+        for i, layer in enumerate(decoder_layers(model)):
+            decoder_layers(model)[i] = checkpoint_wrapper(layer)
+    for layer in decoder_layers(model):
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -102,6 +102,35 @@ TEST(PlanCli, PredictsTheLlamasPeakAtTwoRanksWithinTenPercent) {
   EXPECT_EQ(plan_json_of(2, llama_config({}))["parameters"].get<int64_t>(), 771200);
 }
 
+// GPT-2 (fused c_attn, Conv1D weights, LayerNorm, GELU, learned positions), its config.json
+// written here: tied in fp32, bf16, with every block checkpointed and the loss in pieces, under
+// NO_SHARD, with dropout; untied with the head a group of its own. The plan counts the
+// parameters the trainer builds.
+TEST(PlanCli, PredictsGpt2sPeakAtTwoRanksWithinTenPercent) {
+  TempDir dir;
+  auto gpt2_config = [&](const std::string& name, bool tied, double pdrop, const std::vector<std::string>& more) {
+    const std::string p = std::to_string(pdrop);
+    std::ofstream(dir.path() + "/" + name + ".json")
+        << R"({"architectures": ["GPT2LMHeadModel"], "vocab_size": 512, "n_positions": 128, "n_embd": 64,
+              "n_layer": 2, "n_head": 4, "embd_pdrop": )"
+        << p << R"(, "attn_pdrop": )" << p << R"(, "resid_pdrop": )" << p << R"(, "tie_word_embeddings": )"
+        << (tied ? "true" : "false") << "}";
+    std::ofstream(dir.path() + "/gpt2.yaml") << "data:\n  source: synthetic\n";
+    return with({dir.path() + "/gpt2.yaml", "--model.architecture=gpt2",
+                 "--model.hf_config=" + dir.path() + "/" + name + ".json", "--training.seq_len=128",
+                 "--training.micro_batch_size=4", "--training.export=none"},
+                more);
+  };
+  expect_within_ten_percent_of(2, gpt2_config("tied", true, 0, {}));
+  expect_within_ten_percent_of(2, gpt2_config("tied", true, 0, {"--fsdp_config.mixed_precision=true"}));
+  expect_within_ten_percent_of(
+      2, gpt2_config("tied", true, 0, {"--fsdp_config.activation_checkpointing=true", "--training.loss_chunks=4"}));
+  expect_within_ten_percent_of(2, gpt2_config("tied", true, 0, {"--fsdp_config.sharding_strategy=NO_SHARD"}));
+  expect_within_ten_percent_of(2, gpt2_config("dropout", true, 0.1, {"--fsdp_config.activation_checkpointing=true"}));
+  expect_within_ten_percent_of(2, gpt2_config("untied", false, 0, {"--fsdp_config.output_head_group=true"}));
+  EXPECT_EQ(plan_json_of(2, gpt2_config("tied", true, 0, {}))["parameters"].get<int64_t>(), 141056);
+}
+
 // Tensor parallelism of the Llama family (the shipped config's tied head stays whole), and what
 // the trainer refuses for it refused by the plan with the same key: a tied head split by
 // vocabulary, or in a group of its own.

@@ -74,6 +74,7 @@ struct Cell {
     if (strategy == "NO_SHARD" && bf16) return "fsdp_config.mixed_precision";
     if (strategy == "NO_SHARD" && offload) return "fsdp_config.offload_params";
     if (tp > 1 && strategy != "FULL_SHARD" && strategy != "SHARD_GRAD_OP") return "fsdp_config.model_parallel_size";
+    if (tp > 1 && family == "gpt2") return "fsdp_config.model_parallel_size";  // no tp plan yet
     return "";
   }
 };
@@ -88,9 +89,19 @@ std::string llama_config_json(const std::string& dir) {
   return path;
 }
 
+// A small config.json of GPT-2 (untied, so that the head may be a group of its own; no dropout).
+std::string gpt2_config_json(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/config.json";
+  std::ofstream(path) << R"({"architectures": ["GPT2LMHeadModel"], "vocab_size": 32, "n_embd": 16, "n_layer": 2,
+  "n_head": 4, "n_positions": 16, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0,
+  "tie_word_embeddings": false})";
+  return path;
+}
+
 // The families the matrix knows how to shape small; a registered family missing here fails the
 // matrix, so that a new family gets its cells.
-const std::vector<std::string> kFamilies = {"transformer", "llama"};
+const std::vector<std::string> kFamilies = {"transformer", "llama", "gpt2"};
 
 std::vector<std::string> family_overrides(const std::string& family, const std::string& scratch) {
   const std::vector<std::string> common = {"--training.seq_len=" + std::to_string(kSeq),
@@ -98,6 +109,7 @@ std::vector<std::string> family_overrides(const std::string& family, const std::
                                            "--training.seed=3", "--data.source=synthetic"};
   std::vector<std::string> o = {"--model.architecture=" + family};
   if (family == "llama") o.push_back("--model.hf_config=" + llama_config_json(scratch + "/llama"));
+  else if (family == "gpt2") o.push_back("--model.hf_config=" + gpt2_config_json(scratch + "/gpt2"));
   else
     o.insert(o.end(), {"--model.n_layers=2", "--model.dim=16", "--model.n_heads=4", "--model.vocab_size=32",
                        "--model.max_seq_len=16", "--model.dropout_p=0"});

@@ -19,7 +19,8 @@ namespace train {
 // is not one of transformers' models).
 #define FSDP_TRAIN_FAMILIES(X) \
   X(transformer)               \
-  X(llama)
+  X(llama)                     \
+  X(gpt2)
 
 #define FSDP_TRAIN_DECLARE_FAMILY(name)                                                \
   std::unique_ptr<const ModelFamily> make_##name##_family(const FamilySource& source); \
