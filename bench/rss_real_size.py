@@ -8,7 +8,11 @@ each against `fsdp-train plan` (--eval for the eval): every rank's peak RSS (VmH
 tensors, measured and planned. Prints a Markdown table with the machine, the date and the commit.
 
     bash scripts/build.sh
-    python3 bench/rss_real_size.py [--build-dir build] [--work /tmp/rss_real_size] [--only eval]
+    python3 bench/rss_real_size.py [--build-dir build] [--work /tmp/rss_real_size] [--only eval] [--export]
+
+With --export the training run ends as a user's would: the final checkpoint, then a bf16
+Hugging Face export. The summary's peak RSS (the table's) then includes the final checkpoint;
+the export runs after the summary is written.
 
 Memory: about 2 x 3 GiB for the eval and 2 x 9 GiB for the training steps (check `free -g`).
 Each run is stopped (and reported as such) when the machine's available memory falls under
@@ -74,6 +78,8 @@ def main() -> None:
     p.add_argument("--build-dir", default=os.path.join(REPO, "build"))
     p.add_argument("--work", default="/tmp/rss_real_size")
     p.add_argument("--only", choices=["eval", "train"], default=None)
+    p.add_argument("--export", action="store_true",
+                   help="end the training run with its final checkpoint and a bf16 Hugging Face export (to WORK/hf_export)")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     model = os.path.join(a.work, "llama085")
@@ -95,6 +101,9 @@ def main() -> None:
         args = common + [f"--fsdp_config.checkpoint_dir={a.work}/ckpt_{mode}"]
         if mode == "train":
             args += ["--training.steps=3", f"--logging.summary_json={a.work}/summary.json"]
+            if a.export:
+                args = [x for x in args if x != "--training.export=none"]
+                args += [f"--training.export=hf:{a.work}/hf_export", "--training.export_dtype=bfloat16"]
         plan = planned(a.build_dir, args, mode == "eval")
         cmd = fsdprun(a.build_dir, 2) + [fsdp_train(a.build_dir)] + (["eval"] if mode == "eval" else []) + args
         code, text = run_guarded(cmd, os.path.join(a.work, f"{mode}.log"))

@@ -249,30 +249,38 @@ bool writes_piece(const DTensor& d) {
 
 namespace {
 
-// This rank's pieces, one after another (its data file), and their chunk records.
-std::string pack_pieces(const ShardedStateDict& state_dict, int rank, json* chunks) {
-  std::string data;
-  for (const auto& item : state_dict) {
-    const DTensor& d = item.value();
-    if (!detail::writes_piece(d) || d.to_local().numel() == 0) continue;  // each piece is written once
-    const at::Tensor local = d.to_local().to(at::kCPU).contiguous();      // a device's piece: its host copy
-    json c = {{"offsets", json::array()}, {"sizes", json::array()}, {"crc32", json::array()}};
-    for (const auto& b : d.local_bounds()) {
-      c["offsets"].push_back(b.offset);
-      c["sizes"].push_back(b.length);
+// Writes this rank's pieces, one after another, as its data file `path`, and returns their
+// chunk records and the file's size. Each piece goes to the file as it is read (a device's
+// piece through its host copy, one at a time): the file is never assembled in memory, which at
+// a real size would hold a second copy of the rank's parameters and optimizer state (and up to
+// twice that while a growing buffer is reallocated) beside the live ones.
+json write_pieces(const ShardedStateDict& state_dict, int rank, const fs::path& path) {
+  json chunks = json::object();
+  int64_t file_bytes = 0;
+  detail::write_file_durably(path, [&](const detail::AppendBytes& append) {
+    for (const auto& item : state_dict) {
+      const DTensor& d = item.value();
+      if (!detail::writes_piece(d) || d.to_local().numel() == 0) continue;  // each piece is written once
+      const at::Tensor local = d.to_local().to(at::kCPU).contiguous();      // a device's piece: its host copy
+      json c = {{"offsets", json::array()}, {"sizes", json::array()}, {"crc32", json::array()}};
+      for (const auto& b : d.local_bounds()) {
+        c["offsets"].push_back(b.offset);
+        c["sizes"].push_back(b.length);
+      }
+      const int64_t n = local.numel() * local.element_size();
+      c["file"] = detail::data_file_name(rank);
+      c["byte_offset"] = file_bytes;
+      c["byte_length"] = n;
+      const char* bytes = static_cast<const char*>(local.data_ptr());
+      for (int64_t at = 0; at < n; at += kCheckpointBlockBytes) {
+        c["crc32"].push_back(crc_of(bytes + at, std::min(kCheckpointBlockBytes, n - at)));
+      }
+      append(bytes, static_cast<size_t>(n));
+      file_bytes += n;
+      chunks[item.key()] = c;
     }
-    const int64_t n = local.numel() * local.element_size();
-    c["file"] = detail::data_file_name(rank);
-    c["byte_offset"] = static_cast<int64_t>(data.size());
-    c["byte_length"] = n;
-    const char* bytes = static_cast<const char*>(local.data_ptr());
-    for (int64_t at = 0; at < n; at += kCheckpointBlockBytes) {
-      c["crc32"].push_back(crc_of(bytes + at, std::min(kCheckpointBlockBytes, n - at)));
-    }
-    data.append(bytes, static_cast<size_t>(n));
-    (*chunks)[item.key()] = c;
-  }
-  return data;
+  });
+  return json{{"file_bytes", file_bytes}, {"chunks", chunks}};
 }
 
 // The metadata file's content, from every rank's report ({"file_bytes", "chunks"}).
@@ -332,22 +340,36 @@ void remove_stale_temporaries(const fs::path& dir) {
 
 namespace detail {
 
-void write_file_durably(const fs::path& path, const char* bytes, size_t n) {
+void write_file_durably(const fs::path& path, const std::function<void(const AppendBytes&)>& write) {
   const fs::path tmp = path.string() + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "cannot create '", tmp.string(), "': ", std::strerror(errno));
   const char* step = "writing";
-  int error = write_all(fd, bytes, n);
-  if (!error && ::fsync(fd) != 0) {
+  int error = 0;
+  try {
+    write([&](const char* bytes, size_t n) {
+      error = write_all(fd, bytes, n);
+      TORCH_CHECK(!error, "writing '", tmp.string(), "' failed: ", std::strerror(error));
+    });
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());  // a failed save leaves no temporary behind
+    throw;
+  }
+  if (::fsync(fd) != 0) {
     step = "fsync of";
     error = errno;
   }
   ::close(fd);
   std::error_code ec;
   if (!error) fs::rename(tmp, path, ec);
-  if (error || ec) ::unlink(tmp.c_str());  // a failed save leaves no temporary behind
+  if (error || ec) ::unlink(tmp.c_str());
   TORCH_CHECK(!error, step, " '", tmp.string(), "' failed: ", std::strerror(error));
   TORCH_CHECK(!ec, "renaming '", tmp.string(), "' to '", path.string(), "' failed: ", ec.message());
+}
+
+void write_file_durably(const fs::path& path, const char* bytes, size_t n) {
+  write_file_durably(path, [&](const AppendBytes& append) { append(bytes, n); });
 }
 
 void fsync_dir(const fs::path& dir) {
@@ -374,12 +396,8 @@ void write_checkpoint(const std::string& dir_name, const ShardedStateDict& state
     return std::string();
   });
   const std::vector<std::string> reports =
-      detail::on_all_ranks(*world, "fsdp::save_checkpoint", "writing the data files", [&] {
-        json chunks = json::object();
-        const std::string data = pack_pieces(state_dict, rank, &chunks);
-        write_file_durably(dir / detail::data_file_name(rank), data.data(), data.size());
-        return json{{"file_bytes", static_cast<int64_t>(data.size())}, {"chunks", chunks}}.dump();
-      });
+      detail::on_all_ranks(*world, "fsdp::save_checkpoint", "writing the data files",
+                           [&] { return write_pieces(state_dict, rank, dir / detail::data_file_name(rank)).dump(); });
   // Rank 0 writes the metadata last: only now is the checkpoint complete.
   detail::on_all_ranks(*world, "fsdp::save_checkpoint", "writing the metadata", [&] {
     if (rank == 0) {

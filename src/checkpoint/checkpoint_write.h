@@ -29,6 +29,12 @@ void write_checkpoint(const std::string& dir, const ShardedStateDict& state_dict
 // temporary file is removed and a c10::Error names it.
 void write_file_durably(const std::filesystem::path& path, const char* bytes, size_t n);
 
+// The same for content written a piece at a time: `write(append)` calls append(bytes, n) for
+// each piece in order, so that a file larger than memory needs no buffer of its own size.
+// append throws (naming the temporary file) when a write fails.
+using AppendBytes = std::function<void(const char* bytes, size_t n)>;
+void write_file_durably(const std::filesystem::path& path, const std::function<void(const AppendBytes&)>& write);
+
 // Runs `local_work` on every rank of `world`, then makes all ranks agree: if it threw anywhere,
 // every rank throws "<who> failed while <phase>:", then each failed rank and its error, one line
 // each (so nobody is left waiting in a collective). Collective; also acts as a barrier. Returns

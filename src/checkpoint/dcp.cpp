@@ -55,10 +55,10 @@ std::string data_file(int rank) { return "__" + std::to_string(rank) + "_0.distc
 
 // ------------------------------------------------------------------ torch.save archives
 
-std::string archive(const std::string& data_pkl, const at::Tensor* storage) {
-  std::string out;
+// The archive's bytes go to `out` as the writer makes them.
+void write_archive(const std::string& data_pkl, const at::Tensor* storage, const detail::AppendBytes& out) {
   caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) {
-    out.append(static_cast<const char*>(p), n);
+    out(static_cast<const char*>(p), n);
     return n;
   });
   writer.writeRecord("data.pkl", data_pkl.data(), data_pkl.size());
@@ -67,11 +67,16 @@ std::string archive(const std::string& data_pkl, const at::Tensor* storage) {
     writer.writeRecord("data/0", storage->data_ptr(), static_cast<size_t>(storage->numel() * storage->element_size()));
   }
   writer.writeEndOfFile();
+}
+
+std::string archive(const std::string& data_pkl, const at::Tensor* storage) {
+  std::string out;
+  write_archive(data_pkl, storage, [&](const char* p, size_t n) { out.append(p, n); });
   return out;
 }
 
-// torch.save(t) of a contiguous CPU tensor: _rebuild_tensor_v2 over one storage, as Python writes.
-std::string tensor_archive(const at::Tensor& t) {
+// Python's storage class of `dtype`, or nullptr when DCP cannot write it.
+const char* storage_name_of(at::ScalarType dtype) {
   static const std::map<at::ScalarType, const char*> storage_names = {{at::kFloat, "FloatStorage"},
                                                                       {at::kDouble, "DoubleStorage"},
                                                                       {at::kHalf, "HalfStorage"},
@@ -84,15 +89,21 @@ std::string tensor_archive(const at::Tensor& t) {
                                                                       {at::kBool, "BoolStorage"},
                                                                       {at::kComplexFloat, "ComplexFloatStorage"},
                                                                       {at::kComplexDouble, "ComplexDoubleStorage"}};
-  const auto name = storage_names.find(t.scalar_type());
-  TORCH_CHECK(name != storage_names.end(), kSave, ": dtype ", t.scalar_type(),
-              " cannot be written to a DCP checkpoint");
+  const auto name = storage_names.find(dtype);
+  return name == storage_names.end() ? nullptr : name->second;
+}
+
+// The data.pkl of torch.save(t), t a contiguous CPU tensor: _rebuild_tensor_v2 over one storage,
+// as Python writes.
+std::string tensor_pickle(const at::Tensor& t) {
+  const char* storage = storage_name_of(t.scalar_type());
+  TORCH_CHECK(storage != nullptr, kSave, ": dtype ", t.scalar_type(), " cannot be written to a DCP checkpoint");
   PickleWriter w;
   w.global("torch._utils", "_rebuild_tensor_v2");
   w.mark();
   w.mark();  // the persistent id: ('storage', type, key, location, numel)
   w.str("storage");
-  w.global("torch", name->second);
+  w.global("torch", storage);
   w.str("0");
   w.str("cpu");
   w.integer(t.numel());
@@ -112,7 +123,7 @@ std::string tensor_archive(const at::Tensor& t) {
   w.tuple();
   w.reduce();
   w.stop();
-  return archive(w.out, &t);
+  return w.out;
 }
 
 // torch.save of a plain value written by `fill`.
@@ -175,7 +186,10 @@ std::vector<Group> adam_groups(const ShardedStateDict& optimizer) {
   return groups;
 }
 
-// What a rank writes and what rank 0 records of it.
+// What a rank writes and what rank 0 records of it. Items are planned first and written to the
+// file one at a time (write()), each from the live tensor (a device's piece through its host
+// copy, made as it is written): the data file is never assembled in memory, which at a real size
+// would hold a second copy of the rank's parameters and optimizer state beside the live ones.
 class DataFile {
  public:
   explicit DataFile(int rank) : name_(data_file(rank)) {}
@@ -192,26 +206,55 @@ class DataFile {
       c["offsets"].push_back(b.offset);
       c["sizes"].push_back(b.length);
     }
-    add(c, tensor_archive(local.to(at::kCPU).contiguous()));  // a device's piece: its host copy
+    add(c, local);
   }
   // A whole 0-dim tensor (rank 0 writes it).
   void scalar(const std::string& key, const at::Tensor& t) {
-    add(json{{"key", key}, {"offsets", json::array()}, {"sizes", json::array()}}, tensor_archive(t));
+    add(json{{"key", key}, {"offsets", json::array()}, {"sizes", json::array()}}, t);
   }
-  void value(const std::string& key, const std::string& bytes) { add(json{{"key", key}}, bytes); }
-  const std::string& bytes() const { return bytes_; }
+  void value(const std::string& key, const std::string& bytes) {
+    pending_.push_back({json{{"key", key}}, at::Tensor(), bytes});
+  }
+  // Writes every item to `path` (durably), recording where each one lies.
+  void write(const fs::path& path) {
+    items_ = json::array();
+    detail::write_file_durably(path, [&](const detail::AppendBytes& append) {
+      int64_t written = 0;
+      const detail::AppendBytes counted = [&](const char* p, size_t n) {
+        append(p, n);
+        written += static_cast<int64_t>(n);
+      };
+      for (Pending& item : pending_) {
+        const int64_t offset = written;
+        if (item.tensor.defined()) {
+          const at::Tensor host = item.tensor.to(at::kCPU).contiguous();  // a device's piece: its host copy
+          write_archive(tensor_pickle(host), &host, counted);
+        } else {
+          counted(item.bytes.data(), item.bytes.size());
+        }
+        item.record["file"] = name_;
+        item.record["offset"] = offset;
+        item.record["length"] = written - offset;
+        items_.push_back(std::move(item.record));
+      }
+    });
+    pending_.clear();
+  }
   json report() const { return items_; }
 
  private:
-  void add(json item, const std::string& archive_bytes) {
-    item["file"] = name_;
-    item["offset"] = static_cast<int64_t>(bytes_.size());
-    item["length"] = static_cast<int64_t>(archive_bytes.size());
-    items_.push_back(std::move(item));
-    bytes_ += archive_bytes;
+  struct Pending {
+    json record;
+    at::Tensor tensor;  // a tensor's item, or
+    std::string bytes;  // a value's archive
+  };
+  void add(json item, const at::Tensor& t) {
+    TORCH_CHECK(storage_name_of(t.scalar_type()) != nullptr, kSave, ": dtype ", t.scalar_type(),
+                " cannot be written to a DCP checkpoint");
+    pending_.push_back({std::move(item), t, std::string()});
   }
   std::string name_;
-  std::string bytes_;
+  std::vector<Pending> pending_;
   json items_ = json::array();
 };
 
@@ -613,7 +656,7 @@ void save_dcp(const std::string& dir_name, const ShardedStateDict& model, const 
     return std::string();
   });
   const std::vector<std::string> reports = detail::on_all_ranks(*world, kSave, "writing the data files", [&] {
-    detail::write_file_durably(dir / data_file(rank), file.bytes().data(), file.bytes().size());
+    file.write(dir / data_file(rank));
     return file.report().dump();
   });
   // Rank 0 writes .metadata last: only now is the checkpoint complete.

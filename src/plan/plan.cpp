@@ -188,6 +188,15 @@ class StepReplay {
     r.peak_tensor_bytes_after_save = r.peak_tensor_bytes + (saves ? staged.device : 0);
     if (cuda_) r.host_peak_tensor_bytes_after_save = r.host_peak_tensor_bytes + (saves ? staged.host : 0);
     const Constants& c = o_.constants_;
+    // RSS: the runtime's own (libraries, the process group, the heap; runtime_rss_bytes) plus
+    // the peak tensors, scaled by what the block cache and page rounding add to them
+    // (rss_per_tensor_byte). Nothing else is counted because nothing else is held above a step's
+    // peak: a synchronous checkpoint save (the final one, every DCP save) writes its file a piece
+    // at a time from the live tensors; the Hugging Face export (after the steps, without the
+    // gradients) holds its dtype's copy of the rank's parameters and one whole tensor at a time;
+    // the model is built and loaded a group at a time, and the block cache is emptied after the
+    // build and the load (glibc maps every large block on its own, so a freed one leaves no
+    // resident hole).
     if (!cuda_)
       r.peak_rss_bytes =
           static_cast<int64_t>(c.runtime_rss_bytes + c.rss_per_tensor_byte * r.peak_tensor_bytes_after_save);

@@ -6,10 +6,12 @@
 #include "harness/multiprocess.h"
 #include "python_path.h"
 
+#include <fsdp/checkpoint.h>
 #include <fsdp/dcp.h>
 #include <fsdp/distributed.h>
 #include <fsdp/dtensor.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/memory.h>
 #include <fsdp/optim_state_dict.h>
 #include <fsdp/state_dict.h>
 
@@ -583,6 +585,41 @@ TEST(Dcp, ErrorsNameTheFileAndTheKey) {
     e = error_of([&] { fsdp::save_dcp(dir + "/sgd", fuzz_layout(mesh), sgd, 1); });
     EXPECT_NE(e.find("'param_groups.w.momentum' is no Adam/AdamW option"), std::string::npos) << e;
     EXPECT_FALSE(fs::exists(dir + "/sgd/.metadata"));
+  });
+  if (!fsdp::testing::is_child()) fs::remove_all(dir);
+}
+
+// Both checkpoint formats write a rank's file a piece at a time from the live tensors: saving
+// 256 MiB of state grows the resident memory by far less than the state (a file assembled in
+// memory first would add all of it, and up to twice that while its buffer grows). Written
+// pages go to the page cache, which is not the process's resident memory.
+TEST(Dcp, SavesWriteFromTheLiveTensorsWithoutACopyOfTheState) {
+  const std::string dir = temp_dir("streamed");
+  if (!fsdp::testing::is_child()) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  run_distributed(1, [dir] {
+    const fsdp::DeviceMesh mesh = fsdp::init_device_mesh("cpu", {1});
+    fsdp::ShardedStateDict sd;
+    for (int i = 0; i < 4; ++i) {  // 4 x 64 MiB of fp32
+      sd.insert("w" + std::to_string(i), fsdp::distribute_tensor(at::rand({16, 1 << 20}), mesh, {fsdp::Shard(0)}));
+    }
+    const int64_t state = int64_t{256} << 20, allowed = int64_t{64} << 20;
+    auto growth_of = [](const std::function<void()>& save) {
+      fsdp::memory::empty_cache();
+      std::string error;
+      EXPECT_TRUE(fsdp::memory::reset_peak_rss(&error)) << error;
+      const int64_t before = fsdp::memory::current_rss_bytes();
+      save();
+      return fsdp::memory::peak_rss_bytes() - before;
+    };
+    const int64_t native = growth_of([&] { fsdp::save_checkpoint(dir + "/native", sd); });
+    EXPECT_LT(native, allowed) << "save_checkpoint of " << state << " bytes grew the peak RSS by " << native;
+    const int64_t dcp = growth_of([&] { fsdp::save_dcp(dir + "/dcp", sd, fsdp::ShardedStateDict(), 1); });
+    EXPECT_LT(dcp, allowed) << "save_dcp of " << state << " bytes grew the peak RSS by " << dcp;
+    const fsdp::ShardedStateDict back = fsdp::load_checkpoint(dir + "/native", sd);
+    EXPECT_TRUE(back["w3"].to_local().equal(sd["w3"].to_local()));
   });
   if (!fsdp::testing::is_child()) fs::remove_all(dir);
 }
