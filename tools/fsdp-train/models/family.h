@@ -54,8 +54,8 @@ class ModelFamily {
   virtual std::string name() const = 0;
   // The sizes every family has (ModelShape), which the trainer's checks and reports read.
   virtual ModelShape shape() const = 0;
-  // What reading its args decided that the files do not say plainly (for the Llama family: which
-  // of two disagreeing rope objects of config.json is used), one line each, for the start-up log.
+  // What reading its args decided that the files do not say plainly (for example which of two
+  // disagreeing objects of a config.json is used), one line each, for the start-up log.
   virtual std::vector<std::string> config_notes() const { return {}; }
 
   // The family's own refusals of a configuration, each a ConfigError naming the key: sizes it
