@@ -35,6 +35,18 @@ else
   failed+=("the GPU machine's dependencies")
 fi
 
+# disk_note DIR: when the disk that holds DIR is nearly full, why a build there failed, said in
+# the summary line rather than only in a compiler's "No space left on device" far above it. A
+# configuration's build folder takes about 2.5 GB (the CPU one; the CUDA one 2 GB).
+disk_note() {
+  local free_kb
+  free_kb=$(df -Pk "$1" 2>/dev/null | awk 'NR == 2 { print $4 }')
+  if [[ -n "$free_kb" && "$free_kb" -lt 2097152 ]]; then
+    echo "; the disk is nearly full: $((free_kb / 1024)) MB free where $1/ is, and a build folder takes about" \
+      "2.5 GB: free space (old build folders, ${TMPDIR:-/tmp}) and run again"
+  fi
+}
+
 # configuration NAME BUILD_DIR "CMAKE ARGS" "CTEST ARGS" ["TARGETS"]: builds BUILD_DIR (only TARGETS
 # when given) and runs its suite, adding a summary line (and, on failure, what failed).
 configuration() {
@@ -42,7 +54,7 @@ configuration() {
   local log="$dir/ctest-output.log"
   # shellcheck disable=SC2086  # the arguments are lists of words
   if ! FSDP_BUILD_DIR="$dir" FSDP_BUILD_TARGETS="$targets" bash scripts/build.sh $cmake_args; then
-    summaries+=("$name configuration ($dir/): BUILD FAILED, no tests run (its errors are above)")
+    summaries+=("$name configuration ($dir/): BUILD FAILED, no tests run (its errors are above)$(disk_note "$dir")")
     failed+=("the $name build")
     return
   fi

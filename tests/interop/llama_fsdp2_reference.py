@@ -1,7 +1,7 @@
 """The reference side of test_llama.py's and test_gpt2.py's training checks: transformers' model
 from a Hugging Face directory under PyTorch's fully_shard (one call per decoder layer, then the
 root; GPT-2's blocks are its decoder layers), AdamW on the
-same batches as llama_driver's train: each data-parallel rank its consecutive rows of every
+same batches as hf_driver's train: each data-parallel rank its consecutive rows of every
 global batch. With --tp k > 1, a (dp, tp) mesh: each decoder layer first split over tp by
 parallelize_module with the plan of fsdp/models/llama_parallelize.h (q/k/v/gate/up Colwise,
 o/down Rowwise; embedding, head and norms whole), then fully_shard over dp. With --ac, each

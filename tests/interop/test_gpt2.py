@@ -1,10 +1,10 @@
 """fsdp::models::Gpt2 against transformers' GPT2LMHeadModel, the oracle: every model here is a
-random-initialized config (no downloads) written with save_pretrained, read by gpt2_driver
-(tests/interop/gpt2_driver.cpp) or fsdp-train through config.json and the safetensors files.
+random-initialized config (no downloads) written with save_pretrained, read by hf_driver
+(tests/interop/hf_driver.cpp) or fsdp-train through config.json and the safetensors files.
 
 - logits at W = 1 within 1e-5 relative (fp32): GPT-2's defaults (tied head, gelu_new, scaled
   attention), and an untied head with n_inner, gelu (erf), unscaled attention, another epsilon;
-- export: the directory gpt2_driver writes (W = 2) loads with from_pretrained, no missing or
+- export: the directory hf_driver writes (W = 2) loads with from_pretrained, no missing or
   unexpected keys, and gives the same logits; a bf16 export reads back into an fp32 model;
 - fsdp_train_export: fsdp-train from a save_pretrained directory (W = 2), training.export hf,
   then from_pretrained: no missing or unexpected keys, logits equal to ours on the exported files;
@@ -41,7 +41,7 @@ pytest.importorskip("safetensors", reason="safetensors is not installed (scripts
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 
-from test_llama import environment, read_single, reference_logits, relative_error, tool, write_token_file  # noqa: E402
+from test_llama import driver, environment, read_single, reference_logits, relative_error, tool, write_token_file  # noqa: E402
 
 RTOL = 1e-5
 STEPS = 5
@@ -68,16 +68,6 @@ def make_model(variant: str = "default", seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if ".ln_" in name and name.endswith("weight") else 0.0))
     return model
-
-
-def driver(world: int, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [tool("tests/interop/gpt2_driver"), *args]
-    if world > 1:
-        cmd = [tool("tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", str(world), *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=environment(), timeout=300)
-    if expect_ok and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
 
 
 def fsdp_train(workdir: str, world: int, *args: str) -> subprocess.CompletedProcess:
@@ -247,7 +237,7 @@ def check_training(workdir: str, rows: int = 2, seq: int = 16, ac: bool = False,
     batches_file = os.path.join(workdir, "batches.safetensors")
     save_file({"batches": batches}, batches_file)
     ours, ref = os.path.join(workdir, "ours"), os.path.join(workdir, "reference")
-    driver(world, "train", hf, batches_file, str(lr), ours, *(["ac"] if ac else []))
+    driver(world, "train", hf, batches_file, str(lr), ours, "1", *(["ac"] if ac else []))
     proc = subprocess.run([sys.executable, os.path.join(_HERE, "llama_fsdp2_reference.py"), hf, batches_file, str(lr),
                            ref, "--world", str(world), *(["--ac"] if ac else [])],
                           capture_output=True, text=True, env=environment(), timeout=300)

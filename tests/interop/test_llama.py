@@ -1,10 +1,10 @@
 """fsdp::models::Llama against transformers, the oracle: every model here is a random-initialized
-config (no downloads) written with save_pretrained, read by llama_driver (tests/interop/
-llama_driver.cpp) through config.json and the safetensors files.
+config (no downloads) written with save_pretrained, read by hf_driver (tests/interop/
+hf_driver.cpp) through config.json and the safetensors files.
 
 - logits at W = 1 within 1e-5 relative (fp32) for a Llama config (GQA, llama3 rope scaling,
   tied embeddings), a Qwen2 config (q/k/v biases, untied) and a Mistral config;
-- export: the directory llama_driver writes (W = 2) loads with from_pretrained, no missing or
+- export: the directory hf_driver writes (W = 2) loads with from_pretrained, no missing or
   unexpected keys, and gives the same logits; a bf16 export reads back into an fp32 model;
 - fsdp_train_export: fsdp-train from a save_pretrained directory, training.export hf, then
   from_pretrained: no missing or unexpected keys, logits equal to ours on the exported files;
@@ -68,7 +68,7 @@ def environment() -> dict:
 
 
 def driver(world: int, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [tool("tests/interop/llama_driver"), *args]
+    cmd = [tool("tests/interop/hf_driver"), *args]
     if world > 1:
         cmd = [tool("tools/fsdprun/fsdprun"), "--standalone", "--nproc-per-node", str(world), *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=environment(), timeout=300)
@@ -338,7 +338,9 @@ def test_bad_input(workdir: str):
         for needle in needles:
             assert needle in proc.stderr, f"'{needle}' not in: {proc.stderr[-2000:]}"
 
-    refused({**good, "architectures": ["GPT2LMHeadModel"]}, "config.json", "'architectures'", "GPT2LMHeadModel")
+    # The family is chosen from "architectures" (as fsdp-train chooses it): one no family computes
+    # is refused by name.
+    refused({**good, "architectures": ["GPTNeoXForCausalLM"]}, "config.json", "'architectures'", "GPTNeoXForCausalLM")
     refused({k: v for k, v in good.items() if k != "hidden_size"}, "config.json", "'hidden_size'", "missing")
     refused({**good, "hidden_act": "gelu"}, "config.json", "'hidden_act'")
     # The weights of another shape than config.json's model: the tensor is named.

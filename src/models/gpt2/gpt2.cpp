@@ -7,6 +7,8 @@
 #include <fsdp/call.h>
 #include <fsdp/tensor_parallel.h>
 
+#include "src/models/tied_head.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -15,18 +17,6 @@
 namespace fsdp {
 namespace models {
 namespace {
-
-// The output head whose weight is wte's tensor: registered as its own "weight", so that the
-// state dict names it lm_head.weight too, and FSDP sees one tensor in two modules.
-class TiedHeadImpl : public torch::nn::LinearImpl {
- public:
-  explicit TiedHeadImpl(const at::Tensor& embedding_weight)
-      : torch::nn::LinearImpl(
-            torch::nn::LinearOptions(embedding_weight.size(1), embedding_weight.size(0)).bias(false)) {
-    weight = embedding_weight;
-    parameters_["weight"] = embedding_weight;
-  }
-};
 
 torch::nn::LayerNorm make_layer_norm(const Gpt2Args& args) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({args.n_embd}).eps(args.layer_norm_epsilon));
@@ -151,8 +141,7 @@ Gpt2Impl::Gpt2Impl(const Gpt2Args& args, const Gpt2BlockBuiltHook& on_block_buil
   args_.check();
   transformer = register_module("transformer", Gpt2Model(args_, on_block_built));
   if (args_.tie_word_embeddings) {
-    lm_head = register_module("lm_head", torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(
-                                             std::make_shared<TiedHeadImpl>(transformer->wte->weight))));
+    lm_head = register_module("lm_head", tied_head::make(transformer->wte->weight));
   } else {
     lm_head = register_module("lm_head",
                               torch::nn::Linear(torch::nn::LinearOptions(args_.n_embd, args_.vocab_size).bias(false)));

@@ -7,6 +7,8 @@
 #include <fsdp/call.h>
 #include <fsdp/tensor_parallel.h>
 
+#include "src/models/tied_head.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -16,18 +18,6 @@
 namespace fsdp {
 namespace models {
 namespace {
-
-// The output head whose weight is the embedding's tensor: registered as its own "weight", so
-// that the state dict names it lm_head.weight too, and FSDP sees one tensor in two modules.
-class TiedHeadImpl : public torch::nn::LinearImpl {
- public:
-  explicit TiedHeadImpl(const at::Tensor& embedding_weight)
-      : torch::nn::LinearImpl(
-            torch::nn::LinearOptions(embedding_weight.size(1), embedding_weight.size(0)).bias(false)) {
-    weight = embedding_weight;
-    parameters_["weight"] = embedding_weight;
-  }
-};
 
 // x's halves swapped, the first negated: (-x2, x1), the rotation's partner of (x1, x2).
 at::Tensor rotate_half(const at::Tensor& x) {
@@ -182,8 +172,7 @@ LlamaImpl::LlamaImpl(const LlamaArgs& args, const LlamaLayerBuiltHook& on_layer_
   args_.check();
   model = register_module("model", LlamaModel(args_, on_layer_built));
   if (args_.tie_word_embeddings) {
-    lm_head = register_module("lm_head", torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(
-                                             std::make_shared<TiedHeadImpl>(model->embed_tokens->weight))));
+    lm_head = register_module("lm_head", tied_head::make(model->embed_tokens->weight));
   } else {
     lm_head = register_module("lm_head", make_linear(args_.hidden_size, args_.vocab_size, false));
     init_linear(*lm_head, args_.initializer_range);

@@ -2,77 +2,18 @@
 // so that a user can tell which field of which checkpoint the decoder does not compute.
 #include <fsdp/models/llama_hf.h>
 
-#include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
+#include "src/models/hf_config.h"
 
-#include <fstream>
-#include <iterator>
-#include <sstream>
+#include <c10/util/Exception.h>
+
 #include <vector>
 
 namespace fsdp {
 namespace models {
 namespace {
 
-using Json = nlohmann::json;
-
-const char* const kArchitectures[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"};
-
-struct Reader {
-  const std::string& path;
-  const Json& j;
-
-  [[noreturn]] void fail(const std::string& key, const std::string& problem) const {
-    TORCH_CHECK(false, path, ": key '", key, "' ", problem);
-  }
-  bool has(const std::string& key) const { return j.contains(key) && !j.at(key).is_null(); }
-  int64_t integer(const std::string& key) const {
-    if (!has(key)) fail(key, "is missing; a Llama-family config.json has it");
-    if (!j.at(key).is_number_integer()) fail(key, "is " + j.at(key).dump() + ", not an integer");
-    return j.at(key).get<int64_t>();
-  }
-  int64_t integer_or(const std::string& key, int64_t fallback) const { return has(key) ? integer(key) : fallback; }
-  double number_or(const Json& obj, const std::string& key, double fallback) const {
-    if (!obj.contains(key) || obj.at(key).is_null()) return fallback;
-    if (!obj.at(key).is_number()) fail(key, "is " + obj.at(key).dump() + ", not a number");
-    return obj.at(key).get<double>();
-  }
-  bool flag_or(const std::string& key, bool fallback) const {
-    if (!has(key)) return fallback;
-    if (!j.at(key).is_boolean()) fail(key, "is " + j.at(key).dump() + ", not true or false");
-    return j.at(key).get<bool>();
-  }
-};
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  TORCH_CHECK(in, path, ": cannot be read; a Hugging Face model directory holds config.json");
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-Json parse_json(const std::string& text, const std::string& source) {
-  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(j.is_object(), source, ": is not a JSON object; expected a transformers config.json");
-  return j;
-}
-
-std::string architecture_of(const Reader& r) {
-  if (!r.has("architectures"))
-    r.fail("architectures",
-           "is missing; name one of LlamaForCausalLM, "
-           "MistralForCausalLM, Qwen2ForCausalLM");
-  const Json& a = r.j.at("architectures");
-  if (!a.is_array() || a.size() != 1 || !a.at(0).is_string())
-    r.fail("architectures", "is " + a.dump() + "; expected a list of one name");
-  const std::string name = a.at(0).get<std::string>();
-  for (const char* known : kArchitectures)
-    if (name == known) return name;
-  r.fail("architectures", "names " + name +
-                              ", which fsdp::models::Llama does not compute; supported: LlamaForCausalLM, "
-                              "MistralForCausalLM, Qwen2ForCausalLM");
-}
+using hf_config::Json;
+using hf_config::Reader;
 
 // Python's truth value of a JSON value, which transformers' `rope_scaling or rope_parameters` tests.
 bool truthy(const Json& v) {
@@ -121,7 +62,7 @@ std::string rope_key_of(const Reader& r, std::vector<std::string>* notes) {
 RopeArgs rope_of(const Reader& r, std::vector<std::string>* notes) {
   RopeArgs rope;
   const std::string key = rope_key_of(r, notes);
-  rope.theta = r.number_or(r.j, "rope_theta", rope.theta);
+  rope.theta = r.number_or("rope_theta", rope.theta);
   if (key.empty()) return rope;
   const Json& p = r.j.at(key);
   if (!p.is_object()) r.fail(key, "is " + p.dump() + ", not an object");
@@ -174,32 +115,23 @@ const char* model_type_of(const std::string& arch) {
   return "llama";
 }
 
-const char* dtype_name(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat: return "float32";
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    default: TORCH_CHECK(false, "hf_config_json: dtype ", dtype, " is not one of float32, bfloat16, float16");
-  }
-}
-
 }  // namespace
 
 const std::vector<std::string>& llama_hf_architectures() {
-  static const std::vector<std::string> names(std::begin(kArchitectures), std::end(kArchitectures));
+  static const std::vector<std::string> names = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"};
   return names;
 }
 
 LlamaArgs llama_args_from_hf_config(const std::string& config_path, int64_t seq_len, std::vector<std::string>* notes) {
-  return llama_args_from_hf_config_text(read_text(config_path), config_path, seq_len, notes);
+  return llama_args_from_hf_config_text(hf_config::read_text(config_path), config_path, seq_len, notes);
 }
 
 LlamaArgs llama_args_from_hf_config_text(const std::string& text, const std::string& config_path, int64_t seq_len,
                                          std::vector<std::string>* notes) {
-  const Json j = parse_json(text, config_path);
+  const Json j = hf_config::parse(text, config_path);
   const Reader r{config_path, j};
   LlamaArgs a;
-  a.architecture = architecture_of(r);
+  a.architecture = r.architecture(llama_hf_architectures(), "fsdp::models::Llama");
   check_unsupported(r, a.architecture, seq_len);
   a.vocab_size = r.integer("vocab_size");
   a.hidden_size = r.integer("hidden_size");
@@ -210,7 +142,7 @@ LlamaArgs llama_args_from_hf_config_text(const std::string& text, const std::str
   TORCH_CHECK(a.num_attention_heads > 0, config_path, ": key 'num_attention_heads' must be positive");
   a.head_dim = r.integer_or("head_dim", a.hidden_size / a.num_attention_heads);
   a.max_position_embeddings = r.integer("max_position_embeddings");
-  a.rms_norm_eps = r.number_or(j, "rms_norm_eps", a.rms_norm_eps);
+  a.rms_norm_eps = r.number_or("rms_norm_eps", a.rms_norm_eps);
   a.rope = rope_of(r, notes);
   // Qwen2's q/k/v always have biases; Llama's follow attention_bias.
   a.attention_bias = a.architecture == "Qwen2ForCausalLM" || r.flag_or("attention_bias", false);
@@ -218,12 +150,8 @@ LlamaArgs llama_args_from_hf_config_text(const std::string& text, const std::str
     r.fail("attention_bias", "is false, but Qwen2ForCausalLM's q/k/v projections always have biases");
   a.tie_word_embeddings = r.flag_or("tie_word_embeddings", false);
   if (a.architecture == "MistralForCausalLM" && r.has("sliding_window")) a.sliding_window = r.integer("sliding_window");
-  a.initializer_range = r.number_or(j, "initializer_range", a.initializer_range);
-  try {
-    a.check();
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, config_path, ": ", e.msg());
-  }
+  a.initializer_range = r.number_or("initializer_range", a.initializer_range);
+  hf_config::check_args(a, config_path);
   return a;
 }
 
@@ -251,8 +179,8 @@ std::string hf_config_json(const LlamaArgs& args, at::ScalarType dtype) {
             {"hidden_act", "silu"},
             {"tie_word_embeddings", args.tie_word_embeddings},
             {"initializer_range", args.initializer_range},
-            {"dtype", dtype_name(dtype)},
-            {"torch_dtype", dtype_name(dtype)}};
+            {"dtype", hf_config::dtype_name(dtype)},
+            {"torch_dtype", hf_config::dtype_name(dtype)}};
   if (args.architecture == "MistralForCausalLM") j["sliding_window"] = nullptr;
   if (args.architecture == "Qwen2ForCausalLM") {
     j["use_sliding_window"] = false;

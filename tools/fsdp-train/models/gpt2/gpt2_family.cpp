@@ -4,6 +4,7 @@
 // out of the files as save_pretrained leaves it out. It has no tensor-parallel plan yet: a
 // model_parallel_size above 1 is refused.
 #include "models/family.h"
+#include "models/hf_family.h"
 
 #include <fsdp/models/gpt2.h>
 #include <fsdp/models/gpt2_hf.h>
@@ -15,22 +16,6 @@
 namespace fsdp {
 namespace train {
 namespace {
-
-constexpr const char* kTiedHead = "lm_head.weight";
-
-// The Transformer's size keys shape nothing here: refused rather than ignored.
-void refuse_size_keys(const ModelConfig& m) {
-  for (const auto& [key, set] : {std::pair<const char*, bool>{"n_layers", m.n_layers.has_value()},
-                                 {"vocab_size", m.vocab_size.has_value()},
-                                 {"max_seq_len", m.max_seq_len.has_value()},
-                                 {"dim", m.dim.has_value()},
-                                 {"n_heads", m.n_heads.has_value()},
-                                 {"dropout_p", m.dropout_p.has_value()}})
-    if (set)
-      throw ConfigError(std::string("model.") + key +
-                        " does not apply to model.architecture gpt2, whose shape (and dropout) is its config.json's; "
-                        "remove it");
-}
 
 class Gpt2Family : public ModelFamily {
  public:
@@ -101,12 +86,7 @@ class Gpt2Family : public ModelFamily {
   bool has_hf_format() const override { return true; }
   std::string hf_config_json(at::ScalarType dtype) const override { return models::gpt2_hf_config_json(args_, dtype); }
   ShardedStateDict hf_state_dict(torch::nn::Module& model) const override {
-    ShardedStateDict out;
-    for (const auto& item : sharded_state_dict(model)) {
-      if (args_.tie_word_embeddings && item.key() == kTiedHead) continue;
-      out.insert(item.key(), item.value());
-    }
-    return out;
+    return without_tied_head(model, args_.tie_word_embeddings);
   }
   bool hf_state_dict_is_whole() const override { return !args_.tie_word_embeddings; }
 
@@ -118,15 +98,11 @@ class Gpt2Family : public ModelFamily {
 }  // namespace
 
 std::unique_ptr<const ModelFamily> make_gpt2_family(const FamilySource& source) {
-  refuse_size_keys(source.cfg.model);
-  if (source.config_json_path.empty())
-    throw ConfigError(
-        "model.architecture gpt2 needs its shape from a Hugging Face config.json: set model.hf_config to one, or "
-        "model.init_from to a Hugging Face model directory");
+  refuse_size_keys(source.cfg.model, "gpt2");
+  const std::string& config_json = require_config_json(source, "gpt2");
   try {
-    return std::make_unique<Gpt2Family>(
-        models::gpt2_args_from_hf_config_text(source.config_json_text, source.config_json_path),
-        source.config_json_path);
+    return std::make_unique<Gpt2Family>(models::gpt2_args_from_hf_config_text(source.config_json_text, config_json),
+                                        config_json);
   } catch (const c10::Error& e) {
     throw ConfigError(e.msg());
   }

@@ -4,6 +4,7 @@
 // fsdp::plan::llama_spec; its weights' names are transformers' own, the tied head left out of
 // the files as save_pretrained leaves it out.
 #include "models/family.h"
+#include "models/hf_family.h"
 
 #include <fsdp/models/llama.h>
 #include <fsdp/models/llama_hf.h>
@@ -14,21 +15,6 @@
 namespace fsdp {
 namespace train {
 namespace {
-
-constexpr const char* kTiedHead = "lm_head.weight";
-
-// The Transformer's size keys shape nothing here: refused rather than ignored.
-void refuse_size_keys(const ModelConfig& m) {
-  for (const auto& [key, set] : {std::pair<const char*, bool>{"n_layers", m.n_layers.has_value()},
-                                 {"vocab_size", m.vocab_size.has_value()},
-                                 {"max_seq_len", m.max_seq_len.has_value()},
-                                 {"dim", m.dim.has_value()},
-                                 {"n_heads", m.n_heads.has_value()},
-                                 {"dropout_p", m.dropout_p.has_value()}})
-    if (set)
-      throw ConfigError(std::string("model.") + key +
-                        " does not apply to model.architecture llama, whose shape is its config.json's; remove it");
-}
 
 class LlamaFamily : public ModelFamily {
  public:
@@ -112,12 +98,7 @@ class LlamaFamily : public ModelFamily {
   bool has_hf_format() const override { return true; }
   std::string hf_config_json(at::ScalarType dtype) const override { return models::hf_config_json(args_, dtype); }
   ShardedStateDict hf_state_dict(torch::nn::Module& model) const override {
-    ShardedStateDict out;
-    for (const auto& item : sharded_state_dict(model)) {
-      if (args_.tie_word_embeddings && item.key() == kTiedHead) continue;
-      out.insert(item.key(), item.value());
-    }
-    return out;
+    return without_tied_head(model, args_.tie_word_embeddings);
   }
   bool hf_state_dict_is_whole() const override { return !args_.tie_word_embeddings; }
 
@@ -130,16 +111,13 @@ class LlamaFamily : public ModelFamily {
 }  // namespace
 
 std::unique_ptr<const ModelFamily> make_llama_family(const FamilySource& source) {
-  refuse_size_keys(source.cfg.model);
-  if (source.config_json_path.empty())
-    throw ConfigError(
-        "model.architecture llama needs its shape from a Hugging Face config.json: set model.hf_config "
-        "to one, or model.init_from to a Hugging Face model directory");
+  refuse_size_keys(source.cfg.model, "llama");
+  const std::string& config_json = require_config_json(source, "llama");
   try {
     std::vector<std::string> notes;
-    models::LlamaArgs args = models::llama_args_from_hf_config_text(source.config_json_text, source.config_json_path,
+    models::LlamaArgs args = models::llama_args_from_hf_config_text(source.config_json_text, config_json,
                                                                     source.cfg.training.seq_len, &notes);
-    return std::make_unique<LlamaFamily>(args, source.config_json_path, std::move(notes));
+    return std::make_unique<LlamaFamily>(args, config_json, std::move(notes));
   } catch (const c10::Error& e) {
     throw ConfigError(e.msg());
   }
