@@ -24,6 +24,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 
@@ -43,6 +44,19 @@ struct SafetensorsOptions {
   /// Hugging Face checkpoint in bf16 loaded into an fp32 model). false: the difference is
   /// refused, naming the tensor.
   TORCH_ARG(bool, convert_float_dtypes) = false;
+  /// load_safetensors and load_safetensors_into: a tensor of the files that the model does not
+  /// have and whose name one of these ECMAScript regular expressions matches (std::regex_search)
+  /// is skipped instead of refused as unexpected, as transformers skips its models'
+  /// _keys_to_ignore_on_load_unexpected (GPT-2's old attention-mask buffers, a Llama's saved
+  /// rotary inv_freq). A key the model has is never skipped. An invalid expression throws.
+  TORCH_ARG(std::vector<std::string>, ignore_unexpected) = {};
+  /// load_safetensors and load_safetensors_into: a prefix that the files may leave out of the
+  /// model's keys, as transformers' base_model_prefix ("transformer." for GPT-2, whose Hub files
+  /// name "h.0.attn.c_attn.weight" what the model names "transformer.h.0.attn.c_attn.weight").
+  /// When no tensor of the files starts with it, each key of the model that does is looked up
+  /// without it; the model's keys (and the errors' names) stay as they are. "" (the default): the
+  /// files name every tensor as the model does.
+  TORCH_ARG(std::string, optional_key_prefix) = "";
 };
 
 /// Writes `state_dict` under `dir` (created if missing) as one safetensors file per rank and, on

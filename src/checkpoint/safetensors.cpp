@@ -19,6 +19,8 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <regex>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -449,16 +451,57 @@ at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileInde
 // Reads this rank's piece of every entry of `like`, in order, and hands each to `use` (key, the
 // entry of `like`, the piece in `like`'s dtype) before reading the next. Every key is checked
 // against the directory first: nothing is read when one is missing or unexpected.
+// The model's key -> the files' name for it: itself, or without options.optional_key_prefix()
+// when no tensor of the files carries that prefix.
+std::map<std::string, std::string> file_names_of(const ShardedStateDict& like,
+                                                 const std::map<std::string, std::string>& files,
+                                                 const std::string& optional_prefix) {
+  auto has_prefix = [&](const std::string& name) {
+    return name.compare(0, optional_prefix.size(), optional_prefix) == 0;
+  };
+  bool strip = !optional_prefix.empty();
+  for (const auto& item : files) strip = strip && !has_prefix(item.first);
+  std::map<std::string, std::string> names;
+  for (const auto& item : like)
+    names[item.key()] = strip && has_prefix(item.key()) ? item.key().substr(optional_prefix.size()) : item.key();
+  return names;
+}
+
+// Whether a tensor of the files that the model has not is one options.ignore_unexpected() skips.
+bool ignored(const std::string& name, const std::vector<std::regex>& patterns) {
+  for (const std::regex& p : patterns)
+    if (std::regex_search(name, p)) return true;
+  return false;
+}
+
+std::vector<std::regex> compiled(const std::vector<std::string>& patterns) {
+  std::vector<std::regex> out;
+  for (const std::string& p : patterns) {
+    try {
+      out.emplace_back(p);
+    } catch (const std::regex_error& e) {
+      TORCH_CHECK(false, "fsdp::load_safetensors: ignore_unexpected: '", p, "' is not a valid regular expression (",
+                  e.what(), ")");
+    }
+  }
+  return out;
+}
+
 template <typename Use>
 void for_each_piece(const std::string& dir, const ShardedStateDict& like, const SafetensorsOptions& options, Use use) {
+  const std::vector<std::regex> skip = compiled(options.ignore_unexpected());  // refused before any file is read
   const std::map<std::string, std::string> files = weight_map_of(dir, options.prefix());
+  const std::map<std::string, std::string> file_name = file_names_of(like, files, options.optional_key_prefix());
   for (const auto& item : like) {
-    TORCH_CHECK(files.count(item.key()), "fsdp::load_safetensors: '", dir, "' has no tensor '", item.key(),
-                "' (the model has it)");
+    const std::string& name = file_name.at(item.key());
+    TORCH_CHECK(files.count(name), "fsdp::load_safetensors: '", dir, "' has no tensor '", name, "' (the model has it",
+                name == item.key() ? std::string() : " as '" + item.key() + "'", ")");
   }
+  std::set<std::string> wanted;
+  for (const auto& item : file_name) wanted.insert(item.second);
   for (const auto& item : files) {
-    TORCH_CHECK(like.contains(item.first), "fsdp::load_safetensors: '", dir, "' has tensor '", item.first,
-                "', which the model has not (unexpected key)");
+    TORCH_CHECK(wanted.count(item.first) || ignored(item.first, skip), "fsdp::load_safetensors: '", dir,
+                "' has tensor '", item.first, "', which the model has not (unexpected key)");
   }
   // Each file opened once and its header checked once, in the order the model needs them.
   struct OpenFile {
@@ -467,7 +510,8 @@ void for_each_piece(const std::string& dir, const ShardedStateDict& like, const 
   };
   std::map<std::string, OpenFile> open;
   for (const auto& item : like) {
-    const std::string path = (std::filesystem::path(dir) / files.at(item.key())).string();
+    const std::string& name = file_name.at(item.key());
+    const std::string path = (std::filesystem::path(dir) / files.at(name)).string();
     auto it = open.find(path);
     if (it == open.end()) {
       OpenFile o;
@@ -476,9 +520,9 @@ void for_each_piece(const std::string& dir, const ShardedStateDict& like, const 
       o.index = index_file(path, o.f.get());
       it = open.emplace(path, std::move(o)).first;
     }
-    const auto entry = it->second.index.entries.find(item.key());
+    const auto entry = it->second.index.entries.find(name);
     TORCH_CHECK(entry != it->second.index.entries.end(), "fsdp::load_safetensors: the index of '", dir, "' puts '",
-                item.key(), "' in '", path, "', which does not hold it");
+                name, "' in '", path, "', which does not hold it");
     use(item.key(), item.value(),
         read_local_rows(path, it->second.f.get(), it->second.index, entry->second, item.value(),
                         options.convert_float_dtypes()));

@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 using fsdp::testing::make_sharded;
@@ -325,4 +326,68 @@ TEST(Safetensors, FloatDtypesAreConvertedOnlyWhenAskedAndOnlyBetweenFloats) {
                  c10::Error);
   });
   if (!fsdp::testing::is_child()) fs::remove_all(dir);
+}
+
+// What transformers tolerates on load, asked for by name: a tensor of the files that the model
+// has not is skipped only when an ignore_unexpected expression matches it, and files that leave
+// the base model's prefix out of every name load into the model's prefixed keys.
+TEST(Safetensors, IgnoredTensorsAndALeftOutPrefixLoadOnlyWhenAskedFor) {
+  const std::string dir = fsdp::testing::shared_temp_path("st_tolerances");
+  if (!fsdp::testing::is_child()) {
+    fs::remove_all(dir);
+    fs::remove_all(dir + "_prefixed");
+  }
+  run_distributed(2, [dir] {
+    auto m = make_sharded(1);
+    const fsdp::ShardedStateDict sd = fsdp::sharded_state_dict(*m);
+    const fsdp::DeviceMesh mesh = sd.begin()->value().device_mesh();
+    auto expect_error = [](const std::function<void()>& load, const std::string& needle) {
+      try {
+        load();
+        ADD_FAILURE() << "loaded; expected an error with: " << needle;
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "expected: " << needle << "\n" << e.what();
+      }
+    };
+    // The files: the model's tensors without the prefix "base.", and a mask buffer it has not.
+    fsdp::ShardedStateDict files;
+    for (const auto& item : sd) files.insert(item.key(), item.value());
+    files.insert("h.0.attn.bias", fsdp::DTensor::from_local(at::ones({2, 2}), mesh, {fsdp::Replicate()}));
+    fsdp::save_safetensors(files, dir);
+    auto fresh = make_sharded(2);
+    fsdp::ShardedStateDict prefixed;
+    for (const auto& item : fsdp::sharded_state_dict(*fresh)) prefixed.insert("base." + item.key(), item.value());
+    const auto both = fsdp::SafetensorsOptions().optional_key_prefix("base.").ignore_unexpected({R"(\.attn\.bias$)"});
+    expect_error([&] { fsdp::load_safetensors_into(dir, prefixed, fsdp::SafetensorsOptions()); },
+                 "has no tensor 'base.");
+    expect_error(
+        [&] { fsdp::load_safetensors_into(dir, prefixed, fsdp::SafetensorsOptions().optional_key_prefix("base.")); },
+        "has tensor 'h.0.attn.bias', which the model has not (unexpected key)");
+    expect_error(
+        [&] {
+          fsdp::load_safetensors_into(
+              dir, prefixed, fsdp::SafetensorsOptions().optional_key_prefix("base.").ignore_unexpected({"masked"}));
+        },
+        "has tensor 'h.0.attn.bias'");
+    expect_error(
+        [&] { fsdp::load_safetensors_into(dir, prefixed, fsdp::SafetensorsOptions().ignore_unexpected({"("})); },
+        "ignore_unexpected: '(' is not a valid regular expression");
+    fsdp::load_safetensors_into(dir, prefixed, both);
+    for (const auto& item : sd)
+      EXPECT_TRUE(prefixed["base." + item.key()].to_local().equal(item.value().to_local())) << item.key();
+    // Files that do carry the prefix load as they are; the prefix is only ever left out whole.
+    fsdp::ShardedStateDict files_prefixed;
+    for (const auto& item : sd) files_prefixed.insert("base." + item.key(), item.value());
+    fsdp::save_safetensors(files_prefixed, dir + "_prefixed");
+    auto third = make_sharded(3);
+    fsdp::ShardedStateDict third_prefixed;
+    for (const auto& item : fsdp::sharded_state_dict(*third)) third_prefixed.insert("base." + item.key(), item.value());
+    fsdp::load_safetensors_into(dir + "_prefixed", third_prefixed, both);
+    for (const auto& item : sd)
+      EXPECT_TRUE(third_prefixed["base." + item.key()].to_local().equal(item.value().to_local())) << item.key();
+  });
+  if (!fsdp::testing::is_child()) {
+    fs::remove_all(dir);
+    fs::remove_all(dir + "_prefixed");
+  }
 }

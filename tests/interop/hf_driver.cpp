@@ -96,8 +96,8 @@ void logits(const std::string& hf, const std::string& tokens_file, const std::st
   model.module->eval();
   at::NoGradGuard no_grad;
   fsdp::models::CausalLM* lm = model.lm;
-  const at::Tensor result =
-      fsdp::call_as_forward(model.module, [lm](const at::Tensor& t) { return lm->logits(t); }, tokens);
+  const at::Tensor result = fsdp::call_as_forward(
+      model.module, [lm](const at::Tensor& t) { return lm->logits(t); }, tokens);
   fsdp::ShardedStateDict sd;
   sd.insert("logits", fsdp::DTensor::from_local(result.contiguous(), mesh, {fsdp::Replicate()}));
   fsdp::save_safetensors(sd, out);
@@ -111,8 +111,7 @@ void write_results(const std::string& out, const std::vector<double>& losses) {
   for (size_t i = 0; i < losses.size(); ++i) f << (i ? ", " : "") << losses[i];
   f << "]\n";
   std::ofstream(out + "/peak-" + rank + ".json") << "{\"peak_tensor_bytes\": " << fsdp::memory::max_allocated_bytes()
-                                                 << ", \"peak_rss_bytes\": " << fsdp::memory::peak_rss_bytes()
-                                                 << "}\n";
+                                                 << ", \"peak_rss_bytes\": " << fsdp::memory::peak_rss_bytes() << "}\n";
 }
 
 void train(const std::string& hf, const std::string& batches_file, double lr, const std::string& out,
@@ -135,8 +134,8 @@ void train(const std::string& hf, const std::string& batches_file, double lr, co
     const at::Tensor inputs = mine.narrow(1, 0, mine.size(1) - 1).contiguous();
     const at::Tensor targets = mine.narrow(1, 1, mine.size(1) - 1).contiguous();
     at::Tensor loss = fsdp::call_as_forward(
-        model.module, [lm](const at::Tensor& in, const at::Tensor& tg) { return lm->forward_loss(in, tg, 1); },
-        inputs, targets);
+        model.module, [lm](const at::Tensor& in, const at::Tensor& tg) { return lm->forward_loss(in, tg, 1); }, inputs,
+        targets);
     loss.backward();
     optimizer.step();
     optimizer.zero_grad();
@@ -171,8 +170,8 @@ int run(int argc, char** argv) {
   const int64_t tp = command == "train" && argc >= 7 ? std::stoll(argv[6]) : 1;
   const bool checkpointing = command == "train" && argc == 8 && std::string(argv[7]) == "ac";
   const int world = fsdp::get_world_size();
-  const fsdp::DeviceMesh mesh = tp == 1 ? fsdp::init_device_mesh("cpu", {world})
-                                        : fsdp::init_device_mesh("cpu", {world / tp, tp}, {"dp", "tp"});
+  const fsdp::DeviceMesh mesh =
+      tp == 1 ? fsdp::init_device_mesh("cpu", {world}) : fsdp::init_device_mesh("cpu", {world / tp, tp}, {"dp", "tp"});
   if (command == "logits") {
     logits(argv[2], argv[3], argv[4], mesh);
   } else if (command == "export") {

@@ -4,6 +4,8 @@ random-initialized config (no downloads) written with save_pretrained, read by h
 
 - logits at W = 1 within 1e-5 relative (fp32): GPT-2's defaults (tied head, gelu_new, scaled
   attention), and an untied head with n_inner, gelu (erf), unscaled attention, another epsilon;
+- hub_layout: the Hub's original files (no "transformer." prefix, the causal masks kept as
+  tensors) load as transformers loads them, with its logits;
 - export: the directory hf_driver writes (W = 2) loads with from_pretrained, no missing or
   unexpected keys, and gives the same logits; a bf16 export reads back into an fp32 model;
 - fsdp_train_export: fsdp-train from a save_pretrained directory (W = 2), training.export hf,
@@ -120,6 +122,37 @@ def test_logits(workdir: str):
 
 def test_logits_untied(workdir: str):
     check_logits("untied", workdir)
+
+
+def test_hub_layout(workdir: str):
+    """The Hub's original GPT-2 files (openai-community/gpt2 and its sizes): the base model's
+    tensors named without "transformer.", each block's causal mask kept as "h.N.attn.bias" (and
+    "h.N.attn.masked_bias" in older ones), the tied head left out. transformers loads them; so
+    does our loader, with transformers' logits of the same files; a tensor that no rule skips is
+    still refused by name."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    model = make_model()
+    hf = saved(model, workdir)
+    path = os.path.join(hf, "model.safetensors")
+    n = model.config.n_positions
+    hub = {k.removeprefix("transformer."): v for k, v in load_file(path).items() if k != "lm_head.weight"}
+    assert not any(k.startswith("transformer.") for k in hub)
+    for i in range(model.config.n_layer):
+        hub[f"h.{i}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+        hub[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(hub, path, metadata={"format": "pt"})
+    tokens = tokens_for(model)
+    loaded = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    reference = reference_logits(loaded, tokens)
+    assert relative_error(reference, reference_logits(model, tokens)) <= RTOL, "transformers read the files otherwise"
+    err = relative_error(our_logits(hf, tokens, workdir), reference)
+    assert err <= RTOL, f"the Hub's layout: logits differ from transformers' by {err:.3g} relative"
+    hub["h.0.attn.extra"] = torch.zeros(2)
+    save_file(hub, path, metadata={"format": "pt"})
+    tokens_file = os.path.join(workdir, "tokens.safetensors")
+    proc = driver(1, "logits", hf, tokens_file, os.path.join(workdir, "out"), expect_ok=False)
+    assert proc.returncode != 0 and "'h.0.attn.extra'" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_export(workdir: str):

@@ -4,6 +4,8 @@ hf_driver.cpp) through config.json and the safetensors files.
 
 - logits at W = 1 within 1e-5 relative (fp32) for a Llama config (GQA, llama3 rope scaling,
   tied embeddings), a Qwen2 config (q/k/v biases, untied) and a Mistral config;
+- saved_inv_freq: the rotary inv_freq buffers older conversions saved are skipped on load, as
+  transformers skips them;
 - export: the directory hf_driver writes (W = 2) loads with from_pretrained, no missing or
   unexpected keys, and gives the same logits; a bf16 export reads back into an fp32 model;
 - fsdp_train_export: fsdp-train from a save_pretrained directory, training.export hf, then
@@ -138,6 +140,30 @@ def test_logits_qwen2(workdir: str):
 
 def test_logits_mistral(workdir: str):
     check_logits("mistral", workdir)
+
+
+def test_saved_inv_freq(workdir: str):
+    """Checkpoints converted by older transformers keep each layer's rotary inv_freq buffer as a
+    tensor: transformers skips it on load, and so does our loader, with the same logits; a
+    tensor that no rule skips is still refused by name."""
+    from safetensors.torch import load_file, save_file
+    model = make_model("llama")
+    hf = os.path.join(workdir, "hf")
+    model.save_pretrained(hf)
+    path = os.path.join(hf, "model.safetensors")
+    tensors = load_file(path)
+    half = model.config.hidden_size // model.config.num_attention_heads // 2
+    for i in range(model.config.num_hidden_layers):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(half)
+    save_file(tensors, path, metadata={"format": "pt"})
+    tokens = tokens_for(model)
+    err = relative_error(our_logits(hf, tokens, workdir), reference_logits(model, tokens))
+    assert err <= RTOL, f"with saved inv_freq buffers: logits differ from transformers' by {err:.3g} relative"
+    tensors["model.layers.0.self_attn.extra"] = torch.zeros(2)
+    save_file(tensors, path, metadata={"format": "pt"})
+    tokens_file = os.path.join(workdir, "tokens.safetensors")
+    proc = driver(1, "logits", hf, tokens_file, os.path.join(workdir, "out"), expect_ok=False)
+    assert proc.returncode != 0 and "'model.layers.0.self_attn.extra'" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_export(workdir: str):

@@ -13,6 +13,7 @@
 
 #include <fsdp/models/causal_lm.h>
 #include <fsdp/plan.h>
+#include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/tensor_parallel.h>
 
@@ -89,6 +90,11 @@ class ModelFamily {
   virtual bool has_hf_format() const = 0;
   virtual std::string hf_config_json(at::ScalarType dtype) const = 0;
   virtual ShardedStateDict hf_state_dict(torch::nn::Module& model) const = 0;
+  // How its Hugging Face files may name tensors otherwise than hf_state_dict, as transformers
+  // loads them: tensors it skips (options.ignore_unexpected) and the base model's prefix that
+  // files may leave out (options.optional_key_prefix). The default: the files name exactly
+  // hf_state_dict's tensors.
+  virtual void hf_load_tolerances(SafetensorsOptions& /*options*/) const {}
   // Whether every tensor of the model's state dict is in hf_state_dict (false when some is
   // another's alias: load_sharded_state_dict then loads non-strict).
   virtual bool hf_state_dict_is_whole() const = 0;

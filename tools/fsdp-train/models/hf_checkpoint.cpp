@@ -15,7 +15,9 @@ namespace fsdp {
 namespace train {
 
 void load_hf_weights(const std::string& dir, const ModelFamily& family, torch::nn::Module& model) {
-  load_safetensors_into(dir, family.hf_state_dict(model), SafetensorsOptions().convert_float_dtypes(true));
+  SafetensorsOptions options = SafetensorsOptions().convert_float_dtypes(true);
+  family.hf_load_tolerances(options);
+  load_safetensors_into(dir, family.hf_state_dict(model), options);
 }
 
 void save_hf(const std::string& dir, const ModelFamily& family, torch::nn::Module& model, at::ScalarType dtype) {

@@ -88,6 +88,13 @@ class Gpt2Family : public ModelFamily {
   ShardedStateDict hf_state_dict(torch::nn::Module& model) const override {
     return without_tied_head(model, args_.tie_word_embeddings);
   }
+  // The Hub's original GPT-2 files (openai-community/gpt2 and its sizes) name the base model's
+  // tensors without "transformer." and keep each block's causal mask ("h.N.attn.bias", and
+  // "attn.masked_bias" in older ones) as tensors; transformers loads them so, and so does this.
+  void hf_load_tolerances(SafetensorsOptions& options) const override {
+    options.optional_key_prefix("transformer.");
+    options.ignore_unexpected({R"(^(transformer\.)?h\.[0-9]+\.attn\.(masked_)?bias$)"});
+  }
   bool hf_state_dict_is_whole() const override { return !args_.tie_word_embeddings; }
 
  private:

@@ -100,6 +100,11 @@ class LlamaFamily : public ModelFamily {
   ShardedStateDict hf_state_dict(torch::nn::Module& model) const override {
     return without_tied_head(model, args_.tie_word_embeddings);
   }
+  // Llama checkpoints converted by older transformers keep each layer's rotary inv_freq buffer
+  // as a tensor; transformers skips it on load, and so does this (it is computed from the rope).
+  void hf_load_tolerances(SafetensorsOptions& options) const override {
+    options.ignore_unexpected({R"(^model\.layers\.[0-9]+\.self_attn\.rotary_emb\.inv_freq$)"});
+  }
   bool hf_state_dict_is_whole() const override { return !args_.tie_word_embeddings; }
 
  private:
