@@ -448,9 +448,6 @@ at::Tensor read_local_rows(const std::string& path, std::FILE* f, const FileInde
   return converted ? local.to(target.scalar_type()) : local;
 }
 
-// Reads this rank's piece of every entry of `like`, in order, and hands each to `use` (key, the
-// entry of `like`, the piece in `like`'s dtype) before reading the next. Every key is checked
-// against the directory first: nothing is read when one is missing or unexpected.
 // The model's key -> the files' name for it: itself, or without options.optional_key_prefix()
 // when no tensor of the files carries that prefix.
 std::map<std::string, std::string> file_names_of(const ShardedStateDict& like,
@@ -474,6 +471,7 @@ bool ignored(const std::string& name, const std::vector<std::regex>& patterns) {
   return false;
 }
 
+// options.ignore_unexpected()'s expressions, compiled once per load; an invalid one is refused by name.
 std::vector<std::regex> compiled(const std::vector<std::string>& patterns) {
   std::vector<std::regex> out;
   for (const std::string& p : patterns) {
@@ -487,6 +485,10 @@ std::vector<std::regex> compiled(const std::vector<std::string>& patterns) {
   return out;
 }
 
+// Reads this rank's piece of every entry of `like`, in order, and hands each to `use` (key, the
+// entry of `like`, the piece in `like`'s dtype) before reading the next. Every key is checked
+// against the directory first: nothing is read when one is missing or unexpected (a tensor
+// of the files skipped by options.ignore_unexpected() is neither).
 template <typename Use>
 void for_each_piece(const std::string& dir, const ShardedStateDict& like, const SafetensorsOptions& options, Use use) {
   const std::vector<std::regex> skip = compiled(options.ignore_unexpected());  // refused before any file is read
