@@ -43,7 +43,9 @@ pytest.importorskip("safetensors", reason="safetensors is not installed (scripts
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 
-from test_llama import driver, environment, read_single, reference_logits, relative_error, tool, write_token_file  # noqa: E402
+from test_llama import (  # noqa: E402
+    assert_an_extra_tensor_is_refused, driver, environment, read_single, reference_logits, relative_error, tool,
+    write_token_file)
 
 RTOL = 1e-5
 STEPS = 5
@@ -148,11 +150,7 @@ def test_hub_layout(workdir: str):
     assert relative_error(reference, reference_logits(model, tokens)) <= RTOL, "transformers read the files otherwise"
     err = relative_error(our_logits(hf, tokens, workdir), reference)
     assert err <= RTOL, f"the Hub's layout: logits differ from transformers' by {err:.3g} relative"
-    hub["h.0.attn.extra"] = torch.zeros(2)
-    save_file(hub, path, metadata={"format": "pt"})
-    tokens_file = os.path.join(workdir, "tokens.safetensors")
-    proc = driver(1, "logits", hf, tokens_file, os.path.join(workdir, "out"), expect_ok=False)
-    assert proc.returncode != 0 and "'h.0.attn.extra'" in proc.stderr, proc.stderr[-2000:]
+    assert_an_extra_tensor_is_refused(hf, hub, "h.0.attn.extra", workdir)
 
 
 def test_export(workdir: str):
