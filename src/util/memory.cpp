@@ -92,6 +92,17 @@ int64_t default_cache_limit() {
   return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page / 4 : int64_t{1} << 30;
 }
 
+CacheRelease cache_release_default() {
+  const char* v = std::getenv("FSDP_CPU_CACHE_RELEASE");
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "on_miss") == 0) return CacheRelease::kOnMiss;
+  if (std::strcmp(v, "at_limit") == 0) return CacheRelease::kAtLimit;
+  std::fprintf(stderr,
+               "fsdp: FSDP_CPU_CACHE_RELEASE=%s is neither on_miss nor at_limit; the block cache uses on_miss "
+               "(fsdp/memory.h says what each does)\n",
+               v);
+  return CacheRelease::kOnMiss;
+}
+
 bool caching_default() {
   const char* v = std::getenv("FSDP_CPU_CACHING");
   return v == nullptr || std::strcmp(v, "0") != 0;
@@ -116,6 +127,7 @@ struct BlockCache {
   uint64_t next_age = 0;
   std::atomic<int64_t> cached{0};
   std::atomic<bool> enabled{caching_default()};
+  std::atomic<CacheRelease> release_policy{cache_release_default()};
   const int64_t limit = default_cache_limit();
 
   char* take(size_t capacity) {
@@ -230,7 +242,9 @@ class CountingAllocator final : public c10::Allocator {
         void* user = cached + kHeader;
         return {user, user, &counting_delete, c10::Device(c10::DeviceType::CPU)};
       }
-      block_cache().release(capacity);  // a new block in place of cached ones, not beside them
+      // A new block in place of cached ones, not beside them (kAtLimit: put() keeps the limit).
+      if (block_cache().release_policy.load(std::memory_order_relaxed) == CacheRelease::kOnMiss)
+        block_cache().release(capacity);
     }
     c10::DataPtr block = inner->allocate(capacity + kHeader);
     char* base = static_cast<char*>(block.get());
@@ -335,6 +349,8 @@ int64_t reserved_bytes() { return allocated_bytes() + cached_bytes(); }
 void empty_cache() { block_cache().release_all(); }
 void set_caching_enabled(bool enabled) { block_cache().set_enabled(enabled); }
 bool caching_enabled() { return block_cache().enabled.load(std::memory_order_relaxed); }
+void set_cache_release(CacheRelease release) { block_cache().release_policy.store(release, std::memory_order_relaxed); }
+CacheRelease cache_release() { return block_cache().release_policy.load(std::memory_order_relaxed); }
 int64_t live_allocation_count() { return g_live_count.load(std::memory_order_relaxed); }
 
 void set_allocation_limit(int64_t bytes) {

@@ -242,6 +242,34 @@ TEST(Memory, AMissGivesBackCachedBlocksBeforeTakingANewOne) {
   fsdp::memory::empty_cache();
 }
 
+// With CacheRelease::kAtLimit the same miss keeps both cached blocks: the next request of
+// either size takes its own block back, and no page is faulted in anew.
+TEST(Memory, AtLimitAMissKeepsTheCachedBlocks) {
+  ASSERT_EQ(fsdp::memory::cache_release(), fsdp::memory::CacheRelease::kOnMiss);
+  fsdp::memory::empty_cache();
+  fsdp::memory::set_cache_release(fsdp::memory::CacheRelease::kAtLimit);
+  void* old_ptr = nullptr;
+  void* recent = nullptr;
+  {
+    at::Tensor old_block = at::empty({8 * kMiB / 4});
+    at::Tensor recent_block = at::empty({2 * kMiB / 4});
+    old_ptr = old_block.data_ptr();
+    recent = recent_block.data_ptr();
+  }
+  const int64_t cached = fsdp::memory::cached_bytes();
+  EXPECT_GE(cached, 10 * kMiB);
+  {
+    at::Tensor miss = at::empty({kMiB / 4});
+    EXPECT_EQ(fsdp::memory::cached_bytes(), cached);
+    at::Tensor hit = at::empty({2 * kMiB / 4});
+    EXPECT_EQ(hit.data_ptr(), recent);
+    at::Tensor old_hit = at::empty({8 * kMiB / 4});
+    EXPECT_EQ(old_hit.data_ptr(), old_ptr);
+  }
+  fsdp::memory::set_cache_release(fsdp::memory::CacheRelease::kOnMiss);
+  fsdp::memory::empty_cache();
+}
+
 TEST(Memory, AllocationLimitRefusesWhatWouldPassIt) {
   ASSERT_TRUE(fsdp::memory::install_tracking_allocator());
   EXPECT_EQ(fsdp::memory::allocation_limit(), 0);

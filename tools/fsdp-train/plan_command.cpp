@@ -10,6 +10,7 @@
 #include "models/plan_question.h"
 #include "models/registry.h"
 
+#include <fsdp/memory.h>
 #include <fsdp/plan.h>
 
 #include <nlohmann/json.hpp>
@@ -298,6 +299,9 @@ void print_cpu_rank(std::ostringstream& s, const plan::RankPlan& r, const Questi
       << " (the save's staged copy of the parameters and optimizer state, " << mib(r.checkpoint_staging_bytes)
       << ", is alive through it)\n";
   s << "  peak RSS " << mib(r.peak_rss_bytes) << " (runtime and block cache included)\n";
+  if (fsdp::memory::cache_release() == fsdp::memory::CacheRelease::kAtLimit)
+    s << "  FSDP_CPU_CACHE_RELEASE=at_limit: the run keeps freed blocks beside the live ones, which the peak RSS "
+         "above does not count (it plans on_miss; include/fsdp/memory.h gives a measured example)\n";
 }
 
 const char* kGpuCaveat =
