@@ -147,7 +147,7 @@ def report(a) -> None:
             curves[name] = first
         at = " / ".join(f"{first[i - 1]:.4f}" if len(first) >= i else "-" for i in (1, 100, 200))
         at += f" / {first[-1]:.4f}" if first else ""
-        tails = " / ".join(f"{tail_mean(ls, len(ls)):.4f}" if ls else "-" for ls in runs.values())
+        tails = " / ".join(f"{tail_mean(ls, len(ls)):.4f}" if len(ls) >= TAIL else "-" for ls in runs.values())
         diffs = differences(a, name)
         each = " / ".join(f"{diffs[s] * 100:+.2f} %" if s in diffs else "-" for s in a.seeds)
         mean = sum(diffs.values()) / len(diffs) if diffs else float("nan")

@@ -94,11 +94,13 @@ enum class CacheRelease {
   /// 448 MiB, 22 % of its peak tensors).
   kAtLimit,
 };
-/// Sets the policy (thread-safe; it applies to the requests that follow). At start-up it is
-/// FSDP_CPU_CACHE_RELEASE from the environment, `on_miss` (the default) or `at_limit`; any
-/// other value is reported on stderr, once, and on_miss used.
+/** @{ */
+/// Sets and reads the policy (thread-safe; a new one applies to the requests that follow). At
+/// start-up it is FSDP_CPU_CACHE_RELEASE from the environment, `on_miss` (the default) or
+/// `at_limit`; any other value is reported on stderr, once, and on_miss used.
 void set_cache_release(CacheRelease release);
 CacheRelease cache_release();
+/** @} */
 
 /// Bytes of CPU tensor storage that are allocated now (live), as counted above.
 /// Thread-safe; one atomic load.
