@@ -14,7 +14,9 @@ fp32, one thread per rank.
 
 Layouts (--layouts): full_shard = 2 hosts x 1 rank, FULL_SHARD over both; hsdp = 2 hosts x 2
 ranks, shards within a host, replicated across the hosts (fsdp-train HYBRID_SHARD with
-replicate_degree 2; FSDP2 on a (replicate 2, shard 2) mesh).
+replicate_degree 2; FSDP2 on a (replicate 2, shard 2) mesh); hsdp_2x1 = 2 hosts x 1 rank, each
+host one whole replica (HYBRID_SHARD with replicate_degree 2; FSDP2 on a (replicate 2, shard 1)
+mesh): only the gradients' all-reduce crosses the link.
 
     sudo python3 bench/links.py --out bench/results/links/DIR                 # the whole table
     python3 bench/links.py --rates 200mbit --layouts full_shard --pairs 1 --steps 4
@@ -90,6 +92,8 @@ LAYOUTS = {  # ranks per host, fsdp-train's strategy, peer_fsdp2's mode
     "full_shard": dict(nproc=1, ours=["--fsdp_config.sharding_strategy=FULL_SHARD"], peer="fsdp2"),
     "hsdp": dict(nproc=2, ours=["--fsdp_config.sharding_strategy=HYBRID_SHARD",
                                 f"--fsdp_config.replicate_degree={HOSTS}"], peer="hsdp"),
+    "hsdp_2x1": dict(nproc=1, ours=["--fsdp_config.sharding_strategy=HYBRID_SHARD",
+                                    f"--fsdp_config.replicate_degree={HOSTS}"], peer="hsdp"),
 }
 UNLIMITED = "none"
 PEER = "peer"

@@ -40,6 +40,16 @@
 /// rank in one step (its input minus what the others decode) is added to its next step's input,
 /// so over steps nothing is lost, only delayed (1-bit Adam, ZeRO++'s qgZ and EF21 rely on the
 /// same). It costs one fp32 copy of this rank's reduced shard per group.
+///
+/// Zero blocks (QuantizedComm::skip_zero_blocks, gradients only, int8 and fp8): an embedding's
+/// gradient is zero in every row that no token of the batch names, and on a slow link its
+/// all-reduce is what the end of backward waits for. With this option each rank sends only the
+/// blocks where its gradient is not all zeros, as (block index, scale, codes); a block it skips
+/// contributes zeros, and its error-feedback residual waits for a step that sends the block. The
+/// sizes differ by rank, so such a reduction first all-gathers every rank's block count, and the
+/// host waits for that (behind the group's collectives queued before it). Whether a reduction
+/// goes sparse is decided from the counts of the same group's last one (at most half the blocks
+/// on every rank), so a dense gradient only pays a 4-byte count and a scan for zeros.
 #pragma once
 
 #include <torch/arg.h>
@@ -66,6 +76,9 @@ struct QuantizedComm {
   TORCH_ARG(int64_t, block_size) = 256;
   /// Gradients only: carry each step's quantization error into the next step's input.
   TORCH_ARG(bool, error_feedback) = true;
+  /// Gradients only, int8 and fp8: a rank sends only the blocks where its gradient is not all
+  /// zeros (see "Zero blocks" above); off by default.
+  TORCH_ARG(bool, skip_zero_blocks) = false;
 
  public:
   /// "QuantizedComm(dtype=int8, block_size=256, error_feedback=true)", for logs and errors.

@@ -219,10 +219,12 @@ WorkHandle foreach_all_reduce(const ReduceScatterResult& reduced, ProcessGroup& 
 // finish_all_reduce_quantized, so every replica gets bitwise the same sum. `residual` (undefined:
 // no error feedback) is this rank's fp32 residual in the layout `full` (the group's shard
 // layout): the reduced parameters' pieces of it are added to the input and replaced by what the
-// encoding lost. Collective over `replicate_group`; returns at once.
+// encoding lost. `skip`: the group's skip_zero_blocks state (required with that option).
+// Collective over `replicate_group`; returns at once, except that a reduction of nonzero blocks
+// only first waits for every replica's block count (quantized_all_reduce.h).
 QuantizedAllReduce foreach_all_reduce_quantized(const ReduceScatterResult& reduced, ProcessGroup& replicate_group,
                                                 const QuantizedComm& format, const at::Tensor& residual,
-                                                const RankMajorLayout& full);
+                                                const RankMajorLayout& full, ZeroBlockSkip* skip);
 // After its collective finished: writes the replicas' reduction into `reduced.output`.
 void finish_all_reduce_quantized(const QuantizedAllReduce& quantized, const ReduceScatterResult& reduced);
 // After the reduce-scatter finished: finishes the division, casts the output to `orig_dtype` on

@@ -745,6 +745,13 @@ void FSDPParamGroup::issue_reduce_scatter(const ReducedParams& reduced, const Gr
 void FSDPParamGroup::issue_all_reduce(PendingReduction& r) {
   const bool on_streams = comm_->streams.has_value();
   if (quantized_gradients_ && !on_streams) {
+    if (!r.reduce_scatter.work) {
+      // A one-rank shard group's output is its input, ready now on every rank; the deferred
+      // all-reduces before it were issued ahead of this reduce-scatter, so the order holds.
+      comm_->complete_reduce_scatter(r);
+      issue_quantized_all_reduce(r);
+      return;
+    }
     // Encoding needs the reduce-scatter's output: rather than block backward for it here, the
     // next post-backward (which waits for it anyway) or the end of backward issues it.
     r.all_reduce_deferred = true;
@@ -788,6 +795,7 @@ void FSDPParamGroup::set_quantized_gradients(std::optional<QuantizedComm> format
               "' without a replicate group");
   quantized_gradients_ = std::move(format);
   replicate_residual_ = at::Tensor();
+  zero_block_skip_ = detail::ZeroBlockSkip();
 }
 
 // On the CPU the host encodes (its reduce-scatter finished: issue_deferred_all_reduces waited);
@@ -798,7 +806,7 @@ void FSDPParamGroup::issue_quantized_all_reduce(PendingReduction& r) {
     replicate_residual_ = at::zeros({shard_layout_.row_numel}, r.reduce_scatter.output.options().dtype(at::kFloat));
   }
   r.quantized_all_reduce = foreach_all_reduce_quantized(r.reduce_scatter, *replicate_group_, *quantized_gradients_,
-                                                        replicate_residual_, shard_layout_);
+                                                        replicate_residual_, shard_layout_, &zero_block_skip_);
   r.all_reduce = r.quantized_all_reduce->work;
 }
 

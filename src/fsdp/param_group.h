@@ -22,7 +22,8 @@
 //                    the input must be encoded first: on the CPU the all-reduce (an all-gather
 //                    of encoded rows, or a bf16 all-reduce) is deferred to the next post-backward
 //                    or the end of backward (CommContext::issue_deferred_all_reduces, which waits
-//                    for its reduce-scatter), in the same order on every rank; finish_reduction()
+//                    for its reduce-scatter), in the same order on every rank, unless the shard
+//                    group has one rank (nothing to wait for: issued at once); finish_reduction()
 //                    decodes it.
 //
 // Streams (a device only): the compute stream waits once per iteration's forward, at the root's
@@ -349,6 +350,8 @@ class FSDPParamGroup {
   std::optional<QuantizedComm> quantized_gradients_;
   // Error feedback of quantized_gradients: this rank's residual, fp32, in the shard layout.
   at::Tensor replicate_residual_;
+  // skip_zero_blocks of quantized_gradients: whether the next all-reduce sends nonzero blocks only.
+  detail::ZeroBlockSkip zero_block_skip_;
   bool reduced_in_this_backward_ = false;
   bool reduced_ahead_ = false;  // by post_backward_ahead, in this backward
 

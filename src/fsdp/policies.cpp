@@ -92,6 +92,9 @@ void check_offload_policy(const std::optional<CPUOffloadPolicy>& policy, const D
 void check_quantized_comm(const std::optional<QuantizedComm>& weights, const std::optional<QuantizedComm>& gradients,
                           const MeshInfo& mesh_info) {
   if (weights) weights->check("fully_shard: quantized_weights");
+  TORCH_CHECK(!weights || !weights->skip_zero_blocks(),
+              "fully_shard: quantized_weights with skip_zero_blocks: only gradients skip zero blocks (weights "
+              "are all-gathered whole); turn skip_zero_blocks off for quantized_weights");
   if (!gradients) return;
   gradients->check("fully_shard: quantized_gradients");
   TORCH_CHECK(mesh_info.is_hsdp(),
@@ -100,6 +103,9 @@ void check_quantized_comm(const std::optional<QuantizedComm>& weights, const std
               mesh_info.mesh.str(),
               " has none; pass a 2-D (replicate, shard) mesh, or "
               "halve the reduce-scatter's bytes with MixedPrecisionPolicy().reduce_dtype(at::kBFloat16) instead");
+  TORCH_CHECK(!gradients->skip_zero_blocks() || mesh_info.mesh.device_type() == "cpu",
+              "fully_shard: quantized_gradients with skip_zero_blocks is not supported yet on a ",
+              mesh_info.mesh.device_type(), " mesh (its block counts are read on the host); turn skip_zero_blocks off");
 }
 
 GroupDevices resolve_group_devices(const DeviceMesh& mesh, const std::optional<CPUOffloadPolicy>& policy) {

@@ -24,6 +24,9 @@ void check_options(const DiLoCoOptions& o, size_t params) {
   TORCH_CHECK(static_cast<size_t>(o.fragments()) <= params, "DiLoCo: ", o.fragments(),
               " fragments need at least as many parameters, but there are ", params, "; pass fewer fragments");
   if (o.quantized()) o.quantized()->check("DiLoCo: quantized");
+  TORCH_CHECK(!o.quantized() || !o.quantized()->skip_zero_blocks(),
+              "DiLoCo: quantized with skip_zero_blocks is not supported yet (a pseudo-gradient is rarely zero "
+              "block-wise); turn skip_zero_blocks off");
 }
 
 }  // namespace

@@ -39,13 +39,17 @@ QuantizedDtype quantized_dtype_from_string(const std::string& name) {
 std::string QuantizedComm::str() const {
   std::ostringstream s;
   s << "QuantizedComm(dtype=" << to_string(dtype()) << ", block_size=" << block_size()
-    << ", error_feedback=" << (error_feedback() ? "true" : "false") << ")";
+    << ", error_feedback=" << (error_feedback() ? "true" : "false")
+    << ", skip_zero_blocks=" << (skip_zero_blocks() ? "true" : "false") << ")";
   return s.str();
 }
 
 void QuantizedComm::check(const char* what) const {
   TORCH_CHECK(block_size() >= 16 && block_size() <= 4096, what, ": QuantizedComm::block_size must be 16 to 4096, got ",
               block_size(), "; the default is 256");
+  TORCH_CHECK(!skip_zero_blocks() || dtype() != QuantizedDtype::kBFloat16, what,
+              ": QuantizedComm::skip_zero_blocks needs blocks with scales (int8 or float8_e4m3), but the dtype is "
+              "bfloat16; use int8, or turn skip_zero_blocks off");
 }
 
 namespace detail {

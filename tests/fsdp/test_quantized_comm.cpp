@@ -279,6 +279,81 @@ TEST(QuantizedGradients, TrainsCloseToFp32) {
   });
 }
 
+namespace {
+
+constexpr int64_t kVocab = 256, kDim = 32, kTokensPerRank = 8;
+
+// This rank's tokens of pass k: a few rows of the embedding, other rows every pass.
+at::Tensor tokens_of(int64_t pass) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(900 + 2 * pass + fsdp::get_rank());
+  return at::randint(0, kVocab, {kTokensPerRank}, gen);
+}
+
+struct EmbeddingPasses {
+  std::vector<at::Tensor> grads;  // after each backward pass
+  std::vector<int64_t> sent;      // the replicate group's all-gather bytes of each pass
+};
+
+// An embedding of its own on a (replicate 2, shard 1) mesh, `passes` backward passes, weights fixed.
+EmbeddingPasses embedding_passes(const fsdp::DeviceMesh& mesh, const QuantizedComm& format, int64_t passes) {
+  torch::manual_seed(0);
+  torch::nn::Embedding emb(kVocab, kDim);
+  fsdp::fully_shard(emb, fsdp::FullyShardOptions().mesh(mesh).quantized_gradients(format));
+  auto replicate = mesh.get_group(0);
+  EmbeddingPasses out;
+  for (int64_t k = 0; k < passes; ++k) {
+    at::Tensor param = emb->parameters()[0];
+    param.mutable_grad() = at::Tensor();
+    replicate->reset_stats();
+    fsdp::call(emb, tokens_of(k)).pow(2).sum().backward();
+    out.sent.push_back(replicate->stats()[CollectiveKind::kAllGather].bytes_sent);
+    out.grads.push_back(param.grad().clone());
+  }
+  return out;
+}
+
+}  // namespace
+
+// skip_zero_blocks: the first pass is dense and counts the blocks; after it each replica sends
+// only the rows its tokens touched (blocks of one row here). Every replica gets bitwise the same
+// gradient; a row no replica touched is exactly zero; and over passes whose tokens change, the sum
+// of the gradients stays within one residual of the exact sum: a skipped block's residual waits
+// for a later pass, nothing is lost. A block index off by one (the planted error) would put rows
+// in the wrong place and break the row check.
+TEST(QuantizedGradients, SkipZeroBlocksSendsOnlyTheTouchedRowsAndLosesNothing) {
+  run_distributed(2, [] {
+    constexpr int64_t kPasses = 6;
+    auto mesh = fsdp::init_device_mesh("cpu", {2, 1}, {"replicate", "shard"});
+    auto replicate = mesh.get_group(0);
+    const QuantizedComm format = QuantizedComm().block_size(kDim);
+    const EmbeddingPasses dense = embedding_passes(mesh, format, kPasses);
+    const EmbeddingPasses sparse = embedding_passes(mesh, QuantizedComm(format).skip_zero_blocks(true), kPasses);
+    // The first pass is the dense codec's plus a 4-byte count; the later ones a fraction of it.
+    EXPECT_EQ(sparse.sent[0], dense.sent[0] + 4);
+    at::Tensor exact_sum = at::zeros({kVocab, kDim});
+    at::Tensor sparse_sum = at::zeros({kVocab, kDim});
+    for (int64_t k = 0; k < kPasses; ++k) {
+      SCOPED_TRACE("pass " + std::to_string(k));
+      if (k > 0) {
+        EXPECT_LT(sparse.sent[k] * 8, dense.sent[k]) << sparse.sent[k] << " against " << dense.sent[k];
+      }
+      EXPECT_TRUE(same_on_every_rank(sparse.grads[k], *replicate));
+      // The exact mean over both replicas: each row's gradient is 2 x weight x (its count).
+      at::Tensor mine = tokens_of(k), all = at::empty({2 * kTokensPerRank}, mine.options());
+      replicate->all_gather_into(all, mine)->wait();
+      at::Tensor touched = at::zeros({kVocab}, at::kBool).index_fill_(0, all, true);
+      EXPECT_TRUE(sparse.grads[k].index({touched.logical_not()}).eq(0).all().item<bool>())
+          << "a row no replica touched got a gradient";
+      EXPECT_TRUE(sparse.grads[k].index({touched}).ne(0).any(1).all().item<bool>()) << "a touched row got none";
+      exact_sum += dense.grads[k];  // within the codec's error of exact; compared as sums below
+      sparse_sum += sparse.grads[k];
+    }
+    // Both codecs carry their residuals: their sums over the passes agree within a few scales.
+    const double unit = exact_sum.abs().max().item<double>() / 127;
+    EXPECT_LE((sparse_sum - exact_sum).abs().max().item<double>(), 4 * unit);
+  });
+}
+
 // ------------------------------------------------------------------------------ refusals
 
 TEST(QuantizedComm, RefusalsNameTheOptionAndTheRemedy) {
@@ -305,6 +380,19 @@ TEST(QuantizedComm, RefusalsNameTheOptionAndTheRemedy) {
       };
       handles.back().set_custom_all_gather(std::make_shared<Plain>());
       expect_error_containing([&] { handles.back().unshard(); }, "has both quantized_weights and a custom all-gather");
+    }
+    {
+      auto mesh = fsdp::init_device_mesh("cpu", {2, 1}, {"replicate", "shard"});
+      auto model = make_transformer();
+      const QuantizedComm bf16 = QuantizedComm().dtype(QuantizedDtype::kBFloat16).skip_zero_blocks(true);
+      expect_error_containing(
+          [&] { fsdp::fully_shard(model, fsdp::FullyShardOptions().mesh(mesh).quantized_gradients(bf16)); },
+          "skip_zero_blocks needs blocks with scales (int8 or float8_e4m3), but the dtype is bfloat16");
+      expect_error_containing(
+          [&] {
+            fsdp::fully_shard(model, fsdp::FullyShardOptions().quantized_weights(QuantizedComm().skip_zero_blocks(true)));
+          },
+          "only gradients skip zero blocks");
     }
   });
 }

@@ -480,6 +480,21 @@ TEST(TrainConfig, QuantizedCollectivesAndDiLoCoKeys) {
       {"fsdp_config.diloco_inner_steps: 50 needs sharding_strategy: HYBRID_SHARD"});
   expect_error([&] { check_supported(load_config("", with_args(hybrid, {"--fsdp_config.diloco_inner_steps=5"}))); },
                {"the outer state", "training.export: none"});
+  EXPECT_NO_THROW(check_supported(load_config(
+      "", with_args(hybrid, {"--fsdp_config.quantized_gradients=int8",
+                             "--fsdp_config.quantized_gradients_skip_zero_blocks=true"}))));
+  expect_error(
+      [&] {
+        check_supported(load_config("", with_args(hybrid, {"--fsdp_config.quantized_gradients=bfloat16",
+                                                           "--fsdp_config.quantized_gradients_skip_zero_blocks=true"})));
+      },
+      {"fsdp_config.quantized_gradients_skip_zero_blocks: true needs", "but it is bfloat16"});
+  expect_error(
+      [&] {
+        check_supported(
+            load_config("", with_args(hybrid, {"--fsdp_config.quantized_gradients_skip_zero_blocks=true"})));
+      },
+      {"quantized_gradients_skip_zero_blocks", "but it is unset"});
   expect_cli_error("--fsdp_config.quantized_weights=int4", "fsdp_config.quantized_weights");
   expect_cli_error("--fsdp_config.quantization_block_size=8", "fsdp_config.quantization_block_size");
   expect_cli_error("--fsdp_config.diloco_outer_momentum=1", "fsdp_config.diloco_outer_momentum");

@@ -264,6 +264,7 @@ std::vector<Field> fields_of(TrainConfig& c) {
          require(v >= 16 && v <= 4096, "must be 16 to 4096 elements per scale, got " + std::to_string(v));
          f.quantization_block_size = v;
        }},
+      {"fsdp_config", "quantized_gradients_skip_zero_blocks", boolean(f.quantized_gradients_skip_zero_blocks)},
       {"fsdp_config", "diloco_inner_steps", int_at_least(f.diloco_inner_steps, 0)},
       {"fsdp_config", "diloco_outer_lr", number(f.diloco_outer_lr, 0.0, false)},
       {"fsdp_config", "diloco_outer_momentum",
@@ -759,6 +760,10 @@ void check_supported(const TrainConfig& cfg, const DeviceSupport& devices) {
                   " with fsdp_config.sharding_strategy: " + to_string(f.sharding_strategy) +
                   " is not supported: it quantizes the all-reduce between replicas, which only HYBRID_SHARD and "
                   "HYBRID_SHARD_ZERO2 have; for the reduce-scatter use fsdp_config.reduce_dtype: bfloat16");
+  if (f.quantized_gradients_skip_zero_blocks && (!f.quantized_gradients || *f.quantized_gradients == "bfloat16"))
+    bad.push_back("fsdp_config.quantized_gradients_skip_zero_blocks: true needs fsdp_config.quantized_gradients: "
+                  "int8 or float8_e4m3 (blocks with scales), but it is " +
+                  f.quantized_gradients.value_or("unset") + "; set one, or unset the key");
   if (f.quantized_weights && f.sharding_strategy == ShardingStrategy::NO_SHARD)
     bad.push_back("fsdp_config.quantized_weights with sharding_strategy: NO_SHARD: nothing is all-gathered; unset it");
   if (f.diloco_inner_steps > 0) {

@@ -146,9 +146,12 @@ struct FsdpConfig {
   //   quantized_gradients: int8 | float8_e4m3 | bfloat16   ZeRO++'s qgZ, HYBRID_SHARD* only: the
   //     all-reduce between replicas carries the gradient encoded, with error feedback.
   //   quantization_block_size: elements per scale (16 to 4096), for both.
+  //   quantized_gradients_skip_zero_blocks: with quantized_gradients int8 or float8_e4m3, send only
+  //     the blocks where a rank's gradient is not all zeros (an embedding's untouched rows).
   std::optional<std::string> quantized_weights;
   std::optional<std::string> quantized_gradients;
   int64_t quantization_block_size = 256;
+  bool quantized_gradients_skip_zero_blocks = false;
   // DiLoCo (fsdp/diloco.h), HYBRID_SHARD* only: diloco_inner_steps H > 0 shards each replica
   // within itself only, and every H steps averages the replicas' pseudo-gradient with an outer
   // Nesterov SGD (diloco_outer_lr, diloco_outer_momentum), in diloco_fragments fragments taking

@@ -119,7 +119,9 @@ void add_link_options(const FsdpConfig& f, const ParallelModel& m, FullyShardOpt
     return QuantizedComm().dtype(quantized_dtype_from_string(dtype)).block_size(f.quantization_block_size);
   };
   if (f.quantized_weights) o.quantized_weights(format(*f.quantized_weights));
-  if (f.quantized_gradients) o.quantized_gradients(format(*f.quantized_gradients));
+  if (f.quantized_gradients) {
+    o.quantized_gradients(format(*f.quantized_gradients).skip_zero_blocks(f.quantized_gradients_skip_zero_blocks));
+  }
   if (f.diloco_inner_steps > 0) o.mesh(m.mesh["shard"]);
 }
 
