@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace fsdp {
 namespace detail {
@@ -25,8 +26,37 @@ at::Tensor as_blocks(const at::Tensor& x, int64_t block) {
   return out.view({-1, block});
 }
 
+// Whether a block of `count` elements holds a nonzero (or NaN) one, from the bits without the
+// sign (so -0 is zero): the first element decides a dense gradient's block at once, and an OR
+// over the rest, which compilers vectorize, a zero one.
+template <typename Bits>
+bool block_nonzero(const Bits* p, int64_t count, Bits magnitude) {
+  if ((p[0] & magnitude) != 0) return true;
+  Bits any = 0;
+  for (int64_t i = 1; i < count; ++i) any |= p[i] & magnitude;
+  return any != 0;
+}
+
+template <typename Bits>
+at::Tensor nonzero_blocks_cpu(const Bits* p, int64_t n, int64_t block, Bits magnitude) {
+  std::vector<int64_t> found;
+  for (int64_t b = 0; b * block < n; ++b) {
+    if (block_nonzero(p + b * block, std::min(block, n - b * block), magnitude)) found.push_back(b);
+  }
+  return at::tensor(found, at::kLong);
+}
+
 // The indices (int64) of the blocks of `x` that hold a nonzero (or a NaN) element.
 at::Tensor nonzero_blocks(const at::Tensor& x, int64_t block) {
+  if (x.numel() > 0 && x.device().is_cpu() && x.is_contiguous()) {
+    if (x.scalar_type() == at::kFloat) {
+      return nonzero_blocks_cpu(static_cast<const uint32_t*>(x.const_data_ptr()), x.numel(), block, 0x7fffffffu);
+    }
+    if (x.scalar_type() == at::kBFloat16) {
+      return nonzero_blocks_cpu(static_cast<const uint16_t*>(x.const_data_ptr()), x.numel(), block,
+                                static_cast<uint16_t>(0x7fff));
+    }
+  }
   return as_blocks(x, block).ne(0).any(1).nonzero().squeeze(1);
 }
 
