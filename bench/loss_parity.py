@@ -23,6 +23,8 @@ seed gives other batches, from data.data_seed = seed):
   qg_int8      HYBRID_SHARD 2 x 1 (two replicas of one rank), quantized_gradients int8 with error
                feedback: the same mean gradient over 2 ranks as fp32, through the quantized
                all-reduce
+  qg_int8_ohg  qg_int8 with the output head in a group of its own (other blocks: which elements
+               share a scale changes, not what is sent)
   qg_int8_skip qg_int8 with quantized_gradients_skip_zero_blocks (a replica sends only the blocks
                its gradient touched: the embedding's rows of its batch's tokens) and the output
                head in a group of its own: bench/links.py's hsdp_2x1 options
@@ -34,7 +36,7 @@ seed gives other batches, from data.data_seed = seed):
 
 The tolerances, stated before the runs (docs/benchmarks.md says why), on the mean loss over the
 last 20 steps relative to fp32's from the same seed, averaged over the seeds: 1 % for qw_rs_bf16,
-qw_int8, qw_int8_b64, rs_bf16, qg_int8 and qg_int8_skip, 5 % for diloco_h50, diloco_h10 and diloco_h10_avg.
+qw_int8, qw_int8_b64, rs_bf16, qg_int8, qg_int8_ohg and qg_int8_skip, 5 % for diloco_h50, diloco_h10 and diloco_h10_avg.
 Beside it the table gives every seed's difference and the noise floor (fp32_accum2's largest
 difference over the seeds): a difference within the noise floor says nothing was lost that an
 exact reordering of the additions would not also move.
@@ -72,6 +74,8 @@ RUNS = {  # name -> (fsdp-train arguments, tolerance on the last-20-step mean, r
     "qw_int8_b64": (["--fsdp_config.quantized_weights=int8", "--fsdp_config.quantization_block_size=64"], 0.01),
     "rs_bf16": (["--fsdp_config.reduce_dtype=bfloat16"], 0.01),
     "qg_int8": (HSDP_2X1 + ["--fsdp_config.quantized_gradients=int8"], 0.01),
+    "qg_int8_ohg": (HSDP_2X1 + ["--fsdp_config.quantized_gradients=int8", "--fsdp_config.output_head_group=true"],
+                    0.01),
     "qg_int8_skip": (HSDP_2X1 + ["--fsdp_config.quantized_gradients=int8",
                                  "--fsdp_config.quantized_gradients_skip_zero_blocks=true",
                                  "--fsdp_config.output_head_group=true"], 0.01),

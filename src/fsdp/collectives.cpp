@@ -464,8 +464,8 @@ QuantizedAllReduce foreach_all_reduce_quantized(const ReduceScatterResult& reduc
                                                 const RankMajorLayout& full, ZeroBlockSkip* skip) {
   at::NoGradGuard no_grad;
   const at::Tensor pieces = residual.defined() ? gather_reduced_pieces(residual, reduced, full) : at::Tensor();
-  QuantizedAllReduce q = issue_quantized_all_reduce(reduced.output, replicate_group, format,
-                                                    reduced.division.all_reduce_op, pieces, skip);
+  QuantizedAllReduce q =
+      issue_quantized_all_reduce(reduced.output, replicate_group, format, reduced.division.all_reduce_op, pieces, skip);
   if (pieces.defined()) scatter_reduced_pieces(pieces, residual, reduced, full);
   return q;
 }

@@ -87,6 +87,12 @@ QuantizedAllReduce issue_sparse(const at::Tensor& input, ProcessGroup& group, Qu
   at::Tensor counts = at::empty({q.ranks}, mine.options());
   group.all_gather_into(counts, mine)->wait();
   q.blocks.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + q.ranks);
+  const int64_t row_blocks = blocks_of(input.numel(), block);
+  for (int64_t r = 0; r < q.ranks; ++r) {
+    TORCH_CHECK(q.blocks[r] >= 0 && q.blocks[r] <= row_blocks, "quantized all-reduce (skip_zero_blocks) over ",
+                group.name(), ": rank ", r, " of the group reports ", q.blocks[r], " nonzero blocks, but the row has ",
+                row_blocks, "; the ranks disagree on the gradient's layout (are they running the same model?)");
+  }
   std::vector<int64_t> bytes(q.ranks);
   for (int64_t r = 0; r < q.ranks; ++r) bytes[r] = 4 * q.blocks[r] + encoded_bytes(q.blocks[r] * block, q.format);
   q.sent = at::empty({bytes[group.rank()]}, input.options().dtype(at::kByte));

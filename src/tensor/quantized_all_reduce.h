@@ -36,8 +36,8 @@ struct QuantizedAllReduce {
   at::Tensor sent;      // this rank's encoded row (bf16: the all-reduced tensor's bytes)
   at::Tensor gathered;  // int8, fp8: every rank's encoded row, in rank order
   QuantizedComm format;
-  ReduceOp op = ReduceOp::kSum;  // kSum or kAvg (the fp32 sum divided by the group's size)
-  int64_t ranks = 1;             // the group's size
+  ReduceOp op = ReduceOp::kSum;   // kSum or kAvg (the fp32 sum divided by the group's size)
+  int64_t ranks = 1;              // the group's size
   ZeroBlockSkip* skip = nullptr;  // skip_zero_blocks: the site's state, updated by finish
   bool sparse = false;            // this reduction sent nonzero blocks only
   std::vector<int64_t> blocks;    // sparse: every rank's block count, in rank order

@@ -390,7 +390,8 @@ TEST(QuantizedComm, RefusalsNameTheOptionAndTheRemedy) {
           "skip_zero_blocks needs blocks with scales (int8 or float8_e4m3), but the dtype is bfloat16");
       expect_error_containing(
           [&] {
-            fsdp::fully_shard(model, fsdp::FullyShardOptions().quantized_weights(QuantizedComm().skip_zero_blocks(true)));
+            fsdp::fully_shard(model,
+                              fsdp::FullyShardOptions().quantized_weights(QuantizedComm().skip_zero_blocks(true)));
           },
           "only gradients skip zero blocks");
     }

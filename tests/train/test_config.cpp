@@ -480,13 +480,14 @@ TEST(TrainConfig, QuantizedCollectivesAndDiLoCoKeys) {
       {"fsdp_config.diloco_inner_steps: 50 needs sharding_strategy: HYBRID_SHARD"});
   expect_error([&] { check_supported(load_config("", with_args(hybrid, {"--fsdp_config.diloco_inner_steps=5"}))); },
                {"the outer state", "training.export: none"});
-  EXPECT_NO_THROW(check_supported(load_config(
-      "", with_args(hybrid, {"--fsdp_config.quantized_gradients=int8",
-                             "--fsdp_config.quantized_gradients_skip_zero_blocks=true"}))));
+  EXPECT_NO_THROW(
+      check_supported(load_config("", with_args(hybrid, {"--fsdp_config.quantized_gradients=int8",
+                                                         "--fsdp_config.quantized_gradients_skip_zero_blocks=true"}))));
   expect_error(
       [&] {
-        check_supported(load_config("", with_args(hybrid, {"--fsdp_config.quantized_gradients=bfloat16",
-                                                           "--fsdp_config.quantized_gradients_skip_zero_blocks=true"})));
+        check_supported(
+            load_config("", with_args(hybrid, {"--fsdp_config.quantized_gradients=bfloat16",
+                                               "--fsdp_config.quantized_gradients_skip_zero_blocks=true"})));
       },
       {"fsdp_config.quantized_gradients_skip_zero_blocks: true needs", "but it is bfloat16"});
   expect_error(

@@ -761,9 +761,10 @@ void check_supported(const TrainConfig& cfg, const DeviceSupport& devices) {
                   " is not supported: it quantizes the all-reduce between replicas, which only HYBRID_SHARD and "
                   "HYBRID_SHARD_ZERO2 have; for the reduce-scatter use fsdp_config.reduce_dtype: bfloat16");
   if (f.quantized_gradients_skip_zero_blocks && (!f.quantized_gradients || *f.quantized_gradients == "bfloat16"))
-    bad.push_back("fsdp_config.quantized_gradients_skip_zero_blocks: true needs fsdp_config.quantized_gradients: "
-                  "int8 or float8_e4m3 (blocks with scales), but it is " +
-                  f.quantized_gradients.value_or("unset") + "; set one, or unset the key");
+    bad.push_back(
+        "fsdp_config.quantized_gradients_skip_zero_blocks: true needs fsdp_config.quantized_gradients: "
+        "int8 or float8_e4m3 (blocks with scales), but it is " +
+        f.quantized_gradients.value_or("unset") + "; set one, or unset the key");
   if (f.quantized_weights && f.sharding_strategy == ShardingStrategy::NO_SHARD)
     bad.push_back("fsdp_config.quantized_weights with sharding_strategy: NO_SHARD: nothing is all-gathered; unset it");
   if (f.diloco_inner_steps > 0) {
