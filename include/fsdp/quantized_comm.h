@@ -81,9 +81,11 @@ struct QuantizedComm {
   TORCH_ARG(bool, skip_zero_blocks) = false;
 
  public:
-  /// "QuantizedComm(dtype=int8, block_size=256, error_feedback=true)", for logs and errors.
+  /// "QuantizedComm(dtype=int8, block_size=256, error_feedback=true, skip_zero_blocks=false)", for
+  /// logs and errors.
   std::string str() const;
-  /// Throws c10::Error naming `what` when block_size is out of range.
+  /// Throws c10::Error naming `what` when block_size is out of range, or when skip_zero_blocks is
+  /// set for bf16 (which has no blocks).
   void check(const char* what) const;
 };
 
