@@ -88,12 +88,11 @@ LLAMA_YAML = os.path.join(REPO, "bench", "peer", "llama.yaml")
 HF_CONFIG = os.path.join(REPO, "bench", "peer", "llama_small", "config.json")
 LR, SEED, DATA_SEED = 1e-3, 0, 1234
 HOSTS = 2
+HYBRID = ["--fsdp_config.sharding_strategy=HYBRID_SHARD", f"--fsdp_config.replicate_degree={HOSTS}"]
 LAYOUTS = {  # ranks per host, fsdp-train's strategy, peer_fsdp2's mode
     "full_shard": dict(nproc=1, ours=["--fsdp_config.sharding_strategy=FULL_SHARD"], peer="fsdp2"),
-    "hsdp": dict(nproc=2, ours=["--fsdp_config.sharding_strategy=HYBRID_SHARD",
-                                f"--fsdp_config.replicate_degree={HOSTS}"], peer="hsdp"),
-    "hsdp_2x1": dict(nproc=1, ours=["--fsdp_config.sharding_strategy=HYBRID_SHARD",
-                                    f"--fsdp_config.replicate_degree={HOSTS}"], peer="hsdp"),
+    "hsdp": dict(nproc=2, ours=HYBRID, peer="hsdp"),
+    "hsdp_2x1": dict(nproc=1, ours=HYBRID, peer="hsdp"),
 }
 UNLIMITED = "none"
 PEER = "peer"
