@@ -62,6 +62,28 @@ def fsdp_train(build_dir: str) -> str:
     return os.path.join(build_dir, "tools", "fsdp-train", "fsdp-train")
 
 
+LLAMA_YAML = os.path.join(REPO, "bench", "peer", "llama.yaml")
+
+
+def llama_train_args(*, init: str, micro_batch: int, accumulation: int, seq: int, steps: int, lr: float,
+                     seed: int, data_seed: int, data_path: str | None, checkpoint_dir: str, summary_json: str,
+                     jsonl: str, log_interval: int) -> list[str]:
+    """fsdp-train's arguments for the Llama that the benchmarks train against a peer or a baseline:
+    bench/peer/llama.yaml from a Hugging Face directory, Adam (AdamW with weight decay 0) at a
+    constant lr, no clipping, no checkpoints, no export; byte tokens from data_path, else synthetic
+    batches. The layout and the options under test follow."""
+    data = ["--data.source=tokens", f"--data.path={data_path}"] if data_path else ["--data.source=synthetic"]
+    return [LLAMA_YAML, f"--model.init_from={init}", f"--training.micro_batch_size={micro_batch}",
+            f"--training.gradient_accumulation_steps={accumulation}", f"--training.seq_len={seq}",
+            f"--training.steps={steps}", "--training.max_grad_norm=0", f"--training.seed={seed}",
+            "--training.resume=never", "--training.export=none", f"--optimizer.lr={lr}",
+            "--optimizer.weight_decay=0", "--optimizer.betas=[0.9,0.999]", "--optimizer.eps=1e-8",
+            "--schedule.warmup_steps=0", f"--schedule.min_lr={lr}", *data, f"--data.data_seed={data_seed}",
+            "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={checkpoint_dir}",
+            "--logging.progress=off", f"--logging.log_interval={log_interval}",
+            f"--logging.summary_json={summary_json}", f"--logging.jsonl={jsonl}"]
+
+
 # --------------------------------------------------------------------------- machine and source
 
 def utc_now() -> str:

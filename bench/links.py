@@ -47,6 +47,14 @@ What each cell reports (table.md, and the raw files beside it):
                           link without tbf ("none": only the cable) in the same layout (median);
   step / limit            how far from the physical limit: per pair, the step / max(ours' step
                           without tbf in the same pair, bytes / rate), median over the pairs;
+  step / schedule bound   the same against the least step that any schedule of the algorithm's
+                          dependencies reaches when the optimizer steps after every reduction, from
+                          ours' run without tbf in the same pair: the embedding's gradient is the
+                          last one made and the first op reads the embedding, so FULL_SHARD
+                          max(compute + the embedding's all-gather and reduce-scatter / rate,
+                          bytes / rate); HSDP max(compute + the embedding's all-reduce / rate,
+                          forward + bytes / rate), as nothing can be sent before the first
+                          gradient (forward: ours' forward_s, <name>.steps.jsonl);
   exposed s               ours: the time its training thread waited for all-gathers,
                           reduce-scatters and all-reduces (fsdp-train's summary: *_wait_s_per_rank,
                           run totals / steps, mean over ranks); both: step - compute of the same
@@ -55,6 +63,7 @@ What each cell reports (table.md, and the raw files beside it):
 
 Files in --out: meta.json (settings, machine, load), init_llama_small/ (the starting weights),
 <layout>_<rate>_p<k>_<side>.json (the program's JSON: fsdp-train's summary or peer_fsdp2's line),
+.steps.jsonl (fsdp-train's per-step metrics, rank 0),
 .run.json (commands, environment, status, counters, load), .h<i>.log (each host's output),
 <layout>_calib_<side>.* (the short runs), cells.json (each link's probe), table.md,
 links_step.png, links_loss.png.
@@ -76,15 +85,14 @@ import sys
 import tempfile
 import time
 
-from _common import (PY, REPO, cpu_model, fmt, fsdp_train, git_commit, load_average, load_json, med, utc_now,
-                     write_json, write_text)
+from _common import (PY, REPO, cpu_model, fmt, fsdp_train, git_commit, llama_train_args, load_average, load_json,
+                     med, utc_now, write_json, write_text)
 
 sys.path.insert(0, os.path.join(REPO, "tests", "multihost"))
 from hosts import IFNAME, Hosts, Impairment, available  # noqa: E402
 from hosts import rate_bits as hosts_rate_bits  # noqa: E402
 
 PEER_SCRIPT = os.path.join(REPO, "bench", "peer", "peer_fsdp2.py")
-LLAMA_YAML = os.path.join(REPO, "bench", "peer", "llama.yaml")
 HF_CONFIG = os.path.join(REPO, "bench", "peer", "llama_small", "config.json")
 LR, SEED, DATA_SEED = 1e-3, 0, 1234
 HOSTS = 2
@@ -148,7 +156,7 @@ def param_counts(config_json: str) -> dict:
     layer = d * q + 2 * d * kv + q * d + 3 * d * inter + 2 * d
     root = v * d + d + (0 if c.get("tie_word_embeddings") else v * d)
     n = c["num_hidden_layers"]
-    return {"layer": layer, "layers": n, "root": root, "total": n * layer + root}
+    return {"layer": layer, "layers": n, "root": root, "total": n * layer + root, "embedding": v * d}
 
 
 def algorithm_bytes(layout: str, counts: dict, elem_bytes: int = 4) -> float:
@@ -158,6 +166,18 @@ def algorithm_bytes(layout: str, counts: dict, elem_bytes: int = 4) -> float:
         w = HOSTS * LAYOUTS[layout]["nproc"]
         return (total + layers + total) * (w - 1) / w * elem_bytes
     return 2 * (HOSTS - 1) / HOSTS * total * elem_bytes
+
+
+def exposed_bytes(layout: str, counts: dict, elem_bytes: int = 4) -> float:
+    """Bytes per host that no compute of the step can run beside, in any schedule where the
+    optimizer steps after every gradient is reduced: the embedding's gradient is the last one
+    backward makes, so its reduction closes the step (HSDP: its all-reduce; FULL_SHARD: its
+    reduce-scatter), and under FULL_SHARD its all-gather opens the step, as the first op reads it."""
+    embedding = counts.get("embedding") or param_counts(HF_CONFIG)["embedding"]  # older meta.json files lack it
+    if layout == "full_shard":
+        w = HOSTS * LAYOUTS[layout]["nproc"]
+        return 2 * embedding * (w - 1) / w * elem_bytes
+    return 2 * (HOSTS - 1) / HOSTS * embedding * elem_bytes
 
 
 def rate_bits(rate: str) -> float | None:
@@ -171,21 +191,19 @@ def rate_bits(rate: str) -> float | None:
 
 # --------------------------------------------------------------------------- commands
 
+def steps_jsonl(json_out: str) -> str:
+    """Rank 0's per-step metrics (forward_s among them) beside the run's summary."""
+    return json_out[:-len(".json")] + ".steps.jsonl"
+
+
 def ours_argv(a, side: Side, layout: str, steps: int, host: int, port: int, json_out: str, run_dir: str):
     lay = LAYOUTS[layout]
     return [os.path.join(side.build_dir, "tools", "fsdprun", "fsdprun"), "--nnodes", str(HOSTS),
             "--node-rank", str(host), "--nproc-per-node", str(lay["nproc"]), "--master-addr", a.master_addr,
-            "--master-port", str(port), "--join-timeout", "120",
-            fsdp_train(side.build_dir), LLAMA_YAML, f"--model.init_from={a.init}",
-            f"--training.micro_batch_size={a.batch}", "--training.gradient_accumulation_steps=1",
-            f"--training.seq_len={a.seq}", f"--training.steps={steps}", "--training.max_grad_norm=0",
-            f"--training.seed={SEED}", "--training.resume=never", "--training.export=none",
-            f"--optimizer.lr={LR}", "--optimizer.weight_decay=0", "--optimizer.betas=[0.9,0.999]",
-            "--optimizer.eps=1e-8", "--schedule.warmup_steps=0", f"--schedule.min_lr={LR}",
-            *(["--data.source=tokens", f"--data.path={a.data_path}"] if a.data_path else ["--data.source=synthetic"]),
-            f"--data.data_seed={DATA_SEED}",
-            "--fsdp_config.checkpoint_interval=0", f"--fsdp_config.checkpoint_dir={run_dir}/ckpt",
-            "--logging.progress=off", "--logging.log_interval=1000000", f"--logging.summary_json={json_out}",
+            "--master-port", str(port), "--join-timeout", "120", fsdp_train(side.build_dir),
+            *llama_train_args(init=a.init, micro_batch=a.batch, accumulation=1, seq=a.seq, steps=steps, lr=LR,
+                              seed=SEED, data_seed=DATA_SEED, data_path=a.data_path, checkpoint_dir=f"{run_dir}/ckpt",
+                              summary_json=json_out, jsonl=steps_jsonl(json_out), log_interval=1000000),
             f"--logging.summary_warmup={a.warmup}", *lay["ours"], *side.args]
 
 
@@ -486,6 +504,59 @@ def limit_of(meta: dict, layout: str, rate: str, compute: float | None) -> tuple
     return link, (max(compute, link) if compute is not None else None)
 
 
+def forward_of(out: str, name: str, warmup: int) -> float | None:
+    """fsdp-train's forward (with the loss) per step, rank 0, median after the warm-up, from the
+    run's per-step metrics (<name>.steps.jsonl)."""
+    path = os.path.join(out, name + ".steps.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    values = [r["forward_s"] for r in rows if r.get("step", 0) > warmup]
+    return med(values) if values else None
+
+
+def forward_at_unlimited(out: str, meta: dict, layout: str, side: str) -> float | None:
+    """The side's forward without tbf, median over the pairs."""
+    values = [forward_of(out, f"{layout}_{UNLIMITED}_p{k}_{side}", meta["warmup"]) for k in range(1, meta["pairs"] + 1)]
+    values = [v for v in values if v is not None]
+    return med(values) if values else None
+
+
+def bound_of(meta: dict, layout: str, rate: str, compute: float | None, forward: float | None) -> float | None:
+    """The schedule bound: the least step any schedule of the algorithm's dependencies reaches
+    (the optimizer after every reduction), from ours' compute and forward without tbf:
+    max(compute + exposed bytes / rate, link) where link is bytes / rate under FULL_SHARD and
+    forward + bytes / rate under HSDP, as no gradient exists to send before the forward ends."""
+    bits = rate_bits(rate)
+    link, _ = limit_of(meta, layout, rate, None)
+    if compute is None:
+        return None
+    exposed = exposed_bytes(layout, meta["param_counts"]) * 8 / bits if bits else 0.0
+    if layout == "full_shard":
+        return max(compute + exposed, link)
+    if forward is None:
+        return None
+    return max(compute + exposed, forward + link)
+
+
+def bound_ratios(out: str, meta: dict, layout: str, rate: str, side: str, ours: str) -> list[float]:
+    """Per pair: the side's step / the schedule bound from ours' run without tbf in the same pair."""
+    if UNLIMITED not in meta["rates"]:
+        return []
+    ratios = []
+    for k in range(1, meta["pairs"] + 1):
+        _, r = load_run(out, f"{layout}_{rate}_p{k}_{side}")
+        name = f"{layout}_{UNLIMITED}_p{k}_{ours}"
+        _, c = load_run(out, name)
+        if not (r and c):
+            continue
+        bound = bound_of(meta, layout, rate, c["median_step_s"], forward_of(out, name, meta["warmup"]))
+        if bound:
+            ratios.append(r["median_step_s"] / bound)
+    return ratios
+
+
 def render(out: str) -> str:
     meta = load_json(os.path.join(out, "meta.json"))
     cells = load_json(os.path.join(out, "cells.json")) if os.path.exists(os.path.join(out, "cells.json")) else {}
@@ -501,9 +572,9 @@ def render(out: str) -> str:
              f"{meta['mtu']}; tbf on each host's interface.", "",
              f"Command: `{meta['command']}`", "",
              "| layout | link | probe MB/s | side | step s | tokens/s | step vs FSDP2 (pairs) | tokens/s vs FSDP2 | "
-             "wire MB/step/host | algorithm MB/step/host | limit s | step / limit | exposed s: waited / over compute "
-             "| final loss | max abs Δloss vs FSDP2 | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "wire MB/step/host | algorithm MB/step/host | limit s | step / limit | step / schedule bound | "
+             "exposed s: waited / over compute | final loss | max abs Δloss vs FSDP2 | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for layout in meta["layouts"]:
         alg = algorithm_bytes(layout, counts)
         ours_compute = compute_of(out, meta, layout, ours[0]) if ours else None
@@ -517,6 +588,7 @@ def render(out: str) -> str:
                     continue
                 compute = compute_of(out, meta, layout, side)
                 to_limit = limit_ratios(out, meta, layout, rate, side, ours[0]) if ours else []
+                to_bound = bound_ratios(out, meta, layout, rate, side, ours[0]) if ours else []
                 ratios = pair_ratios(out, meta, layout, rate, side) if side != PEER else []
                 rr = med(ratios) if ratios else None
                 waited = sum(s["waited"]) if s["waited"] else None
@@ -530,7 +602,7 @@ def render(out: str) -> str:
                     f"{fmt(rr, '.3f') + (' (' + ', '.join(f'{x:.3f}' for x in ratios) + ')' if ratios else '')} | "
                     f"{fmt(1 / rr if rr else None, '.2f')} | {fmt(s['wire'] and s['wire'] / 1e6, '.1f')} | "
                     f"{alg / 1e6:.1f} | {fmt(limit, '.3f')} | {fmt(med(to_limit), '.2f')} | "
-                    f"{fmt(waited, '.3f')} / {fmt(over, '.3f')} | {s['losses'][-1]:.5f} | {fmt(dloss, '.1e')} | "
+                    f"{fmt(med(to_bound), '.2f')} | {fmt(waited, '.3f')} / {fmt(over, '.3f')} | {s['losses'][-1]:.5f} | {fmt(dloss, '.1e')} | "
                     f"{fmt(s['load'], '.1f')} |")
     lines += ["", "fsdp-train's collectives per step (run totals / steps, mean over ranks, median over pairs): "
               "busy = on its communication threads, waited = the training thread blocked.", "",
@@ -562,7 +634,7 @@ def compact_table(out: str) -> str:
     sides = [s["name"] for s in meta["sides"]]
     ours = [s for s in sides if s != PEER]
     lines = ["| layout | link | side | step s | tokens/s | step vs FSDP2 | wire MB/step/host | limit s | step / limit "
-             "| waited for comm s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| step / schedule bound | waited for comm s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for layout in meta["layouts"]:
         compute = compute_of(out, meta, layout, ours[0]) if ours else None
         for rate in meta["rates"]:
@@ -573,16 +645,17 @@ def compact_table(out: str) -> str:
                     continue
                 ratios = pair_ratios(out, meta, layout, rate, side) if side != PEER else []
                 to_limit = limit_ratios(out, meta, layout, rate, side, ours[0]) if ours else []
+                to_bound = bound_ratios(out, meta, layout, rate, side, ours[0]) if ours else []
                 waited = sum(s["waited"]) if s["waited"] else None
                 lines.append(f"| {layout} | {rate} | {'FSDP2' if side == PEER else side} | {s['step']:.3f} | "
                              f"{s['tokens_per_s']:.0f} | {fmt(med(ratios), '.3f')} | "
                              f"{fmt(s['wire'] and s['wire'] / 1e6, '.1f')} | {fmt(limit, '.3f')} | "
-                             f"{fmt(med(to_limit), '.2f')} | {fmt(waited, '.3f')} |")
+                             f"{fmt(med(to_limit), '.2f')} | {fmt(med(to_bound), '.2f')} | {fmt(waited, '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(out: str) -> None:
-    """links_step.png (step time against link rate, every side, and the physical limit) and
+    """links_step.png (step time against link rate, every side, the physical limit and the schedule bound) and
     links_loss.png (the loss curves); needs matplotlib (run under $FSDP_PYTHON)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -603,6 +676,10 @@ def plot(out: str) -> None:
         lim = [limit_of(meta, layout, r, compute)[1] for r in limited]
         if all(v is not None for v in lim):
             ax.plot(xs, lim, linestyle="--", color="gray", label="physical limit")
+        forward = forward_at_unlimited(out, meta, layout, ours[0]) if ours else None
+        bound = [bound_of(meta, layout, r, compute, forward) for r in limited]
+        if all(v is not None for v in bound):
+            ax.plot(xs, bound, linestyle=":", color="black", label="schedule bound")
         ax.set_xscale("log")
         ax.set_xlabel("link rate, Mbit/s (tbf)")
         ax.set_ylabel("step time, s")

@@ -58,9 +58,7 @@ import json
 import os
 import subprocess
 
-from _common import REPO, cpu_model, fsdp_train, fsdprun, git_commit, load_average, utc_now, write_text
-
-LLAMA_YAML = os.path.join(REPO, "bench", "peer", "llama.yaml")
+from _common import REPO, cpu_model, fsdp_train, fsdprun, git_commit, llama_train_args, load_average, utc_now, write_text
 GPL3 = "/usr/share/common-licenses/GPL-3"
 HSDP_2X1 = ["--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"]
 RUNS = {  # name -> (fsdp-train arguments, tolerance on the last-20-step mean, relative to fp32)
@@ -96,16 +94,10 @@ def argv_of(a, name: str, seed: int) -> list[str]:
     extra, _ = RUNS[name]
     micro, accumulation = (a.batch // 2, 2) if name == NOISE_FLOOR else (a.batch, 1)
     out = os.path.join(a.out, stem(name, seed))
-    return [*fsdprun(a.build_dir, 2), fsdp_train(a.build_dir), LLAMA_YAML,
-            f"--model.init_from={a.init}", f"--training.micro_batch_size={micro}",
-            f"--training.gradient_accumulation_steps={accumulation}", f"--training.seq_len={a.seq}",
-            f"--training.steps={a.steps}", "--training.max_grad_norm=0",
-            "--training.seed=0", "--training.resume=never", "--training.export=none", "--optimizer.lr=1e-3",
-            "--optimizer.weight_decay=0", "--optimizer.betas=[0.9,0.999]", "--optimizer.eps=1e-8",
-            "--schedule.warmup_steps=0", "--schedule.min_lr=1e-3", "--data.source=tokens",
-            f"--data.path={a.tokens}", f"--data.data_seed={seed}", "--fsdp_config.checkpoint_interval=0",
-            f"--fsdp_config.checkpoint_dir={out}.ckpt", "--logging.progress=off", "--logging.log_interval=10",
-            f"--logging.summary_json={out}.json", f"--logging.jsonl={out}.rank{{rank}}.jsonl",
+    return [*fsdprun(a.build_dir, 2), fsdp_train(a.build_dir),
+            *llama_train_args(init=a.init, micro_batch=micro, accumulation=accumulation, seq=a.seq, steps=a.steps,
+                              lr=1e-3, seed=0, data_seed=seed, data_path=a.tokens, checkpoint_dir=f"{out}.ckpt",
+                              summary_json=f"{out}.json", jsonl=f"{out}.rank{{rank}}.jsonl", log_interval=10),
             *extra]
 
 

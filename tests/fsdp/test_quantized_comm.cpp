@@ -354,6 +354,89 @@ TEST(QuantizedGradients, SkipZeroBlocksSendsOnlyTheTouchedRowsAndLosesNothing) {
   });
 }
 
+namespace {
+
+constexpr int64_t kWideVocab = 512;
+
+struct HsdpRun {
+  std::vector<double> losses;
+  int64_t sent_after_first_step = 0;  // the replicate group's all-gather bytes of steps 1..
+  bool replicas_agree = true;         // every parameter's shard bitwise the same on both replicas
+  // The last step: the embedding's rows that no rank's tokens touched have exactly zero gradient,
+  // and every touched row has some (this rank's shard of the rows).
+  bool untouched_rows_zero = false, touched_rows_nonzero = false;
+};
+
+// This rank's shard of a (replicate 2, shard 2) mesh's dim-0 sharded `grad` of kWideVocab rows
+// against the rows the step's tokens (every rank's) touched.
+void check_embedding_rows(const at::Tensor& grad, const at::Tensor& tokens, HsdpRun& run) {
+  at::Tensor all = at::empty({fsdp::get_world_size() * tokens.numel()}, tokens.options());
+  fsdp::world()->all_gather_into(all, tokens.reshape({-1}).contiguous())->wait();
+  const int64_t rows = grad.size(0), first = (fsdp::get_rank() % 2) * rows;
+  at::Tensor touched = at::zeros({kWideVocab}, at::kBool).index_fill_(0, all, true).narrow(0, first, rows);
+  run.untouched_rows_zero = grad.index({touched.logical_not()}).eq(0).all().item<bool>();
+  run.touched_rows_nonzero = grad.index({touched}).ne(0).any(1).all().item<bool>();
+}
+
+// A Transformer whose embedding has far more rows than a step's tokens touch, trained `steps` Adam
+// steps on a (replicate 2, shard 2) mesh: every reduce-scatter runs over two ranks, so each
+// quantized all-reduce waits for the next post-backward or the end of backward to be issued.
+HsdpRun train_wide_vocab_hsdp(const QuantizedComm& format, int64_t steps) {
+  auto mesh = fsdp::init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+  auto replicate = mesh.get_group(0);
+  torch::manual_seed(0);
+  fsdp::models::ModelArgs args;
+  args.vocab_size = kWideVocab;
+  args.dropout_p = 0.0;
+  // The final norm and the head a group of their own (fsdp-train's output_head_group), so that the
+  // root group is the embeddings: most of its blocks are zero in every step.
+  const auto opts = fsdp::FullyShardOptions().mesh(mesh).quantized_gradients(format);
+  fsdp::models::Transformer model = fsdp::models::sharded_transformer(args, opts, opts, opts);
+  torch::optim::Adam opt(model->parameters(), 1e-2);
+  HsdpRun run;
+  for (int64_t step = 0; step < steps; ++step) {
+    if (step == 1) replicate->reset_stats();
+    opt.zero_grad();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1100 + 4 * step + fsdp::get_rank());
+    at::Tensor toks = at::randint(0, kWideVocab, {2, 16}, gen);
+    at::Tensor logits = fsdp::call(model, toks);
+    at::Tensor loss =
+        torch::nn::functional::cross_entropy(logits.reshape({-1, kWideVocab}), toks.roll(-1, 1).reshape({-1}));
+    loss.backward();
+    run.losses.push_back(global_mean(loss));
+    if (step == steps - 1) check_embedding_rows(model->named_parameters()["tok_embeddings.weight"].grad(), toks, run);
+    opt.step();
+  }
+  run.sent_after_first_step = replicate->stats()[CollectiveKind::kAllGather].bytes_sent;
+  for (const auto& p : model->parameters())
+    run.replicas_agree = run.replicas_agree && same_on_every_rank(p, *replicate);
+  return run;
+}
+
+}  // namespace
+
+// skip_zero_blocks where each replica is sharded over two ranks (HSDP 2 x 2): the all-reduces are
+// issued in the deferred order, every rank the same, and the sparse rows still reach the right
+// places: the replicas stay bitwise equal, the losses follow the dense codec's, the embedding's
+// untouched rows are not sent, and its gradient is nonzero exactly on the rows the step touched.
+TEST(QuantizedGradients, SkipZeroBlocksOnShardedReplicasFollowsTheDenseCodec) {
+  run_distributed(4, [] {
+    constexpr int64_t kSteps = 4;
+    const QuantizedComm format = QuantizedComm().block_size(16);
+    const HsdpRun dense = train_wide_vocab_hsdp(format, kSteps);
+    const HsdpRun sparse = train_wide_vocab_hsdp(QuantizedComm(format).skip_zero_blocks(true), kSteps);
+    EXPECT_TRUE(dense.replicas_agree);
+    EXPECT_TRUE(sparse.replicas_agree) << "the replicas' shards differ after the sparse all-reduces";
+    EXPECT_TRUE(sparse.untouched_rows_zero) << "a row no rank touched got a gradient";
+    EXPECT_TRUE(sparse.touched_rows_nonzero) << "a touched row got none";
+    // The embeddings' group sends a fraction of its blocks; the blocks' and the head's groups stay
+    // dense (about 0.7 of the dense bytes in all here).
+    EXPECT_LT(sparse.sent_after_first_step * 4, dense.sent_after_first_step * 3)
+        << sparse.sent_after_first_step << " bytes against the dense codec's " << dense.sent_after_first_step;
+    for (int64_t s = 0; s < kSteps; ++s) EXPECT_NEAR(sparse.losses[s], dense.losses[s], 0.01 * dense.losses[s]);
+  });
+}
+
 // ------------------------------------------------------------------------------ refusals
 
 TEST(QuantizedComm, RefusalsNameTheOptionAndTheRemedy) {
