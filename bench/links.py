@@ -52,9 +52,11 @@ What each cell reports (table.md, and the raw files beside it):
                           ours' run without tbf in the same pair: the embedding's gradient is the
                           last one made and the first op reads the embedding, so FULL_SHARD
                           max(compute + the embedding's all-gather and reduce-scatter / rate,
-                          bytes / rate); HSDP max(compute + the embedding's all-reduce / rate,
-                          forward + bytes / rate), as nothing can be sent before the first
-                          gradient (forward: ours' forward_s, <name>.steps.jsonl);
+                          bytes / rate, every forward all-gather / rate + backward + the
+                          embedding's reduce-scatter / rate), as backward starts from the loss;
+                          HSDP max(compute + the embedding's all-reduce / rate, forward + bytes /
+                          rate), as nothing can be sent before the first gradient (forward,
+                          backward: ours' forward_s, backward_s in <name>.steps.jsonl);
   exposed s               ours: the time its training thread waited for all-gathers,
                           reduce-scatters and all-reduces (fsdp-train's summary: *_wait_s_per_rank,
                           run totals / steps, mean over ranks); both: step - compute of the same
@@ -504,40 +506,47 @@ def limit_of(meta: dict, layout: str, rate: str, compute: float | None) -> tuple
     return link, (max(compute, link) if compute is not None else None)
 
 
-def forward_of(out: str, name: str, warmup: int) -> float | None:
-    """fsdp-train's forward (with the loss) per step, rank 0, median after the warm-up, from the
-    run's per-step metrics (<name>.steps.jsonl)."""
+def phases_of(out: str, name: str, warmup: int) -> dict | None:
+    """fsdp-train's forward (with the loss) and backward per step, rank 0, medians after the
+    warm-up, from the run's per-step metrics (<name>.steps.jsonl)."""
     path = os.path.join(out, name + ".steps.jsonl")
     if not os.path.exists(path):
         return None
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    values = [r["forward_s"] for r in rows if r.get("step", 0) > warmup]
-    return med(values) if values else None
+    rows = [r for r in rows if r.get("step", 0) > warmup]
+    if not rows:
+        return None
+    return {k: med([r[k + "_s"] for r in rows]) for k in ("forward", "backward")}
 
 
-def forward_at_unlimited(out: str, meta: dict, layout: str, side: str) -> float | None:
-    """The side's forward without tbf, median over the pairs."""
-    values = [forward_of(out, f"{layout}_{UNLIMITED}_p{k}_{side}", meta["warmup"]) for k in range(1, meta["pairs"] + 1)]
-    values = [v for v in values if v is not None]
-    return med(values) if values else None
+def phases_at_unlimited(out: str, meta: dict, layout: str, side: str) -> dict | None:
+    """The side's forward and backward without tbf, medians over the pairs."""
+    runs = [phases_of(out, f"{layout}_{UNLIMITED}_p{k}_{side}", meta["warmup"]) for k in range(1, meta["pairs"] + 1)]
+    runs = [r for r in runs if r]
+    return {k: med([r[k] for r in runs]) for k in ("forward", "backward")} if runs else None
 
 
-def bound_of(meta: dict, layout: str, rate: str, compute: float | None, forward: float | None) -> float | None:
+def bound_of(meta: dict, layout: str, rate: str, compute: float | None, phases: dict | None) -> float | None:
     """The schedule bound: the least step any schedule of the algorithm's dependencies reaches
-    (the optimizer after every reduction), from ours' compute and forward without tbf:
-    max(compute + exposed bytes / rate, link) where link is bytes / rate under FULL_SHARD and
-    forward + bytes / rate under HSDP, as no gradient exists to send before the forward ends."""
+    (the optimizer after every reduction), from ours' compute, forward and backward without tbf:
+    - both: compute + exposed bytes / rate (the embedding's collectives, see exposed_bytes);
+    - FULL_SHARD: bytes / rate; and every forward all-gather / rate + backward + the embedding's
+      reduce-scatter / rate, as backward starts from the loss, after the last forward all-gather,
+      and that reduce-scatter starts after backward;
+    - HSDP: forward + bytes / rate, as no gradient exists to send before the forward ends."""
     bits = rate_bits(rate)
     link, _ = limit_of(meta, layout, rate, None)
-    if compute is None:
+    if compute is None or phases is None:
         return None
-    exposed = exposed_bytes(layout, meta["param_counts"]) * 8 / bits if bits else 0.0
+    counts = meta["param_counts"]
+    seconds = (lambda b: b * 8 / bits) if bits else (lambda b: 0.0)
+    exposed = seconds(exposed_bytes(layout, counts))
     if layout == "full_shard":
-        return max(compute + exposed, link)
-    if forward is None:
-        return None
-    return max(compute + exposed, forward + link)
+        w = HOSTS * LAYOUTS[layout]["nproc"]
+        forward_gathers = seconds(counts["total"] * (w - 1) / w * 4)
+        return max(compute + exposed, link, forward_gathers + phases["backward"] + exposed / 2)
+    return max(compute + exposed, phases["forward"] + link)
 
 
 def bound_ratios(out: str, meta: dict, layout: str, rate: str, side: str, ours: str) -> list[float]:
@@ -551,7 +560,7 @@ def bound_ratios(out: str, meta: dict, layout: str, rate: str, side: str, ours: 
         _, c = load_run(out, name)
         if not (r and c):
             continue
-        bound = bound_of(meta, layout, rate, c["median_step_s"], forward_of(out, name, meta["warmup"]))
+        bound = bound_of(meta, layout, rate, c["median_step_s"], phases_of(out, name, meta["warmup"]))
         if bound:
             ratios.append(r["median_step_s"] / bound)
     return ratios
@@ -676,8 +685,8 @@ def plot(out: str) -> None:
         lim = [limit_of(meta, layout, r, compute)[1] for r in limited]
         if all(v is not None for v in lim):
             ax.plot(xs, lim, linestyle="--", color="gray", label="physical limit")
-        forward = forward_at_unlimited(out, meta, layout, ours[0]) if ours else None
-        bound = [bound_of(meta, layout, r, compute, forward) for r in limited]
+        phases = phases_at_unlimited(out, meta, layout, ours[0]) if ours else None
+        bound = [bound_of(meta, layout, r, compute, phases) for r in limited]
         if all(v is not None for v in bound):
             ax.plot(xs, bound, linestyle=":", color="black", label="schedule bound")
         ax.set_xscale("log")
