@@ -486,17 +486,25 @@ def compute_of(out: str, meta: dict, layout: str, side: str) -> float | None:
     return s and s["step"]
 
 
-def limit_ratios(out: str, meta: dict, layout: str, rate: str, side: str, ours: str) -> list[float]:
-    """Per pair: the side's step / max(ours' step without tbf in the same pair, bytes / rate)."""
+def ratios_against(out: str, meta: dict, layout: str, rate: str, side: str, ours: str, reference) -> list[float]:
+    """Per pair: the side's step / reference(name, run) of ours' run without tbf in the same pair."""
     if UNLIMITED not in meta["rates"]:
         return []
     ratios = []
     for k in range(1, meta["pairs"] + 1):
         _, r = load_run(out, f"{layout}_{rate}_p{k}_{side}")
-        _, c = load_run(out, f"{layout}_{UNLIMITED}_p{k}_{ours}")
-        if r and c:
-            ratios.append(r["median_step_s"] / limit_of(meta, layout, rate, c["median_step_s"])[1])
+        name = f"{layout}_{UNLIMITED}_p{k}_{ours}"
+        _, c = load_run(out, name)
+        denominator = reference(name, c) if r and c else None
+        if denominator:
+            ratios.append(r["median_step_s"] / denominator)
     return ratios
+
+
+def limit_ratios(out: str, meta: dict, layout: str, rate: str, side: str, ours: str) -> list[float]:
+    """Per pair: the side's step / max(ours' step without tbf in the same pair, bytes / rate)."""
+    return ratios_against(out, meta, layout, rate, side, ours,
+                          lambda name, c: limit_of(meta, layout, rate, c["median_step_s"])[1])
 
 
 def limit_of(meta: dict, layout: str, rate: str, compute: float | None) -> tuple:
@@ -545,25 +553,16 @@ def bound_of(meta: dict, layout: str, rate: str, compute: float | None, phases: 
     if layout == "full_shard":
         w = HOSTS * LAYOUTS[layout]["nproc"]
         forward_gathers = seconds(counts["total"] * (w - 1) / w * 4)
-        return max(compute + exposed, link, forward_gathers + phases["backward"] + exposed / 2)
+        reduce_scatter = exposed / 2  # the embedding's, alone
+        return max(compute + exposed, link, forward_gathers + phases["backward"] + reduce_scatter)
     return max(compute + exposed, phases["forward"] + link)
 
 
 def bound_ratios(out: str, meta: dict, layout: str, rate: str, side: str, ours: str) -> list[float]:
     """Per pair: the side's step / the schedule bound from ours' run without tbf in the same pair."""
-    if UNLIMITED not in meta["rates"]:
-        return []
-    ratios = []
-    for k in range(1, meta["pairs"] + 1):
-        _, r = load_run(out, f"{layout}_{rate}_p{k}_{side}")
-        name = f"{layout}_{UNLIMITED}_p{k}_{ours}"
-        _, c = load_run(out, name)
-        if not (r and c):
-            continue
-        bound = bound_of(meta, layout, rate, c["median_step_s"], phases_of(out, name, meta["warmup"]))
-        if bound:
-            ratios.append(r["median_step_s"] / bound)
-    return ratios
+    return ratios_against(out, meta, layout, rate, side, ours,
+                          lambda name, c: bound_of(meta, layout, rate, c["median_step_s"],
+                                                   phases_of(out, name, meta["warmup"])))
 
 
 def render(out: str) -> str:
