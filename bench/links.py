@@ -552,7 +552,7 @@ def bound_of(meta: dict, layout: str, rate: str, compute: float | None, phases: 
     exposed = seconds(exposed_bytes(layout, counts))
     if layout == "full_shard":
         w = HOSTS * LAYOUTS[layout]["nproc"]
-        forward_gathers = seconds(counts["total"] * (w - 1) / w * 4)
+        forward_gathers = seconds(counts["total"] * (w - 1) / w * 4)  # every parameter, fp32
         reduce_scatter = exposed / 2  # the embedding's, alone
         return max(compute + exposed, link, forward_gathers + phases["backward"] + reduce_scatter)
     return max(compute + exposed, phases["forward"] + link)
@@ -610,8 +610,8 @@ def render(out: str) -> str:
                     f"{fmt(rr, '.3f') + (' (' + ', '.join(f'{x:.3f}' for x in ratios) + ')' if ratios else '')} | "
                     f"{fmt(1 / rr if rr else None, '.2f')} | {fmt(s['wire'] and s['wire'] / 1e6, '.1f')} | "
                     f"{alg / 1e6:.1f} | {fmt(limit, '.3f')} | {fmt(med(to_limit), '.2f')} | "
-                    f"{fmt(med(to_bound), '.2f')} | {fmt(waited, '.3f')} / {fmt(over, '.3f')} | {s['losses'][-1]:.5f} | {fmt(dloss, '.1e')} | "
-                    f"{fmt(s['load'], '.1f')} |")
+                    f"{fmt(med(to_bound), '.2f')} | {fmt(waited, '.3f')} / {fmt(over, '.3f')} | "
+                    f"{s['losses'][-1]:.5f} | {fmt(dloss, '.1e')} | {fmt(s['load'], '.1f')} |")
     lines += ["", "fsdp-train's collectives per step (run totals / steps, mean over ranks, median over pairs): "
               "busy = on its communication threads, waited = the training thread blocked.", "",
               "| layout | link | side | all-gather busy / waited s | reduce-scatter busy / waited s | "
@@ -663,8 +663,8 @@ def compact_table(out: str) -> str:
 
 
 def plot(out: str) -> None:
-    """links_step.png (step time against link rate, every side, the physical limit and the schedule bound) and
-    links_loss.png (the loss curves); needs matplotlib (run under $FSDP_PYTHON)."""
+    """links_step.png (step time against link rate, every side, the physical limit and the
+    schedule bound) and links_loss.png (the loss curves); needs matplotlib (run under $FSDP_PYTHON)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

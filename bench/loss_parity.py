@@ -58,7 +58,8 @@ import json
 import os
 import subprocess
 
-from _common import REPO, cpu_model, fsdp_train, fsdprun, git_commit, llama_train_args, load_average, utc_now, write_text
+from _common import (REPO, cpu_model, fsdp_train, fsdprun, git_commit, llama_train_args, load_average, utc_now,
+                     write_text)
 GPL3 = "/usr/share/common-licenses/GPL-3"
 HSDP_2X1 = ["--fsdp_config.sharding_strategy=HYBRID_SHARD", "--fsdp_config.replicate_degree=2"]
 RUNS = {  # name -> (fsdp-train arguments, tolerance on the last-20-step mean, relative to fp32)
