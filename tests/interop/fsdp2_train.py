@@ -82,7 +82,8 @@ MODELLED = {
 # Keys that cannot change the computed numbers: accepted and not used.
 NO_EFFECT = {
     "fsdp_config": {"world_size", "local_rank", "checkpoint_interval", "checkpoint_dir", "checkpoint_format",
-                    "collective_timeout_s", "backend", "prefetch_depth"},
+                    "collective_timeout_s", "backend", "prefetch_depth",
+                    "reduce_scatter_max_input_buffers"},
     "training": {"resume", "export", "allow_resume_mismatch", "keep_checkpoints"},
     "logging": None,  # every key
     "sample": None,

@@ -217,6 +217,12 @@ TEST(PlanCli, RefusesWhatTheTrainerRefusesNamingTheKey) {
                   {}, 60);
   EXPECT_EQ(r.exit_code, 2) << describe(r);
   EXPECT_NE(r.err.find("fsdp_config.output_head_group"), std::string::npos) << r.err;
+  // A key the trainer takes and the plan cannot model yet: refused by name, not planned as 1.
+  r = trainer.run(
+      {"plan", configs_dir() + "/tiny.yaml", "--world", "2", "--fsdp_config.reduce_scatter_max_input_buffers=2"}, {},
+      60);
+  EXPECT_EQ(r.exit_code, 2) << describe(r);
+  EXPECT_NE(r.err.find("does not model fsdp_config.reduce_scatter_max_input_buffers: 2"), std::string::npos) << r.err;
   r = trainer.run(
       {"plan", configs_dir() + "/tiny.yaml", "--world", "2", "--data.source=tokens", "--data.path=/nonexistent.tokens"},
       {}, 60);

@@ -517,6 +517,14 @@ std::vector<BadCase> bad_cases() {
        {"--fsdp_config.prefetch_depth=2", "--fsdp_config.sharding_strategy=NO_SHARD"},
        "fsdp_config.prefetch_depth: 2 with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
       {"PrefetchDepthZero", "", {"--fsdp_config.prefetch_depth=0"}, "fsdp_config.prefetch_depth: must be >= 1, got 0"},
+      {"ReduceScatterBuffersWithNoShard",
+       "",
+       {"--fsdp_config.reduce_scatter_max_input_buffers=2", "--fsdp_config.sharding_strategy=NO_SHARD"},
+       "fsdp_config.reduce_scatter_max_input_buffers: 2 with fsdp_config.sharding_strategy: NO_SHARD is not supported"},
+      {"ReduceScatterBuffersZero",
+       "",
+       {"--fsdp_config.reduce_scatter_max_input_buffers=0"},
+       "fsdp_config.reduce_scatter_max_input_buffers: must be >= 1, got 0"},
       {"LossChunksMoreThanPositions",
        "",
        {"--training.seq_len=8", "--training.loss_chunks=9"},
@@ -706,8 +714,8 @@ TEST(Trainer, LossChunksTrainLikeTheWholeLogitsAndResumeBitwise) {
 }
 
 // The link's schedule changes when each collective is issued, never what it sums: a Llama with its
-// head as an FSDP group of its own and 3 groups all-gathered ahead trains with the default run's
-// losses, bit for bit, under FULL_SHARD and under HSDP (2 x 2); a tied head cannot be a group
+// head as an FSDP group of its own, 3 groups all-gathered ahead and 2 reduce-scatters in flight
+// trains with the default run's losses, bit for bit, under FULL_SHARD and under HSDP (2 x 2); a tied head cannot be a group
 // of its own and is refused by name; the Transformer takes the same prefetch depth.
 TEST(Trainer, LinkSchedulingTrainsBitwiseLikeTheDefault) {
   TempDir dir;
@@ -717,7 +725,8 @@ TEST(Trainer, LinkSchedulingTrainsBitwiseLikeTheDefault) {
   std::ofstream(dir / "tied.json") << json;
   json.replace(json.find(tied), tied.size(), "\"tie_word_embeddings\": false");
   std::ofstream(dir / "untied.json") << json;
-  const std::vector<std::string> scheduled = {"--fsdp_config.output_head_group=true", "--fsdp_config.prefetch_depth=3"};
+  const std::vector<std::string> scheduled = {"--fsdp_config.output_head_group=true", "--fsdp_config.prefetch_depth=3",
+                                              "--fsdp_config.reduce_scatter_max_input_buffers=2"};
   auto llama = [&](const std::string& run, int world, const std::string& config, std::vector<std::string> more) {
     std::vector<std::string> args = {configs_dir() + "/llama.yaml",
                                      "--model.hf_config=" + dir / config,

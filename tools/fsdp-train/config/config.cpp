@@ -211,6 +211,12 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"fsdp_config", "activation_checkpointing_every", int_at_least(f.activation_checkpointing_every, 1)},
       {"fsdp_config", "output_head_group", boolean(f.output_head_group)},
       {"fsdp_config", "prefetch_depth", int_at_least(f.prefetch_depth, 1)},
+      {"fsdp_config", "reduce_scatter_max_input_buffers",
+       [&f](const YAML::Node& n) {
+         const int v = to_int32(n);
+         require(v >= 1, "must be >= 1, got " + std::to_string(v));
+         f.reduce_scatter_max_input_buffers = v;
+       }},
       {"fsdp_config", "device", choice(f.device, {"cpu", "cuda"})},
       {"fsdp_config", "offload_params", boolean(f.offload_params)},
       {"fsdp_config", "offload_optimizer_state", boolean(f.offload_optimizer_state)},
@@ -712,6 +718,12 @@ void check_supported(const TrainConfig& cfg, const DeviceSupport& devices) {
     bad.push_back("fsdp_config.prefetch_depth: " + std::to_string(f.prefetch_depth) +
                   " with fsdp_config.sharding_strategy: NO_SHARD is not supported: NO_SHARD has no FSDP groups to "
                   "all-gather ahead; use a sharded strategy or prefetch_depth: 1");
+  }
+  if (f.reduce_scatter_max_input_buffers > 1 && f.sharding_strategy == ShardingStrategy::NO_SHARD) {
+    bad.push_back(
+        "fsdp_config.reduce_scatter_max_input_buffers: " + std::to_string(f.reduce_scatter_max_input_buffers) +
+        " with fsdp_config.sharding_strategy: NO_SHARD is not supported: NO_SHARD all-reduces buckets "
+        "and has no reduce-scatters; use a sharded strategy or reduce_scatter_max_input_buffers: 1");
   }
   if (f.output_head_group && f.model_parallel_size > 1) {
     bad.push_back("fsdp_config.output_head_group: true with fsdp_config.model_parallel_size: " +

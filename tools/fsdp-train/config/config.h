@@ -94,6 +94,13 @@ struct FsdpConfig {
   // reduce-scatters that the group's own backward then issues; each step ahead keeps one more
   // group gathered. Not with NO_SHARD (no groups); fsdp-train plan models 1 only.
   int64_t prefetch_depth = 1;
+  // How many reduce-scatters each group may have in flight
+  // (FSDPModule::set_reduce_scatter_max_input_buffers). 1 is FSDP2's: issuing the next
+  // reduce-scatter first waits for the previous one, so over a slow link backward's compute stops
+  // until the link has carried it. k > 1 lets backward run ahead while k reduce-scatter inputs wait
+  // for the link, each one group's unsharded gradients in memory. The sums are the same. Not with
+  // NO_SHARD (no reduce-scatters); fsdp-train plan models 1 only.
+  int reduce_scatter_max_input_buffers = 1;
   std::string device = "cpu";  // cpu | cuda (cuda not supported by this CPU build)
   // Offload, on device cuda:
   //   offload_params: true, offload_optimizer_state: true   FSDP2's CPUOffloadPolicy: sharded

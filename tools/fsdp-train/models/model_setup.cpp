@@ -229,6 +229,8 @@ void build_model(const TrainConfig& cfg, const ModelFamily& family, const Precis
     m.built = sharded_model(cfg, family, m, policy, offload);
     m.root = get_fsdp_module(*m.built.module);
     prefetch_ahead_in(f, m.root, *m.built.lm);
+    if (f.reduce_scatter_max_input_buffers > 1)
+      m.root.set_reduce_scatter_max_input_buffers(f.reduce_scatter_max_input_buffers);
     freeze_parameters(cfg.model, *m.built.module);  // the shards: FSDP follows their requires_grad
   }
   if (f.activation_checkpointing) {

@@ -102,6 +102,10 @@ PlanQuestion plan_question(const TrainConfig& cfg, const ModelFamily& family, in
   if (strict && f.prefetch_depth > 1)
     throw ConfigError("fsdp-train plan does not model fsdp_config.prefetch_depth: " + std::to_string(f.prefetch_depth) +
                       " (more groups gathered ahead) yet; plan with prefetch_depth: 1, FSDP2's implicit prefetch");
+  if (strict && f.reduce_scatter_max_input_buffers > 1)
+    throw ConfigError("fsdp-train plan does not model fsdp_config.reduce_scatter_max_input_buffers: " +
+                      std::to_string(f.reduce_scatter_max_input_buffers) +
+                      " (more unsharded gradients waiting for the link) yet; plan with 1, FSDP2's");
   if (strict && f.reshard_after_forward)
     throw ConfigError(
         "fsdp-train plan does not model fsdp_config.reshard_after_forward (a group size) yet; unset "
