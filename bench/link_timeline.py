@@ -11,6 +11,7 @@ collective of the chosen threads ran, and their sum.
 
     python3 bench/link_timeline.py DIR/trace_rank0.json --step 4
     python3 bench/link_timeline.py DIR/trace_rank0.json --step 4 --cross 'g0[0,2]'   # HSDP: replicate group
+    python3 bench/link_timeline.py DIR/trace_rank0.json --step 4 --head model.norm   # and the head's window
 
 Only the standard library.
 """
@@ -57,12 +58,38 @@ def idle_intervals(spans: list[tuple[float, float]], begin: float, end: float) -
     return [(a, b) for a, b in idle if b > a]
 
 
+def head_window(events: list[dict], names: dict, link: set, t0: float, t1: float, head: str) -> tuple:
+    """(start, end, link busy) of the head group's window in the step: from the end of the
+    training thread's wait for the head's all-gather (its forward starts) to the first reduction
+    on the link after backward starts (its gradient exists). Nothing of the next step can cross
+    the link in it, and nothing of this step's reductions yet."""
+    inside = [e for e in events if t0 <= e["ts"] <= t1]
+    waits = [e for e in inside if e["name"] == f"wait all_gather {head}" and e["tid"] not in link]
+    if not waits:
+        raise SystemExit(f"--head {head}: no 'wait all_gather {head}' span in this step, so the head's forward "
+                         "start is not in the trace (its all-gather arrived before forward needed it); pick a "
+                         "step or run where forward waits for it, or another group's name")
+    backward = [e for e in inside if e["name"] == "backward"]
+    if not backward:
+        raise SystemExit("--head: no 'backward' span in this step")
+    start = waits[0]["ts"] + waits[0]["dur"]
+    reductions = [e["ts"] for e in inside if e["tid"] in link and e["ts"] >= backward[0]["ts"]
+                  and e["name"].startswith(("reduce_scatter", "all_reduce"))]
+    if not reductions:
+        raise SystemExit("--head: no reduction on the link after backward starts in this step")
+    end = min(reductions)
+    busy = sum(max(0.0, min(e["ts"] + e["dur"], end) - max(e["ts"], start)) for e in inside if e["tid"] in link)
+    return start, end, busy
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
     p.add_argument("--step", type=int, required=True, help="the step to lay out (the trace's 'step N' span)")
     p.add_argument("--cross", help="the communication thread(s) whose collectives cross the link (a name part)")
     p.add_argument("--min-idle-ms", type=float, default=1.0, help="idle intervals shorter than this are summed only")
+    p.add_argument("--head", help="also the window of this FSDP group (e.g. model.norm, the head group): from its "
+                                  "forward to its gradient's first reduction, and what the link carries in it")
     a = p.parse_args(argv)
     events, names = load(a.trace)
     steps = [e for e in events if e["name"] == f"step {a.step}"]
@@ -91,6 +118,11 @@ def main(argv=None) -> int:
             print(f"  {ms(a_):8.1f} .. {ms(b):8.1f} ms: {(b - a_) / 1000:7.1f} ms")
     total = sum(b - a_ for a_, b in idle) / 1000
     print(f"  in all {total:.1f} ms of {(t1 - t0) / 1000:.1f} ({100 * total * 1000 / (t1 - t0):.0f} %)")
+    if a.head:
+        start, end, busy = head_window(events, names, link, t0, t1, a.head)
+        print(f"\nthe window of {a.head}, from its forward to its gradient's first reduction on the link:")
+        print(f"  {ms(start):8.1f} .. {ms(end):8.1f} ms: {(end - start) / 1000:7.1f} ms; the link carries collectives "
+              f"{busy / 1000:.1f} ms of it")
     return 0
 
 
