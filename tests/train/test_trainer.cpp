@@ -715,8 +715,9 @@ TEST(Trainer, LossChunksTrainLikeTheWholeLogitsAndResumeBitwise) {
 
 // The link's schedule changes when each collective is issued, never what it sums: a Llama with its
 // head as an FSDP group of its own, 3 groups all-gathered ahead and 2 reduce-scatters in flight
-// trains with the default run's losses, bit for bit, under FULL_SHARD and under HSDP (2 x 2); a tied head cannot be a group
-// of its own and is refused by name; the Transformer takes the same prefetch depth.
+// trains with the default run's losses, bit for bit, under FULL_SHARD and under HSDP (2 x 2); a
+// tied head cannot be a group of its own and is refused by name; the Transformer takes the same
+// prefetch depth.
 TEST(Trainer, LinkSchedulingTrainsBitwiseLikeTheDefault) {
   TempDir dir;
   std::string json = read_file(configs_dir() + "/llama/config.json");
