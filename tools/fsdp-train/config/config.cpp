@@ -141,6 +141,14 @@ Setter int_at_least(int64_t& dst, int64_t lo) {
     dst = v;
   };
 }
+// The same for a key the library takes as an int (a count of ranks or buffers).
+Setter int32_at_least(int& dst, int lo) {
+  return [&dst, lo](const YAML::Node& n) {
+    const int v = to_int32(n);
+    require(v >= lo, "must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
+    dst = v;
+  };
+}
 Setter opt_positive_int(std::optional<int64_t>& dst) {
   return [&dst](const YAML::Node& n) {
     int64_t v = to_int(n);
@@ -211,22 +219,12 @@ std::vector<Field> fields_of(TrainConfig& c) {
       {"fsdp_config", "activation_checkpointing_every", int_at_least(f.activation_checkpointing_every, 1)},
       {"fsdp_config", "output_head_group", boolean(f.output_head_group)},
       {"fsdp_config", "prefetch_depth", int_at_least(f.prefetch_depth, 1)},
-      {"fsdp_config", "reduce_scatter_max_input_buffers",
-       [&f](const YAML::Node& n) {
-         const int v = to_int32(n);
-         require(v >= 1, "must be >= 1, got " + std::to_string(v));
-         f.reduce_scatter_max_input_buffers = v;
-       }},
+      {"fsdp_config", "reduce_scatter_max_input_buffers", int32_at_least(f.reduce_scatter_max_input_buffers, 1)},
       {"fsdp_config", "device", choice(f.device, {"cpu", "cuda"})},
       {"fsdp_config", "offload_params", boolean(f.offload_params)},
       {"fsdp_config", "offload_optimizer_state", boolean(f.offload_optimizer_state)},
       {"fsdp_config", "use_reentrant", boolean(f.use_reentrant)},
-      {"fsdp_config", "model_parallel_size",
-       [&f](const YAML::Node& n) {
-         int v = to_int32(n);
-         require(v >= 1, "must be >= 1, got " + std::to_string(v));
-         f.model_parallel_size = v;
-       }},
+      {"fsdp_config", "model_parallel_size", int32_at_least(f.model_parallel_size, 1)},
       {"fsdp_config", "vocab_parallel", boolean(f.vocab_parallel)},
       {"fsdp_config", "checkpoint_interval", int_at_least(f.checkpoint_interval, 0)},
       {"fsdp_config", "checkpoint_dir", string(f.checkpoint_dir)},
